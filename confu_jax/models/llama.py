@@ -1,0 +1,282 @@
+"""Llama-family decoder (Llama-2/3.x, SmolLM2) in Flax Linen.
+
+One forward serves every use: full sequence, prefill against a fixed-size cache, decode of several
+tokens at explicit positions under an explicit block mask (tree verification), and ConFu's
+contemplate queries (input embeddings overridden, soft-prompt prefix visible to some queries).
+
+The forward never writes the cache: it returns the new tokens' post-RoPE K/V for every layer
+(``k_new_lbthd``) and the caller commits what it accepts (``confu_jax.decode.cache``). That keeps
+verification of rejected tree nodes free of cache clean-up and keeps the forward pure.
+
+Layers are stacked with ``nn.scan`` so a 30-layer model compiles as one layer; every parameter in
+``params['layers']`` carries a leading layer axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from confu_jax.models.attention import masked_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_theta: float = 10000.0
+    # Llama-3 frequency scaling: None or a tuple
+    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    rope_scaling: Optional[tuple] = None
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 8192
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    attention_impl: str = "xla"  # 'xla' | 'pallas' | 'pallas_interpret'
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple = ()
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+
+    @property
+    def default_taps(self) -> tuple:
+        """EAGLE-3 feature taps: hidden states entering layers 2, L//2 and L-3."""
+        return (2, self.n_layers // 2, self.n_layers - 3)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LlamaConfig":
+        d = dict(d)
+        if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], tuple):
+            d["rope_scaling"] = tuple(d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown LlamaConfig keys {sorted(unknown)}; expected a subset of {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **kw) -> "LlamaConfig":
+        return dataclasses.replace(self, **kw)
+
+
+class LlamaOutput(NamedTuple):
+    logits_btv: Optional[jax.Array]  # [B,T,V] float32, None when return_logits=False
+    hidden_btd: jax.Array  # last layer after the final norm (what the LM head reads)
+    taps_btc: Optional[jax.Array]  # [B,T,len(taps)*D]: hidden states entering the tapped layers
+    k_new_lbthd: jax.Array  # [L,B,T,Hkv,hd] post-RoPE keys of this call's tokens
+    v_new_lbthd: jax.Array
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [hd/2], with Llama-3 scaling as in Hugging Face `_compute_llama3_parameters`."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    if cfg.rope_scaling is None:
+        return inv.astype(np.float32)
+    factor, low, high, old_ctx = cfg.rope_scaling
+    low_wavelen = old_ctx / low
+    high_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv
+    inv_l = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, inv_l).astype(np.float32)
+
+
+def rope_cos_sin(positions_bt: jax.Array, cfg: LlamaConfig):
+    inv = jnp.asarray(rope_inv_freq(cfg))
+    ang = positions_bt.astype(jnp.float32)[..., None] * inv  # [B,T,hd/2]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x_bthd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax.Array:
+    """Half-split rotation (HF `rotate_half` layout; GGUF weights are un-permuted to match)."""
+    half = x_bthd.shape[-1] // 2
+    x1, x2 = x_bthd[..., :half].astype(jnp.float32), x_bthd[..., half:].astype(jnp.float32)
+    c, s = cos_bth[:, :, None, :], sin_bth[:, :, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x_bthd.dtype)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-5
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (scale.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def _dense(features, cfg, name):
+    return nn.Dense(
+        features,
+        use_bias=False,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        kernel_init=nn.initializers.normal(0.02),
+        name=name,
+    )
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm Llama block. Scanned: carry = (x, taps), xs = this layer's index, cache, prefix."""
+
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, carry, xs, ctx):
+        cfg = self.cfg
+        x_btd, taps = carry
+        layer_idx = xs["layer"]
+        taps = tuple(
+            jnp.where(layer_idx == ctx["tap_layers"][i], x_btd, tp) for i, tp in enumerate(taps)
+        )
+        b, t, _ = x_btd.shape
+        h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="attn_norm")(x_btd)
+        q = _dense(cfg.n_heads * cfg.head_dim, cfg, "q_proj")(h).reshape(b, t, cfg.n_heads, cfg.head_dim)
+        k = _dense(cfg.n_kv_heads * cfg.head_dim, cfg, "k_proj")(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        v = _dense(cfg.n_kv_heads * cfg.head_dim, cfg, "v_proj")(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        q = apply_rope(q, ctx["cos"], ctx["sin"])
+        k = apply_rope(k, ctx["cos"], ctx["sin"])
+        attn = masked_attention(
+            q,
+            k,
+            v,
+            ctx["block_mask"],
+            k_cache_bshd=xs.get("k_cache"),
+            v_cache_bshd=xs.get("v_cache"),
+            cache_len_bt=ctx.get("cache_len"),
+            k_prefix_phd=xs.get("k_prefix"),
+            v_prefix_phd=xs.get("v_prefix"),
+            prefix_visible_bt=ctx.get("prefix_visible"),
+            impl=cfg.attention_impl,
+        )
+        x_btd = x_btd + _dense(cfg.d_model, cfg, "o_proj")(attn.reshape(b, t, -1))
+        h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="mlp_norm")(x_btd)
+        gate = _dense(cfg.ffn_dim, cfg, "gate_proj")(h)
+        up = _dense(cfg.ffn_dim, cfg, "up_proj")(h)
+        x_btd = x_btd + _dense(cfg.d_model, cfg, "down_proj")(nn.silu(gate) * up)
+        return (x_btd, taps), (k, v)
+
+
+class Llama(nn.Module):
+    cfg: LlamaConfig
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=jnp.dtype(cfg.dtype),
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            embedding_init=nn.initializers.normal(0.02),
+        )
+        self.final_norm = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype))
+        if not cfg.tie_embeddings:
+            self.lm_head = _dense(cfg.vocab_size, cfg, "lm_head")
+        self.layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast),
+            length=cfg.n_layers,
+        )(cfg)
+
+    def embed_tokens(self, tokens_bt):
+        return self.embed(tokens_bt)
+
+    def logits(self, hidden_btd):
+        """LM head in float32 (tied: the embedding matrix transposed)."""
+        if self.cfg.tie_embeddings:
+            w = self.embed.embedding
+            return jnp.einsum("btd,vd->btv", hidden_btd.astype(jnp.float32), w.astype(jnp.float32))
+        return self.lm_head(hidden_btd).astype(jnp.float32)
+
+    def __call__(
+        self,
+        tokens_bt: Optional[jax.Array],
+        positions_bt: jax.Array,
+        *,
+        embeds_btd: Optional[jax.Array] = None,
+        block_mask_btt: Optional[jax.Array] = None,
+        cache_k_lbshd: Optional[jax.Array] = None,
+        cache_v_lbshd: Optional[jax.Array] = None,
+        cache_len_bt: Optional[jax.Array] = None,
+        prefix_k_lphd: Optional[jax.Array] = None,
+        prefix_v_lphd: Optional[jax.Array] = None,
+        prefix_visible_bt: Optional[jax.Array] = None,
+        tap_layers: Sequence[int] = (),
+        return_logits: bool = True,
+    ) -> LlamaOutput:
+        """Forward over a block of T tokens.
+
+        ``embeds_btd`` (if given) replaces the token embeddings (ConFu contemplate tokens);
+        ``block_mask_btt`` defaults to causal; cache / prefix arguments as in
+        ``confu_jax.models.attention``. ``cache_len_bt`` may be [B] or [B,T].
+        """
+        cfg = self.cfg
+        x = self.embed_tokens(tokens_bt) if embeds_btd is None else embeds_btd.astype(jnp.dtype(cfg.dtype))
+        b, t, _ = x.shape
+        if block_mask_btt is None:
+            block_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        cos, sin = rope_cos_sin(positions_bt, cfg)
+        ctx = {"cos": cos, "sin": sin, "block_mask": block_mask_btt}
+        xs = {"layer": jnp.arange(cfg.n_layers)}
+        if cache_k_lbshd is not None:
+            if cache_len_bt is None:
+                raise ValueError("cache_len_bt is required when a cache is given")
+            xs["k_cache"], xs["v_cache"] = cache_k_lbshd, cache_v_lbshd
+            ctx["cache_len"] = jnp.asarray(cache_len_bt, jnp.int32)
+        if prefix_k_lphd is not None:
+            if prefix_visible_bt is None:
+                raise ValueError("prefix_visible_bt is required when prefix K/V are given")
+            xs["k_prefix"], xs["v_prefix"] = prefix_k_lphd, prefix_v_lphd
+            ctx["prefix_visible"] = prefix_visible_bt
+        tap_layers = tuple(int(i) for i in tap_layers)
+        for li in tap_layers:
+            if not 0 <= li < cfg.n_layers:
+                raise ValueError(f"tap layer {li} outside [0, {cfg.n_layers})")
+        taps0 = tuple(jnp.zeros_like(x) for _ in tap_layers)
+        ctx["tap_layers"] = jnp.asarray(tap_layers, jnp.int32)
+        (x, taps), (k_new, v_new) = self.layers((x, taps0), xs, ctx)
+        hidden = self.final_norm(x)
+        logits = self.logits(hidden) if return_logits else None
+        taps_btc = jnp.concatenate(taps, axis=-1) if taps else None
+        return LlamaOutput(logits, hidden, taps_btc, k_new, v_new)
+
+
+def init_params(cfg: LlamaConfig, rng: jax.Array) -> dict:
+    """Random parameters (tests, shape tracing); real ones come from ``confu_jax.weights``."""
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    return Llama(cfg).init(rng, tokens, jnp.arange(2)[None])["params"]
+
+
+def param_shapes(cfg: LlamaConfig) -> dict:
+    """Shape/dtype tree of the parameters, without allocating (``jax.eval_shape``)."""
+    return jax.eval_shape(lambda r: init_params(cfg, r), jax.random.PRNGKey(0))
