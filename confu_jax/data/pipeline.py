@@ -1,0 +1,200 @@
+"""Grain training pipeline: conversations -> padded, loss-masked token batches, sharded per host.
+
+Pipeline (one ``grain`` graph, so its iterator state can be checkpointed and restored exactly):
+
+    record indices --shuffle(seed)--> --repeat(num_epochs)--> [process_index::process_count]
+      --map(chat template + assistant mask + truncate + pad)--> drop unusable --batch(per-host)-->
+
+* Shuffling is a global permutation of the record indices seeded by ``seed``; with
+  ``repeat`` every epoch gets a different permutation (grain folds the epoch into the seed).
+* Sharding slices the *global* shuffled stream: host ``i`` of ``n`` takes elements ``i, i+n, ...``,
+  so the hosts read disjoint records, the union of one step's per-host batches is one global batch,
+  and per-host batch = global batch / process_count.
+* Padding, not packing: every row is one conversation truncated/padded to ``max_length`` (static
+  shapes for jit, and the anchor-based ConFu loss never has to reason about document boundaries).
+* A row whose truncation leaves fewer than ``min_loss_tokens`` assistant tokens is dropped; with a
+  finite ``num_epochs`` hosts may therefore run out one batch apart: drive training by step count.
+
+Batch (numpy, per host): ``tokens`` int32 [B, N]; ``loss_mask`` bool [B, N], True where the token *at
+that position* is an assistant token to predict (assistant content + its end-of-turn token, as
+``ChatTokenizer.encode_chat`` marks it); ``attention_mask`` bool [B, N], True on real tokens;
+``record_index`` int32 [B], the conversation's index in the loaded list (for debugging and audits).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol, Sequence
+
+import grain
+import ml_collections
+import numpy as np
+
+from confu_jax.data import formats
+
+log = logging.getLogger(__name__)
+
+
+class ChatEncoder(Protocol):
+    """What the pipeline needs from a tokenizer (``confu_jax.data.chat.ChatTokenizer`` has it)."""
+
+    pad_id: int
+
+    def encode_chat(
+        self, messages: Sequence[dict], add_generation_prompt: bool = False
+    ) -> tuple[list[int], list[bool]]: ...
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+    """Defaults of the ``data`` sub-config (every key documented; override with --config.data.X)."""
+    c = ml_collections.ConfigDict()
+    # Conversation files: asset names ('sharegpt') or .json (array) / .jsonl paths; formats and
+    # record shapes are recognised automatically (ShareGPT, SpecForge, UltraChat).
+    c.train_files = ["sharegpt"]
+    c.on_bad_record = "skip"  # 'skip': count + report file:line; 'fail': raise on the first one
+    c.max_records = 0  # read at most this many good conversations (0 = all)
+    c.max_length = 2048  # tokens per row after the chat template; longer rows are truncated
+    c.min_loss_tokens = 1  # rows with fewer assistant tokens left after truncation are dropped
+    c.global_batch_size = 16  # rows per step over all hosts; must divide by process_count
+    c.shuffle = True
+    c.num_epochs = 0  # 0 = repeat forever (train by step count)
+    c.num_threads = 2  # grain reader threads per host (tokenisation happens in them)
+    c.prefetch_buffer_size = 16  # elements prefetched per host
+    # Draft vocabulary (EAGLE-3 d2t/t2d): the most frequent assistant tokens of the training data.
+    c.draft_vocab_size = 16384
+    c.draft_vocab_max_records = 0  # conversations counted for the frequencies (0 = all)
+    c.draft_vocab_path = ""  # .npz to load instead of counting ('' = count, then save beside ckpt)
+    return c
+
+
+def _data_cfg(config) -> ml_collections.ConfigDict:
+    """Accept either the data sub-config or a full config that has one under ``.data``."""
+    if "train_files" not in config and "data" in config:
+        return config.data
+    return config
+
+
+def encode_example(
+    messages: Sequence[dict],
+    tokenizer: ChatEncoder,
+    max_length: int,
+    min_loss_tokens: int = 1,
+) -> dict | None:
+    """One conversation -> padded row arrays, or None if truncation leaves too few answer tokens."""
+    ids, mask = tokenizer.encode_chat(messages, add_generation_prompt=False)
+    if len(ids) != len(mask):
+        raise ValueError(
+            f"encode_chat returned {len(ids)} ids but {len(mask)} assistant-mask entries"
+        )
+    n = min(len(ids), max_length)
+    tokens_n = np.full((max_length,), tokenizer.pad_id, np.int32)
+    loss_mask_n = np.zeros((max_length,), bool)
+    attention_mask_n = np.zeros((max_length,), bool)
+    tokens_n[:n] = ids[:n]
+    loss_mask_n[:n] = mask[:n]
+    attention_mask_n[:n] = True
+    # Position 0 has no preceding token to predict it from.
+    loss_mask_n[0] = False
+    if int(loss_mask_n.sum()) < min_loss_tokens:
+        return None
+    return {"tokens": tokens_n, "loss_mask": loss_mask_n, "attention_mask": attention_mask_n}
+
+
+class _Encode(grain.transforms.Map):
+    """Picklable map (grain may move transforms to worker processes)."""
+
+    def __init__(self, conversations, tokenizer, max_length, min_loss_tokens):
+        self._conversations = conversations
+        self._tokenizer = tokenizer
+        self._max_length = max_length
+        self._min_loss_tokens = min_loss_tokens
+
+    def map(self, index):
+        index = int(index)
+        row = encode_example(
+            self._conversations[index]["messages"],
+            self._tokenizer,
+            self._max_length,
+            self._min_loss_tokens,
+        )
+        if row is not None:
+            row["record_index"] = np.int32(index)
+        return row
+
+
+def make_dataset(
+    conversations: Sequence[dict],
+    tokenizer: ChatEncoder,
+    *,
+    max_length: int,
+    per_host_batch_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    min_loss_tokens: int = 1,
+    num_threads: int = 2,
+    prefetch_buffer_size: int = 16,
+) -> grain.IterDataset:
+    """The grain graph over an in-memory list of normalised conversations (see module doc)."""
+    if not conversations:
+        raise ValueError("make_dataset: the conversation list is empty")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, process_count={process_count})")
+    if per_host_batch_size < 1:
+        raise ValueError(f"per_host_batch_size must be >= 1, got {per_host_batch_size}")
+    ds = grain.MapDataset.range(len(conversations))
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs if num_epochs else None)
+    ds = ds[process_index::process_count]
+    ds = ds.map(_Encode(conversations, tokenizer, max_length, min_loss_tokens))
+    read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
+    it_ds = ds.to_iter_dataset(read)  # drops the None rows
+    return it_ds.batch(per_host_batch_size, drop_remainder=True)
+
+
+def make_train_iterator(
+    config,
+    tokenizer: ChatEncoder,
+    process_index: int = 0,
+    process_count: int = 1,
+    seed: int = 0,
+    conversations: Sequence[dict] | None = None,
+) -> grain.DatasetIterator:
+    """This host's batch iterator; ``get_state()``/``set_state()`` checkpoint its exact position.
+
+    ``config`` is the data config (``default_data_config()``) or a full config holding it as
+    ``.data``. ``conversations`` skips reading ``config.train_files`` (already loaded).
+    The returned object is grain's own ``DatasetIterator``, which orbax saves through
+    ``grain.checkpoint.CheckpointSave`` / restores with ``CheckpointRestore``.
+    """
+    cfg = _data_cfg(config)
+    if cfg.global_batch_size % process_count:
+        raise ValueError(
+            f"data.global_batch_size={cfg.global_batch_size} is not divisible by "
+            f"process_count={process_count}"
+        )
+    if conversations is None:
+        conversations, report = formats.load_conversations(
+            list(cfg.train_files),
+            on_bad_record=cfg.on_bad_record,
+            max_records=cfg.max_records or None,
+        )
+        log.info("training data: %s", report.summary())
+    ds = make_dataset(
+        conversations,
+        tokenizer,
+        max_length=cfg.max_length,
+        per_host_batch_size=cfg.global_batch_size // process_count,
+        process_index=process_index,
+        process_count=process_count,
+        seed=seed,
+        shuffle=cfg.shuffle,
+        num_epochs=cfg.num_epochs or None,
+        min_loss_tokens=cfg.min_loss_tokens,
+        num_threads=cfg.num_threads,
+        prefetch_buffer_size=cfg.prefetch_buffer_size,
+    )
+    return iter(ds)
