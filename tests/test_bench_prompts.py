@@ -1,0 +1,150 @@
+"""Benchmark prompt loaders on the real wheel files, a Spec-Bench-format fixture and broken files."""
+
+import gzip
+import json
+import os
+import re
+
+import pytest
+
+from confu_jax import assets
+from confu_jax.bench import prompts as P
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "specbench_sample.jsonl")
+
+
+def test_mtbench_wheel_file_is_the_80_question_set():
+    path = assets.resolve("mtbench")
+    assert path.endswith(os.path.join("mt_bench", "question.jsonl"))
+    qs = P.load_mtbench()
+    assert len(qs) == 80
+    assert P.categories(qs) == list(P.MTBENCH_CATEGORIES)
+    for c in P.MTBENCH_CATEGORIES:
+        assert sum(q.category == c for q in qs) == 10
+    assert all(len(q.turns) == 2 for q in qs)
+    assert [q.question_id for q in qs] == list(range(81, 161))
+    # content equals the raw file, independently parsed
+    with open(path) as f:
+        raw = [json.loads(line) for line in f if line.strip()]
+    assert [list(q.turns) for q in qs] == [r["turns"] for r in raw]
+
+
+def test_humaneval_wheel_file_has_164_instruction_wrapped_prompts():
+    qs = P.load_humaneval()
+    assert len(qs) == 164
+    assert {q.category for q in qs} == {"coding"}
+    assert qs[0].question_id == "HumanEval/0" and qs[-1].question_id == "HumanEval/163"
+    with gzip.open(assets.resolve("humaneval"), "rt") as f:
+        raw = [json.loads(line) for line in f if line.strip()]
+    for q, r in zip(qs, raw):
+        assert q.turns == (P.HUMANEVAL_INSTRUCTION + r["prompt"],)
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in qs[0].turns[0]
+
+
+def test_specbench_fixture_loads_exactly():
+    qs = P.load_question_file(FIXTURE)
+    with open(FIXTURE) as f:
+        raw = [json.loads(line) for line in f]
+    assert [(q.question_id, q.category, list(q.turns)) for q in qs] == \
+        [(r["question_id"], r["category"], r["turns"]) for r in raw]
+    assert P.categories(qs) == ["translation", "summarization", "qa", "math_reasoning", "rag",
+                                "writing"]
+
+
+def test_load_prompts_combines_sources_and_rejects_unknown():
+    qs = P.load_prompts(f"mtbench+{FIXTURE}")
+    assert len(qs) == 90
+    with pytest.raises(P.QuestionFileError, match="share question_id"):
+        P.load_prompts(f"{FIXTURE}+{FIXTURE}")
+    with pytest.raises(P.QuestionFileError, match="neither a named set"):
+        P.load_prompts("no_such_set")
+    assert len(P.load_prompts("mtbench+humaneval")) == 244
+
+
+GOOD = '{"question_id": 1, "category": "qa", "turns": ["Why?"]}'
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"question_id": 2, "category": "qa", "turns": ["x"]', "invalid JSON"),
+        ('[1, 2]', "expected a JSON object"),
+        ('{"question_id": 2, "turns": ["x"]}', r"missing key\(s\) \['category'\]"),
+        ('{"question_id": 2, "category": "qa", "turns": "x"}', "turns must be a non-empty list"),
+        ('{"question_id": 2, "category": "qa", "turns": []}', "turns must be a non-empty list"),
+        ('{"question_id": 2, "category": "qa", "turns": ["ok", 3]}', r"turns\[1\] must be"),
+        ('{"question_id": 2, "category": "", "turns": ["x"]}', "category must be"),
+        ('{"question_id": true, "category": "qa", "turns": ["x"]}', "question_id must be"),
+        ('{"question_id": 1, "category": "qa", "turns": ["x"]}', "duplicate question_id 1"),
+    ],
+)
+def test_malformed_question_file_error_names_the_line(tmp_path, bad_line, message):
+    path = tmp_path / "specbench_bad.jsonl"
+    # line 1 good, line 2 blank (still counted), line 3 the bad one
+    path.write_text(GOOD + "\n\n" + bad_line + "\n")
+    with pytest.raises(P.QuestionFileError) as e:
+        P.load_question_file(path)
+    assert str(e.value).startswith(f"{path}:3: ")
+    assert re.search(message, str(e.value))
+
+
+def test_empty_or_missing_question_file(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(P.QuestionFileError, match="no questions"):
+        P.load_question_file(empty)
+    with pytest.raises(P.QuestionFileError, match="not found"):
+        P.load_question_file(tmp_path / "missing.jsonl")
+
+
+def test_sample_prompts_is_seeded_per_category_subset():
+    qs = P.load_mtbench()
+    a = P.sample_prompts(qs, 3, seed=0)
+    assert a == P.sample_prompts(qs, 3, seed=0)
+    assert len(a) == 24
+    assert all(sum(p.category == c for p in a) == 3 for c in P.MTBENCH_CATEGORIES)
+    # a subsequence of the input, in input order
+    pos = [qs.index(p) for p in a]
+    assert pos == sorted(pos)
+    assert P.sample_prompts(qs, 3, seed=1) != a
+    # categories smaller than n keep everything
+    fx = P.load_question_file(FIXTURE)
+    assert P.sample_prompts(fx, 5, seed=3) == fx
+    one = P.sample_prompts(fx, 1, seed=3)
+    assert [p.category for p in one] == P.categories(fx)
+    with pytest.raises(ValueError):
+        P.sample_prompts(fx, 0)
+
+
+def test_prompt_to_messages_replays_earlier_answers():
+    q = P.BenchPrompt(7, "writing", ["first?", "second?"])
+    assert P.prompt_to_messages(q) == [{"role": "user", "content": "first?"}]
+    assert P.prompt_to_messages(q, 1, ["ans1"], system="sys") == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "first?"},
+        {"role": "assistant", "content": "ans1"},
+        {"role": "user", "content": "second?"},
+    ]
+    with pytest.raises(ValueError, match="needs the model's answers"):
+        P.prompt_to_messages(q, 1)
+    with pytest.raises(IndexError):
+        P.prompt_to_messages(q, 2, ["a", "b"])
+
+
+def test_run_conversation_feeds_turn_one_answer_into_turn_two():
+    q = P.BenchPrompt(7, "writing", ["first?", "second?"])
+    seen = []
+
+    def generate_turn(messages):
+        seen.append(messages)
+        n = len(seen)
+        return f"answer{n}", [2] * n, 2 * n + 1, 0.5 * n
+
+    answers, logs = P.run_conversation(q, generate_turn, n_turns=2)
+    assert answers == ["answer1", "answer2"]
+    assert seen[1][-2] == {"role": "assistant", "content": "answer1"}
+    assert [(g.turn, g.accept_lengths, g.new_tokens, g.wall_s) for g in logs] == \
+        [(0, (2,), 3, 0.5), (1, (2, 2), 5, 1.0)]
+    # first turn only by default; more turns than the question has runs what it has
+    assert len(P.run_conversation(q, generate_turn)[1]) == 1
+    assert len(P.run_conversation(q, generate_turn, n_turns=5)[1]) == 2
