@@ -190,11 +190,6 @@ class MethodResult:
     acceptance_rate_per_depth: tuple[float, ...] | None = None
     setting: dict = dataclasses.field(default_factory=dict)  # any further knobs (depth, top_k, top_p)
 
-    @property
-    def label(self) -> str:
-        nodes = "" if self.nodes is None else f" n={self.nodes}"
-        return f"{self.method}{nodes} T={self.temperature:g}"
-
 
 def summarize(
     method: str,
