@@ -1,0 +1,34 @@
+"""Real weights: ``load_model(source)`` for GGUF files, Hugging Face directories and named assets."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from confu_jax.assets import resolve_model_path
+from confu_jax.weights.errors import CheckpointError
+from confu_jax.weights.export import save_hf
+from confu_jax.weights.gguf import load_gguf
+from confu_jax.weights.hf import load_hf
+
+
+def load_model(source: str, dtype: Optional[str] = None):
+    """``(LlamaConfig, params)`` from an asset name (e.g. ``'smollm2-135m-instruct'``), a ``.gguf``
+    file, or a Hugging Face directory (``config.json`` + ``model.safetensors`` or its sharded index).
+
+    ``dtype`` ('float32' | 'bfloat16' | 'float16') sets both the parameter and compute dtype of the
+    returned config; default: float32 for GGUF (its tensors are dequantised), the checkpoint's own
+    float dtype for Hugging Face directories.
+    """
+    path = resolve_model_path(source)
+    if os.path.isdir(path):
+        return load_hf(path, dtype)
+    if path.endswith(".gguf"):
+        return load_gguf(path, dtype)
+    raise CheckpointError(
+        f"model source {source!r} resolved to {path!r}, which is neither a .gguf file nor a directory "
+        "with config.json + model.safetensors"
+    )
+
+
+__all__ = ["load_model", "save_hf", "load_gguf", "load_hf", "CheckpointError"]

@@ -1,0 +1,319 @@
+"""Tokenizer + chat template for a checkpoint, and the assistant loss mask training reads.
+
+``ChatTokenizer.load(source)`` accepts what ``confu_jax.weights.load_model`` accepts: an asset
+name, a ``.gguf`` file (the byte-level BPE is rebuilt from the GGUF metadata with the
+pre-tokenizer its ``tokenizer.ggml.pre`` names) or a Hugging Face directory (``tokenizer.json``
++ ``tokenizer_config.json`` / ``chat_template.jinja``). Templates render in a sandboxed jinja2
+environment with the globals transformers provides, so a checkpoint's own template produces the
+same text it does under ``apply_chat_template``.
+
+The assistant mask is template-agnostic: the text the model must produce for assistant turn i is
+exactly what ``render(messages[:i+1])`` adds after ``render(messages[:i], add_generation_prompt=
+True)`` -- that is what it generates at inference. The mask keeps that span up to and including
+its end-of-turn special token (``<|im_end|>``, ``<|eot_id|>``) and maps it to tokens of the
+*whole* rendered conversation by character offsets, so ids are identical to ``encode(render(...))``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Optional, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from confu_jax.assets import resolve_model_path
+from confu_jax.weights.errors import CheckpointError
+
+# Pre-tokenizer split regexes by GGUF ``tokenizer.ggml.pre`` (as llama.cpp names them).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3")
+_GPT2_PRE = (None, "default", "gpt2")
+_SMOLLM_PRE = ("smollm",)
+SUPPORTED_GGUF_PRE = tuple(p for p in _GPT2_PRE if p) + _SMOLLM_PRE + _LLAMA3_PRE
+
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def _pre_tokenizer(pre: Optional[str], path: str):
+    """(pre-tokenizer, ignore_merges) reproducing the tokenizer the merges were trained with."""
+    if pre in _SMOLLM_PRE:  # SmolLM/SmolLM2 tokenizer.json: every digit its own word
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]), False
+    if pre in _LLAMA3_PRE:  # Llama-3 tokenizer.json (tiktoken regex; whole-word vocab hits skip merges)
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]), True
+    if pre in _GPT2_PRE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False
+    raise CheckpointError(
+        f"{path}: tokenizer.ggml.pre is {pre!r}; supported pre-tokenizers: {list(SUPPORTED_GGUF_PRE)}"
+    )
+
+
+def _token_str(v) -> Optional[str]:
+    """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
+    if isinstance(v, dict):
+        return v.get("content")
+    return v
+
+
+class ChatTokenizer:
+    """A ``tokenizers.Tokenizer`` plus the checkpoint's chat template and special tokens."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        chat_template: Optional[str],
+        bos_token: Optional[str] = None,
+        eos_token: Optional[str] = None,
+        pad_token: Optional[str] = None,
+        unk_token: Optional[str] = None,
+        extra_eos_ids: Sequence[int] = (),
+        source: str = "<tokenizer>",
+    ):
+        self.tokenizer = tokenizer
+        self.source = source
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
+        # Same vocabulary without a post-processor, for character offsets: a ByteLevel
+        # post-processor with trim_offsets would shrink offsets of tokens starting with spaces.
+        self._offsets_tok = Tokenizer.from_str(tokenizer.to_str())
+        self._offsets_tok.post_processor = None
+        self._special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+        self._template = _compile(chat_template) if chat_template else None
+        eos = [self.token_id(eos_token)] if eos_token else []
+        eos += list(extra_eos_ids)
+        eot = self._end_of_turn_id() if self._template is not None else None
+        if eot is not None:
+            eos.append(eot)
+        self.eos_ids = tuple(dict.fromkeys(int(i) for i in eos if i is not None))
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(cls, source: str) -> "ChatTokenizer":
+        """From an asset name, a ``.gguf`` file or a Hugging Face directory."""
+        path = resolve_model_path(source)
+        if os.path.isdir(path):
+            return cls.from_hf_dir(path)
+        if path.endswith(".gguf"):
+            return cls.from_gguf(path)
+        raise CheckpointError(f"tokenizer source {source!r} -> {path!r}: expected a .gguf file or a directory")
+
+    @classmethod
+    def from_gguf(cls, path: str) -> "ChatTokenizer":
+        from confu_jax.weights.gguf import GGUFFile
+
+        g = GGUFFile(path)
+        model = g.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise CheckpointError(
+                f"{path}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2': SmolLM2, Llama-3) is supported"
+            )
+        tokens = g.require("tokenizer.ggml.tokens")
+        merges = g.require("tokenizer.ggml.merges")
+        types = g.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        pre, ignore_merges = _pre_tokenizer(g.get("tokenizer.ggml.pre"), path)
+        bpe = models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            ignore_merges=ignore_merges,
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+        tok = Tokenizer(bpe)
+        tok.pre_tokenizer = pre
+        tok.decoder = decoders.ByteLevel()
+        # Control tokens (<|im_end|>, <|eot_id|>) match whole in text, as in llama.cpp and HF.
+        tok.add_special_tokens([
+            AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL
+        ])
+        tok.add_tokens([
+            AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED
+        ])
+
+        def tok_at(key):
+            i = g.get(key)
+            return None if i is None or not 0 <= int(i) < len(tokens) else tokens[int(i)]
+
+        eot = g.get("tokenizer.ggml.eot_token_id")
+        return cls(
+            tok,
+            chat_template=g.get("tokenizer.chat_template"),
+            bos_token=tok_at("tokenizer.ggml.bos_token_id"),
+            eos_token=tok_at("tokenizer.ggml.eos_token_id"),
+            pad_token=tok_at("tokenizer.ggml.padding_token_id"),
+            unk_token=tok_at("tokenizer.ggml.unknown_token_id"),
+            extra_eos_ids=() if eot is None else (int(eot),),
+            source=path,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, directory: str) -> "ChatTokenizer":
+        tj = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise CheckpointError(f"{directory}: no tokenizer.json (expected a Hugging Face tokenizer directory)")
+        tok = Tokenizer.from_file(tj)
+        cfg = {}
+        tc = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(tc):
+            with open(tc) as f:
+                cfg = json.load(f)
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
+        jinja_file = os.path.join(directory, "chat_template.jinja")  # transformers >= 4.43 saves it here
+        if template is None and os.path.isfile(jinja_file):
+            with open(jinja_file) as f:
+                template = f.read()
+        extra = []
+        gen = os.path.join(directory, "generation_config.json")
+        if os.path.isfile(gen):  # Llama-3 instruct: [<|end_of_text|>, <|eom_id|>, <|eot_id|>]
+            with open(gen) as f:
+                e = json.load(f).get("eos_token_id")
+            extra = [e] if isinstance(e, int) else list(e or [])
+        return cls(
+            tok,
+            chat_template=template,
+            bos_token=_token_str(cfg.get("bos_token")),
+            eos_token=_token_str(cfg.get("eos_token")),
+            pad_token=_token_str(cfg.get("pad_token")),
+            unk_token=_token_str(cfg.get("unk_token")),
+            extra_eos_ids=extra,
+            source=directory,
+        )
+
+    def save(self, directory: str) -> None:
+        """``tokenizer.json`` + ``tokenizer_config.json`` that transformers' AutoTokenizer reads."""
+        os.makedirs(directory, exist_ok=True)
+        self.tokenizer.save(os.path.join(directory, "tokenizer.json"))
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": self.chat_template,
+               "bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
+               "unk_token": self.unk_token, "add_bos_token": False, "clean_up_tokenization_spaces": False}
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, indent=2, ensure_ascii=False)
+
+    # ------------------------------------------------------------------ ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: Optional[str]) -> Optional[int]:
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        return self.token_id(self.bos_token)
+
+    @property
+    def pad_id(self) -> Optional[int]:
+        """Padding id: the declared pad token, else the first end-of-sequence id."""
+        pid = self.token_id(self.pad_token)
+        return pid if pid is not None else (self.eos_ids[0] if self.eos_ids else None)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list:
+        """Ids of ``text``; special-token strings in it (``<|im_end|>``) become their single ids.
+        No BOS unless ``add_special_tokens`` (chat templates write their own)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False, **kwargs) -> str:
+        if self._template is None:
+            raise CheckpointError(f"{self.source}: no chat template (tokenizer_config.json chat_template / GGUF tokenizer.chat_template)")
+        return self._template.render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            pad_token=self.pad_token,
+            unk_token=self.unk_token,
+            **kwargs,
+        )
+
+    def assistant_spans(self, messages: Sequence[dict]) -> list:
+        """Character spans [start, end) of each assistant turn in ``render(messages)``: what the model
+        generates after the generation prompt, through the turn's last special token."""
+        full = self.render(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            head = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            if not (upto.startswith(head) and full.startswith(upto)):
+                raise ValueError(
+                    f"{self.source}: chat template is not prefix-stable at message {i} (assistant): the "
+                    "rendering of the earlier messages plus the generation prompt is not a prefix of the "
+                    "conversation, so the assistant span cannot be located (does the conversation start "
+                    "with an assistant turn, or does the template rewrite earlier turns?)"
+                )
+            start, end = len(head), len(upto)
+            # Stop after the last special token in the span (end of turn); the separator after it
+            # (ChatML's "\n") is template text the model is given, not generates.
+            enc = self._offsets_tok.encode(upto[start:], add_special_tokens=False)
+            last = [off for tid, off in zip(enc.ids, enc.offsets) if self._is_special(tid)]
+            if last:
+                end = start + last[-1][1]
+            spans.append((start, end))
+        return spans
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False):
+        """``(ids, assistant_mask)``: ids == ``encode(render(messages, add_generation_prompt))``;
+        mask True on every token that overlaps an assistant turn's content or its end-of-turn token."""
+        text = self.render(messages, add_generation_prompt=add_generation_prompt)
+        spans = self.assistant_spans(messages)
+        enc = self._offsets_tok.encode(text, add_special_tokens=False)
+        mask = [any(s < b and e > a for a, b in spans) for s, e in enc.offsets]
+        return list(enc.ids), mask
+
+    def _is_special(self, token_id: int) -> bool:
+        return self.tokenizer.id_to_token(token_id) in self._special
+
+    def _end_of_turn_id(self) -> Optional[int]:
+        """The special token that closes an assistant turn under this template, if any."""
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        try:
+            spans = self.assistant_spans(probe)
+        except Exception:  # template needs other inputs (tools, system...); end-of-turn stays unknown
+            return None
+        a, b = spans[0]
+        ids = self._offsets_tok.encode(self.render(probe)[a:b], add_special_tokens=False).ids
+        return ids[-1] if ids and self._is_special(ids[-1]) else None
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' tojson: no HTML escaping (jinja's default would turn '<' into \u003c)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile(template: str) -> jinja2.Template:
+    """Same environment as transformers' ``apply_chat_template``: templates are untrusted code."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(template)

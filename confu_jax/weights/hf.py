@@ -1,0 +1,173 @@
+"""Hugging Face checkpoints (``config.json`` + safetensors, single file or sharded) -> params.
+
+Reads Llama-architecture configs as transformers writes them, both the 4.x form (``rope_theta``,
+``rope_scaling``) and the 5.x form (``rope_parameters``). Anything this decoder does not implement
+-- another architecture, biases, a non-SiLU MLP, a RoPE scaling other than Llama-3's -- is refused
+by name instead of being loaded into a model that would silently compute something else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from confu_jax.models.llama import LlamaConfig
+from confu_jax.weights.errors import CheckpointError
+from confu_jax.weights.safetensors_io import SafetensorsFile
+from confu_jax.weights.tree import assemble
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj", "o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+
+def hf_name(kind: str, layer: Optional[int]) -> str:
+    if layer is None:
+        return _GLOBAL_NAMES[kind]
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"
+
+
+def _ids(v) -> tuple:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
+
+
+def _rope(c: dict, where: str) -> tuple:
+    """(rope_theta, rope_scaling tuple or None) from either transformers config form."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and "rope_type" in params:  # transformers 5.x
+        theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+        scaling = params
+    else:
+        theta = float(c.get("rope_theta", 10000.0))
+        scaling = c.get("rope_scaling")
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise CheckpointError(f"{where}: rope scaling type {kind!r} is not supported; expected 'llama3' or none")
+    try:
+        return theta, (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                       float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise CheckpointError(f"{where}: llama3 rope scaling lacks key {e.args[0]!r}") from None
+
+
+def config_from_dict(c: dict, where: str = "config.json", dtype: Optional[str] = None) -> LlamaConfig:
+    """LlamaConfig from a parsed ``config.json``; ``where`` names the file in errors."""
+    archs = c.get("architectures") or []
+    if c.get("model_type") != "llama" or (archs and not set(archs) & set(SUPPORTED_ARCHITECTURES)):
+        raise CheckpointError(
+            f"{where}: model_type {c.get('model_type')!r}, architectures {archs}; expected model_type "
+            f"'llama' with architectures {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise CheckpointError(f"{where}: {key} is true; biases are not supported (expected false)")
+    if c.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act is {c['hidden_act']!r}; expected 'silu'")
+    if dtype is None:
+        stored = c.get("dtype", c.get("torch_dtype"))
+        dtype = stored if stored in FLOAT_DTYPES else "float32"
+    if dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} not supported; expected one of {list(FLOAT_DTYPES)}")
+    try:
+        d, n_heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        theta, scaling = _rope(c, where)
+        return LlamaConfig(
+            vocab_size=int(c["vocab_size"]),
+            d_model=d,
+            n_layers=int(c["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
+            head_dim=int(c.get("head_dim") or d // n_heads),
+            ffn_dim=int(c["intermediate_size"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+            dtype=dtype,
+            param_dtype=dtype,
+            bos_token_id=_ids(c.get("bos_token_id"))[0] if _ids(c.get("bos_token_id")) else None,
+            eos_token_ids=_ids(c.get("eos_token_id")),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{where}: missing key {e.args[0]!r}") from None
+
+
+def read_config(directory: str, dtype: Optional[str] = None) -> LlamaConfig:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face model directory)")
+    with open(path) as f:
+        cfg = config_from_dict(json.load(f), path, dtype)
+    gen_path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(gen_path):  # Llama-3 instruct lists <|eot_id|> here, not in config.json
+        with open(gen_path) as f:
+            extra = _ids(json.load(f).get("eos_token_id"))
+        cfg = cfg.replace(eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
+    return cfg
+
+
+def open_tensors(directory: str) -> dict:
+    """tensor name -> SafetensorsFile holding it (single file or ``model.safetensors.index.json``)."""
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        f = SafetensorsFile(single)
+        return {n: f for n in f.names()}
+    if os.path.isfile(index):
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        files = {}
+        for shard in sorted(set(weight_map.values())):
+            p = os.path.join(directory, shard)
+            if not os.path.isfile(p):
+                raise CheckpointError(f"{index}: shard {shard!r} listed in weight_map is missing")
+            files[shard] = SafetensorsFile(p)
+        out = {}
+        for name, shard in weight_map.items():
+            if name not in files[shard].header:
+                raise CheckpointError(f"{index}: tensor {name!r} mapped to {shard!r} but not in that shard")
+            out[name] = files[shard]
+        return out
+    present = sorted(os.listdir(directory))
+    raise CheckpointError(
+        f"{directory}: expected model.safetensors or model.safetensors.index.json; found {present[:12]}"
+        " (convert .bin/.pt checkpoints to safetensors first)"
+    )
+
+
+def load_hf(directory: str, dtype: Optional[str] = None):
+    """``(LlamaConfig, params)`` from a Hugging Face directory; dtype defaults to the config's."""
+    cfg = read_config(directory, dtype)
+    where = open_tensors(directory)
+
+    def ignorable(name: str) -> bool:
+        # Old checkpoints saved RoPE buffers; tied checkpoints sometimes also save lm_head.
+        return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+
+    params = assemble(
+        cfg,
+        source=directory,
+        name_of=hf_name,
+        fetch=lambda name: np.asarray(where[name].get(name)),
+        available=where,
+        ignorable=ignorable,
+    )
+    return cfg, params
