@@ -1,0 +1,128 @@
+"""Self-distillation (launch.generate_data): turn-by-turn regeneration, resume after a kill."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from launch import generate_data as gd
+from tests.fixtures.fake_chat import END, FakeChatTokenizer
+
+
+def _conv(i, turns):
+    msgs = [{"role": "system", "content": "sys"}] if i % 3 == 0 else []
+    for t in range(turns):
+        msgs += [
+            {"role": "user", "content": f"q{i} turn {t}"},
+            {"role": "assistant", "content": f"original answer {i} {t}"},
+        ]
+    return {"id": f"r{i}", "messages": msgs}
+
+
+class ScriptedGenerate:
+    """A generate_fn whose answer encodes the prompt it saw: [len(prompt), 7, END]."""
+
+    def __init__(self):
+        self.prompts = []
+
+    def __call__(self, prompts, seed):
+        self.prompts.append([list(p) for p in prompts])
+        b = len(prompts)
+        tokens = np.full((b, 5), -1, np.int32)
+        tokens[:, 0] = [len(p) for p in prompts]
+        tokens[:, 1] = 7
+        tokens[:, 2] = END
+        return tokens, np.full((b,), 3), np.ones((b,), bool)
+
+
+def test_regenerate_batch_conditions_each_turn_on_the_regenerated_answers():
+    tok, gen = FakeChatTokenizer(), ScriptedGenerate()
+    convs = [_conv(0, 2), _conv(1, 1)]
+    convs[1]["messages"].append({"role": "user", "content": "trailing question"})
+    out = gd.regenerate_batch(convs, tok, gen, batch_size=3, max_prompt_len=1000)
+    # Call 1: both first turns (+ one padding row); call 2: only conversation 0's second turn.
+    assert len(gen.prompts) == 2 and all(len(p) == 3 for p in gen.prompts)
+    ctx0 = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q0 turn 0"}]
+    assert gen.prompts[0][0] == tok.encode_chat(ctx0, add_generation_prompt=True)[0]
+    ans0 = f"t{len(gen.prompts[0][0])} t7"  # END stripped: the template adds it back
+    ctx0b = ctx0 + [{"role": "assistant", "content": ans0}, {"role": "user", "content": "q0 turn 1"}]
+    assert gen.prompts[1][0] == tok.encode_chat(ctx0b, add_generation_prompt=True)[0]
+    assert out[0] == {
+        "id": "r0",
+        "conversations": ctx0b + [{"role": "assistant", "content": f"t{len(gen.prompts[1][0])} t7"}],
+    }
+    # The trailing user turn (no answer to regenerate) is dropped.
+    assert [m["role"] for m in out[1]["conversations"]] == ["user", "assistant"]
+
+
+def test_prompt_limit_keeps_earlier_answers_and_drops_answerless_records():
+    tok, gen = FakeChatTokenizer(), ScriptedGenerate()
+    convs = [_conv(1, 2), {"id": "long", "messages": [
+        {"role": "user", "content": "w " * 50}, {"role": "assistant", "content": "a"}]}]
+    first_len = len(tok.encode_chat(convs[0]["messages"][:1], add_generation_prompt=True)[0])
+    out = gd.regenerate_batch(convs, tok, gen, batch_size=2, max_prompt_len=first_len + 2)
+    assert len(out[0]["conversations"]) == 2  # second turn's prompt is over the limit
+    assert out[1] is None
+
+
+def test_read_done_ids_cuts_a_torn_last_line_and_refuses_foreign_files(tmp_path):
+    p = tmp_path / "o.jsonl"
+    p.write_bytes(b'{"id": "a", "conversations": []}\n{"id": "b", "conversations": []}\n{"id": "c", "conv')
+    assert gd.read_done_ids(str(p)) == {"a", "b"}
+    assert p.read_bytes().endswith(b'"b", "conversations": []}\n')
+    p.write_bytes(b'{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match=r"o\.jsonl:2: not a generated record"):
+        gd.read_done_ids(str(p))
+    assert gd.read_done_ids(str(tmp_path / "missing.jsonl")) == set()
+
+
+class Killed(Exception):
+    pass
+
+
+def test_resume_after_kill_on_tiny_model_has_no_duplicates_or_gaps(tmp_path):
+    from confu_jax.models.llama import init_params
+    from confu_jax.models.presets import get_preset
+
+    cfg = get_preset("tiny")
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    tok = FakeChatTokenizer()
+    real = gd.make_generate_fn(params, cfg, max_new_tokens=4, temperature=0.0, top_p=1.0,
+                               eos_ids=tok.eos_ids)
+    convs = [_conv(i, 1 + i % 2) for i in range(7)]
+    kw = dict(batch_size=2, max_prompt_len=200, progress=False)
+
+    ref_path = tmp_path / "ref.jsonl"
+    stats = gd.generate_dataset(convs, str(ref_path), tok, real, **kw)
+    assert stats == {"already_done": 0, "written": 7, "no_answer": 0, "duplicates": 0}
+
+    calls = [0]
+
+    def dying(prompts, seed):
+        calls[0] += 1
+        if calls[0] == 4:  # batches are [r0 r1] (2 turns: calls 1-2), [r2 r3] (calls 3-4)
+            raise Killed
+        return real(prompts, seed)
+
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(Killed):
+        gd.generate_dataset(convs, str(out), tok, dying, **kw)
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["r0", "r1"]
+    with open(out, "a") as f:  # a kill in the middle of a write leaves a torn line
+        f.write('{"id": "r2", "conversations": [{"role": "us')
+    stats = gd.generate_dataset(convs + [convs[3]], str(out), tok, real, **kw)
+    assert stats == {"already_done": 2, "written": 5, "no_answer": 0, "duplicates": 1}
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in got] == [f"r{i}" for i in range(7)]
+    # Greedy and the same batches: the resumed file equals an uninterrupted run's.
+    assert got == [json.loads(line) for line in ref_path.read_text().splitlines()]
+    # Every assistant turn was regenerated (fake decode yields 't<id>' words), users kept verbatim.
+    for r, c in zip(got, convs):
+        orig_users = [m for m in c["messages"] if m["role"] != "assistant"]
+        assert [m for m in r["conversations"] if m["role"] != "assistant"] == orig_users
+        answers = [m["content"] for m in r["conversations"] if m["role"] == "assistant"]
+        assert len(answers) == 1 + int(c["id"][1:]) % 2
+        assert all(a.split() and all(w.startswith("t") for w in a.split()) for a in answers)
+    # Rerunning a finished file does nothing.
+    assert gd.generate_dataset(convs, str(out), tok, real, **kw)["written"] == 0
