@@ -126,3 +126,50 @@ def test_resume_after_kill_on_tiny_model_has_no_duplicates_or_gaps(tmp_path):
         assert all(a.split() and all(w.startswith("t") for w in a.split()) for a in answers)
     # Rerunning a finished file does nothing.
     assert gd.generate_dataset(convs, str(out), tok, real, **kw)["written"] == 0
+
+
+@pytest.mark.slow
+def test_cli_on_smollm2_writes_the_targets_greedy_answers(tmp_path):
+    """End to end: the CLI's answers are SmolLM2's greedy continuations (teacher-forced argmax)."""
+    import os
+    import subprocess
+    import sys
+
+    import jax.numpy as jnp
+
+    from confu_jax import assets
+    from confu_jax.models.llama import Llama
+
+    try:
+        assets.resolve("smollm2-135m-instruct")
+    except assets.AssetNotFoundError as e:
+        pytest.skip(str(e))
+    out = tmp_path / "regen.jsonl"
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "specforge.jsonl")
+    cmd = [sys.executable, "-m", "launch.generate_data", f"--output={out}", f"--input={fixture}",
+           "--max_records=2", "--max_new_tokens=12", "--batch_size=2"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["written"] == 2
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["sf_1", "sf_2"]
+
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    tok = ChatTokenizer.load("smollm2-135m-instruct")
+    cfg, params = load_model("smollm2-135m-instruct")
+    for r in records:
+        ids, mask = tok.encode_chat(r["conversations"])
+        ids_t = jnp.asarray([ids], jnp.int32)
+        logits = Llama(cfg).apply({"params": params}, ids_t, jnp.arange(len(ids))[None]).logits_btv[0]
+        pred = np.asarray(jnp.argmax(logits, -1))
+        answer_pos = [i for i, m in enumerate(mask) if m]
+        n_answer = len(answer_pos)
+        assert 1 < n_answer <= 12 + 1
+        # Each answer token (through <|im_end|> when the target chose to stop) is the argmax.
+        last = answer_pos[-1]
+        stopped = ids[last] in tok.eos_ids and n_answer <= 12
+        check = answer_pos if stopped else answer_pos[:-1]
+        assert all(pred[i - 1] == ids[i] for i in check), (r["id"], tok.decode([ids[i] for i in answer_pos]))
