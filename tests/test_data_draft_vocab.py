@@ -87,3 +87,27 @@ def test_from_conversations_matches_independent_count():
     # User-only words ("x" four times in a prompt) must not outweigh answer words.
     full = dv.draft_vocab_from_conversations(convs, tok, target_vocab_size=VOCAB, draft_vocab_size=VOCAB)
     assert {int(t): int(c) for t, c in zip(full.d2t, full.counts) if c} == dict(ref)
+
+
+def test_draft_vocab_for_training_counts_or_loads_per_config(tmp_path):
+    from confu_jax.data.pipeline import default_data_config
+
+    tok = FakeChatTokenizer()
+    convs = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a b b c c c"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "d d d d"}]},
+    ]
+    cfg = default_data_config()
+    cfg.update(draft_vocab_size=2, draft_vocab_max_records=1, max_length=100)
+    v = dv.draft_vocab_for_training(cfg, tok, VOCAB, conversations=convs)
+    # Only the first conversation is counted: "c" (3) plus the forced END.
+    assert v.d2t.tolist() == sorted([END, tok.encode("c")[0]])
+    cfg.draft_vocab_size = 0
+    assert dv.draft_vocab_for_training(cfg, tok, VOCAB, conversations=convs).draft_size == VOCAB
+    path = tmp_path / "v.npz"
+    v.save(str(path))
+    cfg.update(draft_vocab_path=str(path), draft_vocab_size=2)
+    np.testing.assert_array_equal(dv.draft_vocab_for_training(cfg, tok, VOCAB).d2t, v.d2t)
+    cfg.draft_vocab_size = 3
+    with pytest.raises(ValueError, match="maps 2 draft ids onto 64 target ids; this run expects 3 onto 64"):
+        dv.draft_vocab_for_training(cfg, tok, VOCAB)

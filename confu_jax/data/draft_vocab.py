@@ -167,3 +167,38 @@ def draft_vocab_from_conversations(
 
     counts_v = count_answer_tokens(rows(), target_vocab_size)
     return build_draft_vocab(counts_v, draft_vocab_size, always_include=list(tokenizer.eos_ids))
+
+
+def draft_vocab_for_training(
+    data_config, tokenizer, target_vocab_size: int, conversations: Sequence[dict] | None = None
+) -> DraftVocab:
+    """The draft vocabulary a training run uses, from the ``data`` config.
+
+    ``data.draft_vocab_path`` set: load that .npz (and check it fits the target and the size asked
+    for). Otherwise count the first ``data.draft_vocab_max_records`` (0 = all) training
+    conversations, truncated to ``data.max_length`` like the batches. ``data.draft_vocab_size`` <= 0
+    means the whole target vocabulary. The caller saves the result with the checkpoint.
+    """
+    from confu_jax.data import formats
+
+    size = int(data_config.draft_vocab_size)
+    size = target_vocab_size if size <= 0 else size
+    if data_config.draft_vocab_path:
+        v = DraftVocab.load(data_config.draft_vocab_path)
+        if v.target_size != target_vocab_size or v.draft_size != size:
+            raise ValueError(
+                f"{data_config.draft_vocab_path}: draft vocabulary maps {v.draft_size} draft ids onto "
+                f"{v.target_size} target ids; this run expects {size} onto {target_vocab_size}"
+            )
+        return v
+    limit = int(data_config.draft_vocab_max_records) or None
+    if conversations is None:
+        conversations, _ = formats.load_conversations(
+            list(data_config.train_files), on_bad_record=data_config.on_bad_record, max_records=limit
+        )
+    if limit is not None:
+        conversations = conversations[:limit]
+    return draft_vocab_from_conversations(
+        conversations, tokenizer, target_vocab_size=target_vocab_size, draft_vocab_size=size,
+        max_length=int(data_config.max_length),
+    )
