@@ -148,3 +148,21 @@ def test_run_conversation_feeds_turn_one_answer_into_turn_two():
     # first turn only by default; more turns than the question has runs what it has
     assert len(P.run_conversation(q, generate_turn)[1]) == 1
     assert len(P.run_conversation(q, generate_turn, n_turns=5)[1]) == 2
+
+
+@pytest.mark.slow
+def test_second_turn_renders_after_first_answer_with_smollm2_template():
+    """MT-Bench turn 2 = turn-1 prompt + the model's answer + the second user turn (ChatML)."""
+    from confu_jax.data.chat import ChatTokenizer
+
+    tok = ChatTokenizer.load("smollm2-135m-instruct")
+    q = P.load_mtbench()[0]
+    answer = "Aloha! Hawaii was great."
+    first = tok.render(P.prompt_to_messages(q, 0), add_generation_prompt=True)
+    second = tok.render(P.prompt_to_messages(q, 1, [answer]), add_generation_prompt=True)
+    assert first.endswith(f"<|im_start|>user\n{q.turns[0]}<|im_end|>\n<|im_start|>assistant\n")
+    assert second == (first + answer + "<|im_end|>\n<|im_start|>user\n" + q.turns[1]
+                      + "<|im_end|>\n<|im_start|>assistant\n")
+    ids1, _ = tok.encode_chat(P.prompt_to_messages(q, 0), add_generation_prompt=True)
+    ids2, _ = tok.encode_chat(P.prompt_to_messages(q, 1, [answer]), add_generation_prompt=True)
+    assert ids2[:len(ids1)] == ids1  # turn 2's prompt extends turn 1's token for token
