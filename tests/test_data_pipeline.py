@@ -141,9 +141,10 @@ def test_full_config_with_data_subconfig_and_files(tmp_path):
         for c in _conversations(8):
             f.write(json.dumps({"id": c["id"], "conversations": c["messages"]}) + "\n")
         f.write("{broken\n")
-    full = ml_collections.ConfigDict({"data": _cfg(train_files=[str(p)], num_epochs=1)})
+    full = ml_collections.ConfigDict({"data": _cfg(train_files=f"{p}, {p}", num_epochs=1)})
     batches = list(pipeline.make_train_iterator(full, FakeChatTokenizer(), seed=0))
-    assert len(batches) == 1  # 7 usable records (5 overflows) -> one full batch of 4
+    assert pipeline.train_files(full) == [str(p), str(p)]
+    assert len(batches) == 3  # 2 x 7 usable records (record 5 overflows) -> 3 full batches of 4
     full.data.on_bad_record = "fail"
     with pytest.raises(Exception, match=r"d\.jsonl:9: invalid_json"):
         pipeline.make_train_iterator(full, FakeChatTokenizer(), seed=0)

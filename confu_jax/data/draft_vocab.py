@@ -179,7 +179,7 @@ def draft_vocab_for_training(
     conversations, truncated to ``data.max_length`` like the batches. ``data.draft_vocab_size`` <= 0
     means the whole target vocabulary. The caller saves the result with the checkpoint.
     """
-    from confu_jax.data import formats
+    from confu_jax.data import formats, pipeline
 
     size = int(data_config.draft_vocab_size)
     size = target_vocab_size if size <= 0 else size
@@ -194,7 +194,7 @@ def draft_vocab_for_training(
     limit = int(data_config.draft_vocab_max_records) or None
     if conversations is None:
         conversations, _ = formats.load_conversations(
-            list(data_config.train_files), on_bad_record=data_config.on_bad_record, max_records=limit
+            pipeline.train_files(data_config), on_bad_record=data_config.on_bad_record, max_records=limit
         )
     if limit is not None:
         conversations = conversations[:limit]

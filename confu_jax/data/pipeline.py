@@ -48,9 +48,10 @@ class ChatEncoder(Protocol):
 def default_data_config() -> ml_collections.ConfigDict:
     """Defaults of the ``data`` sub-config (every key documented; override with --config.data.X)."""
     c = ml_collections.ConfigDict()
-    # Conversation files: asset names ('sharegpt') or .json (array) / .jsonl paths; formats and
-    # record shapes are recognised automatically (ShareGPT, SpecForge, UltraChat).
-    c.train_files = ["sharegpt"]
+    # Conversation files, comma-separated (a string so --config.data.train_files=a.jsonl,b.jsonl
+    # works): asset names ('sharegpt') or .json (array) / .jsonl paths; formats and record shapes
+    # are recognised automatically (ShareGPT, SpecForge, UltraChat).
+    c.train_files = "sharegpt"
     c.on_bad_record = "skip"  # 'skip': count + report file:line; 'fail': raise on the first one
     c.max_records = 0  # read at most this many good conversations (0 = all)
     c.max_length = 2048  # tokens per row after the chat template; longer rows are truncated
@@ -72,6 +73,17 @@ def _data_cfg(config) -> ml_collections.ConfigDict:
     if "train_files" not in config and "data" in config:
         return config.data
     return config
+
+
+def train_files(config) -> list[str]:
+    """``data.train_files`` as a list (comma-separated string, or a list/tuple)."""
+    files = _data_cfg(config).train_files
+    if isinstance(files, str):
+        files = files.split(",")
+    files = [f.strip() for f in files if f.strip()]
+    if not files:
+        raise ValueError("data.train_files is empty; expected comma-separated files or asset names")
+    return files
 
 
 def encode_example(
@@ -178,7 +190,7 @@ def make_train_iterator(
         )
     if conversations is None:
         conversations, report = formats.load_conversations(
-            list(cfg.train_files),
+            train_files(cfg),
             on_bad_record=cfg.on_bad_record,
             max_records=cfg.max_records or None,
         )
