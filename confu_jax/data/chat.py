@@ -248,16 +248,18 @@ class ChatTokenizer:
             **kwargs,
         )
 
-    def assistant_spans(self, messages: Sequence[dict]) -> list:
+    def assistant_spans(self, messages: Sequence[dict], **template_kwargs) -> list:
         """Character spans [start, end) of each assistant turn in ``render(messages)``: what the model
         generates after the generation prompt, through the turn's last special token."""
-        full = self.render(messages)
+        return self._spans(messages, self.render(messages, **template_kwargs), template_kwargs)
+
+    def _spans(self, messages: Sequence[dict], full: str, template_kwargs: dict) -> list:
         spans = []
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            head = self.render(messages[:i], add_generation_prompt=True)
-            upto = self.render(messages[: i + 1])
+            head = self.render(messages[:i], add_generation_prompt=True, **template_kwargs)
+            upto = self.render(messages[: i + 1], **template_kwargs)
             if not (upto.startswith(head) and full.startswith(upto)):
                 raise ValueError(
                     f"{self.source}: chat template is not prefix-stable at message {i} (assistant): the "
@@ -275,11 +277,15 @@ class ChatTokenizer:
             spans.append((start, end))
         return spans
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False):
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False, **template_kwargs):
         """``(ids, assistant_mask)``: ids == ``encode(render(messages, add_generation_prompt))``;
-        mask True on every token that overlaps an assistant turn's content or its end-of-turn token."""
-        text = self.render(messages, add_generation_prompt=add_generation_prompt)
-        spans = self.assistant_spans(messages)
+        mask True on every token that overlaps an assistant turn's content or its end-of-turn token.
+        ``template_kwargs`` reach the template (e.g. ``date_string`` for Llama-3.x)."""
+        text = self.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        full = self.render(messages, **template_kwargs) if add_generation_prompt else text
+        if not text.startswith(full):
+            raise ValueError(f"{self.source}: the generation prompt rewrites the conversation before it")
+        spans = self._spans(messages, full, template_kwargs)
         enc = self._offsets_tok.encode(text, add_special_tokens=False)
         mask = [any(s < b and e > a for a, b in spans) for s, e in enc.offsets]
         return list(enc.ids), mask
