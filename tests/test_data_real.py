@@ -107,3 +107,16 @@ def test_sharegpt_batches_and_draft_vocab(tok, sharegpt):
     # Everything more frequent than the rarest kept (non-forced) token is kept.
     floor = min(c for t, c in kept.items() if t not in tok.eos_ids)
     assert all(t in kept for t, c in ref.items() if c > floor)
+
+
+def test_encode_transform_crosses_processes_with_the_real_tokenizer(tok, sharegpt):
+    """ChatTokenizer does not pickle (jinja template); workers reload it from its source path."""
+    import pickle
+
+    enc = pipeline._Encode(sharegpt, tok, 128, 1)
+    clone = pickle.loads(pickle.dumps(enc))
+    assert clone._tokenizer is not tok and clone._tokenizer.source == tok.source
+    for i in range(3):
+        a, b = enc.map(i), clone.map(i)
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])

@@ -24,6 +24,8 @@ that position* is an assistant token to predict (assistant content + its end-of-
 from __future__ import annotations
 
 import logging
+import os
+import pickle
 from typing import Protocol, Sequence
 
 import grain
@@ -61,6 +63,10 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.num_epochs = 0  # 0 = repeat forever (train by step count)
     c.num_threads = 2  # grain reader threads per host (tokenisation happens in them)
     c.prefetch_buffer_size = 16  # elements prefetched per host
+    # Worker processes per host building batches (0 = in the training process). Tokenisation holds
+    # the GIL, so threads do not scale it; processes do. The tokenizer must pickle, or have a
+    # ``source`` its class can ``load`` it from (ChatTokenizer), and is re-created in each worker.
+    c.num_workers = 0
     # Draft vocabulary (EAGLE-3 d2t/t2d): the most frequent assistant tokens of the training data.
     c.draft_vocab_size = 16384
     c.draft_vocab_max_records = 0  # conversations counted for the frequencies (0 = all)
@@ -112,14 +118,44 @@ def encode_example(
     return {"tokens": tokens_n, "loss_mask": loss_mask_n, "attention_mask": attention_mask_n}
 
 
+class _Reload:
+    """A tokenizer crossing a process boundary by the path it was loaded from."""
+
+    def __init__(self, cls, source):
+        self.cls, self.source = cls, source
+
+    def load(self):
+        return self.cls.load(self.source)
+
+
 class _Encode(grain.transforms.Map):
-    """Picklable map (grain may move transforms to worker processes)."""
+    """The per-record map; picklable so grain can run it in worker processes."""
 
     def __init__(self, conversations, tokenizer, max_length, min_loss_tokens):
         self._conversations = conversations
         self._tokenizer = tokenizer
         self._max_length = max_length
         self._min_loss_tokens = min_loss_tokens
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        tok = state["_tokenizer"]
+        try:
+            pickle.dumps(tok)
+        except Exception as e:  # e.g. ChatTokenizer holds a compiled jinja template
+            source = getattr(tok, "source", None)
+            if not (source and os.path.exists(source) and hasattr(type(tok), "load")):
+                raise TypeError(
+                    f"data.num_workers > 0 needs a picklable tokenizer or one with a loadable "
+                    f"'source' path; {type(tok).__name__} has neither ({e})"
+                ) from e
+            state["_tokenizer"] = _Reload(type(tok), source)
+        return state
+
+    def __setstate__(self, state):
+        if isinstance(state["_tokenizer"], _Reload):
+            state["_tokenizer"] = state["_tokenizer"].load()
+        self.__dict__.update(state)
 
     def map(self, index):
         index = int(index)
@@ -148,6 +184,7 @@ def make_dataset(
     min_loss_tokens: int = 1,
     num_threads: int = 2,
     prefetch_buffer_size: int = 16,
+    num_workers: int = 0,
 ) -> grain.IterDataset:
     """The grain graph over an in-memory list of normalised conversations (see module doc)."""
     if not conversations:
@@ -164,7 +201,14 @@ def make_dataset(
     ds = ds.map(_Encode(conversations, tokenizer, max_length, min_loss_tokens))
     read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     it_ds = ds.to_iter_dataset(read)  # drops the None rows
-    return it_ds.batch(per_host_batch_size, drop_remainder=True)
+    it_ds = it_ds.batch(per_host_batch_size, drop_remainder=True)
+    if num_workers > 0:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain's workers read its absl flags; outside an absl
+            flags.FLAGS.mark_as_parsed()  # app (tests, notebooks) their defaults are what we want
+        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+    return it_ds
 
 
 def make_train_iterator(
@@ -208,5 +252,6 @@ def make_train_iterator(
         min_loss_tokens=cfg.min_loss_tokens,
         num_threads=cfg.num_threads,
         prefetch_buffer_size=cfg.prefetch_buffer_size,
+        num_workers=cfg.num_workers,
     )
     return iter(ds)
