@@ -95,6 +95,20 @@ def test_wrong_dtype_names_tensor(hf_dir, tmp_path):
         load_model(str(tmp_path))
 
 
+def test_wrong_dtype_gguf_names_tensor(hf_dir, tmp_path):
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, hf_dir[1], extra_tensors={"blk.1.ffn_up.weight": np.zeros((96, 64), np.int32)})
+    with pytest.raises(CheckpointError, match=r"tensor 'blk.1.ffn_up.weight' has GGML type I32, which gguf cannot dequantise"):
+        load_model(path)
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(CheckpointError, match=r"not a GGUF file \(magic b'PK\\x03\\x04', expected b'GGUF'\)"):
+        load_model(str(path))
+
+
 def test_unsupported_requested_dtype(hf_dir):
     with pytest.raises(CheckpointError, match=r"dtype 'int8' not supported; expected one of"):
         load_model(str(hf_dir[0]), dtype="int8")

@@ -17,6 +17,7 @@ import numpy as np
 
 from confu_jax.models.llama import LlamaConfig, rope_inv_freq
 from confu_jax.weights.errors import CheckpointError
+from confu_jax.weights.gguf_file import GGUFContainer
 from confu_jax.weights.tree import assemble
 
 _LAYER_NAMES = {
@@ -41,23 +42,17 @@ def unpermute_qk(w_oi: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class GGUFFile:
-    """Metadata and tensors of one GGUF file (memory mapped by ``gguf.GGUFReader``)."""
+    """Typed metadata access and float32 tensors of one GGUF file."""
 
     def __init__(self, path: str):
-        import gguf  # imported lazily: only GGUF users need it
-
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # gguf raises bare ValueErrors on non-GGUF bytes
-            raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.container = GGUFContainer(path)
+        self.tensors = self.container.tensors
 
     def get(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
+        v = self.container.fields.get(key)
+        if v is None:
             return default
-        v = f.contents()
         if isinstance(v, float):  # stored as float32: 1e-5 reads back as 9.99999974e-06
             v = float(str(np.float32(v)))
         return v
@@ -74,14 +69,18 @@ class GGUFFile:
         from gguf import quants
 
         t = self.tensors[name]
-        qtype = t.tensor_type
-        if qtype not in (Q.F32, Q.F16) and qtype not in quants._type_traits:
+        try:
+            qtype = Q(t.ggml_type)
+        except ValueError:
+            qtype = None
+        if qtype is None or (qtype not in (Q.F32, Q.F16) and qtype not in quants._type_traits):
+            found = qtype.name if qtype is not None else f"unknown id {t.ggml_type}"
             raise CheckpointError(
-                f"{self.path}: tensor {name!r} has GGML type {qtype.name}, which gguf "
-                f"cannot dequantise; expected F32, F16, BF16 or a supported quant type"
+                f"{self.path}: tensor {name!r} has GGML type {found}, which gguf cannot dequantise; "
+                "expected F32, F16, BF16 or a supported quant type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, ...)"
             )
-        w = quants.dequantize(t.data, qtype)
-        return np.asarray(w, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        w = quants.dequantize(self.container.raw(t), qtype)
+        return np.asarray(w, np.float32).reshape(tuple(reversed(t.dims)))
 
 
 def llama3_scaling_from_freqs(divisors: np.ndarray, cfg: LlamaConfig, source: str) -> tuple:
@@ -131,7 +130,7 @@ def read_config(g: GGUFFile, dtype: Optional[str] = None) -> LlamaConfig:
     tokens = g.get("tokenizer.ggml.tokens")
     vocab = g.get(f"{arch}.vocab_size")
     if vocab is None:
-        vocab = len(tokens) if tokens is not None else int(g.tensors["token_embd.weight"].shape[1])
+        vocab = len(tokens) if tokens is not None else int(g.tensors["token_embd.weight"].dims[1])
     eos = [g.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     eos = tuple(dict.fromkeys(int(e) for e in eos if e is not None))
     bos = g.get("tokenizer.ggml.bos_token_id")
