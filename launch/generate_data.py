@@ -160,14 +160,16 @@ def regenerate_batch(
     ]
 
 
-def make_generate_fn(params, cfg, *, max_new_tokens: int, temperature: float, top_p: float, eos_ids):
-    """``generate_fn`` for ``regenerate_batch`` backed by the jitted AR loop."""
+def make_generate_fn(params, cfg, *, max_new_tokens: int, temperature: float, top_p: float, eos_ids,
+                     min_bucket: int = 16):
+    """``generate_fn`` for ``regenerate_batch`` backed by the jitted AR loop (one program per
+    power-of-two prompt bucket >= ``min_bucket``)."""
     from confu_jax.decode.generate import StopReason, generate_ar
 
     def generate_fn(prompts, seed):
         res = generate_ar(
             params, cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, seed=seed, eos_ids=tuple(eos_ids),
+            top_p=top_p, seed=seed, eos_ids=tuple(eos_ids), min_bucket=min_bucket,
         )
         reason_b = np.asarray(res.stop_reason_b)
         return np.asarray(res.tokens_bn), np.asarray(res.n_generated_b), reason_b == StopReason.EOS

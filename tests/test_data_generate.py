@@ -89,7 +89,7 @@ def test_resume_after_kill_on_tiny_model_has_no_duplicates_or_gaps(tmp_path):
     params = init_params(cfg, jax.random.PRNGKey(0))
     tok = FakeChatTokenizer()
     real = gd.make_generate_fn(params, cfg, max_new_tokens=4, temperature=0.0, top_p=1.0,
-                               eos_ids=tok.eos_ids)
+                               eos_ids=tok.eos_ids, min_bucket=32)  # one bucket: one compile
     convs = [_conv(i, 1 + i % 2) for i in range(7)]
     kw = dict(batch_size=2, max_prompt_len=200, progress=False)
 
