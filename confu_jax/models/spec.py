@@ -1,0 +1,113 @@
+"""Static description of a (target, draft head) pair: what every model function is traced with.
+
+``ModelSpec`` is hashable (frozen dataclasses all the way down), so it can be a static argument of
+``jax.jit``. It is built from an ml_collections config with ``model_spec_from_config``; the config
+is the user-facing surface, the spec is what the code reads.
+
+Variants (``HeadConfig.variant``):
+
+* ``eagle3``            — EAGLE-3 draft head; no contemplate tokens, no future token, no extra params.
+* ``confu``             — soft prompts + MoE_con in the target, MoE_f future token in the draft.
+* ``confu_nomoe``       — as ``confu`` with one static embedding instead of each MoE ("-MoE").
+* ``confu_nomoe_norep`` — same model as ``confu_nomoe``; training uses no replication window
+  ("-MoE & replicate"; the window length lives in ``config.confu.replication``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from confu_jax.models.llama import LlamaConfig
+from confu_jax.models.presets import get_preset
+
+VARIANTS = ("eagle3", "confu", "confu_nomoe", "confu_nomoe_norep")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """The draft head and ConFu extras. Widths, heads and RoPE come from the target's LlamaConfig."""
+
+    variant: str = "confu"
+    draft_vocab_size: int = 32000
+    draft_ffn_dim: Optional[int] = None  # None: the target's ffn_dim (EAGLE-3 copies the target's MLP width)
+    tap_layers: Optional[tuple] = None  # None: target.default_taps (EAGLE-3's low/mid/high layers)
+    n_soft_prompts: int = 16
+    n_expert: int = 8
+    expert_top_k: int = 2
+    init_std: float = 0.02
+    soft_prompt_init_std: float = 0.02
+    dtype: str = "float32"  # draft compute dtype
+    param_dtype: str = "float32"  # trainable parameters (soft prompts, MoEs, draft)
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"HeadConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.has_future and self.uses_moe and not 1 <= self.expert_top_k <= self.n_expert:
+            raise ValueError(
+                f"HeadConfig: expert_top_k must be in [1, n_expert={self.n_expert}], got {self.expert_top_k}"
+            )
+        if self.has_future and self.n_soft_prompts < 0:
+            raise ValueError(f"HeadConfig.n_soft_prompts must be >= 0, got {self.n_soft_prompts}")
+
+    @property
+    def has_future(self) -> bool:
+        """Whether the contemplate/future path exists at all (False only for EAGLE-3)."""
+        return self.variant != "eagle3"
+
+    @property
+    def uses_moe(self) -> bool:
+        return self.variant == "confu"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    target: LlamaConfig
+    head: HeadConfig
+
+    def __post_init__(self):
+        taps = self.taps
+        if len(taps) != 3:
+            raise ValueError(f"ModelSpec: EAGLE-3 uses exactly 3 tap layers, got {taps}")
+        for li in taps:
+            if not 0 <= li < self.target.n_layers:
+                raise ValueError(f"ModelSpec: tap layer {li} outside [0, {self.target.n_layers})")
+        if self.head.draft_vocab_size > self.target.vocab_size:
+            raise ValueError(
+                f"ModelSpec: draft_vocab_size {self.head.draft_vocab_size} exceeds the target vocab "
+                f"{self.target.vocab_size}"
+            )
+
+    @property
+    def taps(self) -> tuple:
+        return tuple(self.head.tap_layers) if self.head.tap_layers is not None else self.target.default_taps
+
+    @property
+    def d_model(self) -> int:
+        return self.target.d_model
+
+    @property
+    def draft_ffn_dim(self) -> int:
+        return self.head.draft_ffn_dim or self.target.ffn_dim
+
+
+def model_spec_from_config(config) -> ModelSpec:
+    """Build the spec from an ml_collections config (``config.model``, ``config.confu``, ``config.draft``)."""
+    m, c, d = config.model, config.confu, config.draft
+    target = get_preset(m.preset).replace(
+        dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl
+    )
+    head = HeadConfig(
+        variant=c.variant,
+        draft_vocab_size=int(d.draft_vocab_size),
+        draft_ffn_dim=d.get("ffn_dim", None),
+        tap_layers=tuple(d.tap_layers) if d.get("tap_layers", None) is not None else None,
+        n_soft_prompts=int(c.n_soft_prompts),
+        n_expert=int(c.n_expert),
+        expert_top_k=int(c.expert_top_k),
+        init_std=float(d.init_std),
+        soft_prompt_init_std=float(c.soft_prompt_init_std),
+        dtype=d.dtype,
+        param_dtype=d.param_dtype,
+    )
+    return ModelSpec(target, head)

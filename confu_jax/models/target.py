@@ -1,0 +1,299 @@
+"""The frozen target with ConFu's contemplate machinery (DESIGN.md §4; paper §3.1).
+
+Everything here is a thin layer over ``confu_jax.models.llama.Llama``: the Llama forward already
+attends to [cache slots < cache_len | prefix (soft prompts) for queries that may see it | the
+block under a block mask], so ConFu reduces to choosing those arguments.
+
+Parameter trees (kept separate so an optimizer can never touch the target):
+
+* ``target_params`` — the frozen Llama parameters (``Llama.init`` / ``confu_jax.weights``). Every
+  function here wraps them in ``stop_gradient``, so their gradient is exactly zero.
+* ``confu_params`` — trainable, ``{}`` for EAGLE-3, else::
+
+      {'soft_prompt_k_lphd': [L, s, Hkv, hd],  # keys stored post-RoPE: no rotation is applied
+       'soft_prompt_v_lphd': [L, s, Hkv, hd],
+       'moe_con': {...}}                        # EmbeddingMoE (or StaticEmbedding) on h_cat (3d)
+
+Contemplate token for anchor position q: RoPE position q+1, input embedding
+[con] = MoE_con(h_cat[a]) (a = the last position whose h_cat was known), sees the soft prompts, the
+real tokens at positions <= q and itself; f[q] is its final-normed last-layer state. Real tokens
+never see soft prompts or contemplates, so the target's own outputs are those of the plain model.
+
+Three forms of the contemplate query:
+
+* ``prefill``            prompt pass, commit, then one contemplate after the last prompt token;
+* ``verify``             T tree nodes + T contemplates in one 2T block ([T nodes | T contemplates]);
+* ``contemplate_queries`` the training form: K contemplates against per-layer K/V of an already
+  computed real-token pass (sequence cost N+K, not 2N), differentiable w.r.t. ``confu_params``.
+
+Cache convention: slot i of the target cache holds the token at RoPE position i (commits are
+contiguous from 0), so "real tokens <= q" is "cache slots < q+1".
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from confu_jax.decode.cache import KVCache, commit
+from confu_jax.models.llama import Llama, LlamaOutput
+from confu_jax.models.moe import make_token_embedder
+from confu_jax.models.spec import ModelSpec
+
+
+class VerifyOutput(NamedTuple):
+    logits_btv: jax.Array  # [B,T,V] float32, target logits at each tree node
+    h_cat_btc: jax.Array  # [B,T,3d] EAGLE-3 taps of each node (next draft features)
+    f_btd: Optional[jax.Array]  # [B,T,d] future vector of the contemplate after each node; None for eagle3
+    k_new_lbthd: jax.Array  # [L,B,T,Hkv,hd] the nodes' post-RoPE keys (contemplates' are never kept)
+    v_new_lbthd: jax.Array
+
+
+class PrefillOutput(NamedTuple):
+    last_logits_bv: jax.Array  # [B,V] float32 logits at the last prompt token (samples the first bonus)
+    h_cat_btc: jax.Array  # [B,T,3d] taps of every prompt token (draft features for the draft prefill)
+    f_bd: Optional[jax.Array]  # [B,d] f of the contemplate after the last prompt token; None for eagle3
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _con_embedder(spec: ModelSpec):
+    h, t = spec.head, spec.target
+    return make_token_embedder(h.uses_moe, h.n_expert, h.expert_top_k, t.d_model, h.init_std,
+                               jnp.dtype(t.dtype), jnp.dtype(h.param_dtype))
+
+
+def init_confu_params(spec: ModelSpec, rng: jax.Array) -> dict:
+    """Random soft prompts (normal, ``soft_prompt_init_std``) and MoE_con; ``{}`` for eagle3."""
+    if not spec.head.has_future:
+        return {}
+    t, h = spec.target, spec.head
+    k_rng, v_rng, m_rng = jax.random.split(rng, 3)
+    shape = (t.n_layers, h.n_soft_prompts, t.n_kv_heads, t.head_dim)
+    pd = jnp.dtype(h.param_dtype)
+    c = len(spec.taps) * t.d_model
+    return {
+        "soft_prompt_k_lphd": (h.soft_prompt_init_std * jax.random.normal(k_rng, shape)).astype(pd),
+        "soft_prompt_v_lphd": (h.soft_prompt_init_std * jax.random.normal(v_rng, shape)).astype(pd),
+        "moe_con": _con_embedder(spec).init(m_rng, jnp.zeros((1, c), jnp.float32))["params"],
+    }
+
+
+def soft_prompts_from_tokens(spec: ModelSpec, target_params: dict, tokens_s: jax.Array) -> tuple:
+    """Soft prompts initialised as the target's own K/V of ``s`` real tokens at positions 0..s-1.
+
+    A data-aware alternative to random init (BiTA-style): the prompts start inside the
+    distribution of keys the target's attention already handles. Returns (k_lphd, v_lphd).
+    """
+    s = tokens_s.shape[0]
+    if s != spec.head.n_soft_prompts:
+        raise ValueError(f"soft_prompts_from_tokens: expected {spec.head.n_soft_prompts} tokens, got {s}")
+    out = Llama(spec.target).apply({"params": target_params}, tokens_s[None], jnp.arange(s)[None],
+                                   return_logits=False)
+    pd = jnp.dtype(spec.head.param_dtype)
+    return out.k_new_lbthd[:, 0].astype(pd), out.v_new_lbthd[:, 0].astype(pd)
+
+
+def con_embedding(spec: ModelSpec, confu_params: dict, h_cat_nc: jax.Array) -> jax.Array:
+    """[con] = MoE_con(h_cat) (or the static embedding), in the target's compute dtype."""
+    _require_future(spec, confu_params, "con_embedding")
+    return _con_embedder(spec).apply({"params": confu_params["moe_con"]}, h_cat_nc)
+
+
+def _require_future(spec: ModelSpec, confu_params, fn: str):
+    if not spec.head.has_future:
+        raise ValueError(f"{fn}: variant 'eagle3' has no contemplate path")
+    if not confu_params or "soft_prompt_k_lphd" not in confu_params:
+        raise ValueError(f"{fn}: confu_params lacks 'soft_prompt_k_lphd' (got keys {sorted(confu_params or {})})")
+
+
+# ----------------------------------------------------------------------------- layout helpers
+
+
+def ancestors_from_parents(parents_bt: jax.Array) -> jax.Array:
+    """Ancestor-or-self mask [B,T,T] from parent indices [B,T] (-1 for a root; parent < child).
+
+    ``anc[b, i, j]`` is True iff node j is node i or one of its ancestors.
+    """
+    b, t = parents_bt.shape
+    eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+    has_parent = parents_bt >= 0
+    par = jnp.where(has_parent, parents_bt, 0)
+
+    def body(_, anc):
+        from_parent = jnp.take_along_axis(anc, par[:, :, None], axis=1)  # row of each node's parent
+        return eye | (from_parent & has_parent[:, :, None])
+
+    return jax.lax.fori_loop(0, t, body, eye)
+
+
+def depth_from_ancestors(anc_btt: jax.Array) -> jax.Array:
+    """Depth [B,T] (root 0) = number of strict ancestors."""
+    return jnp.sum(anc_btt, axis=-1).astype(jnp.int32) - 1
+
+
+def verification_layout(anc_btt: jax.Array, base_pos_b: jax.Array, depth_bt: Optional[jax.Array] = None):
+    """Positions, block mask and soft-prompt visibility of the 2T verification block.
+
+    Layout ``[T nodes | T contemplates]``; contemplate i belongs to node i.
+    Node i at depth k has position base+k (base = p+1, the root/bonus position) and sees its
+    ancestors and itself; contemplate i has position base+k+1 and sees node i's ancestors, node i
+    and itself (plus the soft prompts). Nodes never see contemplates; both see the whole cache.
+    Returns (positions [B,2T] int32, block_mask [B,2T,2T] bool, prefix_visible [B,2T] bool).
+    """
+    b, t, _ = anc_btt.shape
+    if depth_bt is None:
+        depth_bt = depth_from_ancestors(anc_btt)
+    node_pos = base_pos_b[:, None].astype(jnp.int32) + depth_bt.astype(jnp.int32)
+    positions = jnp.concatenate([node_pos, node_pos + 1], axis=1)
+    none = jnp.zeros((b, t, t), bool)
+    eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+    top = jnp.concatenate([anc_btt, none], axis=2)
+    bottom = jnp.concatenate([anc_btt, eye], axis=2)
+    mask = jnp.concatenate([top, bottom], axis=1)
+    prefix_visible = jnp.concatenate([jnp.zeros((b, t), bool), jnp.ones((b, t), bool)], axis=1)
+    return positions, mask, prefix_visible
+
+
+# ----------------------------------------------------------------------------- forwards
+
+
+def _llama(spec: ModelSpec) -> Llama:
+    return Llama(spec.target)
+
+
+def lm_logits(spec: ModelSpec, target_params: dict, hidden_btd: jax.Array) -> jax.Array:
+    """The target's LM head (float32) on final-normed hidden states."""
+    return _llama(spec).apply({"params": jax.lax.stop_gradient(target_params)}, hidden_btd,
+                              method=Llama.logits)
+
+
+def embed_tokens(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array) -> jax.Array:
+    return _llama(spec).apply({"params": jax.lax.stop_gradient(target_params)}, tokens_bt,
+                              method=Llama.embed_tokens)
+
+
+def real_forward(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array,
+                 positions_bt: Optional[jax.Array] = None, *, return_logits: bool = True) -> LlamaOutput:
+    """Plain causal target pass with EAGLE-3 taps (the training form's real-token pass).
+
+    Nothing in it is trainable; its K/V (``k_new_lbthd``) are what ``contemplate_queries`` attends.
+    """
+    b, n = tokens_bt.shape
+    if positions_bt is None:
+        positions_bt = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    return _llama(spec).apply({"params": jax.lax.stop_gradient(target_params)}, tokens_bt, positions_bt,
+                              tap_layers=spec.taps, return_logits=return_logits)
+
+
+def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict, k_lbshd: jax.Array,
+                        v_lbshd: jax.Array, anchors_bk: jax.Array, con_src_bkc: jax.Array) -> jax.Array:
+    """f for K contemplate tokens, each after its anchor, against precomputed real-token K/V.
+
+    ``k_lbshd``/``v_lbshd`` [L,B,S,Hkv,hd]: post-RoPE K/V of real tokens, slot i = position i (a
+    ``real_forward``'s ``k_new_lbthd`` or a committed cache). ``anchors_bk`` [B,K] int: anchor
+    positions q; contemplate k has position q+1 and sees slots <= q, the soft prompts and itself
+    (not the other contemplates). ``con_src_bkc`` [B,K,3d]: the h_cat that MoE_con reads (training:
+    h_cat[q - δ]). Returns f [B,K,d]. Differentiable w.r.t. ``confu_params`` only.
+    """
+    _require_future(spec, confu_params, "contemplate_queries")
+    b, k = anchors_bk.shape
+    anchors_bk = anchors_bk.astype(jnp.int32)
+    emb_bkd = con_embedding(spec, confu_params, con_src_bkc)
+    eye = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
+    out = _llama(spec).apply(
+        {"params": jax.lax.stop_gradient(target_params)},
+        None,
+        anchors_bk + 1,
+        embeds_btd=emb_bkd,
+        block_mask_btt=eye,
+        cache_k_lbshd=jax.lax.stop_gradient(k_lbshd),
+        cache_v_lbshd=jax.lax.stop_gradient(v_lbshd),
+        cache_len_bt=anchors_bk + 1,
+        prefix_k_lphd=confu_params["soft_prompt_k_lphd"],
+        prefix_v_lphd=confu_params["soft_prompt_v_lphd"],
+        prefix_visible_bt=jnp.ones((b, k), bool),
+        return_logits=False,
+    )
+    return out.hidden_btd
+
+
+def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCache,
+            tokens_bt: jax.Array, n_tokens_b: jax.Array) -> tuple[PrefillOutput, KVCache]:
+    """Run a (right-padded) prompt block, commit it, then the first contemplate query.
+
+    Row b's prompt is ``tokens_bt[b, :n_tokens_b[b]]``, appended after the row's ``cache.length``
+    tokens. The contemplate sits after the last prompt token (anchor q = its position) with
+    [con] = MoE_con(h_cat of the token before it) — lag 1, clipped to the block's first token.
+    Cost: T (+1 for ConFu) target tokens. Returns the outputs and the cache with the prompt committed.
+    """
+    b, t = tokens_bt.shape
+    n_tokens_b = n_tokens_b.astype(jnp.int32)
+    positions = cache.length_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    out = _llama(spec).apply(
+        {"params": jax.lax.stop_gradient(target_params)},
+        tokens_bt,
+        positions,
+        cache_k_lbshd=cache.k_lbshd,
+        cache_v_lbshd=cache.v_lbshd,
+        cache_len_bt=cache.length_b,
+        tap_layers=spec.taps,
+        return_logits=False,
+    )
+    new_cache = commit(cache, out.k_new_lbthd, out.v_new_lbthd, n_tokens_b)
+    rows = jnp.arange(b)
+    last = jnp.maximum(n_tokens_b - 1, 0)
+    last_logits = lm_logits(spec, target_params, out.hidden_btd[rows, last][:, None])[:, 0]
+    f_bd = None
+    if spec.head.has_future:
+        src = out.taps_btc[rows, jnp.maximum(n_tokens_b - 2, 0)]  # h_cat of the token before the anchor
+        anchor = (cache.length_b + last)[:, None]
+        f_bd = contemplate_queries(spec, target_params, confu_params, new_cache.k_lbshd, new_cache.v_lbshd,
+                                   anchor, src[:, None])[:, 0]
+    return PrefillOutput(last_logits, out.taps_btc, f_bd), new_cache
+
+
+def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCache, tokens_bt: jax.Array,
+           anc_btt: jax.Array, con_src_bc: Optional[jax.Array] = None,
+           depth_bt: Optional[jax.Array] = None) -> VerifyOutput:
+    """Score T tree nodes (and, for ConFu, their T contemplates) in one target pass.
+
+    ``tokens_bt`` [B,T]: node tokens, node 0 the root (the bonus token x[p+1]) at position
+    ``cache.length_b`` (= p+1); ``anc_btt`` [B,T,T] ancestor-or-self mask (``ancestors_from_parents``);
+    ``con_src_bc`` [B,3d]: h_cat[p] of the last accepted token (ConFu only), shared by all T
+    contemplates. Block layout: ``verification_layout``. Cost: T tokens (eagle3) or 2T (ConFu).
+    The caller commits accepted nodes with ``commit(cache, out.k_new_lbthd, out.v_new_lbthd, n,
+    src_idx_bt=path)``.
+    """
+    b, t = tokens_bt.shape
+    if depth_bt is None:
+        depth_bt = depth_from_ancestors(anc_btt)
+    tp = jax.lax.stop_gradient(target_params)
+    common = dict(cache_k_lbshd=cache.k_lbshd, cache_v_lbshd=cache.v_lbshd, cache_len_bt=cache.length_b,
+                  tap_layers=spec.taps, return_logits=False)
+    if not spec.head.has_future:
+        positions = cache.length_b[:, None] + depth_bt.astype(jnp.int32)
+        out = _llama(spec).apply({"params": tp}, tokens_bt, positions, block_mask_btt=anc_btt, **common)
+        return VerifyOutput(lm_logits(spec, tp, out.hidden_btd), out.taps_btc, None,
+                            out.k_new_lbthd, out.v_new_lbthd)
+    _require_future(spec, confu_params, "verify")
+    if con_src_bc is None:
+        raise ValueError("verify: ConFu variants need con_src_bc [B,3d] (h_cat of the last accepted token)")
+    positions, mask, prefix_visible = verification_layout(anc_btt, cache.length_b, depth_bt)
+    node_emb = embed_tokens(spec, tp, tokens_bt)
+    con_emb = con_embedding(spec, confu_params, con_src_bc)[:, None].astype(node_emb.dtype)
+    embeds = jnp.concatenate([node_emb, jnp.broadcast_to(con_emb, node_emb.shape)], axis=1)
+    out = _llama(spec).apply(
+        {"params": tp}, None, positions, embeds_btd=embeds, block_mask_btt=mask,
+        prefix_k_lphd=confu_params["soft_prompt_k_lphd"], prefix_v_lphd=confu_params["soft_prompt_v_lphd"],
+        prefix_visible_bt=prefix_visible, **common)
+    return VerifyOutput(
+        lm_logits(spec, tp, out.hidden_btd[:, :t]),
+        out.taps_btc[:, :t],
+        out.hidden_btd[:, t:],
+        out.k_new_lbthd[:, :, :t],
+        out.v_new_lbthd[:, :, :t],
+    )

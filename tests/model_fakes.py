@@ -1,0 +1,60 @@
+"""Tiny random target + ConFu head for model-component tests (no checkpoint, CPU, float32)."""
+
+import jax
+import numpy as np
+
+import jax.numpy as jnp
+
+from confu_jax.models.llama import param_shapes
+from confu_jax.models.params import trainable_shapes
+from confu_jax.models.presets import get_preset
+from confu_jax.models.spec import HeadConfig, ModelSpec
+
+DRAFT_VOCAB = 96
+
+
+def tiny_spec(variant: str = "confu", **head_kw) -> ModelSpec:
+    # init scales large enough that soft prompts, [con] and [f] visibly move outputs
+    kw = dict(variant=variant, draft_vocab_size=DRAFT_VOCAB, n_soft_prompts=4, n_expert=4, expert_top_k=2,
+              init_std=0.2, soft_prompt_init_std=1.0)
+    kw.update(head_kw)
+    return ModelSpec(get_preset("tiny"), HeadConfig(**kw))
+
+
+def _fill(shapes, rng: np.random.Generator, std: float, overrides: dict):
+    """Random values for a shape tree with numpy: no XLA compile (JAX's PRNG compiles slowly on CPU).
+    Norm scales are 1 + noise; leaves whose path contains a key of ``overrides`` use that std."""
+
+    def leaf(path, x):
+        names = [getattr(k, "key", "") for k in path]
+        if names[-1] == "scale":
+            return jnp.asarray(1.0 + 0.1 * rng.standard_normal(x.shape), x.dtype)
+        s = next((v for k, v in overrides.items() if k in names), std)
+        return jnp.asarray(s * rng.standard_normal(x.shape), x.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, shapes)
+
+
+def tiny_params(spec: ModelSpec, seed: int = 0):
+    """(target_params, trainable) — ``trainable = {'draft': ..., 'confu': ...}``."""
+    rng = np.random.default_rng(seed)
+    target = _fill(param_shapes(spec.target), rng, 0.1, {})
+    trainable = _fill(trainable_shapes(spec), rng, spec.head.init_std,
+                      {"soft_prompt_k_lphd": spec.head.soft_prompt_init_std,
+                       "soft_prompt_v_lphd": spec.head.soft_prompt_init_std})
+    return target, trainable
+
+
+def random_parents(rng: np.random.Generator, t: int) -> np.ndarray:
+    """A random tree in topological order: node 0 the root, parent[i] < i (often i-1 for depth)."""
+    parents = np.full((t,), -1, np.int32)
+    for i in range(1, t):
+        parents[i] = i - 1 if rng.random() < 0.4 else rng.integers(0, i)
+    return parents
+
+
+def path_to(parents: np.ndarray, i: int) -> list:
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
