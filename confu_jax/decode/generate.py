@@ -242,17 +242,12 @@ generate_padded_jit = jax.jit(
 )
 
 
-def generate_ar(params, cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens: int = 128,
-                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
-                min_bucket: int = 16) -> GenerateResult:
-    """Generate up to ``max_new_tokens`` per prompt with one compiled program.
-
-    ``prompts``: a list of token-id lists (any lengths), or a [B, T] array of right-padded
-    prompts together with ``lengths`` [B]. ``eos_ids`` defaults to ``cfg.eos_token_ids`` (pass
-    ``()`` to disable EOS stopping). ``max_len`` is the KV-cache size in slots (default: bucket +
-    max_new_tokens, enough that no row hits it). Temperature 0 is greedy.
-    """
+def prepare_ar_inputs(cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens: int = 128,
+                      temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                      eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
+                      min_bucket: int = 16):
+    """Validate and pad on the host -> (dynamic args after ``params``, static kwargs) of
+    ``generate_padded_jit``. Arguments as in ``generate_ar``."""
     if lengths is None:
         tokens_bt, lengths_b = pad_prompts(prompts, min_bucket)
     else:
@@ -269,8 +264,11 @@ def generate_ar(params, cfg: LlamaConfig, prompts, *, lengths=None, max_new_toke
         tokens_bt[:, : arr.shape[1]] = arr
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not (temperature >= 0.0 and 0.0 < top_p <= 1.0):
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1; got temperature={temperature}, "
+                         f"top_p={top_p}")
     bucket = tokens_bt.shape[1]
-    max_len = int(max_len) if max_len is not None else bucket + int(max_new_tokens)
+    max_len = int(max_len) if max_len else bucket + int(max_new_tokens)
     if int(lengths_b.max()) > max_len:
         raise ValueError(f"KV cache of max_len={max_len} slots cannot hold a prompt of "
                          f"{int(lengths_b.max())} tokens")
@@ -281,8 +279,32 @@ def generate_ar(params, cfg: LlamaConfig, prompts, *, lengths=None, max_new_toke
     if any(e < 0 for e in eos):
         raise ValueError(f"eos_ids must be token ids >= 0, got {eos}")
     eos_e = np.asarray(eos or [-1], np.int32)  # -1 matches no token: EOS stopping off
-    return generate_padded_jit(
-        params, jnp.asarray(tokens_bt), jnp.asarray(lengths_b), jnp.float32(temperature),
-        jnp.float32(top_p), jnp.asarray(eos_e), jax.random.PRNGKey(seed), cfg=cfg,
-        max_new_tokens=int(max_new_tokens), max_len=max_len,
-    )
+    args = (jnp.asarray(tokens_bt), jnp.asarray(lengths_b), jnp.float32(temperature),
+            jnp.float32(top_p), jnp.asarray(eos_e), jax.random.PRNGKey(seed))
+    static = dict(cfg=cfg, max_new_tokens=int(max_new_tokens), max_len=max_len)
+    return args, static
+
+
+def generate_ar(params, cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens: int = 128,
+                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
+                min_bucket: int = 16) -> GenerateResult:
+    """Generate up to ``max_new_tokens`` per prompt with one compiled program.
+
+    ``prompts``: a list of token-id lists (any lengths), or a [B, T] array of right-padded
+    prompts together with ``lengths`` [B]. ``eos_ids`` defaults to ``cfg.eos_token_ids`` (pass
+    ``()`` to disable EOS stopping). ``max_len`` is the KV-cache size in slots (default: bucket +
+    max_new_tokens, enough that no row hits it). Temperature 0 is greedy.
+    """
+    args, static = prepare_ar_inputs(
+        cfg, prompts, lengths=lengths, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_p=top_p, seed=seed, eos_ids=eos_ids, max_len=max_len, min_bucket=min_bucket)
+    return generate_padded_jit(params, *args, **static)
+
+
+def compile_ar(params, cfg: LlamaConfig, prompts, **kw):
+    """Ahead-of-time compile for these prompts/settings -> (run, args): ``run(params, *args)``
+    returns a ``GenerateResult`` without tracing or compiling. Lets benchmarks time compilation
+    separately; keyword arguments as in ``generate_ar``."""
+    args, static = prepare_ar_inputs(cfg, prompts, **kw)
+    return generate_padded_jit.lower(params, *args, **static).compile(), args

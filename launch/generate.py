@@ -1,0 +1,112 @@
+"""Chat with a target model from the command line.
+
+    python -m launch.generate --prompt "What is speculative decoding?"
+    python -m launch.generate --prompt "Hi" --temperature 0.7 --top_p 0.9 --seed 1
+    python -m launch.generate --prompt "Hi" --config.decode.max_new_tokens=64
+
+The prompt is wrapped as one user turn and rendered with the checkpoint's chat template (generation
+prompt appended). The completion goes to stdout; timing (compile time, tokens/s) to stderr, so the
+output pipes cleanly. ``--max_new_tokens/--temperature/--top_p/--seed`` are shorthands for the
+matching ``--config.decode.*`` fields and win over them when given.
+
+Decoding methods are looked up in ``METHODS``; speculative methods register there when they land.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Callable, NamedTuple
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "configs", "generate.py")
+
+
+class MethodOutput(NamedTuple):
+    tokens: list  # emitted token ids (the stop token included when it was emitted)
+    stop_reason: str
+    compile_s: float  # tracing + XLA compilation, paid once per shape bucket
+    decode_s: float  # prefill + decode of this prompt, compiled program only
+
+
+def run_ar(params, cfg, prompt_ids: list, decode, eos_ids) -> MethodOutput:
+    """Jitted autoregressive decoding (``confu_jax.decode.generate``)."""
+    import jax
+    import numpy as np
+
+    from confu_jax.decode.generate import StopReason, compile_ar
+
+    t0 = time.perf_counter()
+    run, args = compile_ar(
+        params, cfg, [prompt_ids], max_new_tokens=decode.max_new_tokens,
+        temperature=decode.temperature, top_p=decode.top_p, seed=decode.seed, eos_ids=eos_ids,
+        max_len=decode.max_len or None, min_bucket=decode.min_bucket)
+    t1 = time.perf_counter()
+    res = jax.block_until_ready(run(params, *args))
+    t2 = time.perf_counter()
+    n = int(np.asarray(res.n_generated_b)[0])
+    tokens = np.asarray(res.tokens_bn)[0, :n].tolist()
+    reason = StopReason(int(np.asarray(res.stop_reason_b)[0])).name.lower()
+    return MethodOutput(tokens, reason, t1 - t0, t2 - t1)
+
+
+# --method name -> fn(params, cfg, prompt_ids, config.decode, eos_ids) -> MethodOutput
+METHODS: dict[str, Callable[..., MethodOutput]] = {"ar": run_ar}
+
+flags.DEFINE_string("prompt", None, "user message; rendered with the model's chat template", required=True)
+flags.DEFINE_string("model", "smollm2-135m-instruct",
+                    "target model: an asset name (smollm2-135m-instruct), a .gguf file, or a Hugging "
+                    "Face directory with config.json + model.safetensors + tokenizer.json")
+flags.DEFINE_enum("method", "ar", sorted(METHODS),
+                  "decoding method: 'ar' = jitted autoregressive decoding (speculative methods to come)")
+flags.DEFINE_integer("max_new_tokens", None, "most tokens to generate (overrides config.decode.max_new_tokens)")
+flags.DEFINE_float("temperature", None, "sampling temperature, 0 = greedy (overrides config.decode.temperature)")
+flags.DEFINE_float("top_p", None, "nucleus sampling mass in (0, 1], 1 = off (overrides config.decode.top_p)")
+flags.DEFINE_integer("seed", None, "RNG seed for sampling (overrides config.decode.seed)")
+config_flags.DEFINE_config_file(
+    "config", _DEFAULT_CONFIG,
+    "ml_collections config file with the decode settings (fields: decode.max_new_tokens, "
+    "decode.temperature, decode.top_p, decode.seed, decode.min_bucket, decode.max_len, chat.system); "
+    "override fields with --config.decode.top_p=0.9 etc.",
+    lock_config=True)
+FLAGS = flags.FLAGS
+
+
+def resolved_config():
+    """The config with the shorthand flags applied (they win over --config.decode.*)."""
+    config = FLAGS.config
+    for name in ("max_new_tokens", "temperature", "top_p", "seed"):
+        value = getattr(FLAGS, name)
+        if value is not None:
+            with config.unlocked():
+                setattr(config.decode, name, value)
+    return config
+
+
+def main(argv):
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU backend" noise
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected positional arguments {argv[1:]}; pass the text with --prompt")
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    config = resolved_config()
+    tok = ChatTokenizer.load(FLAGS.model)
+    cfg, params = load_model(FLAGS.model)
+    messages = [{"role": "system", "content": config.chat.system}] if config.chat.system else []
+    messages.append({"role": "user", "content": FLAGS.prompt})
+    prompt_ids = tok.encode(tok.render(messages, add_generation_prompt=True))
+    out = METHODS[FLAGS.method](params, cfg, prompt_ids, config.decode, tok.eos_ids)
+    print(tok.decode(out.tokens, skip_special_tokens=True).strip())
+    print(f"[{FLAGS.method}] prompt {len(prompt_ids)} tokens, generated {len(out.tokens)} "
+          f"(stop: {out.stop_reason}) in {out.decode_s:.2f} s = {len(out.tokens) / out.decode_s:.1f} "
+          f"tokens/s; compile {out.compile_s:.1f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    app.run(main)
