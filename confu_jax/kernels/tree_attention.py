@@ -1,0 +1,406 @@
+"""Pallas kernel for ConFu tree-verification attention (GPU), plus its jnp reference.
+
+One verification pass scores 2T queries per row (T tree nodes, one contemplate token after each)
+against three key blocks: the committed cache (thousands of slots, a valid length per row), the
+soft prompts (a handful of keys, visible to contemplate rows only) and the 2T tree tokens
+themselves under the tree mask. The cache dominates the bytes, so the kernel is a flash-decoding
+(split-K) kernel over the cache whose query tile is *all* queries of a row that share one KV head:
+rows ``r = t * G + g`` (tree position t, head g of the GQA group), so a K/V tile is loaded once
+for G·2T queries instead of once per head.
+
+Grid ``(n_m, J, B * Hkv)``: ``n_m`` row tiles of ``block_m`` rows; ``J = k_splits + 1`` column
+programs, the first ``k_splits`` each owning a contiguous range of cache slots and the last one
+owning the soft prompts and the tree block. Every program keeps an online-softmax state
+``(o, m, l)`` in float32 and writes it unnormalised; a small jnp epilogue merges the J states
+(flash-decoding's final reduction) and divides once. Skipping:
+
+* cache tiles at or past ``max(len)`` of the row tile are never loaded (the loop bound is
+  dynamic), so a split beyond every row's length costs one empty program and a cache of length 0
+  costs nothing;
+* the soft-prompt block is skipped when no row of the tile is a contemplate row;
+* each tree key tile is skipped when the tree mask is all-false on it (padding rows, early nodes
+  against later keys).
+
+Lengths are per query row (``cache_len_bt`` [B, T] or [B]), which covers both verification (all
+queries of a row see the same length) and ConFu's training form (per-query lengths); there is no
+fallback to the reference. Rows that see no key return zeros, as the reference does.
+
+Backend choice (JAX 0.10.2, the version pinned here): **Triton lowering**, selected explicitly
+with ``compiler_params=pallas.triton.CompilerParams``.
+
+* In 0.10.2 a ``pallas_call`` without compiler params lowers to Mosaic GPU
+  (``jax_pallas_use_mosaic_gpu`` is on), but JAX already warns that ``pallas_call`` for Mosaic GPU
+  is deprecated in favour of ``plgpu.kernel`` (warp-group programming with TMA/WGMMA), and that
+  API's interpreter is private and partial in 0.10.2. A Mosaic GPU kernel could therefore not be
+  checked numerically on a CPU-only CI, which is the one place this project can check it.
+* The Triton backend's block-level model fits this kernel: ragged per-row lengths become masked
+  loads and dynamic loop bounds, the query tile is small (2T·G rows) and its dots need only
+  16-wide tiles. JAX's own split-K GQA decode kernel (``jax.experimental.pallas.ops.gpu.
+  decode_attention``) is written the same way.
+* The same kernel body runs under Pallas' generic interpreter (``interpret=True``) on CPU for the
+  numeric tests, and its CUDA lowering (jaxpr → Triton IR, compute capability 9.0 = H100 when no
+  GPU is attached) runs at JAX lowering time, so CPU CI catches lowering breakage too.
+* JAX's changelog deprecates the Triton backend in 0.11 (which also needs Python >= 3.12). The
+  port to ``plgpu.kernel`` (template: ``ops/gpu/attention_mgpu.py``) belongs with that upgrade;
+  :func:`masked_attention_reference` and ``tests/test_tree_attention.py`` are the spec it must meet.
+
+Inference only: there is no VJP (training runs the XLA path).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from confu_jax.models.attention import NEG_INF, masked_attention_reference
+
+__all__ = [
+    "masked_attention_pallas",
+    "tree_attention_reference",
+    "dense_masked_attention",
+    "default_tiling",
+    "resolve_attention_impl",
+]
+
+# The jnp reference with the kernel's signature (the issue's "jnp reference"): it is the XLA path
+# every other caller uses, so kernel and XLA path are compared against one definition.
+tree_attention_reference = masked_attention_reference
+
+_MIN_TILE = 16  # Triton dots need every dimension >= 16, and tiles must be powers of two.
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def default_tiling(n_rows: int, cache_len_max: int, head_dim: int) -> dict:
+    """Tile sizes for an H100; the benchmark overrides them to sweep.
+
+    ``block_m`` covers up to 128 query rows (a 128 x 128 float32 accumulator over 8 warps is 64
+    registers per thread); ``k_splits`` gives each cache split ~2k slots, enough work per program
+    to amortise the extra float32 partial it writes, and at most 16 splits.
+    """
+    block_m = min(128, max(_MIN_TILE, _next_pow2(n_rows)))
+    block_k = 64 if head_dim >= 128 else 128
+    k_splits = max(1, min(16, -(-cache_len_max // 2048))) if cache_len_max > 0 else 0
+    return dict(block_m=block_m, block_k=block_k, k_splits=k_splits,
+                num_warps=8 if block_m * head_dim >= 128 * 128 else 4, num_stages=2)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _online_update(carry, s_mk, visible_mk, v_kd):
+    """One flash-attention step over a key tile; masked entries contribute exactly zero."""
+    o_md, m_m, l_m = carry
+    s_mk = jnp.where(visible_mk, s_mk, NEG_INF)
+    m_new = jnp.maximum(m_m, jnp.max(s_mk, axis=1))
+    alpha = jnp.exp(m_m - m_new)
+    p_mk = jnp.where(visible_mk, jnp.exp(s_mk - m_new[:, None]), 0.0)
+    l_new = alpha * l_m + jnp.sum(p_mk, axis=1)
+    pv_md = jnp.dot(p_mk.astype(v_kd.dtype), v_kd, preferred_element_type=jnp.float32)
+    return alpha[:, None] * o_md + pv_md, m_new, l_new
+
+
+def _scores(q_md, k_kd, scale):
+    """q @ k^T in float32 (IEEE for float32 inputs, tensor cores for bf16)."""
+    s = lax.dot_general(q_md, k_kd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return s * scale
+
+
+def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: int,
+                           split_len: int, block_k: int, block_kt: int, n_tree_tiles: int,
+                           prefix_len: int, prefix_pad: int, scale: float):
+    refs = list(refs)
+    q_ref, kb_ref, vb_ref, mask_ref = refs[:4]
+    rest = refs[4:]
+    if has_cache:
+        lens_ref, kc_ref, vc_ref, *rest = rest
+    if has_prefix:
+        pvis_ref, kp_ref, vp_ref, *rest = rest
+    o_ref, m_ref, l_ref = rest
+
+    j = pl.program_id(1)
+    q_md = q_ref[...]
+    block_m, head_dim = q_md.shape
+    init = (jnp.zeros((block_m, head_dim), jnp.float32),
+            jnp.full((block_m,), NEG_INF, jnp.float32),
+            jnp.zeros((block_m,), jnp.float32))
+
+    def cache_part():
+        lens_m = lens_ref[...]
+        start = j * split_len
+        hi = jnp.minimum(start + split_len, jnp.max(lens_m))
+        n_tiles = jnp.maximum(hi - start + block_k - 1, 0) // block_k
+
+        def body(it, carry):
+            k0 = start + it * block_k
+            cols_k = k0 + jnp.arange(block_k, dtype=jnp.int32)
+            load_kd = jnp.broadcast_to((cols_k < hi)[:, None], (block_k, head_dim))
+            k_kd = pltriton.load(kc_ref.at[pl.ds(k0, block_k), :], mask=load_kd, other=0.0)
+            v_kd = pltriton.load(vc_ref.at[pl.ds(k0, block_k), :], mask=load_kd, other=0.0)
+            visible = cols_k[None, :] < lens_m[:, None]
+            return _online_update(carry, _scores(q_md, k_kd, scale), visible, v_kd)
+
+        return lax.fori_loop(0, n_tiles, body, init)
+
+    def extra_part():
+        carry = init
+        if has_prefix:
+            pvis_m = pvis_ref[...]
+            cols_p = jnp.arange(prefix_pad, dtype=jnp.int32)
+            visible = (pvis_m[:, None] > 0) & (cols_p[None, :] < prefix_len)
+
+            def with_prefix(c):
+                return _online_update(c, _scores(q_md, kp_ref[...], scale), visible, vp_ref[...])
+
+            carry = lax.cond(jnp.max(pvis_m) > 0, with_prefix, lambda c: c, carry)
+        for kt in range(n_tree_tiles):  # static: 2T is small
+            tile = pl.ds(kt * block_kt, block_kt)
+            mask_mk = mask_ref[:, tile].astype(jnp.int32)
+
+            def with_tile(c, tile=tile, mask_mk=mask_mk):
+                s = _scores(q_md, kb_ref[tile, :], scale)
+                return _online_update(c, s, mask_mk > 0, vb_ref[tile, :])
+
+            carry = lax.cond(jnp.max(mask_mk) > 0, with_tile, lambda c: c, carry)
+        return carry
+
+    if has_cache:
+        o_md, m_m, l_m = lax.cond(j < k_splits, cache_part, extra_part)
+    else:
+        o_md, m_m, l_m = extra_part()
+    o_ref[...] = o_md
+    m_ref[...] = m_m
+    l_ref[...] = l_m
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _rows(x_bt, g: int, m_pad: int, fill=0):
+    """[B, T, ...] per-query values -> [B, M_pad, ...] per kernel row r = t*G + g."""
+    x = jnp.repeat(x_bt, g, axis=1)
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, m_pad - x.shape[1])
+    return jnp.pad(x, pad, constant_values=fill)
+
+
+def masked_attention_pallas(
+    q_bthd: jax.Array,
+    k_blk_bthd: jax.Array,
+    v_blk_bthd: jax.Array,
+    block_mask_btt: jax.Array,
+    k_cache_bshd: Optional[jax.Array] = None,
+    v_cache_bshd: Optional[jax.Array] = None,
+    cache_len_bt: Optional[jax.Array] = None,
+    k_prefix_phd: Optional[jax.Array] = None,
+    v_prefix_phd: Optional[jax.Array] = None,
+    prefix_visible_bt: Optional[jax.Array] = None,
+    *,
+    interpret: bool = False,
+    block_m: Optional[int] = None,
+    block_k: Optional[int] = None,
+    k_splits: Optional[int] = None,
+    block_kt: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> jax.Array:
+    """Same contract as :func:`masked_attention_reference`, computed by the Pallas kernel.
+
+    ``interpret=True`` runs the kernel body with Pallas' interpreter (CPU tests); otherwise it
+    lowers through Triton for CUDA. Tiling arguments default to :func:`default_tiling`;
+    ``block_kt`` is the key tile over the 2T tree tokens (default 64, capped at padded 2T).
+    """
+    b, t, hq, d = q_bthd.shape
+    hkv = k_blk_bthd.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if d < _MIN_TILE or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two >= {_MIN_TILE} for the Pallas kernel, got {d}")
+    if k_blk_bthd.shape != (b, t, hkv, d) or v_blk_bthd.shape != (b, t, hkv, d):
+        raise ValueError(f"block K/V must be [B,T,Hkv,D]={(b, t, hkv, d)}, got "
+                         f"{k_blk_bthd.shape} and {v_blk_bthd.shape}")
+    if block_mask_btt.shape != (b, t, t):
+        raise ValueError(f"block_mask_btt must be [B,T,T]={(b, t, t)}, got {block_mask_btt.shape}")
+    g = hq // hkv
+    dtype = q_bthd.dtype
+    has_cache = k_cache_bshd is not None and k_cache_bshd.shape[1] > 0
+    has_prefix = k_prefix_phd is not None and k_prefix_phd.shape[0] > 0
+    s_len = k_cache_bshd.shape[1] if has_cache else 0
+
+    n_rows = t * g
+    tiling = default_tiling(n_rows, s_len, d)
+    block_m = block_m or tiling["block_m"]
+    block_k = block_k or tiling["block_k"]
+    k_splits = (k_splits or tiling["k_splits"]) if has_cache else 0
+    for name, v in (("block_m", block_m), ("block_k", block_k), ("block_kt", block_kt or 64)):
+        if v < _MIN_TILE or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= {_MIN_TILE}, got {v}")
+    m_pad = -(-n_rows // block_m) * block_m
+    n_m = m_pad // block_m
+    t_pad = max(_MIN_TILE, _next_pow2(t))
+    block_kt = min(t_pad, block_kt or 64)
+
+    # Query rows r = t*G + g for each KV head: [B, Hkv, M_pad, D]. q is tiny next to the cache.
+    q_bkmd = q_bthd.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d)
+    q_bkmd = jnp.pad(q_bkmd, ((0, 0), (0, 0), (0, m_pad - n_rows), (0, 0)))
+    mask_bmt = _rows(block_mask_btt.astype(jnp.int8), g, m_pad)
+    mask_bmt = jnp.pad(mask_bmt, ((0, 0), (0, 0), (0, t_pad - t)))
+    tree_pad = ((0, 0), (0, t_pad - t), (0, 0), (0, 0))
+    kb = jnp.pad(k_blk_bthd.astype(dtype), tree_pad)
+    vb = jnp.pad(v_blk_bthd.astype(dtype), tree_pad)
+
+    bh_split = lambda bh: (bh // hkv, bh % hkv)  # noqa: E731
+    def q_map(i, j, bh):
+        bb, h = bh_split(bh)
+        return (bb, h, i, 0)
+    def tree_kv_map(i, j, bh):
+        bb, h = bh_split(bh)
+        return (bb, 0, h, 0)
+    def row_map(i, j, bh):
+        return (bh // hkv, i)
+
+    args = [q_bkmd, kb, vb, mask_bmt]
+    in_specs = [
+        pl.BlockSpec((None, None, block_m, d), q_map),
+        pl.BlockSpec((None, t_pad, None, d), tree_kv_map),
+        pl.BlockSpec((None, t_pad, None, d), tree_kv_map),
+        pl.BlockSpec((None, block_m, t_pad), lambda i, j, bh: (bh // hkv, i, 0)),
+    ]
+    split_len = 0
+    if has_cache:
+        if cache_len_bt is None:
+            raise ValueError("cache_len_bt is required when a cache is given")
+        lens = jnp.asarray(cache_len_bt, jnp.int32)
+        if lens.ndim == 1:
+            lens = jnp.broadcast_to(lens[:, None], (b, t))
+        if lens.shape != (b, t):
+            raise ValueError(f"cache_len_bt must be [B] or [B,T]={(b, t)}, got {lens.shape}")
+        lens = jnp.clip(lens, 0, s_len)
+        split_len = -(-s_len // k_splits)
+        split_len = -(-split_len // block_k) * block_k
+        k_splits = -(-s_len // split_len)
+        # The cache is passed whole and unpadded (no copy): tail tiles are masked loads.
+        args += [_rows(lens, g, m_pad), k_cache_bshd.astype(dtype), v_cache_bshd.astype(dtype)]
+        in_specs += [
+            pl.BlockSpec((None, block_m), row_map),
+            pl.BlockSpec((None, s_len, None, d), tree_kv_map),
+            pl.BlockSpec((None, s_len, None, d), tree_kv_map),
+        ]
+    p_len = k_prefix_phd.shape[0] if has_prefix else 0
+    p_pad = max(_MIN_TILE, _next_pow2(p_len)) if has_prefix else 0
+    if has_prefix:
+        if prefix_visible_bt is None:
+            raise ValueError("prefix_visible_bt is required when prefix K/V are given")
+        ppad = ((0, p_pad - p_len), (0, 0), (0, 0))
+        args += [_rows(prefix_visible_bt.astype(jnp.int32), g, m_pad),
+                 jnp.pad(k_prefix_phd.astype(dtype), ppad), jnp.pad(v_prefix_phd.astype(dtype), ppad)]
+        in_specs += [
+            pl.BlockSpec((None, block_m), row_map),
+            pl.BlockSpec((p_pad, None, d), lambda i, j, bh: (0, bh % hkv, 0)),
+            pl.BlockSpec((p_pad, None, d), lambda i, j, bh: (0, bh % hkv, 0)),
+        ]
+
+    n_j = k_splits + 1
+    kernel = functools.partial(
+        _tree_attention_kernel, has_cache=has_cache, has_prefix=has_prefix, k_splits=k_splits,
+        split_len=split_len, block_k=block_k, block_kt=block_kt, n_tree_tiles=t_pad // block_kt,
+        prefix_len=p_len, prefix_pad=p_pad, scale=1.0 / math.sqrt(d))
+    part_map = lambda i, j, bh: (bh // hkv, bh % hkv, j, i, 0)  # noqa: E731
+    stat_map = lambda i, j, bh: (bh // hkv, bh % hkv, j, i)  # noqa: E731
+    o_part, m_part, l_part = pl.pallas_call(
+        kernel,
+        grid=(n_m, n_j, b * hkv),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_m, d), part_map),
+            pl.BlockSpec((None, None, None, block_m), stat_map),
+            pl.BlockSpec((None, None, None, block_m), stat_map),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, n_j, m_pad, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, n_j, m_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, n_j, m_pad), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps or tiling["num_warps"],
+            num_stages=num_stages or tiling["num_stages"]),
+        interpret=interpret,
+        name="confu_tree_attention",
+    )(*args)
+
+    # Flash-decoding epilogue: merge the J partial softmax states, normalise once.
+    m_star = jnp.max(m_part, axis=2, keepdims=True)
+    w = jnp.exp(m_part - m_star)  # [B,Hkv,J,M]
+    l_star = jnp.sum(w * l_part, axis=2)
+    o = jnp.sum(w[..., None] * o_part, axis=2) / jnp.where(l_star == 0, 1.0, l_star)[..., None]
+    o = o[:, :, :n_rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
+    return o.reshape(b, t, hq, d).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- dense baseline
+
+
+def dense_masked_attention(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cache_bshd=None,
+                           v_cache_bshd=None, cache_len_bt=None, k_prefix_phd=None,
+                           v_prefix_phd=None, prefix_visible_bt=None) -> jax.Array:
+    """The naive baseline: ``jax.nn.dot_product_attention`` over [cache | prefix | tree] keys
+    concatenated, with one dense [B, 2T, S+P+2T] boolean mask.
+
+    What a framework without structured attention does (copy the cache next to the tree, build
+    the full mask, attend densely); the benchmark's lower bar, and an independent (JAX-written)
+    check of the semantics. Unlike the reference, a query that sees no key at all gets JAX's
+    behaviour (a uniform average), so compare only rows that see at least one key.
+    """
+    b, t, _, _ = q_bthd.shape
+    ks, vs, masks = [], [], []
+    if k_cache_bshd is not None and k_cache_bshd.shape[1] > 0:
+        s_len = k_cache_bshd.shape[1]
+        lens = jnp.asarray(cache_len_bt, jnp.int32)
+        lens = jnp.broadcast_to(lens[:, None], (b, t)) if lens.ndim == 1 else lens
+        ks.append(k_cache_bshd)
+        vs.append(v_cache_bshd)
+        masks.append(jnp.arange(s_len)[None, None, :] < lens[:, :, None])
+    if k_prefix_phd is not None and k_prefix_phd.shape[0] > 0:
+        p_len = k_prefix_phd.shape[0]
+        ks.append(jnp.broadcast_to(k_prefix_phd[None], (b,) + k_prefix_phd.shape))
+        vs.append(jnp.broadcast_to(v_prefix_phd[None], (b,) + v_prefix_phd.shape))
+        masks.append(jnp.broadcast_to(prefix_visible_bt[:, :, None], (b, t, p_len)))
+    ks.append(k_blk_bthd)
+    vs.append(v_blk_bthd)
+    masks.append(block_mask_btt)
+    k = jnp.concatenate([x.astype(q_bthd.dtype) for x in ks], axis=1)
+    v = jnp.concatenate([x.astype(q_bthd.dtype) for x in vs], axis=1)
+    mask_b1ts = jnp.concatenate(masks, axis=-1)[:, None]
+    return jax.nn.dot_product_attention(q_bthd, k, v, mask=mask_b1ts, implementation="xla")
+
+
+# ----------------------------------------------------------------------------- selection
+
+ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
+
+
+def resolve_attention_impl(impl: str, backend: Optional[str] = None) -> str:
+    """Validate a config's ``attention_impl`` against the backend it will run on.
+
+    'pallas' compiles only for CUDA GPUs (this kernel's Triton lowering); on CPU the kernel runs
+    only interpreted, which is for tests, so asking for 'pallas' there is an error rather than a
+    silent 100x slowdown. ``backend`` defaults to ``jax.default_backend()``.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    backend = backend or jax.default_backend()
+    if impl == "pallas" and backend != "gpu":
+        raise ValueError(
+            f"attention_impl='pallas' needs a CUDA GPU (the Triton-lowered tree-attention "
+            f"kernel); the backend is {backend!r}. Use 'xla' (the CPU default) or "
+            f"'pallas_interpret' (the kernel under Pallas' interpreter, for tests).")
+    return impl
