@@ -134,3 +134,47 @@ def test_gguf_llamacpp_layout_logits_match_transformers(tmp_path, case):
     toks = _tokens(cfg.vocab_size)
     err = np.abs(_ours(cfg, params, toks) - _theirs(model, toks)).max()
     assert err <= 1e-4, f"{case}: max |logit diff| {err}"
+
+
+# config.json of the released checkpoints (transformers 4.x form: rope_theta + rope_scaling).
+LLAMA32_3B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 24, "num_hidden_layers": 28,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
+SMOLLM2_135M_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.041666666666666664,
+    "intermediate_size": 1536, "is_llama_config": True, "max_position_embeddings": 8192, "model_type": "llama",
+    "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3, "pad_token_id": 2,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_interleaved": False, "rope_scaling": None,
+    "rope_theta": 100000, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 49152,
+}
+
+
+@pytest.mark.parametrize("raw,preset", [(LLAMA32_3B_CONFIG, "llama-3.2-3b"), (SMOLLM2_135M_CONFIG, "smollm2-135m")])
+def test_released_hf_configs_parse_to_presets(raw, preset):
+    from confu_jax.models.llama import rope_inv_freq
+    from confu_jax.models.presets import get_preset
+    from confu_jax.weights.hf import config_from_dict
+    from transformers import LlamaConfig as HFConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = config_from_dict(raw, preset)
+    assert cfg.param_dtype == "bfloat16"
+    assert cfg == get_preset(preset).replace(dtype="bfloat16", param_dtype="bfloat16")
+    # Our inverse frequencies equal transformers' for the same config.json.
+    hf = HFConfig(**raw)
+    kind = hf.rope_parameters["rope_type"]
+    if kind == "default":
+        inv = 1.0 / (hf.rope_parameters["rope_theta"] ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim))
+    else:
+        inv = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")[0].numpy()
+    np.testing.assert_allclose(rope_inv_freq(cfg), inv, rtol=1e-6)
