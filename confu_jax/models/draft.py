@@ -14,8 +14,9 @@ to the draft cache. ``eagle3`` has no future path and no extra parameters.
 
 Parameters: ``draft_params`` (trainable: fc, norms, attention, MLP, lm_head, ``moe_f``) and the
 non-trainable ``draft_vocab = {'d2t': int32 [V_draft] target id of each draft id,
-'t2d': bool [V_target] whether a target id is in the draft vocab}``. EAGLE-3/SpecForge store d2t
-as an offset (target = draft + d2t); ``d2t_from_offsets`` converts.
+'t2d': bool [V_target] whether a target id is in the draft vocab}`` — the arrays of
+``confu_jax.data.draft_vocab.DraftVocab`` (built from token frequencies; it also converts
+EAGLE-3's offset-form d2t); ``draft_vocab_from_d2t(vocab.d2t, V_target)`` makes the tree.
 
 Three entry points:
 
@@ -137,12 +138,6 @@ def draft_vocab_from_d2t(d2t: np.ndarray, target_vocab: int) -> dict:
     t2d = np.zeros((target_vocab,), bool)
     t2d[d2t] = True
     return {"d2t": jnp.asarray(d2t, jnp.int32), "t2d": jnp.asarray(t2d)}
-
-
-def d2t_from_offsets(d2t_offsets: np.ndarray) -> np.ndarray:
-    """EAGLE-3/SpecForge checkpoints store ``target_id - draft_id``; return absolute target ids."""
-    off = np.asarray(d2t_offsets, np.int64)
-    return (np.arange(off.shape[0]) + off).astype(np.int32)
 
 
 def draft_to_target_ids(draft_vocab: dict, draft_ids: jax.Array) -> jax.Array:
