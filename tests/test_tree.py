@@ -47,7 +47,8 @@ def _logp_of_hash_py(h):
 
 
 def expand_via_parent_slot(state, fr: tr.Frontier):
-    """Threads the parent path hash through ``parent_slot_bk`` (how a draft gathers hidden states)."""
+    """Threads the parent's path hash through ``parent_slot_bk`` (as a draft gathers hidden
+    states)."""
     h_parent = jnp.take_along_axis(state, fr.parent_slot_bk, axis=1)
     h = _mix(h_parent, fr.tokens_bk)
     return _logp_of_hash(h), h
@@ -224,7 +225,8 @@ def test_d2t_maps_draft_ids_to_target_ids():
         lambda st_, fr: expand_via_parent_slot(st_, fr._replace(tokens_bk=jnp.where(
             fr.tokens_bk >= 10, fr.tokens_bk // 10 - 1, fr.tokens_bk))), st, r, s,
         d2t_v=d2t))(seed, roots)
-    np.testing.assert_array_equal(np.asarray(t2.tokens_bt[0, 1:]), (np.asarray(t1.tokens_bt[0, 1:]) + 1) * 10)
+    np.testing.assert_array_equal(np.asarray(t2.tokens_bt[0, 1:]),
+                                  (np.asarray(t1.tokens_bt[0, 1:]) + 1) * 10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,3 +317,15 @@ def test_dynamic_tree_rejects_bad_sizes():
     with pytest.raises(ValueError, match="n_nodes"):
         tr.draft_dynamic_tree(expand_via_parent_slot, jnp.zeros((1, 1), jnp.uint32),
                               jnp.zeros((1,), jnp.int32), depth=2, top_k=2, n_nodes=8)
+
+
+def test_sampled_chain_scatters_q_into_the_target_vocab():
+    d2t = jnp.array([10, 20, 30, 40, 50, 60, 70], jnp.int32)
+    tree, q_btv, _ = jax.jit(lambda st, r, key: tr.draft_sampled_chain(
+        expand_via_parent_slot, st, r, 3, key, 1.0, 1.0, d2t_v=d2t, target_vocab=80))(
+        jnp.array([[7]], jnp.uint32), jnp.array([2], jnp.int32), jax.random.PRNGKey(0))
+    q = np.asarray(q_btv[0, 1:])
+    np.testing.assert_allclose(q[:, np.asarray(d2t)].sum(-1), 1.0, rtol=1e-6)
+    assert np.all(np.delete(q, np.asarray(d2t), axis=-1) == 0)
+    toks = np.asarray(tree.tokens_bt[0, 1:])
+    assert np.all(q[np.arange(3), toks] > 0)

@@ -77,7 +77,7 @@ def _wrong_tree_rule(tree, logits, key, temperature, top_p):
         return jnp.where(acc, j, cur), None
 
     last, _ = jax.lax.scan(step, jnp.zeros((b,), jnp.int32), jnp.arange(1, t))
-    return vf._finish(tree, last, sample(k2, p[rows, last]))
+    return vf.make_verification(tree, last, sample(k2, p[rows, last]))
 
 
 def _wrong_chain_rule(tree, logits, q, key, temperature, top_p):
@@ -86,7 +86,7 @@ def _wrong_chain_rule(tree, logits, q, key, temperature, top_p):
     v = vf.verify_sampled_chain(tree, logits, q, k1, temperature, top_p)
     rows = jnp.arange(logits.shape[0])
     p_last = target_probs(logits[rows, v.last_node_b], temperature, top_p)
-    return vf._finish(tree, v.last_node_b, sample(k2, p_last))
+    return vf.make_verification(tree, v.last_node_b, sample(k2, p_last))
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,3 +276,30 @@ def test_sampled_tree_at_temperature_zero_is_greedy():
     s = jax.jit(vf.verify_sampled_tree)(tree, logits, jax.random.PRNGKey(5), 0.0, 1.0)
     for a, b in zip(g, s):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_chain_padding_ends_without_a_rejection():
+    """An invalid node stops the chain and the bonus comes from p, not from the residual.
+
+    Node 1 is drafted with q = p (always accepted); node 2 is padding whose q is one-hot on
+    token 2, which holds 98.7% of p at node 1. Were padding a rejection, the residual
+    max(p - q, 0) would never emit token 2."""
+    logits = jnp.array([[[0.0, 3.0, 0.0], [0.0, 0.0, 5.0], [0.0, 0.0, 0.0]]])  # [1,3,3]
+    p = target_probs(logits, 1.0, 1.0)
+    q = jnp.stack([jnp.zeros(3), p[0, 0], jnp.array([0.0, 0.0, 1.0])])[None]
+    tree = tr.build_tree(jnp.array([[0, 1, 2]]), jnp.array([[-1, 0, 1]]), 2,
+                         jnp.array([[True, True, False]]))
+    run = jax.jit(jax.vmap(lambda k: vf.verify_sampled_chain(tree, logits, q, k, 1.0, 1.0)))
+    v = run(jax.random.split(jax.random.PRNGKey(0), 512))
+    assert np.all(np.asarray(v.n_accepted_b) == 2)
+    bonus = np.asarray(v.bonus_b)[:, 0]
+    assert np.mean(bonus == 2) > 0.95
+    np.testing.assert_array_equal(np.asarray(v.emitted_bd)[:, 0, 0], 1)
+    np.testing.assert_array_equal(np.asarray(v.emitted_bd)[:, 0, 1], bonus)
+    assert np.all(np.asarray(v.emitted_bd)[:, 0, 2] == -1)
+
+
+def test_shape_errors_name_the_tensors():
+    tree = tr.build_tree(jnp.zeros((1, 3), jnp.int32), jnp.array([[-1, 0, 1]]), 2)
+    with pytest.raises(ValueError, match=r"logits_btv must be \[B,T,V\]"):
+        vf.verify_greedy(tree, jnp.zeros((1, 4, 5)))

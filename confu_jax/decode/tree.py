@@ -56,7 +56,7 @@ def build_tree(tokens_bt: jax.Array, parents_bt: jax.Array, max_depth: int,
                valid_bt: Optional[jax.Array] = None) -> DraftTree:
     """Derive depths, ancestor mask and path table from parent pointers (jittable).
 
-    Pointer jumping over ``max_depth`` static steps. The structure is sanitised rather than
+    Walks up the parent pointers ``max_depth`` static steps. The structure is sanitised rather than
     trusted, because a malformed node that verification accepted would corrupt the KV cache:
     node 0 is forced to be the valid root, and a node is invalid if it is marked invalid, has a
     parent that is not an earlier node, lies deeper than ``max_depth``, or has an invalid
@@ -250,8 +250,9 @@ def draft_static_tree(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array,
                       d2t_v: Optional[jax.Array] = None) -> Tuple[DraftTree, Any]:
     """Fill a static tree with the draft's top-k tokens, one ``expand_fn`` call per depth.
 
-    A node of rank r is its parent's r-th most probable draft token (ties to the lower id).
-    Returns the tree and the state after the last expansion.
+    A node of rank r is its parent's r-th most probable draft token. At each depth only the nodes
+    that have children are expanded (the frontier), so a chain costs one single-node call per
+    drafted token. Returns the tree and the state after the last expansion.
     """
     root_token_b = jnp.asarray(root_token_b, jnp.int32)
     b = root_token_b.shape[0]

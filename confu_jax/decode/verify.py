@@ -1,7 +1,7 @@
 """Lossless verification of a draft tree against the target's logits (DESIGN.md §4).
 
 Inputs are the target's logits at every node ([B,T,V]: the distribution of that node's NEXT
-token; at the root, the distribution of its children) and a :class:`~confu_jax.decode.tree.DraftTree`.
+token; at the root, the distribution of its children) and a ``confu_jax.decode.tree.DraftTree``.
 Each rule walks from the root, accepts a path, and draws one bonus token from the distribution
 left at the last accepted node, so the emitted tokens (accepted non-root nodes, then the bonus)
 are distributed exactly as autoregressive sampling from ``target_probs`` would produce them.
@@ -32,7 +32,8 @@ class Verification(NamedTuple):
     emitted_bd: jax.Array  # [B,D+1] int32 accepted non-root tokens then the bonus; -1 padded
 
 
-def _finish(tree: DraftTree, last_b: jax.Array, bonus_b: jax.Array) -> Verification:
+def make_verification(tree: DraftTree, last_b: jax.Array, bonus_b: jax.Array) -> Verification:
+    """Assemble the outcome from the last accepted node and the bonus token (any rule's tail)."""
     rows = jnp.arange(last_b.shape[0])
     path_bd = tree.path_btd[rows, last_b]
     n_b = tree.depth_bt[rows, last_b] + 1
@@ -44,6 +45,12 @@ def _finish(tree: DraftTree, last_b: jax.Array, bonus_b: jax.Array) -> Verificat
                         jnp.where(j == n_b[:, None] - 1, bonus_b[:, None], -1))
     return Verification(path_bd, n_b.astype(jnp.int32), bonus_b.astype(jnp.int32),
                         last_b.astype(jnp.int32), emitted.astype(jnp.int32))
+
+
+def _check_shapes(rule: str, tree: DraftTree, logits_btv: jax.Array) -> None:
+    if logits_btv.ndim != 3 or logits_btv.shape[:2] != tree.tokens_bt.shape:
+        raise ValueError(f"{rule}: logits_btv must be [B,T,V] with [B,T] = tree.tokens_bt.shape "
+                         f"{tree.tokens_bt.shape}; got {logits_btv.shape}")
 
 
 def _parent_values(tree: DraftTree, x_bt: jax.Array) -> jax.Array:
@@ -58,15 +65,17 @@ def verify_greedy(tree: DraftTree, logits_btv: jax.Array) -> Verification:
     can produce; they emit the same tokens). The bonus is the argmax at that node, the same
     ``argmax(logits)`` that greedy AR decoding takes.
     """
+    _check_shapes("verify_greedy", tree, logits_btv)
     argmax_bt = jnp.argmax(logits_btv, axis=-1).astype(jnp.int32)
     t = tree.tokens_bt.shape[1]
     node_t = jnp.arange(t)
-    correct_bt = (node_t == 0) | (tree.valid_bt & (tree.tokens_bt == _parent_values(tree, argmax_bt)))
+    matches_bt = tree.tokens_bt == _parent_values(tree, argmax_bt)
+    correct_bt = (node_t == 0) | (tree.valid_bt & matches_bt)
     accepted_bt = ~jnp.any(tree.ancestor_btt & ~correct_bt[:, None, :], axis=-1)
     score = jnp.where(accepted_bt, tree.depth_bt * t + (t - 1 - node_t), -1)
     last_b = jnp.argmax(score, axis=-1).astype(jnp.int32)
     bonus_b = jnp.take_along_axis(argmax_bt, last_b[:, None], axis=1)[:, 0]
-    return _finish(tree, last_b, bonus_b)
+    return make_verification(tree, last_b, bonus_b)
 
 
 def verify_sampled_tree(tree: DraftTree, logits_btv: jax.Array, key: jax.Array, temperature,
@@ -85,6 +94,7 @@ def verify_sampled_tree(tree: DraftTree, logits_btv: jax.Array, key: jax.Array, 
     (u * sum(r) < r(c) with u < 1), so sum(r) = 0 at bonus time is impossible in exact arithmetic;
     should rounding produce it, the bonus falls back to p at that node.
     """
+    _check_shapes("verify_sampled_tree", tree, logits_btv)
     p_btv = target_probs(logits_btv, temperature, top_p)
     b, t, _ = p_btv.shape
     k_acc, k_bonus = jax.random.split(key)
@@ -107,7 +117,7 @@ def verify_sampled_tree(tree: DraftTree, logits_btv: jax.Array, key: jax.Array, 
     p_last = p_btv[rows, last_b]
     r_bv = jnp.where(jnp.sum(r_bv, axis=-1, keepdims=True) > 0, r_bv, p_last)
     bonus_b = sample(k_bonus, r_bv).astype(jnp.int32)
-    return _finish(tree, last_b, bonus_b)
+    return make_verification(tree, last_b, bonus_b)
 
 
 def verify_sampled_chain(tree: DraftTree, logits_btv: jax.Array, q_btv: jax.Array,
@@ -122,6 +132,7 @@ def verify_sampled_chain(tree: DraftTree, logits_btv: jax.Array, q_btv: jax.Arra
     there anyway the bonus is drawn from p. A padding (invalid) node ends the chain without a
     rejection: the bonus is then drawn from p at the last accepted node, as after a full accept.
     """
+    _check_shapes("verify_sampled_chain", tree, logits_btv)
     p_btv = target_probs(logits_btv, temperature, top_p)
     b, t, _ = p_btv.shape
     if q_btv.shape != p_btv.shape:
@@ -142,4 +153,4 @@ def verify_sampled_chain(tree: DraftTree, logits_btv: jax.Array, q_btv: jax.Arra
     resid = jnp.maximum(p_last - q_btv[rows, first_fail], 0.0)
     use_resid = rejected & (jnp.sum(resid, axis=-1) > 0)
     bonus_b = sample(k_bonus, jnp.where(use_resid[:, None], resid, p_last)).astype(jnp.int32)
-    return _finish(tree, last_b, bonus_b)
+    return make_verification(tree, last_b, bonus_b)
