@@ -1,0 +1,246 @@
+"""Checkpoints with orbax ``CheckpointManager``: periodic, keep-N, atomic, exact resume.
+
+One checkpoint step directory holds three items:
+
+- ``state``: the :class:`~confu_jax.train.state.TrainState` (trainable params, optimizer state,
+  step, raw RNG key), written asynchronously by every process for its own shards;
+- ``data``: each process's data-iterator state as ``process_{i}-of-{n}.json`` (every host reads a
+  different shard, so every host has its own position; grain's handler does the same, but it
+  insists on grain iterators and restarts prefetch — this one stores any JSON-able dict or bytes);
+- ``extras``: non-trainable arrays the run depends on (the draft vocabulary d2t / t2d), if any.
+
+Atomicity comes from orbax: items are written into a temporary directory that is renamed only
+after every item of every process is complete, so a SIGKILL mid-write leaves the previous
+checkpoint as the latest one; leftovers are cleaned when the manager opens the directory again.
+
+``init_params_from`` implements "initialise ConFu from a trained EAGLE-3 checkpoint": it copies
+the params present in both trees (same path, same shape) and reports the rest.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from confu_jax.sharding import path_str
+
+_BYTES_KEY = "__bytes_b64__"
+
+
+# ----------------------------------------------------------------------------- data-state item
+
+
+class DataStateHandler(ocp.CheckpointHandler):
+    """Per-process JSON files for data-iterator states (JSON-able dict, or bytes)."""
+
+    def _file(self, directory: epath.Path) -> epath.Path:
+        return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+    def save(self, directory: epath.Path, args: "DataStateSave"):
+        state = args.state
+        if isinstance(state, (bytes, bytearray)):
+            state = {_BYTES_KEY: base64.b64encode(bytes(state)).decode("ascii")}
+        try:
+            text = json.dumps(state, sort_keys=True)
+        except TypeError as e:
+            raise TypeError(f"data iterator state must be a JSON-able dict or bytes: {e}") from e
+        self._file(directory).write_text(text)
+
+    def restore(self, directory: epath.Path, args: Optional["DataStateRestore"] = None):
+        f = self._file(directory)
+        if not f.exists():
+            found = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+            raise FileNotFoundError(
+                f"no data-iterator state {f.name} in {directory} (found {found}); the checkpoint "
+                f"was written by a different number of processes than {jax.process_count()}")
+        state = json.loads(f.read_text())
+        if isinstance(state, dict) and set(state) == {_BYTES_KEY}:
+            return base64.b64decode(state[_BYTES_KEY])
+        return state
+
+    def metadata(self, directory):
+        return None
+
+    def structure(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataStateSave(ocp.args.CheckpointArgs):
+    state: Any
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStateRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+# ----------------------------------------------------------------------------- manager
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: Any
+    data_state: Any
+    extras: dict
+
+
+def _restore_args_for(abstract_tree):
+    """RestoreArgs restoring each leaf straight into its target sharding (no host gather)."""
+    return jax.tree_util.tree_map(
+        lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)
+        if getattr(a, "sharding", None) is not None else ocp.RestoreArgs(restore_type=np.ndarray),
+        abstract_tree)
+
+
+class Checkpointer:
+    """Thin policy layer over ``ocp.CheckpointManager`` for training runs."""
+
+    def __init__(self, directory: str, every: int = 500, keep: int = 3, async_save: bool = True,
+                 read_only: bool = False):
+        self.directory = epath.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=int(every) if every and every > 0 else 2**62,
+            max_to_keep=int(keep) if keep and keep > 0 else None,
+            enable_async_checkpointing=bool(async_save),
+            create=not read_only,
+            read_only=read_only,
+            cleanup_tmp_directories=not read_only,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    # -- queries
+    def latest_step(self) -> Optional[int]:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    # -- save
+    def save(self, step: int, state, data_state: Any, extras: Optional[dict] = None,
+             force: bool = False) -> bool:
+        """Save if the interval (or ``force``, e.g. preemption / end of run) says so."""
+        items = {"state": ocp.args.PyTreeSave(state), "data": DataStateSave(data_state)}
+        if extras:
+            items["extras"] = ocp.args.PyTreeSave({k: np.asarray(v) for k, v in extras.items()})
+        return self.manager.save(int(step), args=ocp.args.Composite(**items), force=force)
+
+    def wait(self):
+        self.manager.wait_until_finished()
+
+    def close(self):
+        self.manager.close()
+
+    # -- restore
+    def restore(self, abstract_state, step: Optional[int] = None,
+                extras_like: Optional[dict] = None) -> Restored:
+        """Restore ``step`` (default latest) into the shardings carried by ``abstract_state``."""
+        step = self.latest_step() if step is None else int(step)
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        items = {
+            "state": ocp.args.PyTreeRestore(item=abstract_state,
+                                            restore_args=_restore_args_for(abstract_state)),
+            "data": DataStateRestore(),
+        }
+        if extras_like:
+            items["extras"] = ocp.args.PyTreeRestore()
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        extras = dict(out["extras"]) if extras_like else {}
+        return Restored(step=step, state=out["state"], data_state=out["data"], extras=extras)
+
+
+# ----------------------------------------------------------------------------- init_from
+
+
+@dataclasses.dataclass
+class InitReport:
+    source: str
+    step: int
+    copied: list  # paths copied from the source
+    kept_init: list  # paths only in the new tree: fresh init
+    shape_mismatch: list  # (path, source shape, new shape): fresh init
+    ignored: list  # paths only in the source
+
+    def summary(self) -> str:
+        lines = [f"init_from {self.source} (step {self.step}): copied {len(self.copied)} params, "
+                 f"kept fresh init for {len(self.kept_init) + len(self.shape_mismatch)}, "
+                 f"ignored {len(self.ignored)} source-only params"]
+        lines += [f"  fresh: {p}" for p in self.kept_init]
+        lines += [f"  fresh (shape {s} in source, {n} here): {p}" for p, s, n in self.shape_mismatch]
+        lines += [f"  ignored: {p}" for p in self.ignored]
+        return "\n".join(lines)
+
+
+def _flat(tree) -> dict:
+    return {path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for path, leaf in flat.items():
+        node = out
+        parts = path.split("/")
+        for k in parts[:-1]:
+            node = node.setdefault(k, {})
+        node[parts[-1]] = leaf
+    return out
+
+
+def init_params_from(directory: str, params, step: int = -1) -> tuple[Any, InitReport]:
+    """Copy the params of another run's checkpoint into ``params`` where paths and shapes agree.
+
+    ``params`` is the freshly initialised (sharded) trainable tree; copied leaves are restored
+    directly into the sharding of the leaf they replace. Params are matched by their '/'-joined
+    dict path (e.g. 'draft/fc/kernel'), which is what a ConFu tree and an EAGLE-3 tree share.
+    """
+    ckpt = Checkpointer(directory, read_only=True)
+    try:
+        src_step = ckpt.latest_step() if step is None or step < 0 else int(step)
+        if src_step is None:
+            raise FileNotFoundError(f"init_from: no checkpoint in {directory}")
+        meta = ckpt.manager.item_metadata(src_step)["state"]
+        meta_tree = getattr(meta, "tree", meta)
+        if "params" not in meta_tree:
+            raise KeyError(f"init_from: checkpoint {directory} step {src_step} has no 'params' "
+                           f"in its state item (found {sorted(meta_tree)})")
+        src = _flat(meta_tree["params"])
+        dst = _flat(params)
+        copy, mismatch = {}, []
+        for p, leaf in dst.items():
+            if p in src:
+                if tuple(src[p].shape) == tuple(leaf.shape):
+                    copy[p] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+                else:
+                    mismatch.append((p, tuple(src[p].shape), tuple(leaf.shape)))
+        report = InitReport(source=str(directory), step=src_step, copied=sorted(copy),
+                            kept_init=sorted(p for p in dst if p not in src),
+                            shape_mismatch=mismatch, ignored=sorted(p for p in src if p not in dst))
+        if not copy:
+            return params, report
+        target = {"params": _nest(copy)}
+        restored = ckpt.manager.restore(src_step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args_for(target),
+                                         partial_restore=True)))["state"]["params"]
+        got = _flat(restored)
+        merged = {p: got.get(p, leaf) for p, leaf in dst.items()}
+        leaves = [merged[path_str(p)] for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), leaves), report
+    finally:
+        ckpt.close()

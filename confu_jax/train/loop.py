@@ -1,0 +1,252 @@
+"""The training loop: mesh → state (fresh, resumed or initialised from another run) → compiled
+step → batches → metrics, checkpoints and preemption handling.
+
+Everything about *what* is trained comes from a :class:`~confu_jax.train.task.TrainTask`; this
+module is the same for the ConFu objective, the EAGLE-3 baseline and the toy task in tests.
+
+Resumption is exact: the state (params, optimizer, step, RNG) and every process's data position
+come back from the latest complete checkpoint, so a run killed at any point continues with the
+same batches, the same random draws and therefore the same losses.
+
+Preemption: with one process a SIGTERM handler sets a flag; with several, JAX's preemption sync
+service (started by ``jax.distributed.initialize``) makes every process agree on the step at
+which to stop. Either way the loop saves a checkpoint at that step and returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+from tqdm import tqdm
+
+from confu_jax import sharding as shd
+from confu_jax.train import distributed
+from confu_jax.train.checkpoint import Checkpointer, init_params_from
+from confu_jax.train.metric_writers import make_writers
+from confu_jax.train.optim import make_optimizer
+from confu_jax.train.state import param_count, state_builder
+from confu_jax.train.step import CompiledStep, make_eval_step, make_train_step
+from confu_jax.train.task import TrainTask, load_task
+
+Hook = Callable[[int, Any, dict], None]  # (step, state, device metrics) after each step
+
+
+@dataclasses.dataclass
+class RunSetup:
+    """Everything about a run that does not depend on the data position."""
+
+    config: Any
+    task: TrainTask
+    mesh: Any
+    tx: Any
+    schedule: Any
+    build_state: Callable
+    abstract_state: Any
+    state_shardings: Any
+    frozen_shardings: Any
+    frozen: Any
+
+    def init_state(self):
+        """Fresh state built directly in its shardings (identical on any mesh: same seed)."""
+        return jax.jit(self.build_state, out_shardings=self.state_shardings)()
+
+    def sharded_abstract_state(self):
+        return shd.with_shardings(self.abstract_state, self.state_shardings)
+
+    def compile_train_step(self, batch, donate: bool = True) -> CompiledStep:
+        return make_train_step(self.task.loss_fn, self.tx, self.mesh, state=self.abstract_state,
+                               state_shardings=self.state_shardings, frozen=self.frozen,
+                               frozen_shardings=self.frozen_shardings, batch=batch,
+                               schedule=self.schedule, donate=donate)
+
+    def compile_eval_step(self, batch) -> CompiledStep:
+        eval_fn = self.task.eval_fn or (lambda p, f, b, r: dict(
+            self.task.loss_fn(p, f, b, r)[1], loss=self.task.loss_fn(p, f, b, r)[0]))
+        return make_eval_step(eval_fn, self.mesh, state=self.abstract_state,
+                              state_shardings=self.state_shardings, frozen=self.frozen,
+                              frozen_shardings=self.frozen_shardings, batch=batch)
+
+
+def setup_run(config, task: Optional[TrainTask] = None, mesh=None) -> RunSetup:
+    task = task if task is not None else load_task(config)
+    tc = config.train
+    mesh = mesh if mesh is not None else shd.make_mesh(tc.mesh.data, tc.mesh.fsdp, tc.mesh.tensor)
+    tx, schedule = make_optimizer(tc.optim, tc.steps)
+    build = state_builder(task.init_params, tx, int(tc.seed))
+    abstract_state = jax.eval_shape(build)
+    state_sh = shd.tree_shardings(abstract_state, mesh, task.param_rules, axis_units=task.axis_units)
+    frozen_sh = shd.tree_shardings(task.frozen_abstract, mesh, task.param_rules,
+                                   axis_units=task.axis_units)
+    frozen = task.load_frozen(frozen_sh)
+    return RunSetup(config, task, mesh, tx, schedule, build, abstract_state, state_sh, frozen_sh,
+                    frozen)
+
+
+class PreemptionWatcher:
+    """Did this run receive a preemption notice (SIGTERM)? Agreed across processes."""
+
+    def __init__(self):
+        self.flag = False
+        self._old = None
+        self.multi = distributed.is_initialized() and jax.process_count() > 1
+        if not self.multi and threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.flag = True
+
+    def reached(self, step: int) -> bool:
+        if self.multi:
+            from jax.experimental import multihost_utils
+
+            try:
+                return bool(multihost_utils.reached_preemption_sync_point(step))
+            except RuntimeError:  # preemption service disabled
+                return False
+        return self.flag
+
+    def close(self):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
+
+
+def _host_metrics(metrics) -> dict:
+    return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+
+
+def _check_extras(saved: dict, current: dict):
+    for k, v in current.items():
+        if k not in saved:
+            raise ValueError(f"checkpoint lacks extra array {k!r} that this run uses")
+        if not np.array_equal(np.asarray(saved[k]), np.asarray(v)):
+            raise ValueError(f"extra array {k!r} in the checkpoint differs from the one this run "
+                             f"built (e.g. the draft vocabulary was rebuilt from different data)")
+
+
+@dataclasses.dataclass
+class TrainResult:
+    step: int
+    start_step: int
+    preempted: bool
+    last_metrics: dict
+    last_eval: dict
+    init_report: Any = None
+
+
+def evaluate(eval_step: CompiledStep, state, batches: Sequence) -> dict:
+    """Mean of each metric over the held-out batches."""
+    acc: dict = {}
+    for b in batches:
+        for k, v in _host_metrics(eval_step(state, b)).items():
+            acc.setdefault(k, []).append(v)
+    return {k: float(np.mean(v)) for k, v in acc.items()}
+
+
+def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[TrainTask] = None,
+          mesh=None) -> TrainResult:
+    tc = config.train
+    pidx, pcount = jax.process_index(), jax.process_count()
+    main = pidx == 0
+    os.makedirs(workdir, exist_ok=True)
+    run = setup_run(config, task, mesh)
+    task = run.task
+    if main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+        logging.info("task: %s | mesh %s over %d processes | trainable %s params | frozen %s params",
+                     task.description, dict(run.mesh.shape), pcount,
+                     f"{param_count(run.abstract_state.params):,}",
+                     f"{param_count(task.frozen_abstract):,}")
+        for row in shd.explain(run.abstract_state.params, run.mesh, task.param_rules,
+                               axis_units=task.axis_units):
+            if row["fallbacks"]:
+                logging.info("sharding fallback (replicated dims) for %s %s: %s", row["path"],
+                             row["shape"], row["fallbacks"])
+
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint.every,
+                        keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
+    iterator = task.train_iterator(pidx, pcount)
+    init_report = None
+    latest = ckpt.latest_step()
+    if latest is not None:
+        r = ckpt.restore(run.sharded_abstract_state(), latest, extras_like=task.extra_arrays)
+        state, start = r.state, r.step
+        iterator.set_state(r.data_state)
+        _check_extras(r.extras, task.extra_arrays)
+        if int(jax.device_get(state.step)) != start:
+            raise ValueError(f"checkpoint step {start} holds state.step={int(state.step)}")
+        if main:
+            logging.info("resumed from %s at step %d", ckpt.directory, start)
+    else:
+        state, start = run.init_state(), 0
+        if tc.checkpoint.init_from:
+            params, init_report = init_params_from(tc.checkpoint.init_from, state.params,
+                                                   tc.checkpoint.init_from_step)
+            state = state.replace(params=params)
+            if main:
+                logging.info("%s", init_report.summary())
+                with open(os.path.join(workdir, "init_from.json"), "w") as f:
+                    json.dump(dataclasses.asdict(init_report), f, indent=2)
+
+    writers = make_writers(workdir, "metrics", tc.tensorboard, start) if main else None
+    eval_writers = make_writers(workdir, "eval", tc.tensorboard, start) if main else None
+    eval_step, eval_batches = None, []
+    if tc.eval_every > 0 and task.eval_batches is not None:
+        eval_batches = [shd.global_batch(b, run.mesh) for b in task.eval_batches(pidx, pcount)]
+        if eval_batches:
+            eval_step = run.compile_eval_step(eval_batches[0])
+
+    watcher = PreemptionWatcher()
+    pbar = tqdm(total=tc.steps, initial=start, disable=not (main and tc.progress_bar),
+                dynamic_ncols=True, desc="train")
+    step, preempted, last, last_eval = start, False, {}, {}
+    train_step = None
+    try:
+        while step < tc.steps:
+            batch = shd.global_batch(next(iterator), run.mesh)
+            if train_step is None:
+                t0 = time.time()
+                train_step = run.compile_train_step(batch)
+                if main:
+                    logging.info("compiled train step in %.1fs", time.time() - t0)
+            state, metrics = train_step(state, batch)
+            step += 1
+            if step % max(tc.log_every, 1) == 0 or step == tc.steps:
+                last = _host_metrics(metrics)
+                if main:
+                    writers.write(step, last)
+                    pbar.set_postfix(loss=f"{last['loss']:.4f}", refresh=False)
+            if eval_step is not None and (step % tc.eval_every == 0 or step == tc.steps):
+                last_eval = evaluate(eval_step, state, eval_batches)
+                if main:
+                    eval_writers.write(step, last_eval)
+            preempted = watcher.reached(step)
+            ckpt.save(step, state, iterator.get_state(), task.extra_arrays,
+                      force=preempted or step == tc.steps)
+            for hook in hooks:
+                hook(step, state, metrics)
+            pbar.update(1)
+            if preempted:
+                if main:
+                    logging.warning("preemption notice: checkpoint saved at step %d, stopping", step)
+                break
+    finally:
+        pbar.close()
+        watcher.close()
+        ckpt.wait()
+        ckpt.close()
+        if main:
+            writers.close()
+            eval_writers.close()
+    return TrainResult(step=step, start_step=start, preempted=preempted, last_metrics=last,
+                       last_eval=last_eval, init_report=init_report)

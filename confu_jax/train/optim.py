@@ -1,0 +1,51 @@
+"""AdamW + linear warm-up + cosine decay + global-norm clipping, built from ``config.train.optim``.
+
+Weight decay skips 1-D parameters (norm scales, biases) as is customary; the mask is a function of
+the tree so the same optimizer serves every draft variant.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from confu_jax.train.config import default_train_config  # noqa: F401  (re-export for configs)
+
+
+def warmup_steps(optim_cfg, total_steps: int) -> int:
+    if optim_cfg.warmup_steps >= 0:
+        return int(optim_cfg.warmup_steps)
+    return int(round(optim_cfg.warmup_ratio * total_steps))
+
+
+def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
+    """0 → lr linearly over the warm-up, then cosine to lr·end_lr_ratio at ``total_steps``."""
+    total_steps = max(int(total_steps), 1)
+    warm = min(warmup_steps(optim_cfg, total_steps), total_steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=float(optim_cfg.lr),
+        warmup_steps=warm,
+        decay_steps=total_steps,
+        end_value=float(optim_cfg.lr) * float(optim_cfg.end_lr_ratio),
+    )
+
+
+def _decay_mask(params):
+    return jax.tree_util.tree_map(lambda p: getattr(p, "ndim", 0) > 1, params)
+
+
+def make_optimizer(optim_cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = make_schedule(optim_cfg, total_steps)
+    parts = []
+    if optim_cfg.clip_norm and optim_cfg.clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(float(optim_cfg.clip_norm)))
+    parts.append(optax.adamw(
+        learning_rate=schedule,
+        b1=float(optim_cfg.b1),
+        b2=float(optim_cfg.b2),
+        eps=float(optim_cfg.eps),
+        weight_decay=float(optim_cfg.weight_decay),
+        mask=_decay_mask,
+    ))
+    return optax.chain(*parts), schedule
