@@ -11,8 +11,8 @@ for G·2T queries instead of once per head.
 Grid ``(n_m, J, B * Hkv)``: ``n_m`` row tiles of ``block_m`` rows; ``J = k_splits + 1`` column
 programs, the first ``k_splits`` each owning a contiguous range of cache slots and the last one
 owning the soft prompts and the tree block. Every program keeps an online-softmax state
-``(o, m, l)`` in float32 and writes it unnormalised; a small jnp epilogue merges the J states
-(flash-decoding's final reduction) and divides once. Skipping:
+``(o, m, l)`` in float32 and writes its normalised output (input dtype) with its log-sum-exp; a
+small jnp epilogue merges the J partials by softmax mass (flash-decoding's final reduction). Skipping:
 
 * cache tiles at or past ``max(len)`` of the row tile are never loaded (the loop bound is
   dynamic), so a split beyond every row's length costs one empty program and a cache of length 0
@@ -40,8 +40,9 @@ with ``compiler_params=pallas.triton.CompilerParams``.
 * The same kernel body runs under Pallas' generic interpreter (``interpret=True``) on CPU for the
   numeric tests, and its CUDA lowering (jaxpr → Triton IR, compute capability 9.0 = H100 when no
   GPU is attached) runs at JAX lowering time, so CPU CI catches lowering breakage too.
-* JAX's changelog deprecates the Triton backend in 0.11 (which also needs Python >= 3.12). The
-  port to ``plgpu.kernel`` (template: ``ops/gpu/attention_mgpu.py``) belongs with that upgrade;
+* The Pallas changelog ("Released with JAX 0.11.0", July 2026) deprecates the Triton backend for
+  later removal; 0.11 also needs Python >= 3.12, so this project cannot take it yet. The port to
+  ``plgpu.kernel`` (template: ``ops/gpu/attention_mgpu.py``) belongs with that upgrade;
   :func:`masked_attention_reference` and ``tests/test_tree_attention.py`` are the spec it must meet.
 
 Inference only: there is no VJP (training runs the XLA path).
@@ -80,16 +81,30 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-def default_tiling(n_rows: int, cache_len_max: int, head_dim: int) -> dict:
-    """Tile sizes for an H100; the benchmark overrides them to sweep.
+def _num_sms(default: int = 132) -> int:
+    """Streaming multiprocessors of the local GPU (H100 SXM: 132; also when lowering on CPU)."""
+    try:
+        return int(jax.devices("gpu")[0].core_count)
+    except (RuntimeError, AttributeError, TypeError, ValueError):
+        return default
+
+
+def default_tiling(n_rows: int, cache_len_max: int, head_dim: int, n_programs_per_split: int = 1,
+                   n_sms: Optional[int] = None) -> dict:
+    """Tile sizes for an H100 (reasoned, not yet tuned on hardware; the benchmark sweeps them).
 
     ``block_m`` covers up to 128 query rows (a 128 x 128 float32 accumulator over 8 warps is 64
-    registers per thread); ``k_splits`` gives each cache split ~2k slots, enough work per program
-    to amortise the extra float32 partial it writes, and at most 16 splits.
+    registers per thread). ``k_splits`` aims at ~2 waves of cache programs over the SMs
+    (``n_programs_per_split`` = row tiles x B x Hkv), but keeps >= 512 slots per split so the
+    partial each program writes stays small next to the cache it reads.
     """
     block_m = min(128, max(_MIN_TILE, _next_pow2(n_rows)))
     block_k = 64 if head_dim >= 128 else 128
-    k_splits = max(1, min(16, -(-cache_len_max // 2048))) if cache_len_max > 0 else 0
+    if cache_len_max > 0:
+        want = -(-2 * (n_sms or _num_sms()) // max(1, n_programs_per_split))
+        k_splits = max(1, min(want, cache_len_max // 512, 32))
+    else:
+        k_splits = 0
     return dict(block_m=block_m, block_k=block_k, k_splits=k_splits,
                 num_warps=8 if block_m * head_dim >= 128 * 128 else 4, num_stages=2)
 
@@ -125,7 +140,7 @@ def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: i
         lens_ref, kc_ref, vc_ref, *rest = rest
     if has_prefix:
         pvis_ref, kp_ref, vp_ref, *rest = rest
-    o_ref, m_ref, l_ref = rest
+    o_ref, lse_ref = rest
 
     j = pl.program_id(1)
     q_md = q_ref[...]
@@ -177,9 +192,11 @@ def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: i
         o_md, m_m, l_m = lax.cond(j < k_splits, cache_part, extra_part)
     else:
         o_md, m_m, l_m = extra_part()
-    o_ref[...] = o_md
-    m_ref[...] = m_m
-    l_ref[...] = l_m
+    # Normalised partial in the input dtype (half the bytes of a float32 partial for bf16) and
+    # its log-sum-exp; a program that saw no key writes zeros and NEG_INF.
+    l_safe = jnp.where(l_m > 0, l_m, 1.0)
+    o_ref[...] = (o_md / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(l_m > 0, m_m + jnp.log(l_safe), NEG_INF)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -237,8 +254,8 @@ def masked_attention_pallas(
     s_len = k_cache_bshd.shape[1] if has_cache else 0
 
     n_rows = t * g
-    tiling = default_tiling(n_rows, s_len, d)
-    block_m = block_m or tiling["block_m"]
+    block_m = block_m or default_tiling(n_rows, 0, d)["block_m"]
+    tiling = default_tiling(n_rows, s_len, d, -(-n_rows // block_m) * b * hkv)
     block_k = block_k or tiling["block_k"]
     k_splits = (k_splits or tiling["k_splits"]) if has_cache else 0
     for name, v in (("block_m", block_m), ("block_k", block_k), ("block_kt", block_kt or 64)):
@@ -316,18 +333,16 @@ def masked_attention_pallas(
         prefix_len=p_len, prefix_pad=p_pad, scale=1.0 / math.sqrt(d))
     part_map = lambda i, j, bh: (bh // hkv, bh % hkv, j, i, 0)  # noqa: E731
     stat_map = lambda i, j, bh: (bh // hkv, bh % hkv, j, i)  # noqa: E731
-    o_part, m_part, l_part = pl.pallas_call(
+    o_part, lse_part = pl.pallas_call(
         kernel,
         grid=(n_m, n_j, b * hkv),
         in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, block_m, d), part_map),
             pl.BlockSpec((None, None, None, block_m), stat_map),
-            pl.BlockSpec((None, None, None, block_m), stat_map),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, n_j, m_pad, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, n_j, m_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, n_j, m_pad, d), dtype),
             jax.ShapeDtypeStruct((b, hkv, n_j, m_pad), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(
@@ -337,11 +352,13 @@ def masked_attention_pallas(
         name="confu_tree_attention",
     )(*args)
 
-    # Flash-decoding epilogue: merge the J partial softmax states, normalise once.
-    m_star = jnp.max(m_part, axis=2, keepdims=True)
-    w = jnp.exp(m_part - m_star)  # [B,Hkv,J,M]
-    l_star = jnp.sum(w * l_part, axis=2)
-    o = jnp.sum(w[..., None] * o_part, axis=2) / jnp.where(l_star == 0, 1.0, l_star)[..., None]
+    # Flash-decoding epilogue: weight each split's normalised output by its share of the
+    # softmax mass, exp(lse_j - lse*) / sum_j exp(lse_j - lse*).
+    lse_star = jnp.max(lse_part, axis=2, keepdims=True)
+    w = jnp.where(lse_part > NEG_INF / 2, jnp.exp(lse_part - lse_star), 0.0)  # [B,Hkv,J,M]
+    den = jnp.sum(w, axis=2)
+    o = jnp.sum(w[..., None] * o_part.astype(jnp.float32), axis=2)  # elementwise: no TF32
+    o = o / jnp.where(den == 0, 1.0, den)[..., None]
     o = o[:, :, :n_rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
     return o.reshape(b, t, hq, d).astype(dtype)
 

@@ -1,0 +1,259 @@
+"""Tree-verification attention: the Pallas kernel vs the XLA path vs a dense masked baseline.
+
+    python -m launch.kernel_bench                      # on an H100: Llama-3.1-8B heads, the grid below
+    python -m launch.kernel_bench --seq_lens=4096 --tree_sizes=60 --k_splits=8 --block_m=64
+
+One verification pass of the ConFu target: 2T queries per row (T tree nodes + T contemplate
+tokens) against a committed cache of S valid slots, s soft prompts (contemplate rows only) and the
+2T tree tokens under an ancestor mask. Shapes default to Llama-3.1-8B attention (32 query / 8 KV
+heads, head_dim 128, bf16), S in {1k, 4k, 16k}, T in {30, 60}, s = 16 (the paper's values).
+
+Implementations timed (each jitted; its output checked against the XLA path first):
+
+* ``pallas``: ``confu_jax.kernels.tree_attention.masked_attention_pallas`` (Triton lowering);
+* ``xla``: ``masked_attention_reference``, the structured jnp path (the CPU default);
+* ``dense``: ``jax.nn.dot_product_attention`` over [cache | prompts | tree] concatenated, with a
+  dense mask (what an implementation without structured attention does).
+
+Timing: one compile call, ``--warmup`` calls, then ``--repeats`` batches of ``--iters`` calls
+dispatched back to back with one ``block_until_ready`` per batch (so host dispatch overlaps device
+work); the median batch time / iters is reported. Figures per implementation: time, effective
+bandwidth = the bytes any implementation must move (valid K/V cache read, q/out and tree K/V,
+soft prompts, mask) / time, against the device's peak HBM bandwidth, and achieved TFLOP/s. The
+arithmetic intensity is printed too: each K/V element serves G·2T query rows, so for 8B at T=60
+(480 rows per KV head) the pass sits near the H100's compute/bandwidth ridge, not far below it.
+
+On a non-GPU backend it says so and, unless ``--smoke=false``, runs a tiny interpret-mode check of
+the kernel against the XLA path instead (numbers from a CPU interpreter mean nothing for speed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+from absl import app, flags
+
+flags.DEFINE_string("model", "llama-3.1-8b", "preset whose attention shapes to use (confu_jax.models.presets)")
+flags.DEFINE_list("seq_lens", ["1024", "4096", "16384"], "committed cache lengths S (valid slots per row)")
+flags.DEFINE_list("tree_sizes", ["30", "60"], "tree sizes T (the pass has 2T queries)")
+flags.DEFINE_integer("batch", 1, "rows per verification pass")
+flags.DEFINE_integer("soft_prompts", 16, "soft prompt tokens s (visible to contemplate rows only)")
+flags.DEFINE_enum("dtype", "", ["", "bfloat16", "float16", "float32"], "override the preset's dtype")
+flags.DEFINE_list("impls", ["pallas", "xla", "dense"], "implementations to time")
+flags.DEFINE_integer("warmup", 5, "untimed calls after compilation")
+flags.DEFINE_integer("iters", 20, "calls per timed batch")
+flags.DEFINE_integer("repeats", 5, "timed batches (the median is reported)")
+flags.DEFINE_integer("block_m", 0, "kernel query-row tile (0 = default_tiling)")
+flags.DEFINE_integer("block_k", 0, "kernel cache tile (0 = default_tiling)")
+flags.DEFINE_integer("k_splits", 0, "kernel cache splits (0 = default_tiling)")
+flags.DEFINE_integer("num_warps", 0, "Triton warps per program (0 = default_tiling)")
+flags.DEFINE_integer("num_stages", 0, "Triton pipeline stages (0 = default_tiling)")
+flags.DEFINE_float("peak_gbps", 0.0, "device peak HBM bandwidth in GB/s (0 = look up the device kind)")
+flags.DEFINE_bool("smoke", True, "on a non-GPU backend, run a tiny interpret-mode correctness check")
+flags.DEFINE_string("json_out", "", "also write the rows as JSON to this file")
+FLAGS = flags.FLAGS
+
+# Dense peak figures from NVIDIA's data sheets: (HBM GB/s, bf16 dense TFLOP/s), matched on
+# ``device_kind`` substrings (most specific first).
+DEVICE_PEAKS = (
+    ("H100 PCIe", (2000.0, 756.0)),
+    ("H100 NVL", (3900.0, 835.0)),
+    ("H100", (3350.0, 989.0)),  # SXM5 80GB HBM3 ("NVIDIA H100 80GB HBM3")
+    ("H200", (4800.0, 989.0)),
+    ("GH200", (4000.0, 989.0)),
+    ("A100-SXM4-80GB", (2039.0, 312.0)),
+    ("A100", (1555.0, 312.0)),
+    ("L4", (300.0, 121.0)),
+)
+
+
+def device_peaks(device_kind: str):
+    """(peak GB/s, peak bf16 TFLOP/s) for a JAX ``device_kind`` string, or (None, None)."""
+    for key, peaks in DEVICE_PEAKS:
+        if key.lower() in device_kind.lower():
+            return peaks
+    return None, None
+
+
+def bytes_moved(b: int, t2: int, hq: int, hkv: int, d: int, s_valid: int, p: int, itemsize: int) -> int:
+    """The minimum HBM traffic of one pass: read valid K/V cache, q, tree K/V, soft prompts and
+    the mask; write the output. Kernel-private traffic (split partials) is overhead, not counted."""
+    cache = 2 * b * s_valid * hkv * d * itemsize
+    tree = 2 * b * t2 * hkv * d * itemsize
+    q_out = 2 * b * t2 * hq * d * itemsize
+    prompts = 2 * p * hkv * d * itemsize
+    mask = b * t2 * t2 + b * t2  # bool block mask + prefix visibility
+    return cache + tree + q_out + prompts + mask
+
+
+def flops(b: int, t2: int, hq: int, d: int, s_valid: int, p: int) -> int:
+    """QK^T and PV over every visible-or-not key of the three blocks (what the kernel computes)."""
+    return 4 * b * hq * t2 * (s_valid + p + t2) * d
+
+
+def make_case(cfg, b: int, t_nodes: int, s_len: int, p: int, dtype, seed: int = 0):
+    """Random q/K/V at a model's head shapes, an ancestor mask of a 4-ary BFS tree (each
+    contemplate token sees its node's ancestors-and-node and itself), full-length cache rows."""
+    import jax
+    import jax.numpy as jnp
+
+    t2 = 2 * t_nodes
+    hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+    parents = [-1] + [(i - 1) // 4 for i in range(1, t_nodes)]
+    anc = np.zeros((t_nodes, t_nodes), bool)
+    for i in range(t_nodes):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    mask = np.zeros((t2, t2), bool)
+    mask[:t_nodes, :t_nodes] = anc
+    mask[t_nodes:, :t_nodes] = anc
+    mask[t_nodes:, t_nodes:] = np.eye(t_nodes, dtype=bool)
+    pvis = np.arange(t2) >= t_nodes
+    rnd = lambda k, shape: jax.random.normal(k, shape, dtype)  # noqa: E731
+    return (rnd(ks[0], (b, t2, hq, d)), rnd(ks[1], (b, t2, hkv, d)), rnd(ks[2], (b, t2, hkv, d)),
+            jnp.asarray(np.broadcast_to(mask, (b, t2, t2))),
+            rnd(ks[3], (b, s_len, hkv, d)), rnd(ks[4], (b, s_len, hkv, d)),
+            jnp.full((b,), s_len, jnp.int32),
+            rnd(ks[5], (p, hkv, d)), rnd(ks[6], (p, hkv, d)),
+            jnp.asarray(np.broadcast_to(pvis, (b, t2))))
+
+
+def time_fn(fn, args, warmup: int, iters: int, repeats: int):
+    """(median seconds per call, compile+first-call seconds)."""
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    per_call = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = [fn(*args) for _ in range(iters)]
+        jax.block_until_ready(outs)
+        per_call.append((time.perf_counter() - t0) / iters)
+    return float(np.median(per_call)), first_s
+
+
+def implementations(interpret: bool = False, **tiling):
+    from confu_jax.kernels import tree_attention as ta
+
+    tiling = {k: v for k, v in tiling.items() if v}
+    return {
+        "pallas": lambda *a: ta.masked_attention_pallas(*a, interpret=interpret, **tiling),
+        "xla": ta.tree_attention_reference,
+        "dense": ta.dense_masked_attention,
+    }
+
+
+def smoke() -> float:
+    """Tiny interpret-mode run of the kernel on the benchmark's mask pattern; returns the max
+    |pallas - xla| (float32). Checks the harness end to end where no GPU is available."""
+    import jax
+    import jax.numpy as jnp
+
+    from confu_jax.models.presets import get_preset
+
+    cfg = get_preset("tiny")
+    args = make_case(cfg, b=2, t_nodes=5, s_len=70, p=3, dtype=jnp.float32)
+    impls = implementations(interpret=True, block_k=16, k_splits=2)
+    ref = jax.jit(impls["xla"])(*args)
+    err = 0.0
+    for name in ("pallas", "dense"):
+        out = jax.jit(impls[name])(*args)
+        err = max(err, float(jnp.max(jnp.abs(out - ref))))
+    return err
+
+
+def run(model: str, seq_lens, tree_sizes, batch: int, soft_prompts: int, dtype_name: str,
+        impl_names, warmup: int, iters: int, repeats: int, tiling: dict, peak_gbps: float = 0.0,
+        interpret: bool = False):
+    """Time every implementation on every (S, T); returns one dict per (S, T, impl).
+
+    ``interpret`` runs the kernel under Pallas' interpreter: only for exercising this harness
+    on CPU (tests), never for numbers."""
+    import jax
+    import jax.numpy as jnp
+
+    from confu_jax.models.presets import get_preset
+
+    cfg = get_preset(model)
+    dtype = jnp.dtype(dtype_name or cfg.dtype)
+    dev = jax.devices()[0]
+    peak_bw, peak_tf = device_peaks(dev.device_kind)
+    peak_bw = peak_gbps or peak_bw
+    g = cfg.n_heads // cfg.n_kv_heads
+    print(f"device: {dev.device_kind} (peak {peak_bw or 'unknown'} GB/s, {peak_tf or 'unknown'} "
+          f"bf16 TFLOP/s); {model}: Hq={cfg.n_heads} Hkv={cfg.n_kv_heads} hd={cfg.head_dim} "
+          f"{dtype.name}; batch={batch}, s={soft_prompts}")
+    if peak_bw and peak_tf:
+        print(f"ridge point {peak_tf * 1e3 / peak_bw:.0f} flop/B")
+    impls = implementations(interpret=interpret, **tiling)
+    rows = []
+    hdr = f"{'S':>6} {'T':>3} {'impl':>7} {'us':>9} {'GB/s':>8} {'%peak':>6} {'TFLOP/s':>8} {'vs xla':>7} {'max|err|':>9}"
+    print(hdr)
+    for s_len in seq_lens:
+        for t_nodes in tree_sizes:
+            t2 = 2 * t_nodes
+            args = make_case(cfg, batch, t_nodes, s_len, soft_prompts, dtype)
+            nbytes = bytes_moved(batch, t2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, s_len,
+                                 soft_prompts, dtype.itemsize)
+            nflops = flops(batch, t2, cfg.n_heads, cfg.head_dim, s_len, soft_prompts)
+            ref = jax.jit(impls["xla"])(*args).astype(jnp.float32)
+            timings = {}
+            for name in impl_names:
+                fn = jax.jit(impls[name])
+                err = float(jnp.max(jnp.abs(fn(*args).astype(jnp.float32) - ref)))
+                sec, first_s = time_fn(fn, args, warmup, iters, repeats)
+                timings[name] = sec
+                gbps = nbytes / sec / 1e9
+                row = dict(S=s_len, T=t_nodes, impl=name, us=sec * 1e6, gbps=gbps,
+                           pct_peak=(100 * gbps / peak_bw) if peak_bw else None,
+                           tflops=nflops / sec / 1e12, max_abs_err=err, first_call_s=first_s,
+                           flop_per_byte=nflops / nbytes, rows_per_kv_head=g * t2,
+                           device=dev.device_kind)
+                rows.append(row)
+            for row in rows[-len(impl_names):]:
+                vs = timings.get("xla", float("nan")) / (row["us"] * 1e-6)
+                pct = f"{row['pct_peak']:6.1f}" if row["pct_peak"] is not None else f"{'n/a':>6}"
+                print(f"{row['S']:>6} {row['T']:>3} {row['impl']:>7} {row['us']:9.1f} {row['gbps']:8.1f} "
+                      f"{pct} {row['tflops']:8.1f} {vs:6.2f}x {row['max_abs_err']:9.2e}")
+            print(f"       (S={s_len}, T={t_nodes}: {nbytes / 1e6:.1f} MB moved, "
+                  f"{nflops / nbytes:.0f} flop/B, {g * t2} query rows per KV head)")
+    return rows
+
+
+def main(argv):
+    del argv
+    import jax
+
+    backend = jax.default_backend()
+    if backend != "gpu":
+        print(f"kernel_bench: backend is {backend!r}, not a CUDA GPU. The Pallas kernel compiles "
+              f"only for CUDA (Triton lowering), and interpret-mode timings on a CPU mean nothing; "
+              f"run this on an H100.")
+        if FLAGS.smoke:
+            err = smoke()
+            print(f"CPU smoke check (tiny shapes, interpret mode): max |pallas - xla| = {err:.2e}")
+            if not err < 1e-4:
+                raise SystemExit(f"smoke check failed: max error {err} >= 1e-4")
+        return
+    tiling = dict(block_m=FLAGS.block_m, block_k=FLAGS.block_k, k_splits=FLAGS.k_splits,
+                  num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
+    rows = run(FLAGS.model, [int(s) for s in FLAGS.seq_lens], [int(t) for t in FLAGS.tree_sizes],
+               FLAGS.batch, FLAGS.soft_prompts, FLAGS.dtype, FLAGS.impls, FLAGS.warmup,
+               FLAGS.iters, FLAGS.repeats, tiling, FLAGS.peak_gbps)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {FLAGS.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
