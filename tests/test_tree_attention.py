@@ -378,3 +378,39 @@ def test_generate_ar_pallas_matches_xla():
                                   np.asarray(res["xla"].tokens_bn))
     oracle = [_ar_greedy(cfg_xla, params, p, 6) for p in prompts]
     np.testing.assert_array_equal(np.asarray(res["xla"].tokens_bn), np.asarray(oracle))
+
+
+def test_config_attention_impl_selects_the_kernel_in_target_verification():
+    """``config.model.attention_impl`` (ml_collections) -> ModelSpec -> ConFu ``target.verify``:
+    the interpreted kernel reproduces the XLA path's logits, f vectors and node K/V."""
+    from configs.tiny import get_config
+    from confu_jax.models import target
+    from confu_jax.models.spec import model_spec_from_config
+    from tests.model_fakes import random_parents, tiny_params
+
+    specs = {}
+    for impl in ("xla", "pallas_interpret"):
+        config = get_config("confu")
+        config.model.attention_impl = impl
+        specs[impl] = model_spec_from_config(config)
+    assert specs["xla"].target.attention_impl == "xla"  # the default stays the XLA path
+    assert specs["pallas_interpret"].target.attention_impl == "pallas_interpret"
+    spec = specs["xla"]
+    tp, tr = tiny_params(spec, seed=2)
+    rng = np.random.default_rng(5)
+    b, t, n_prompt = 2, 6, np.array([7, 3], np.int32)
+    cache = init_cache(spec.target.n_layers, b, 32, spec.target.n_kv_heads, spec.target.head_dim)
+    # A committed cache of random K/V (rows of different lengths): only attention reads it.
+    k0 = rng.standard_normal((spec.target.n_layers, b, 16, spec.target.n_kv_heads,
+                              spec.target.head_dim)).astype(np.float32)
+    cache = jax.jit(commit, compiler_options=_FAST_COMPILE)(cache, jnp.asarray(k0), jnp.asarray(-k0),
+                                                            jnp.asarray(n_prompt))
+    parents = np.stack([random_parents(rng, t) for _ in range(b)])
+    anc = target.ancestors_from_parents(jnp.asarray(parents))
+    tokens = jnp.asarray(rng.integers(2, spec.target.vocab_size, (b, t)).astype(np.int32))
+    con_src = jnp.asarray(rng.standard_normal((b, 3 * spec.d_model)).astype(np.float32))
+    outs = {impl: jax.jit(functools.partial(target.verify, s), compiler_options=_FAST_COMPILE)(
+                tp, tr["confu"], cache, tokens, anc, con_src)
+            for impl, s in specs.items()}
+    for a, x in zip(outs["pallas_interpret"], outs["xla"]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(x), atol=2e-5, rtol=1e-5)
