@@ -38,8 +38,8 @@ def train_step_fn(loss_fn: LossFn, tx: optax.GradientTransformation,
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics)
         metrics["loss"] = loss
-        metrics["grad_norm"] = optax.global_norm(grads)  # before clipping
-        metrics["update_norm"] = optax.global_norm(updates)
+        metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
+        metrics["update_norm"] = optax.tree.norm(updates)
         if schedule is not None:
             metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)

@@ -1,0 +1,87 @@
+"""Train a draft head: ``python -m launch.train --config configs/<name>.py --workdir runs/x``.
+
+Any config field can be overridden on the command line (``--config.train.optim.lr=3e-4``,
+``--config.train.mesh.fsdp=4``); the config is locked, so a misspelt key or a value of the wrong
+type stops the launch with an error naming the key. Re-running with the same ``--workdir``
+resumes from its latest checkpoint.
+
+Multi-process: pass ``--coordinator_address/--num_processes/--process_id`` (or set
+``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``); under SLURM (``srun``) and
+on Cloud TPU pods the processes find each other on their own. See launch/*.sh and README.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file with get_config(), e.g. configs/smollm2_confu.py[:param].",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory: checkpoints/, metrics.csv, eval.csv, config.json. "
+    "An existing run directory is resumed from its latest checkpoint.")
+_COORD = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 for a multi-process run "
+    "(default: JAX_COORDINATOR_ADDRESS, else SLURM / TPU auto-detection, else single process).")
+_NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (default: env / auto).")
+_PID = flags.DEFINE_integer("process_id", None, "This process's index (default: env / auto).")
+_LOCAL_IDS = flags.DEFINE_list(
+    "local_device_ids", None, "Accelerator ids this process owns (one process per GPU).")
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", 0, "Expose N CPU devices in this process (jax_num_cpu_devices); for "
+    "development and tests of sharded / multi-process runs on a CPU machine. 0 = JAX default.")
+_CPU_COLLECTIVES = flags.DEFINE_enum(
+    "cpu_collectives", "gloo", ["gloo", "mpi", "none"],
+    "Cross-process collectives for CPU devices (multi-process CPU runs need gloo or mpi).")
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    "distributed_timeout", 300, "Seconds to wait for all processes to join.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config is required, e.g. --config configs/smollm2_confu.py")
+    if "train" not in config:
+        raise app.UsageError(
+            f"config {flags.FLAGS['config'].value!r} has no 'train' section; add "
+            "confu_jax.train.config.default_train_config() as config.train")
+    if not _WORKDIR.value:
+        raise app.UsageError("--workdir is required (checkpoints and metrics go there)")
+
+    # orbax logs every save phase at INFO; keep its warnings, drop its chatter.
+    logging.get_absl_logger().addFilter(
+        lambda r: r.levelno >= logging.WARNING or "/orbax/" not in r.pathname)
+
+    # Order matters: CPU device count and collectives must be set before JAX starts a backend,
+    # and jax.distributed.initialize must run before the first device query.
+    from confu_jax.train import distributed
+
+    distributed.configure_cpu(_CPU_DEVICES.value,
+                              None if _CPU_COLLECTIVES.value == "none" else _CPU_COLLECTIVES.value)
+    spec = distributed.resolve(_COORD.value, _NPROC.value, _PID.value,
+                               [int(i) for i in _LOCAL_IDS.value] if _LOCAL_IDS.value else None)
+    distributed.initialize(spec, initialization_timeout=_INIT_TIMEOUT.value)
+
+    import jax
+
+    from confu_jax.train.loop import train
+
+    logging.info("process %d/%d (%s start), %d local / %d global devices", jax.process_index(),
+                 jax.process_count(), spec.mode, jax.local_device_count(), jax.device_count())
+    result = train(config, os.path.abspath(_WORKDIR.value))
+    if jax.process_index() == 0:
+        summary = {"step": result.step, "start_step": result.start_step,
+                   "preempted": result.preempted, **{f"train/{k}": v for k, v in
+                                                     result.last_metrics.items()},
+                   **{f"eval/{k}": v for k, v in result.last_eval.items()}}
+        print(json.dumps(summary, indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    app.run(main)
