@@ -1,7 +1,5 @@
 """Draft head: TTT vs incremental decoding, the future entry, a Hugging Face reference, gradients."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
