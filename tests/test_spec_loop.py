@@ -1,0 +1,200 @@
+"""The speculative loop's core invariant: output distribution == the target's.
+
+Greedy: token-for-token equality with the jitted AR loop (itself checked against a plain Python
+loop of full forwards in test_generate.py and against transformers in test_generate_smollm2.py).
+Sampling: the exact AR joint distribution of the first three tokens, computed by enumeration from
+the target's own probabilities, against >= 100k speculative samples (chi-square).
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from confu_jax.decode import loop
+from confu_jax.decode.generate import StopReason, generate_ar
+from confu_jax.decode.sampling import target_probs
+from confu_jax.models.draft import identity_draft_vocab
+from confu_jax.models.llama import Llama
+from confu_jax.models.presets import get_preset
+from confu_jax.models.spec import HeadConfig, ModelSpec
+from model_fakes import tiny_params
+
+PROMPTS = [[3, 5, 7, 2, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [4], [6, 6, 1, 0, 2, 3, 3]]
+
+
+def make(variant, vocab, seed=0, **target_kw):
+    target = get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=(), **target_kw)
+    head = HeadConfig(variant=variant, draft_vocab_size=vocab, n_soft_prompts=4, n_expert=4,
+                      expert_top_k=2, init_std=0.2, soft_prompt_init_std=1.0)
+    spec = ModelSpec(target, head)
+    tp, tr = tiny_params(spec, seed)
+    return spec, tp, loop.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
+
+
+def prompts_for(vocab):
+    return [[t % vocab for t in p] for p in PROMPTS]
+
+
+def _rows(result, n_rows):
+    toks = np.asarray(result.tokens_bn)
+    n = np.asarray(result.n_generated_b)
+    return [toks[b, : n[b]].tolist() for b in range(n_rows)]
+
+
+# vocab 24 with a random draft: most drafts are rejected. vocab 4 with a full 2-level tree
+# (dynamic:2,4,20): the target's choice is always in the tree, so every pass accepts >= 3 tokens.
+@pytest.mark.parametrize(
+    "variant,vocab,plan",
+    [("eagle3", 24, "chain:3"), ("confu", 24, "dynamic:3,3,8"),
+     ("eagle3", 4, "dynamic:2,4,20"), ("confu", 4, "dynamic:2,4,20")],
+)
+def test_greedy_lossless_batch(variant, vocab, plan):
+    spec, tp, params = make(variant, vocab)
+    plan = loop.parse_plan(plan)
+    prompts = prompts_for(vocab)
+    ar = generate_ar(tp, spec.target, prompts, max_new_tokens=30, eos_ids=())
+    sp = loop.generate_speculative(spec, params, plan, prompts, max_new_tokens=30, eos_ids=())
+    assert _rows(sp, 4) == _rows(ar, 4)
+    assert np.all(np.asarray(sp.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
+    log = np.asarray(sp.accept_log_bi)
+    passes = np.asarray(sp.n_passes_b)
+    # every emitted token is accounted for: prefill's first + the per-pass counts
+    assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
+    assert np.all(log[np.arange(log.shape[1])[None] < passes[:, None]] >= 1)
+    if vocab == 4:
+        # the full tree holds the target's greedy choice at depths 1 and 2: >= 3 per pass
+        # (the last pass of a row may be clipped by max_new_tokens)
+        full = log[:, : passes.min() - 1]
+        assert full.size and np.all(full >= 3)
+
+
+def test_greedy_lossless_batch1_and_eos():
+    spec, tp, params = make("confu", 24, seed=1)
+    plan = loop.parse_plan("dynamic:3,3,8")
+    prompt = [PROMPTS[1]]
+    ar = generate_ar(tp, spec.target, prompt, max_new_tokens=24, eos_ids=())
+    sp = loop.generate_speculative(spec, params, plan, prompt, max_new_tokens=24, eos_ids=())
+    assert _rows(sp, 1) == _rows(ar, 1)
+    # rows finishing at different times: stop at EOS = a token each row emits at a different step
+    ar_rows = _rows(ar, 1)[0]
+    eos = ar_rows[7]
+    ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
+    sp_e = loop.generate_speculative(spec, params, plan, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
+    assert _rows(sp_e, 4) == _rows(ar_e, 4)
+    assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
+
+
+def test_cache_full_stops_cleanly():
+    spec, tp, params = make("eagle3", 4)
+    plan = loop.parse_plan("dynamic:2,4,20")
+    max_len = 16 + 12  # bucket 16 + a few verifications
+    prompts = prompts_for(4)
+    sp = loop.generate_speculative(spec, params, plan, prompts, max_new_tokens=64, eos_ids=(),
+                                   max_len=max_len)
+    ar = generate_ar(tp, spec.target, prompts, max_new_tokens=64, eos_ids=())
+    reasons = np.asarray(sp.stop_reason_b)
+    assert np.all(reasons == StopReason.CACHE_FULL)
+    for b, row in enumerate(_rows(sp, 4)):
+        assert len(row) >= 1
+        # lossless up to the stop, and it stopped only when no verification fits
+        assert row == _rows(ar, 4)[b][: len(row)]
+        assert len(PROMPTS[b]) + len(row) - 1 + plan.max_depth + 1 > max_len
+
+
+def test_one_compiled_program_no_host_round_trip():
+    """The whole generation is one while_loop inside one program: no callbacks, one trace."""
+    spec, tp, params = make("confu", 24)
+    plan = loop.parse_plan("chain:2")
+    args, static = loop.prepare_spec_inputs(spec, plan, PROMPTS[:2], max_new_tokens=12, eos_ids=())
+    jaxpr = jax.make_jaxpr(lambda p, *a: loop._speculative_padded(p, *a, **static))(params, *args)
+    top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert top.count("while") == 1, top
+
+    def all_prims(jp):
+        for e in jp.eqns:
+            yield e.primitive.name
+            for v in e.params.values():
+                for j in (v if isinstance(v, (list, tuple)) else [v]):
+                    inner = getattr(j, "jaxpr", None)
+                    if inner is not None and hasattr(inner, "eqns"):
+                        yield from all_prims(inner)
+
+    prims = set(all_prims(jaxpr.jaxpr))
+    assert not {p for p in prims if "callback" in p or p in ("infeed", "outfeed")}, prims
+    before = loop.trace_count()
+    run, args2 = loop.compile_speculative(spec, params, plan, PROMPTS[:2], max_new_tokens=12, eos_ids=())
+    after_compile = loop.trace_count()
+    out = run(params, *args2)
+    jax.block_until_ready(out)
+    assert after_compile - before == 1 and loop.trace_count() == after_compile
+    # a second prompt set in the same bucket reuses the program
+    loop.generate_speculative(spec, params, plan, [[1, 2], [3, 4, 5]], max_new_tokens=12, eos_ids=())
+    loop.generate_speculative(spec, params, plan, [[7], [3, 4, 5, 6]], max_new_tokens=12, eos_ids=())
+    assert loop.trace_count() - after_compile <= 1
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _exact_joint(spec, tp, prompt, temperature, top_p, n_tok=3):
+    """P(x1..x3 | prompt) by enumeration with full forwards of the target (no cache, no draft)."""
+    v = spec.target.vocab_size
+    model = Llama(spec.target)
+
+    def probs_of(prefixes):
+        arr = jnp.asarray(prefixes, jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(arr.shape[1]), arr.shape)
+        logits = model.apply({"params": tp}, arr, pos).logits_btv[:, -1]
+        return np.asarray(target_probs(logits, temperature, top_p), np.float64)
+
+    joint = {(): 1.0}
+    for _ in range(n_tok):
+        keys = list(joint)
+        pr = probs_of([list(prompt) + list(k) for k in keys])
+        joint = {k + (x,): joint[k] * pr[i, x] for i, k in enumerate(keys) for x in range(v)
+                 if joint[k] * pr[i, x] > 0}
+    return joint
+
+
+def _chi_square(samples, joint, n):
+    keys = sorted(joint)
+    idx = {k: i for i, k in enumerate(keys)}
+    obs = np.zeros(len(keys))
+    for row in samples:
+        obs[idx[tuple(row)]] += 1  # KeyError = a zero-probability sequence was emitted
+    exp = np.array([joint[k] for k in keys]) * n
+    big = exp >= 5
+    o = np.append(obs[big], obs[~big].sum())
+    e = np.append(exp[big], exp[~big].sum())
+    if e[-1] == 0:
+        o, e = o[:-1], e[:-1]
+    return stats.chisquare(o, e).pvalue
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,temperature,top_p", [
+    ("dynamic:2,2,5", 0.7, 1.0), ("dynamic:2,2,5", 1.0, 0.8),
+    ("sampled_chain:2", 1.0, 1.0), ("sampled_chain:2", 0.7, 0.9),
+])
+def test_sampling_lossless_joint(plan, temperature, top_p):
+    spec, tp, params = make("confu", 8, seed=3, n_layers=4, d_model=32, n_heads=2, n_kv_heads=1,
+                            ffn_dim=64)
+    plan = loop.parse_plan(plan)
+    prompt = [1, 5, 2]
+    joint = _exact_joint(spec, tp, prompt, temperature, top_p)
+    n_per, reps = 25_000, 4
+    samples = []
+    for r in range(reps):
+        res = loop.generate_speculative(spec, params, plan, [prompt] * n_per, max_new_tokens=3,
+                                        eos_ids=(), temperature=temperature, top_p=top_p,
+                                        seed=100 + r, min_bucket=4)
+        toks = np.asarray(res.tokens_bn)
+        assert np.all(np.asarray(res.n_generated_b) == 3)
+        samples.append(toks[:, :3])
+    samples = np.concatenate(samples)
+    p = _chi_square(samples, joint, n_per * reps)
+    assert p > 1e-3, p
