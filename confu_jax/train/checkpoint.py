@@ -115,15 +115,28 @@ class Checkpointer:
     def __init__(self, directory: str, every: int = 500, keep: int = 3, async_save: bool = True,
                  read_only: bool = False):
         self.directory = epath.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(
-            save_interval_steps=int(every) if every and every > 0 else 2**62,
-            max_to_keep=int(keep) if keep and keep > 0 else None,
-            enable_async_checkpointing=bool(async_save),
-            create=not read_only,
-            read_only=read_only,
-            cleanup_tmp_directories=not read_only,
-        )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.every = int(every) if every and every > 0 else 0
+        if read_only:
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                                   save_interval_steps=0)
+        else:
+            # The save policy is ours (save(): every N steps, or forced); orbax's own would also
+            # save the very first step of a run and react to preemption behind the loop's back.
+            options = ocp.CheckpointManagerOptions(
+                save_interval_steps=1,
+                max_to_keep=int(keep) if keep and keep > 0 else None,
+                enable_async_checkpointing=bool(async_save),
+                cleanup_tmp_directories=True,
+            )
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": DataStateHandler(),
+                           "extras": ocp.PyTreeCheckpointHandler()})
+        # orbax removes unfinished temporary directories in the background; finish that before
+        # this run writes its own (a resumed run re-saves the step whose write was killed).
+        cleanup = getattr(self.manager, "_cleanup_tmp_directory_future", None)
+        if cleanup is not None:
+            cleanup.result()
 
     # -- queries
     def latest_step(self) -> Optional[int]:
@@ -135,11 +148,13 @@ class Checkpointer:
     # -- save
     def save(self, step: int, state, data_state: Any, extras: Optional[dict] = None,
              force: bool = False) -> bool:
-        """Save if the interval (or ``force``, e.g. preemption / end of run) says so."""
+        """Save if ``step`` is a multiple of ``every`` or ``force`` (preemption, end of run)."""
+        if not force and (self.every <= 0 or step % self.every):
+            return False
         items = {"state": ocp.args.PyTreeSave(state), "data": DataStateSave(data_state)}
         if extras:
             items["extras"] = ocp.args.PyTreeSave({k: np.asarray(v) for k, v in extras.items()})
-        return self.manager.save(int(step), args=ocp.args.Composite(**items), force=force)
+        return self.manager.save(int(step), args=ocp.args.Composite(**items), force=True)
 
     def wait(self):
         self.manager.wait_until_finished()
