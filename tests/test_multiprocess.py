@@ -1,0 +1,133 @@
+"""Multi-process training on one CPU machine, and how processes decide to join a run.
+
+Two processes × 2 CPU devices (``jax.distributed`` on 127.0.0.1, gloo collectives) must follow the
+same loss trajectory as one process × 4 devices, including across a resume that restores each
+process's own data position.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from confu_jax.train import distributed
+from confu_jax.train.metric_writers import read_csv
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy_train.py")
+# fsdp=2 spans both processes (params all-gathered, gradients reduced across them), tensor=2
+# stays inside each. end_lr_ratio=1 makes the lr independent of train.steps, so a run extended
+# from 6 to 8 steps follows the same trajectory as a run of 8.
+COMMON = ["--config", TOY_CONFIG, "--config.train.mesh.fsdp=2", "--config.train.mesh.tensor=2",
+          "--config.train.checkpoint.every=3", "--config.train.eval_every=3",
+          "--config.train.optim.end_lr_ratio=1.0", "--config.train.progress_bar=False"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    # conftest's 8 forced host devices must not leak into the children: they pick their own.
+    return dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+
+
+def _launch(workdir, steps, extra):
+    return subprocess.Popen(
+        [sys.executable, "-m", "launch.train", *COMMON, f"--config.train.steps={steps}",
+         "--workdir", workdir, *extra], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+
+
+def _wait(procs, timeout=240):
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rc, out, err in outs:
+        assert rc == 0, err[-4000:]
+    return outs
+
+
+def _two_processes(workdir, steps):
+    port = _free_port()
+    return [_launch(workdir, steps, ["--cpu_devices=2", f"--coordinator_address=127.0.0.1:{port}",
+                                     "--num_processes=2", f"--process_id={i}"]) for i in range(2)]
+
+
+def test_two_processes_match_one_process_loss_trajectory(tmp_path):
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    # 1 × 4 for 8 steps, concurrently with 2 × 2 for 6 steps ...
+    outs = _wait([_launch(single, 8, ["--cpu_devices=4"]), *_two_processes(multi, 6)])
+    s0 = json.loads(outs[1][1][outs[1][1].index("{"):])
+    assert s0["step"] == 6 and s0["start_step"] == 0
+    assert "{" not in outs[2][1]  # only process 0 reports
+    for step in (3, 6):  # each process saved its own data position
+        files = sorted(os.listdir(os.path.join(multi, "checkpoints", str(step), "data")))
+        assert [f for f in files if f.endswith(".json")] == ["process_0-of-2.json",
+                                                             "process_1-of-2.json"]
+    # ... then the 2 × 2 run resumes from its step-6 checkpoint and continues to 8
+    outs = _wait(_two_processes(multi, 8))
+    assert json.loads(outs[0][1][outs[0][1].index("{"):])["start_step"] == 6
+
+    for name in ("metrics.csv", "eval.csv"):
+        ref, got = read_csv(os.path.join(single, name)), read_csv(os.path.join(multi, name))
+        assert [r["step"] for r in got] == [r["step"] for r in ref]
+        assert len(ref) == (8 if name == "metrics.csv" else 3)
+        for r, q in zip(got, ref):
+            for k in q:
+                assert r[k] == pytest.approx(q[k], rel=1e-5, abs=1e-7), (name, q["step"], k)
+
+
+# ----------------------------------------------------------------------------- resolve()
+
+
+def test_resolve_single_process_by_default():
+    assert distributed.resolve(env={}).mode == "single"
+
+
+def test_resolve_explicit_flags_and_env():
+    s = distributed.resolve("10.0.0.1:1234", 4, 3, [0, 1], env={})
+    assert (s.mode, s.coordinator_address, s.num_processes, s.process_id) == \
+        ("explicit", "10.0.0.1:1234", 4, 3)
+    assert s.initialize_kwargs == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4,
+                                   "process_id": 3, "local_device_ids": [0, 1]}
+    env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    s = distributed.resolve(env=env)
+    assert (s.mode, s.coordinator_address, s.num_processes, s.process_id) == ("explicit", "h:1", 2, 1)
+    # flags win over the environment
+    assert distributed.resolve(process_id=0, env=env).process_id == 0
+    assert distributed.resolve("h:1", 1, 0, env={}).mode == "single"
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"coordinator_address": "h:1"}, r"missing \['num_processes', 'process_id'\]"),
+    ({"coordinator_address": "h:1", "num_processes": 2, "process_id": 2}, "outside"),
+])
+def test_resolve_errors_name_what_is_missing(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        distributed.resolve(env={}, **kw)
+
+
+def test_resolve_slurm_and_tpu_autodetection():
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2",
+             "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+    s = distributed.resolve(env=slurm)
+    assert s.mode == "slurm" and s.initialize_kwargs == {}  # JAX reads the SLURM variables
+    assert distributed.resolve(env=dict(slurm, SLURM_NTASKS="1")).mode == "single"
+    assert distributed.resolve(env={"SLURM_JOB_ID": "7"}).mode == "single"  # salloc shell, no srun
+    pod = {"TPU_WORKER_HOSTNAMES": "t-0,t-1,t-2,t-3", "TPU_WORKER_ID": "2"}
+    assert distributed.resolve(env=pod).mode == "tpu"
+    assert distributed.resolve(env={"TPU_WORKER_HOSTNAMES": "t-0"}).mode == "single"
+    # explicit settings override auto-detection
+    assert distributed.resolve("h:1", 2, 0, env=slurm).mode == "explicit"
