@@ -117,6 +117,9 @@ def test_schedule_is_linear_warmup_then_cosine():
     cfg.warmup_steps = -1
     cfg.warmup_ratio = 0.2
     np.testing.assert_allclose(make_schedule(cfg, 50)(10), 1e-3, rtol=1e-6)
+    cfg.warmup_steps = 8  # a run shorter than its warm-up: linear ramp only, no error
+    np.testing.assert_allclose([make_schedule(cfg, 4)(s) for s in range(4)],
+                               [1e-3 * s / 8 for s in range(4)], rtol=1e-6)
 
 
 def test_clipping_and_decay_mask():

@@ -21,7 +21,9 @@ def warmup_steps(optim_cfg, total_steps: int) -> int:
 def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
     """0 → lr linearly over the warm-up, then cosine to lr·end_lr_ratio at ``total_steps``."""
     total_steps = max(int(total_steps), 1)
-    warm = min(warmup_steps(optim_cfg, total_steps), total_steps)
+    warm = warmup_steps(optim_cfg, total_steps)
+    if warm >= total_steps:  # a run shorter than its warm-up never reaches the cosine part
+        return optax.linear_schedule(0.0, float(optim_cfg.lr), max(warm, 1))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=float(optim_cfg.lr),

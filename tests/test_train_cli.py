@@ -1,0 +1,58 @@
+"""``python -m launch.train``: config errors, and ``init_from`` end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy_train.py")
+
+
+def _train(*args, timeout=240):
+    env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "launch.train", "--config", TOY_CONFIG,
+                           "--config.train.progress_bar=False", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_unknown_config_key_is_a_one_line_error_naming_it(tmp_path):
+    p = _train("--workdir", str(tmp_path), "--config.train.optim.lrr=1e-3")
+    assert p.returncode != 0
+    assert "--config.train.optim.lrr" in p.stderr and 'Did you mean "lr"' in p.stderr
+    assert "Traceback" not in p.stderr
+    assert not os.listdir(tmp_path)  # nothing started
+
+
+def test_ill_typed_config_value_names_the_flag(tmp_path):
+    p = _train("--workdir", str(tmp_path), "--config.train.steps=ten")
+    assert p.returncode != 0
+    assert "--config.train.steps=ten" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_missing_workdir_and_missing_config_file():
+    p = _train()
+    assert p.returncode != 0 and "--workdir is required" in p.stderr
+    env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO)
+    p = subprocess.run([sys.executable, "-m", "launch.train", "--config", "configs/nope.py",
+                        "--workdir", "x"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0 and "configs/nope.py" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_init_from_another_run_copies_shared_params(tmp_path):
+    """A 3-step-head run initialised from a finished 3-step-head run... with 4 heads: the shared
+    fc / norm are copied, the per-step head stacks changed shape and keep their fresh init."""
+    src, dst = str(tmp_path / "eagle3"), str(tmp_path / "confu")
+    p = _train("--workdir", src, "--config.train.steps=2", "--config.train.eval_every=0")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _train("--workdir", dst, "--config.train.steps=1", "--config.train.eval_every=0",
+               "--config.toy.ttt_steps=4",
+               f"--config.train.checkpoint.init_from={os.path.join(src, 'checkpoints')}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(os.path.join(dst, "init_from.json")) as f:
+        report = json.load(f)
+    assert report["step"] == 2
+    assert report["copied"] == ["fc/kernel", "norm/scale"]
+    assert sorted(m[0] for m in report["shape_mismatch"]) == ["heads/down/kernel", "heads/up/kernel"]
+    assert report["kept_init"] == [] and report["ignored"] == []
