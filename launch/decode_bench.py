@@ -1,0 +1,198 @@
+"""Decode throughput: our jitted decoding vs Hugging Face ``transformers`` greedy ``generate``.
+
+    python -m launch.decode_bench --method ar
+
+Both sides decode the same chat prompts (one at a time, batch 1, greedy, the same
+``--max_new_tokens`` and EOS ids) with the same weights: ours from ``confu_jax.weights.load_model``,
+transformers' from the same GGUF via ``gguf_file=`` (torch CPU, float32). Prompts are interleaved
+(ours, then theirs, per prompt) so background load hits both alike. Reported:
+
+* ours: tokens/s of the compiled program (prefill + decode), compile time reported separately;
+  also one batched call over all prompts (rows of different lengths in one while_loop);
+* transformers: tokens/s of ``generate`` after one short warm-up call;
+* the ratio, and whether the greedy tokens are identical prompt by prompt (first divergence if not).
+
+Tokens/s = total emitted tokens / total wall time, summed over prompts (the Spec-Bench convention).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+from absl import app, flags
+
+# A handful of fixed chat prompts of varied length and kind (a later issue swaps in MT-Bench).
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain in detail, step by step, how a bicycle's gears work and why cyclists shift them when "
+    "riding uphill.",
+    "What are the main differences between Python lists and tuples? Give examples.",
+    "Summarize the causes of the French Revolution for a high-school student.",
+]
+
+METHODS = ("ar",)
+
+flags.DEFINE_enum("method", "ar", list(METHODS), "our decoding method to time ('ar': jitted autoregressive)")
+flags.DEFINE_string("model", "smollm2-135m-instruct",
+                    "asset name or .gguf file (transformers loads the same file with gguf_file=)")
+flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt (both sides)")
+flags.DEFINE_integer("n_prompts", len(PROMPTS), f"use the first N of the {len(PROMPTS)} fixed prompts")
+flags.DEFINE_integer("min_bucket", 64, "smallest prompt bucket of the jitted loop (see decode/generate.py)")
+flags.DEFINE_integer("threads", 0, "torch intra-op threads for transformers (0 = all cores)")
+flags.DEFINE_bool("hf", True, "also time transformers generate (needs torch + transformers + accelerate)")
+flags.DEFINE_bool("batched", True, "also time one batched call of ours over all prompts")
+flags.DEFINE_string("json_out", "", "write the figures to this JSON file as well")
+FLAGS = flags.FLAGS
+
+
+class _Ours:
+    """Our jitted AR loop: one compiled program per (batch, bucket), timed runs without compile."""
+
+    def __init__(self, params, cfg, eos_ids):
+        self.params, self.cfg = params, cfg
+        self.kw = dict(max_new_tokens=FLAGS.max_new_tokens, eos_ids=eos_ids, min_bucket=FLAGS.min_bucket)
+        self.programs, self.compile_s = {}, 0.0
+
+    def program(self, batch):
+        from confu_jax.decode.generate import generate_padded_jit, prepare_ar_inputs
+
+        args, static = prepare_ar_inputs(self.cfg, batch, **self.kw)
+        key = (args[0].shape, static["max_len"])
+        if key not in self.programs:
+            t0 = time.perf_counter()
+            self.programs[key] = generate_padded_jit.lower(self.params, *args, **static).compile()
+            self.compile_s += time.perf_counter() - t0
+        return self.programs[key], args
+
+    def run(self, batch):
+        """-> (emitted tokens per row, wall seconds of the compiled run)."""
+        import jax
+        import numpy as np
+
+        fn, args = self.program(batch)
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(fn(self.params, *args))
+        dt = time.perf_counter() - t0
+        toks, n = np.asarray(res.tokens_bn), np.asarray(res.n_generated_b)
+        return [toks[b, : n[b]].tolist() for b in range(len(batch))], dt
+
+
+def _load_hf(model_path):
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:  # dev dependency only
+        raise SystemExit(
+            f"decode_bench: transformers reference unavailable ({e}). Install it with "
+            "`pip install -r requirements-dev.txt` (torch, transformers, accelerate), or pass --nohf."
+        )
+    torch.set_num_threads(FLAGS.threads or os.cpu_count())
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32)
+    return model.eval()
+
+
+def _hf_generate(model, prompt, eos_ids, pad_id, max_new_tokens):
+    import torch
+
+    x = torch.tensor([prompt])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                           do_sample=False, eos_token_id=list(eos_ids), pad_token_id=pad_id)
+    return y[0, len(prompt):].tolist(), time.perf_counter() - t0
+
+
+def _first_divergence(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    from confu_jax.assets import resolve_model_path
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    model_path = resolve_model_path(FLAGS.model)
+    if FLAGS.hf and not model_path.endswith(".gguf"):
+        raise app.UsageError(f"--model must be a GGUF (asset or file) for the transformers side; got "
+                             f"{model_path!r} (or pass --nohf)")
+    tok = ChatTokenizer.load(FLAGS.model)
+    cfg, params = load_model(FLAGS.model)
+    texts = PROMPTS[: FLAGS.n_prompts]
+    prompts = [tok.encode(tok.render([{"role": "user", "content": t}], add_generation_prompt=True))
+               for t in texts]
+    eos_ids = tuple(tok.eos_ids)
+    load_before = os.getloadavg()[0]
+    print(f"model {FLAGS.model}: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, "
+          f"max_new_tokens={FLAGS.max_new_tokens}, greedy, eos={list(eos_ids)}", flush=True)
+
+    ours_ar = _Ours(params, cfg, eos_ids)
+    for p in prompts:
+        ours_ar.program([p])  # compile every bucket up front
+    ours_ar.run([prompts[0]])  # warm-up execution (first-run allocations), untimed
+    compile_s = ours_ar.compile_s
+    hf = None
+    if FLAGS.hf:
+        hf = _load_hf(model_path)
+        _hf_generate(hf, prompts[0], eos_ids, tok.pad_id, 8)  # warm-up, untimed
+
+    rows = []
+    for i, p in enumerate(prompts):
+        (ours,), ours_s = ours_ar.run([p])
+        row = {"prompt": i, "prompt_tokens": len(p), "ours_tokens": len(ours), "ours_s": ours_s}
+        if hf is not None:
+            theirs, hf_s = _hf_generate(hf, p, eos_ids, tok.pad_id, FLAGS.max_new_tokens)
+            row.update(hf_tokens=len(theirs), hf_s=hf_s, identical=ours == theirs,
+                       first_divergence=_first_divergence(ours, theirs))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    n_ours = sum(r["ours_tokens"] for r in rows)
+    s_ours = sum(r["ours_s"] for r in rows)
+    summary = {"method": FLAGS.method, "model": FLAGS.model, "max_new_tokens": FLAGS.max_new_tokens,
+               "n_prompts": len(rows), "ours_tokens_per_s": n_ours / s_ours, "ours_compile_s": compile_s,
+               "cpu_count": os.cpu_count(),
+               # other processes on the machine skew both sides (torch's threads suffer most)
+               "loadavg_1min_before_after": [load_before, os.getloadavg()[0]]}
+    if FLAGS.batched:
+        outs, s_b = ours_ar.run(prompts)  # its compile is not part of s_b
+        summary["ours_batched_tokens_per_s"] = sum(map(len, outs)) / s_b
+        summary["ours_batch_size"] = len(prompts)
+    if hf is not None:
+        n_hf = sum(r["hf_tokens"] for r in rows)
+        s_hf = sum(r["hf_s"] for r in rows)
+        summary.update(hf_tokens_per_s=n_hf / s_hf,
+                       speedup_vs_hf=(n_ours / s_ours) / (n_hf / s_hf),
+                       greedy_identical_prompts=f"{sum(r['identical'] for r in rows)}/{len(rows)}")
+
+    print()
+    print(f"ours ({FLAGS.method}, jitted, batch 1): {summary['ours_tokens_per_s']:.1f} tokens/s "
+          f"({n_ours} tokens in {s_ours:.2f} s); compile {compile_s:.1f} s (excluded)")
+    if FLAGS.batched:
+        print(f"ours ({FLAGS.method}, jitted, batch {len(prompts)}): "
+              f"{summary['ours_batched_tokens_per_s']:.1f} tokens/s")
+    if hf is not None:
+        print(f"transformers generate (torch CPU fp32, greedy, batch 1): "
+              f"{summary['hf_tokens_per_s']:.1f} tokens/s ({n_hf} tokens in {s_hf:.2f} s)")
+        print(f"ratio ours / transformers: {summary['speedup_vs_hf']:.2f}x")
+        print(f"greedy tokens identical: {summary['greedy_identical_prompts']} prompts")
+    print(f"{os.cpu_count()} CPUs; 1-min load average before/after: "
+          f"{summary['loadavg_1min_before_after'][0]:.1f}/{summary['loadavg_1min_before_after'][1]:.1f}")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"summary": summary, "per_prompt": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
