@@ -51,6 +51,8 @@ PARAM_RULES: tuple = (
     (r"(^|/)(gate_proj|up_proj)/kernel$", ("embed", "mlp")),
     (r"(^|/)down_proj/kernel$", ("mlp", "embed")),
     (r"(^|/)(scale|bias)$", ("norm",)),
+    # Embedding-MoE expert tables [n_expert, d].
+    (r"(^|/)experts[^/]*$", ("experts", "embed")),
     # Soft prompts / prefix K/V [.., s, Hkv, hd].
     (r"(^|/)(soft_prompt|prefix)[^/]*/?(k|v|keys|values)?$", (None, "kv_heads", None)),
     # Any other dense kernel [in, out]: FSDP over the input width, tensor over the output.
