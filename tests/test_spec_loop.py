@@ -166,7 +166,8 @@ def _chi_square(samples, joint, n):
     obs = np.zeros(len(keys))
     for row in samples:
         obs[idx[tuple(row)]] += 1  # KeyError = a zero-probability sequence was emitted
-    exp = np.array([joint[k] for k in keys]) * n
+    exp = np.array([joint[k] for k in keys])
+    exp = exp / exp.sum() * n  # enumeration drops zero-probability branches; renormalise rounding
     big = exp >= 5
     o = np.append(obs[big], obs[~big].sum())
     e = np.append(exp[big], exp[~big].sum())
