@@ -1,0 +1,365 @@
+"""The ConFu / EAGLE-3 training objective (DESIGN.md §4 "Training objective"; paper §3.3, eq. 3).
+
+One function, :func:`confu_loss`, serves every variant; EAGLE-3 is the same code with the future
+path off (no anchors, no contemplate pass, every answer position counts).
+
+Index conventions (0-based, as in DESIGN.md): draft index j reads (x[j+1], g[j]) and at TTT step s
+predicts x[j+2+s]; its teacher is the target's next-token distribution at position j+1+s.
+
+Pipeline of one call:
+
+1. **Teacher** (no gradient). One real-token target pass gives final-normed hidden states, the
+   EAGLE-3 taps h_cat and per-layer K/V. The teacher is the target distribution renormalised over
+   the draft vocabulary (EAGLE-3: ``softmax(target_logits[..., d2t])``), computed from the LM-head
+   rows in d2t order, so only [B, N, V_draft] logits ever exist. A position is usable only if the
+   target's argmax over the *full* vocabulary is in the draft vocabulary (EAGLE-3's ``t2d`` mask);
+   that argmax (and the full log-sum-exp, for the diagnostic "teacher mass inside the draft
+   vocabulary") is found by a scan over vocabulary chunks of ``vocab_chunk`` columns. Memory:
+   B·N·(V_draft + vocab_chunk)·4 bytes instead of B·N·V·4 (Llama-3, N=2048: 0.33 GB instead of
+   1.05 GB per row).
+2. **Anchors** (ConFu). K_train anchors per row, uniformly without replacement among positions t
+   where x[t+1] and x[t+2] are both answer tokens: x[t+1] is the bonus token and x[t+2] the first
+   drafted one, which is exactly the situation the draft meets at inference (it never drafts from a
+   prompt position other than the last, nor after the final end-of-turn token). Rows with fewer
+   candidates get fewer valid anchors (the rest are masked). Each anchor t draws a lag
+   δ ~ U{1..max_lag} and its contemplate query reads [con] = MoE_con(h_cat[max(t-δ, 0)]): at
+   inference the contemplate after an accepted node at depth k reads h_cat of the previous
+   iteration's last accepted token, a lag of k+1 ≤ D+1 (``max_lag`` = D+1).
+3. **Replication window**. Draft indices t..t+l use anchor t's future entry ([f]_t, f[t]).
+   Overlapping windows: an index takes the *latest* valid anchor whose window covers it — the
+   freshest future prediction, as at inference where f always comes from the newest anchor.
+   ConFu trains only on indices inside some window (eq. 3 sums over anchor windows only).
+4. **TTT** (``draft_ttt``, L_ttt steps). Step s at index j is trained with KL(P_target ‖ P_draft)
+   where x[j+2+s] is an answer token inside the sequence and the target argmax at j+1+s is in the
+   draft vocabulary. Loss = Σ_s decay^s · (mean over valid (b, j) of the KL). The head + KL of each
+   step is rematerialised in the backward pass, so the [B, N, V_draft] draft logits of the L_ttt
+   steps are never all alive together.
+
+Metrics (scalars; the training loop's convention ``loss/step{s}``, ``acc/step{s}``): per-step KL
+and top-1 agreement with the target, the number of trained positions, teacher diagnostics, and
+``acceptance_length`` — see :func:`simulated_acceptance_length`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from confu_jax.models.draft import TTTFuture, draft_logits, draft_ttt
+from confu_jax.models.spec import ModelSpec
+from confu_jax.models.target import contemplate_queries, real_forward
+from confu_jax.train.step import simulated_acceptance_length as _chain_tau
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """Static hyper-parameters of the objective (hashable: a jit static argument)."""
+
+    ttt_steps: int = 7  # L_ttt
+    k_train: int = 256  # anchors per row (ConFu); clipped to the sequence length
+    replication: int = 3  # window l: indices t..t+l share anchor t's future prediction
+    max_lag: int = 7  # δ ~ U{1..max_lag}; D+1 for decode tree depth D
+    ttt_decay: float = 0.8  # weight of TTT step s is decay**s (EAGLE-3)
+    vocab_chunk: int = 8192  # columns per chunk of the full-vocabulary argmax scan (<= 0: one chunk)
+    remat: bool = True  # recompute each step's draft logits in the backward pass
+
+    def __post_init__(self):
+        if self.ttt_steps < 1:
+            raise ValueError(f"ObjectiveConfig.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.k_train < 1:
+            raise ValueError(f"ObjectiveConfig.k_train must be >= 1, got {self.k_train}")
+        if self.replication < 0:
+            raise ValueError(f"ObjectiveConfig.replication must be >= 0, got {self.replication}")
+        if self.max_lag < 1:
+            raise ValueError(f"ObjectiveConfig.max_lag must be >= 1, got {self.max_lag}")
+
+
+def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfig:
+    """From ``config.draft`` / ``config.confu`` / ``config.objective``.
+
+    ``evaluation``: every candidate position is an anchor and the window is 0, so each draft
+    index has the future prediction made at that very index — what inference gives it.
+    """
+    o = config.objective
+    return ObjectiveConfig(
+        ttt_steps=int(config.draft.ttt_steps),
+        k_train=int(o.eval_k if evaluation else o.k_train),
+        replication=0 if evaluation else int(config.confu.replication),
+        max_lag=int(config.confu.max_lag),
+        ttt_decay=float(config.draft.ttt_decay),
+        vocab_chunk=int(o.vocab_chunk),
+        remat=bool(o.remat),
+    )
+
+
+# ----------------------------------------------------------------------------- teacher
+
+
+class Teacher(NamedTuple):
+    logp_bnv: jax.Array  # [B,N,V_draft] float32 log target probs renormalised over the draft vocab
+    in_draft_bn: jax.Array  # [B,N] bool: the target's full-vocabulary argmax has a draft id
+    argmax_bn: jax.Array  # [B,N] int32 the target's full-vocabulary argmax (target ids)
+    draft_mass_bn: jax.Array  # [B,N] float32 target probability mass inside the draft vocab
+
+
+def _lm_head_layout(spec: ModelSpec, target_params: dict) -> tuple[jax.Array, int]:
+    """The target's LM-head matrix and its vocabulary axis, without transposing (no copy).
+
+    Tied embeddings: ``embed/embedding`` [V, d] (axis 0); otherwise ``lm_head/kernel`` [d, V] (axis 1).
+    """
+    if spec.target.tie_embeddings:
+        return target_params["embed"]["embedding"], 0
+    if "lm_head" not in target_params:
+        raise KeyError("target params: untied config but no 'lm_head/kernel' "
+                       f"(top-level keys: {sorted(target_params)})")
+    return target_params["lm_head"]["kernel"], 1
+
+
+def _scores(hidden_bnd: jax.Array, w: jax.Array, vocab_axis: int) -> jax.Array:
+    """float32 logits of hidden states against LM-head columns (as ``Llama.logits`` computes them)."""
+    h = hidden_bnd.astype(jnp.float32)
+    w = w.astype(jnp.float32)
+    if vocab_axis == 0:
+        return jnp.einsum("bnd,vd->bnv", h, w)
+    return jnp.einsum("bnd,dv->bnv", h, w)
+
+
+def full_vocab_argmax_lse(hidden_bnd: jax.Array, w: jax.Array, vocab_axis: int, vocab_chunk: int):
+    """(argmax [B,N] int32, log-sum-exp [B,N] float32) of the full-vocabulary logits, chunk by chunk.
+
+    A ``lax.scan`` over ceil(V / C) chunks keeps a running max, its index and a rescaled sum of
+    exponentials (online softmax), so only [B, N, C] logits exist at a time. The last chunk is
+    slid back to end at V (no padded copy of a 128k-row matrix); its columns that an earlier chunk
+    already covered are masked out. Ties resolve to the smallest id, like ``jnp.argmax``.
+    """
+    v = w.shape[vocab_axis]
+    c = v if vocab_chunk <= 0 else min(int(vocab_chunk), v)
+    n_chunks = -(-v // c)
+    b, n, _ = hidden_bnd.shape
+
+    def body(carry, i):
+        best, best_id, m, s = carry
+        nominal = i * c
+        start = jnp.minimum(nominal, v - c)
+        w_c = jax.lax.dynamic_slice_in_dim(w, start, c, axis=vocab_axis)
+        l_bnc = _scores(hidden_bnd, w_c, vocab_axis)
+        ids_c = start + jnp.arange(c, dtype=jnp.int32)
+        l_bnc = jnp.where(ids_c >= nominal, l_bnc, -jnp.inf)  # columns already seen
+        c_best = jnp.max(l_bnc, axis=-1)
+        c_id = start + jnp.argmax(l_bnc, axis=-1).astype(jnp.int32)
+        take = c_best > best  # strict: an earlier (smaller) id wins ties
+        m_new = jnp.maximum(m, c_best)
+        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(l_bnc - m_new[..., None]), axis=-1)
+        return (jnp.where(take, c_best, best), jnp.where(take, c_id, best_id), m_new, s), None
+
+    init = (jnp.full((b, n), -jnp.inf, jnp.float32), jnp.zeros((b, n), jnp.int32),
+            jnp.full((b, n), -jnp.inf, jnp.float32), jnp.zeros((b, n), jnp.float32))
+    (_, arg, m, s), _ = jax.lax.scan(body, init, jnp.arange(n_chunks, dtype=jnp.int32))
+    return arg, m + jnp.log(s)
+
+
+def teacher_from_hidden(spec: ModelSpec, target_params: dict, draft_vocab: dict, hidden_bnd: jax.Array,
+                        vocab_chunk: int) -> Teacher:
+    """The EAGLE-3 teacher from the target's final-normed hidden states (no gradient)."""
+    hidden_bnd = jax.lax.stop_gradient(hidden_bnd)
+    w, axis = _lm_head_layout(spec, jax.lax.stop_gradient(target_params))
+    d2t = draft_vocab["d2t"]
+    if d2t.shape[0] != spec.head.draft_vocab_size:
+        raise ValueError(f"draft_vocab['d2t'] has {d2t.shape[0]} ids; spec.head.draft_vocab_size is "
+                         f"{spec.head.draft_vocab_size}")
+    if draft_vocab["t2d"].shape[0] != w.shape[axis]:
+        raise ValueError(f"draft_vocab['t2d'] covers {draft_vocab['t2d'].shape[0]} target ids; the target "
+                         f"LM head has {w.shape[axis]}")
+    logits_bnv = _scores(hidden_bnd, jnp.take(w, d2t, axis=axis), axis)  # [B,N,V_draft]
+    lse_draft = jax.nn.logsumexp(logits_bnv, axis=-1)
+    arg, lse_full = full_vocab_argmax_lse(hidden_bnd, w, axis, vocab_chunk)
+    return Teacher(logp_bnv=logits_bnv - lse_draft[..., None],
+                   in_draft_bn=jnp.take(draft_vocab["t2d"], arg, axis=0),
+                   argmax_bn=arg,
+                   draft_mass_bn=jnp.exp(lse_draft - lse_full))
+
+
+# ----------------------------------------------------------------------------- anchors and windows
+
+
+class AnchorPlan(NamedTuple):
+    anchor_bk: jax.Array  # [B,K] int32 anchor positions t, ascending among valid ones (0 if invalid)
+    valid_bk: jax.Array  # [B,K] bool
+    con_src_bk: jax.Array  # [B,K] int32 max(t - δ, 0): the h_cat that MoE_con reads
+    index_bn: jax.Array  # [B,N] int32 anchor whose future entry draft index j uses (-1: none)
+
+
+def anchor_candidates(loss_mask_bn: jax.Array) -> jax.Array:
+    """[B,N] bool: t may be an anchor iff x[t+1] and x[t+2] are answer tokens (see module doc)."""
+    b, n = loss_mask_bn.shape
+    m = loss_mask_bn.astype(bool)
+    pad = jnp.zeros((b, 2), bool)
+    nxt = jnp.concatenate([m[:, 1:], pad[:, :1]], axis=1)
+    nxt2 = jnp.concatenate([m[:, 2:], pad], axis=1)
+    return nxt & nxt2
+
+
+def sample_anchors(rng: jax.Array, candidates_bn: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """K positions per row uniformly without replacement among the candidates.
+
+    Top-k of i.i.d. uniform scores (non-candidates scored -1) is a uniformly random k-subset of the
+    candidates; slots beyond a row's candidate count come back invalid. Valid anchors are sorted
+    ascending, invalid slots last (anchor 0).
+    """
+    b, n = candidates_bn.shape
+    k = min(int(k), n)
+    u = jax.random.uniform(rng, (b, n))
+    score = jnp.where(candidates_bn, u, -1.0)
+    top, idx = jax.lax.top_k(score, k)
+    valid = top >= 0.0
+    key = jnp.where(valid, idx, n)  # invalid slots sort last
+    order = jnp.argsort(key, axis=1)
+    idx = jnp.take_along_axis(idx, order, axis=1)
+    valid = jnp.take_along_axis(valid, order, axis=1)
+    return jnp.where(valid, idx, 0).astype(jnp.int32), valid
+
+
+def window_index(anchor_bk: jax.Array, valid_bk: jax.Array, n: int, replication: int) -> jax.Array:
+    """[B,N] int32: for index j the slot k of the latest valid anchor t with t <= j <= t + l, or -1."""
+    j = jnp.arange(n, dtype=jnp.int32)[None, None, :]
+    a = anchor_bk[:, :, None]
+    covers = valid_bk[:, :, None] & (a <= j) & (j <= a + replication)  # [B,K,N]
+    score = jnp.where(covers, a, -1)
+    best = jnp.argmax(score, axis=1).astype(jnp.int32)  # the latest covering anchor (anchors distinct)
+    return jnp.where(jnp.any(covers, axis=1), best, -1)
+
+
+def plan_anchors(rng: jax.Array, loss_mask_bn: jax.Array, cfg: ObjectiveConfig) -> AnchorPlan:
+    a_rng, l_rng = jax.random.split(rng)
+    b, n = loss_mask_bn.shape
+    anchor_bk, valid_bk = sample_anchors(a_rng, anchor_candidates(loss_mask_bn), cfg.k_train)
+    lag_bk = jax.random.randint(l_rng, anchor_bk.shape, 1, cfg.max_lag + 1, dtype=jnp.int32)
+    con_src_bk = jnp.maximum(anchor_bk - lag_bk, 0)
+    return AnchorPlan(anchor_bk, valid_bk, con_src_bk, window_index(anchor_bk, valid_bk, n, cfg.replication))
+
+
+# ----------------------------------------------------------------------------- TTT targets
+
+
+class TTTMasks(NamedTuple):
+    answer_sbn: jax.Array  # [S,B,N] bool: x[j+2+s] exists and is an answer token
+    in_draft_sbn: jax.Array  # [S,B,N] bool: the target argmax at the teacher row j+1+s has a draft id
+    valid_sbn: jax.Array  # [S,B,N] bool: both — (s, j) is trained
+
+
+def ttt_masks(loss_mask_bn: jax.Array, in_draft_bn: jax.Array, n_steps: int) -> TTTMasks:
+    """Which (TTT step s, draft index j) are trained; the teacher of (s, j) is teacher row j+1+s."""
+    b, n = loss_mask_bn.shape
+    pad = jnp.zeros((b, n_steps + 2), bool)
+    lm = jnp.concatenate([loss_mask_bn.astype(bool), pad], axis=1)
+    ind = jnp.concatenate([in_draft_bn.astype(bool), pad], axis=1)
+    answer = jnp.stack([lm[:, 2 + s:2 + s + n] for s in range(n_steps)])
+    in_draft = jnp.stack([ind[:, 1 + s:1 + s + n] for s in range(n_steps)])
+    return TTTMasks(answer, in_draft, answer & in_draft)
+
+
+def simulated_acceptance_length(correct_sbn: jax.Array, answer_sbn: jax.Array, in_draft_sbn: jax.Array,
+                                 base_bn: Optional[jax.Array] = None) -> jax.Array:
+    """Expected tokens per verification (bonus included) of a greedy chain of depth L_ttt.
+
+    Estimator: a draft index j is a verification starting point if its first drafted token x[j+2]
+    is an answer token (and, for ConFu, j has a future prediction: ``base_bn``). Step s is accepted
+    iff steps 0..s all had draft top-1 == target top-1, the target's token has a draft id (else the
+    draft cannot propose it) and x[j+2+s] is still inside the answer. τ = 1 + mean over starting
+    points of the number of accepted steps (``confu_jax.train.step.simulated_acceptance_length``).
+    TTT conditions step s on the true tokens x[..j+1+s]; under greedy decoding those equal the
+    accepted draft tokens exactly when x is the target's own greedy output (self-distilled data),
+    so τ is exact for such data and an estimate otherwise; answer ends cut chains short, a slight
+    under-estimate for long chains.
+    """
+    start = answer_sbn
+    if base_bn is not None:
+        start = start & base_bn[None]
+    return _chain_tau(correct_sbn & in_draft_sbn, start)
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+def _step_kl(spec: ModelSpec, draft_params: dict, hidden_bnd: jax.Array, teacher_logp_bnv: jax.Array):
+    """(KL(p_teacher ‖ p_draft) [B,N], draft argmax [B,N]) for one TTT step."""
+    logq = jax.nn.log_softmax(draft_logits(spec, draft_params, hidden_bnd), axis=-1)
+    p = jnp.exp(teacher_logp_bnv)
+    kl = jnp.sum(p * (teacher_logp_bnv - logq), axis=-1)
+    return kl, jnp.argmax(logq, axis=-1)
+
+
+def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_vocab: dict, batch: dict,
+               rng: jax.Array, cfg: ObjectiveConfig) -> tuple[jax.Array, dict]:
+    """(loss, metrics) of ``trainable = {'draft', 'confu'}`` on a batch (see module doc).
+
+    ``batch``: 'tokens' int [B,N], 'loss_mask' bool [B,N] (the token at that position is an answer
+    token to predict), optional 'attention_mask' bool [B,N] (right padding). ``draft_vocab``:
+    ``{'d2t', 't2d'}``. ``rng`` draws the anchors and lags (unused by EAGLE-3). Gradients reach
+    only ``trainable``: the target and its embedding enter under ``stop_gradient``.
+    """
+    tokens_bn = batch["tokens"].astype(jnp.int32)
+    loss_mask_bn = batch["loss_mask"].astype(bool)
+    if tokens_bn.shape != loss_mask_bn.shape:
+        raise ValueError(f"batch['tokens'] {tokens_bn.shape} and batch['loss_mask'] {loss_mask_bn.shape} differ")
+    if "attention_mask" in batch:
+        loss_mask_bn = loss_mask_bn & batch["attention_mask"].astype(bool)
+    b, n = tokens_bn.shape
+    s_steps = cfg.ttt_steps
+    target_params = jax.lax.stop_gradient(target_params)
+
+    out = real_forward(spec, target_params, tokens_bn, return_logits=False)
+    h_cat_bnc = jax.lax.stop_gradient(out.taps_btc)
+    teacher = teacher_from_hidden(spec, target_params, draft_vocab, out.hidden_btd, cfg.vocab_chunk)
+
+    future, base_bn, plan = None, None, None
+    if spec.head.has_future:
+        plan = plan_anchors(rng, loss_mask_bn, cfg)
+        rows = jnp.arange(b)[:, None]
+        f_bkd = contemplate_queries(spec, target_params, trainable["confu"], out.k_new_lbthd, out.v_new_lbthd,
+                                    plan.anchor_bk, h_cat_bnc[rows, plan.con_src_bk])
+        future = TTTFuture(f_bkd, plan.anchor_bk, plan.index_bn)
+        base_bn = plan.index_bn >= 0
+
+    ttt = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc, s_steps,
+                    future=future, return_logits=False)
+
+    masks = ttt_masks(loss_mask_bn, teacher.in_draft_bn, s_steps)
+    valid_sbn = masks.valid_sbn
+    if base_bn is not None:
+        valid_sbn = valid_sbn & base_bn[None]
+    # teacher rows j+1+s for step s: pad N past the end once, slice statically per step
+    v_d = teacher.logp_bnv.shape[-1]
+    t_pad = jnp.concatenate([teacher.logp_bnv, jnp.zeros((b, s_steps + 1, v_d), jnp.float32)], axis=1)
+    t_arg = jnp.argmax(t_pad, axis=-1)
+
+    step_fn = (lambda dp, h, t: _step_kl(spec, dp, h, t))
+    if cfg.remat:
+        step_fn = jax.checkpoint(step_fn)
+    metrics, loss = {}, jnp.zeros((), jnp.float32)
+    correct = []
+    for s in range(s_steps):
+        kl_bn, arg_bn = step_fn(trainable["draft"], ttt.hidden_sbnd[s], t_pad[:, 1 + s:1 + s + n])
+        w_bn = valid_sbn[s].astype(jnp.float32)
+        cnt = jnp.maximum(jnp.sum(w_bn), 1.0)
+        kl_s = jnp.sum(kl_bn * w_bn) / cnt
+        hit_bn = arg_bn == t_arg[:, 1 + s:1 + s + n]
+        correct.append(hit_bn)
+        loss = loss + (cfg.ttt_decay ** s) * kl_s
+        metrics[f"loss/step{s}"] = kl_s
+        metrics[f"acc/step{s}"] = jnp.sum(hit_bn * w_bn) / cnt
+        metrics[f"positions/step{s}"] = jnp.sum(w_bn)
+    correct_sbn = jax.lax.stop_gradient(jnp.stack(correct))
+    metrics["acceptance_length"] = simulated_acceptance_length(correct_sbn, masks.answer_sbn, masks.in_draft_sbn,
+                                                               base_bn)
+    answer_w = loss_mask_bn.astype(jnp.float32)
+    n_ans = jnp.maximum(jnp.sum(answer_w), 1.0)
+    metrics["teacher/draft_vocab_mass"] = jnp.sum(teacher.draft_mass_bn * answer_w) / n_ans
+    metrics["teacher/argmax_in_draft"] = jnp.sum(teacher.in_draft_bn * answer_w) / n_ans
+    if plan is not None:
+        metrics["anchors/valid"] = jnp.mean(jnp.sum(plan.valid_bk, axis=1).astype(jnp.float32))
+        metrics["anchors/window_coverage"] = jnp.sum(base_bn * answer_w) / n_ans
+    return loss, metrics
