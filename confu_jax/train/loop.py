@@ -69,8 +69,11 @@ class RunSetup:
                                schedule=self.schedule, donate=donate)
 
     def compile_eval_step(self, batch) -> CompiledStep:
-        eval_fn = self.task.eval_fn or (lambda p, f, b, r: dict(
-            self.task.loss_fn(p, f, b, r)[1], loss=self.task.loss_fn(p, f, b, r)[0]))
+        eval_fn = self.task.eval_fn
+        if eval_fn is None:
+            def eval_fn(params, frozen, batch, rng):
+                loss, metrics = self.task.loss_fn(params, frozen, batch, rng)
+                return dict(metrics, loss=loss)
         return make_eval_step(eval_fn, self.mesh, state=self.abstract_state,
                               state_shardings=self.state_shardings, frozen=self.frozen,
                               frozen_shardings=self.frozen_shardings, batch=batch)
