@@ -16,6 +16,7 @@ from confu_jax.decode.generate import StopReason
 from confu_jax.decode.sampling import target_probs
 from confu_jax.models.llama import Llama, init_params
 from confu_jax.models.presets import get_preset
+from confu_jax.models.unrolled import split_layers
 
 CFG = get_preset("tiny")
 REF_WIDTH = 64  # fixed width of the reference forward: causal, so right padding is inert
@@ -80,7 +81,10 @@ def test_bucket_length():
         gen.bucket_length(0)
 
 
-def test_prefill_then_incremental_decode_equals_full_forward(params, full_logits):
+@pytest.mark.parametrize("schedule", ["scan", "unrolled"])
+def test_prefill_then_incremental_decode_equals_full_forward(params, full_logits, schedule):
+    if schedule == "unrolled":
+        params = split_layers(params, CFG)
     prompts = prompts_of([5, 11])
     cont = [[7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45]]  # teacher-forced continuations
     tokens_bt, lengths_b = gen.pad_prompts(prompts)

@@ -39,6 +39,7 @@ import numpy as np
 from confu_jax.decode.cache import KVCache, commit, init_cache
 from confu_jax.decode.sampling import next_token
 from confu_jax.models.llama import Llama, LlamaConfig
+from confu_jax.models.unrolled import SplitParams, apply_unrolled, split_layers
 
 # Value of output slots past a row's last generated token (never a valid token id).
 PAD_OUT = -1
@@ -102,8 +103,17 @@ def pad_prompts(prompts: Sequence[Sequence[int]], min_bucket: int = 16):
 # ----------------------------------------------------------------------------- device pieces
 
 
-def _model(cfg: LlamaConfig) -> Llama:
-    return Llama(cfg)
+def forward(params, cfg: LlamaConfig, tokens_bt, positions_bt, **kw):
+    """The target forward on stacked params (``Llama``'s layer scan) or ``SplitParams``
+    (layer-unrolled, the faster schedule on CPU; see ``confu_jax.models.unrolled``)."""
+    if isinstance(params, SplitParams):
+        return apply_unrolled(params, cfg, tokens_bt, positions_bt, **kw)
+    return Llama(cfg).apply({"params": params}, tokens_bt, positions_bt, **kw)
+
+
+def lm_head(params, cfg: LlamaConfig, hidden_btd):
+    shared = params.shared if isinstance(params, SplitParams) else params
+    return Llama(cfg).apply({"params": shared}, hidden_btd, method=Llama.logits)
 
 
 def prefill(params, cfg: LlamaConfig, cache: KVCache, tokens_bt: jax.Array, lengths_b: jax.Array,
@@ -120,14 +130,13 @@ def prefill(params, cfg: LlamaConfig, cache: KVCache, tokens_bt: jax.Array, leng
     """
     b, t = tokens_bt.shape
     positions_bt = cache.length_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    model = _model(cfg)
     cache_kw = {}
     if attend_cache:
         cache_kw = dict(cache_k_lbshd=cache.k_lbshd, cache_v_lbshd=cache.v_lbshd,
                         cache_len_bt=cache.length_b)
-    out = model.apply({"params": params}, tokens_bt, positions_bt, return_logits=False, **cache_kw)
+    out = forward(params, cfg, tokens_bt, positions_bt, return_logits=False, **cache_kw)
     last_b1d = out.hidden_btd[jnp.arange(b), lengths_b - 1][:, None, :]
-    logits_bv = model.apply({"params": params}, last_b1d, method=Llama.logits)[:, 0]
+    logits_bv = lm_head(params, cfg, last_b1d)[:, 0]
     cache = commit(cache, out.k_new_lbthd, out.v_new_lbthd, lengths_b)
     return logits_bv, cache
 
@@ -138,9 +147,9 @@ def decode_step(params, cfg: LlamaConfig, cache: KVCache, tokens_b: jax.Array, a
     Returns (logits_bv for the next token, updated cache). Inactive rows compute (static shapes)
     but leave their cache untouched.
     """
-    model = _model(cfg)
-    out = model.apply(
-        {"params": params},
+    out = forward(
+        params,
+        cfg,
         tokens_b[:, None],
         cache.length_b[:, None],
         cache_k_lbshd=cache.k_lbshd,
@@ -202,8 +211,11 @@ def trace_count() -> int:
 
 
 def _generate_padded(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
-                     cfg: LlamaConfig, max_new_tokens: int, max_len: int) -> GenerateResult:
+                     cfg: LlamaConfig, max_new_tokens: int, max_len: int,
+                     unroll_layers: bool) -> GenerateResult:
     _TRACE_COUNT[0] += 1  # Python side effect: runs once per trace, never per call
+    if unroll_layers:  # split once, outside the loop: every step reads per-layer buffers
+        params = split_layers(params, cfg)
     b = tokens_bt.shape[0]
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
@@ -238,14 +250,14 @@ def _generate_padded(params, tokens_bt, lengths_b, temperature, top_p, eos_e, ke
 
 
 generate_padded_jit = jax.jit(
-    _generate_padded, static_argnames=("cfg", "max_new_tokens", "max_len")
+    _generate_padded, static_argnames=("cfg", "max_new_tokens", "max_len", "unroll_layers")
 )
 
 
 def prepare_ar_inputs(cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens: int = 128,
                       temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                       eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
-                      min_bucket: int = 16):
+                      min_bucket: int = 16, unroll_layers: Optional[bool] = None):
     """Validate and pad on the host -> (dynamic args after ``params``, static kwargs) of
     ``generate_padded_jit``. Arguments as in ``generate_ar``."""
     if lengths is None:
@@ -281,24 +293,30 @@ def prepare_ar_inputs(cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens
     eos_e = np.asarray(eos or [-1], np.int32)  # -1 matches no token: EOS stopping off
     args = (jnp.asarray(tokens_bt), jnp.asarray(lengths_b), jnp.float32(temperature),
             jnp.float32(top_p), jnp.asarray(eos_e), jax.random.PRNGKey(seed))
-    static = dict(cfg=cfg, max_new_tokens=int(max_new_tokens), max_len=max_len)
+    if unroll_layers is None:
+        unroll_layers = jax.default_backend() == "cpu"
+    static = dict(cfg=cfg, max_new_tokens=int(max_new_tokens), max_len=max_len,
+                  unroll_layers=bool(unroll_layers))
     return args, static
 
 
 def generate_ar(params, cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens: int = 128,
                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                 eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
-                min_bucket: int = 16) -> GenerateResult:
+                min_bucket: int = 16, unroll_layers: Optional[bool] = None) -> GenerateResult:
     """Generate up to ``max_new_tokens`` per prompt with one compiled program.
 
     ``prompts``: a list of token-id lists (any lengths), or a [B, T] array of right-padded
     prompts together with ``lengths`` [B]. ``eos_ids`` defaults to ``cfg.eos_token_ids`` (pass
     ``()`` to disable EOS stopping). ``max_len`` is the KV-cache size in slots (default: bucket +
-    max_new_tokens, enough that no row hits it). Temperature 0 is greedy.
+    max_new_tokens, enough that no row hits it). Temperature 0 is greedy. ``unroll_layers``
+    runs the layers from per-layer weight buffers instead of the scan (default: on CPU only;
+    same results, ~2x less weight traffic per step there; see ``confu_jax.models.unrolled``).
     """
     args, static = prepare_ar_inputs(
         cfg, prompts, lengths=lengths, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_p=top_p, seed=seed, eos_ids=eos_ids, max_len=max_len, min_bucket=min_bucket)
+        top_p=top_p, seed=seed, eos_ids=eos_ids, max_len=max_len, min_bucket=min_bucket,
+        unroll_layers=unroll_layers)
     return generate_padded_jit(params, *args, **static)
 
 

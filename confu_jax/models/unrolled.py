@@ -1,0 +1,103 @@
+"""The Llama forward with the layer loop unrolled over per-layer weight buffers (CPU decode).
+
+``Llama`` scans one ``DecoderLayer`` over weights stacked on a leading layer axis, which keeps
+compile time flat in depth. On XLA:CPU every step of that scan first copies its layer's weights
+out of the stack (a dynamic-slice is materialised before each dot), so a memory-bound 1-token
+decode step streams the weights roughly twice: SmolLM2's decode forward measured ~75 CPU-ms
+scanned vs ~40 CPU-ms with one buffer per layer. Here the stack is split once per jitted call
+(``split_layers``, outside any loop) and the same ``DecoderLayer`` module runs once per layer on
+its own buffer. Same parameters, same module code, same outputs as ``Llama.__call__``
+(``tests/test_unrolled.py``); only the schedule differs. GPU/TPU keep the scan.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from confu_jax.models.llama import DecoderLayer, Llama, LlamaConfig, LlamaOutput, rope_cos_sin
+
+
+class SplitParams(NamedTuple):
+    shared: dict  # every top-level entry except 'layers' (embed, final_norm, lm_head)
+    layers: tuple  # n_layers trees, each shaped like one DecoderLayer's params
+
+
+def split_layers(params: dict, cfg: LlamaConfig) -> SplitParams:
+    """Per-layer weight buffers. Inside jit the slices are materialised (optimization_barrier) so
+    XLA does not fold static slices into the dots' operands, which it lowers poorly on CPU."""
+    if "layers" not in params:
+        raise KeyError(f"params has no 'layers' entry (top-level keys: {sorted(params)})")
+    n = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
+    if n != cfg.n_layers:
+        raise ValueError(f"params['layers'] stacks {n} layers; cfg.n_layers is {cfg.n_layers}")
+    shared = {k: v for k, v in params.items() if k != "layers"}
+    layers = tuple(jax.tree_util.tree_map(lambda p, i=i: p[i], params["layers"]) for i in range(n))
+    return SplitParams(shared, jax.lax.optimization_barrier(layers))
+
+
+def _final(m: Llama, x_btd, return_logits: bool):
+    hidden = m.final_norm(x_btd)
+    return hidden, (m.logits(hidden) if return_logits else None)
+
+
+def apply_unrolled(
+    sp: SplitParams,
+    cfg: LlamaConfig,
+    tokens_bt: Optional[jax.Array],
+    positions_bt: jax.Array,
+    *,
+    embeds_btd: Optional[jax.Array] = None,
+    block_mask_btt: Optional[jax.Array] = None,
+    cache_k_lbshd: Optional[jax.Array] = None,
+    cache_v_lbshd: Optional[jax.Array] = None,
+    cache_len_bt: Optional[jax.Array] = None,
+    prefix_k_lphd: Optional[jax.Array] = None,
+    prefix_v_lphd: Optional[jax.Array] = None,
+    prefix_visible_bt: Optional[jax.Array] = None,
+    tap_layers: Sequence[int] = (),
+    return_logits: bool = True,
+) -> LlamaOutput:
+    """``Llama(cfg).apply({'params': params}, ...)`` with ``split_layers(params)``; same arguments."""
+    model = Llama(cfg)
+    shared = {"params": sp.shared}
+    if embeds_btd is None:
+        x = model.apply(shared, tokens_bt, method=Llama.embed_tokens)
+    else:
+        x = embeds_btd.astype(jnp.dtype(cfg.dtype))
+    b, t, _ = x.shape
+    if block_mask_btt is None:
+        block_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    cos, sin = rope_cos_sin(positions_bt, cfg)
+    ctx = {"cos": cos, "sin": sin, "block_mask": block_mask_btt}
+    if cache_k_lbshd is not None:
+        if cache_len_bt is None:
+            raise ValueError("cache_len_bt is required when a cache is given")
+        ctx["cache_len"] = jnp.asarray(cache_len_bt, jnp.int32)
+    if prefix_k_lphd is not None:
+        if prefix_visible_bt is None:
+            raise ValueError("prefix_visible_bt is required when prefix K/V are given")
+        ctx["prefix_visible"] = prefix_visible_bt
+    tap_layers = tuple(int(i) for i in tap_layers)
+    for li in tap_layers:
+        if not 0 <= li < cfg.n_layers:
+            raise ValueError(f"tap layer {li} outside [0, {cfg.n_layers})")
+    ctx["tap_layers"] = jnp.asarray(tap_layers, jnp.int32)
+    carry = (x, tuple(jnp.zeros_like(x) for _ in tap_layers))
+    layer = DecoderLayer(cfg)
+    ks, vs = [], []
+    for i, lp in enumerate(sp.layers):
+        xs = {"layer": jnp.int32(i)}
+        if cache_k_lbshd is not None:
+            xs["k_cache"], xs["v_cache"] = cache_k_lbshd[i], cache_v_lbshd[i]
+        if prefix_k_lphd is not None:
+            xs["k_prefix"], xs["v_prefix"] = prefix_k_lphd[i], prefix_v_lphd[i]
+        carry, (k, v) = layer.apply({"params": lp}, carry, xs, ctx)
+        ks.append(k)
+        vs.append(v)
+    x, taps = carry
+    hidden, logits = model.apply(shared, x, return_logits, method=_final)
+    taps_btc = jnp.concatenate(taps, axis=-1) if taps else None
+    return LlamaOutput(logits, hidden, taps_btc, jnp.stack(ks), jnp.stack(vs))
