@@ -73,11 +73,15 @@ def test_save_restore_is_exact_including_shardings_data_and_extras(tmp_path):
     run = setup_run(_config())
     state = run.init_state()
     # non-trivial optimizer moments, step and RNG without compiling a whole train step
-    grads = jax.tree_util.tree_map(lambda p: jnp.full_like(p, 0.1), state.params)
-    _, opt_state = run.tx.update(grads, state.opt_state, state.params)
-    state = state.replace(step=state.step + 2, opt_state=opt_state,
-                          rng=jax.random.split(state.rng)[0])
-    state = jax.device_put(state, run.state_shardings)
+
+    @jax.jit
+    def advance(state):
+        grads = jax.tree_util.tree_map(lambda p: jnp.full_like(p, 0.1), state.params)
+        _, opt_state = run.tx.update(grads, state.opt_state, state.params)
+        return state.replace(step=state.step + 2, opt_state=opt_state,
+                             rng=jax.random.split(state.rng)[0])
+
+    state = jax.device_put(advance(state), run.state_shardings)
     extras = {"d2t": np.arange(7, dtype=np.int32) * 3, "t2d": np.arange(21) % 3 == 0}
     ck = Checkpointer(str(tmp_path / "ck"), every=1, keep=3)
     assert ck.save(2, state, {"position": 17, "epoch": [1, 2]}, extras)
@@ -167,7 +171,10 @@ raise SystemExit("not killed")
 def test_sigkill_mid_training_resumes_with_identical_losses(tmp_path, reference):
     ref_rows, ref_eval = reference
     workdir = str(tmp_path / "run")
-    env = dict(os.environ, PYTHONPATH=REPO)
+    # the resumed run reuses the killed run's executables from the persistent compilation cache
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     # Killed one step after step 6's checkpoint was handed to the async writer: depending on the
     # race, checkpoint 6 is complete or only a temporary directory; both must resume exactly.
     p = subprocess.run([sys.executable, "-c", _KILL_RUNNER.format(tests=os.path.join(REPO, "tests")),

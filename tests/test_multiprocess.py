@@ -32,15 +32,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env():
-    # conftest's 8 forced host devices must not leak into the children: they pick their own.
-    return dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+def _env(cache_dir):
+    # conftest's 8 forced host devices must not leak into the children: they pick their own. The
+    # persistent compilation cache lets the resumed run reuse the first run's executables.
+    return dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+                JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 def _launch(workdir, steps, extra):
+    cache = os.path.join(os.path.dirname(workdir), "jax_cache")
     return subprocess.Popen(
         [sys.executable, "-m", "launch.train", *COMMON, f"--config.train.steps={steps}",
-         "--workdir", workdir, *extra], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+         "--workdir", workdir, *extra], cwd=REPO, env=_env(cache), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
 
 
