@@ -66,4 +66,32 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     config.draft.init_std = 0.02  # Llama initializer_range
     config.draft.dtype = dtype  # draft compute dtype
     config.draft.param_dtype = "float32"  # trainable params kept in fp32 (optimizer precision)
+    _add_training(config, preset, source)
     return config
+
+
+def _add_training(config: ml_collections.ConfigDict, preset: str, source: str) -> None:
+    """``train`` (loop), ``data`` (pipeline) and ``objective`` (loss) sections for launch.train."""
+    from confu_jax.data.pipeline import default_data_config
+    from confu_jax.train.config import default_train_config
+    from confu_jax.train.confu_task import default_objective_config, default_synthetic_config
+
+    config.train = default_train_config()
+    config.train.task = "confu_jax.train.confu_task:build_task"
+    config.data = default_data_config()
+    config.data.draft_vocab_size = config.draft.get_ref("draft_vocab_size")  # one setting, two readers
+    config.objective = default_objective_config()
+    if source == "random":  # tiny: self-distilled random prompts, a run of seconds
+        config.synthetic = default_synthetic_config()
+        config.data.max_length = 32
+        config.data.global_batch_size = 8
+        config.draft.ttt_steps = 3
+        config.objective.k_train = 8
+        config.objective.vocab_chunk = 48
+        config.objective.eval_batches = 1
+        config.train.steps = 40
+        config.train.optim.lr = 3e-3
+        config.train.optim.warmup_steps = 2
+        config.train.eval_every = 20
+        config.train.checkpoint.every = 20
+        config.train.log_every = 5

@@ -54,6 +54,9 @@ from confu_jax.models.target import contemplate_queries, real_forward
 from confu_jax.train.step import simulated_acceptance_length as _chain_tau
 
 
+ALL_POSITIONS = 1 << 30  # k_train meaning "every candidate position" (clipped to N)
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
     """Static hyper-parameters of the objective (hashable: a jit static argument)."""
@@ -80,13 +83,14 @@ class ObjectiveConfig:
 def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfig:
     """From ``config.draft`` / ``config.confu`` / ``config.objective``.
 
-    ``evaluation``: every candidate position is an anchor and the window is 0, so each draft
-    index has the future prediction made at that very index — what inference gives it.
+    ``evaluation``: ``objective.eval_k`` anchors (0: every candidate position) and window 0, so
+    each draft index has the future prediction made at that very index — what inference gives it.
     """
     o = config.objective
+    k = int(o.eval_k) if evaluation else int(o.k_train)
     return ObjectiveConfig(
         ttt_steps=int(config.draft.ttt_steps),
-        k_train=int(o.eval_k if evaluation else o.k_train),
+        k_train=k if k > 0 else ALL_POSITIONS,
         replication=0 if evaluation else int(config.confu.replication),
         max_lag=int(config.confu.max_lag),
         ttt_decay=float(config.draft.ttt_decay),

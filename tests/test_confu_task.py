@@ -1,0 +1,81 @@
+"""The ConFu training task behind ``launch.train``: config sections, self-distilled tiny data, and a
+real CLI run on the tiny target that learns (eval τ) and writes the draft vocabulary with its
+checkpoints."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from confu_jax.models.llama import Llama
+from confu_jax.models.spec import model_spec_from_config
+from confu_jax.train.confu_task import SelfDistilledStream, load_target
+from confu_jax.train.loss import ALL_POSITIONS, objective_from_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny(variant="confu"):
+    from configs.tiny import get_config
+
+    return get_config(variant)
+
+
+def test_objective_sections_of_every_config():
+    from configs.smollm2_confu import get_config
+
+    c = get_config()
+    assert c.train.task == "confu_jax.train.confu_task:build_task"
+    train, ev = objective_from_config(c), objective_from_config(c, evaluation=True)
+    assert (train.k_train, train.replication, train.max_lag, train.ttt_steps) == (256, 3, 7, 7)
+    assert (ev.k_train, ev.replication) == (ALL_POSITIONS, 0)
+    c.draft.draft_vocab_size = 1000  # one setting read by the model and the data pipeline
+    assert c.data.draft_vocab_size == 1000
+
+
+def test_self_distilled_stream_is_the_targets_greedy_chain():
+    config = _tiny()
+    spec, params = load_target(config, model_spec_from_config(config))
+    full = SelfDistilledStream(spec.target, params, global_batch=4, seq_len=16, prompt_len=3, seed=5)
+    b = full.batch_at(2)
+    logits = Llama(spec.target).apply({"params": params}, b["tokens"], np.arange(16)[None]).logits_btv
+    np.testing.assert_array_equal(np.asarray(logits[:, 2:-1].argmax(-1)), b["tokens"][:, 3:])
+    assert not b["loss_mask"][:, :3].any() and b["loss_mask"][:, 3:].all()
+    # a process's rows are its slice of the same global batch; the position is the whole state
+    part = SelfDistilledStream(spec.target, params, global_batch=4, seq_len=16, prompt_len=3, seed=5,
+                               process_index=1, process_count=2)
+    part.set_state({"position": 2, "seed": 5})
+    np.testing.assert_array_equal(next(part)["tokens"], b["tokens"][2:])
+    with pytest.raises(ValueError, match="synthetic.seed"):
+        part.set_state({"position": 0, "seed": 6})
+
+
+@pytest.mark.slow
+def test_launch_train_tiny_learns_and_saves_the_draft_vocab(tmp_path):
+    """``python -m launch.train --config configs/tiny.py:eagle3`` over 8 CPU devices (data-parallel)."""
+    work = tmp_path / "run"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    cmd = [sys.executable, "-m", "launch.train", "--config", "configs/tiny.py:eagle3", "--workdir", str(work),
+           "--config.train.progress_bar=False", "--config.draft.draft_vocab_size=64",
+           "--config.train.eval_every=1"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(work / "eval.csv") as f:
+        rows = list(csv.DictReader(f))
+    tau = [float(x["acceptance_length"]) for x in rows]
+    loss = [float(x["loss"]) for x in rows]
+    assert [int(x["step"]) for x in rows] == list(range(1, 41))
+    assert tau[-1] > tau[0] + 0.2 and loss[-1] < loss[0], (tau, loss)
+    saved = json.loads((work / "config.json").read_text())
+    assert saved["data"]["draft_vocab_size"] == 64
+    from confu_jax.train.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(str(work / "checkpoints"), every=20, keep=3, async_save=False)
+    assert ckpt.latest_step() == 40
+    ckpt.close()
+    assert jax.device_count() >= 1  # (the run itself used 8 devices in its own process)
