@@ -69,16 +69,16 @@ class _Ours:
         return self.programs[key], args
 
     def run(self, batch):
-        """-> (emitted tokens per row, wall seconds of the compiled run)."""
+        """-> (emitted tokens per row, wall seconds, process CPU seconds of the compiled run)."""
         import jax
         import numpy as np
 
         fn, args = self.program(batch)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = jax.block_until_ready(fn(self.params, *args))
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         toks, n = np.asarray(res.tokens_bn), np.asarray(res.n_generated_b)
-        return [toks[b, : n[b]].tolist() for b in range(len(batch))], dt
+        return [toks[b, : n[b]].tolist() for b in range(len(batch))], dt, dc
 
 
 def _load_hf(model_path):
@@ -100,11 +100,11 @@ def _hf_generate(model, prompt, eos_ids, pad_id, max_new_tokens):
     import torch
 
     x = torch.tensor([prompt])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                            do_sample=False, eos_token_id=list(eos_ids), pad_token_id=pad_id)
-    return y[0, len(prompt):].tolist(), time.perf_counter() - t0
+    return y[0, len(prompt):].tolist(), time.perf_counter() - t0, time.process_time() - c0
 
 
 def _first_divergence(a, b):
@@ -148,11 +148,12 @@ def main(argv):
 
     rows = []
     for i, p in enumerate(prompts):
-        (ours,), ours_s = ours_ar.run([p])
-        row = {"prompt": i, "prompt_tokens": len(p), "ours_tokens": len(ours), "ours_s": ours_s}
+        (ours,), ours_s, ours_cpu = ours_ar.run([p])
+        row = {"prompt": i, "prompt_tokens": len(p), "ours_tokens": len(ours), "ours_s": ours_s,
+               "ours_cpu_s": ours_cpu}
         if hf is not None:
-            theirs, hf_s = _hf_generate(hf, p, eos_ids, tok.pad_id, FLAGS.max_new_tokens)
-            row.update(hf_tokens=len(theirs), hf_s=hf_s, identical=ours == theirs,
+            theirs, hf_s, hf_cpu = _hf_generate(hf, p, eos_ids, tok.pad_id, FLAGS.max_new_tokens)
+            row.update(hf_tokens=len(theirs), hf_s=hf_s, hf_cpu_s=hf_cpu, identical=ours == theirs,
                        first_divergence=_first_divergence(ours, theirs))
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -161,29 +162,34 @@ def main(argv):
     s_ours = sum(r["ours_s"] for r in rows)
     summary = {"method": FLAGS.method, "model": FLAGS.model, "max_new_tokens": FLAGS.max_new_tokens,
                "n_prompts": len(rows), "ours_tokens_per_s": n_ours / s_ours, "ours_compile_s": compile_s,
+               # process CPU time per token: less sensitive than wall time to other processes
+               "ours_cpu_ms_per_token": 1e3 * sum(r["ours_cpu_s"] for r in rows) / n_ours,
                "cpu_count": os.cpu_count(),
                # other processes on the machine skew both sides (torch's threads suffer most)
                "loadavg_1min_before_after": [load_before, os.getloadavg()[0]]}
     if FLAGS.batched:
-        outs, s_b = ours_ar.run(prompts)  # its compile is not part of s_b
+        outs, s_b, _ = ours_ar.run(prompts)  # its compile is not part of s_b
         summary["ours_batched_tokens_per_s"] = sum(map(len, outs)) / s_b
         summary["ours_batch_size"] = len(prompts)
     if hf is not None:
         n_hf = sum(r["hf_tokens"] for r in rows)
         s_hf = sum(r["hf_s"] for r in rows)
         summary.update(hf_tokens_per_s=n_hf / s_hf,
+                       hf_cpu_ms_per_token=1e3 * sum(r["hf_cpu_s"] for r in rows) / n_hf,
                        speedup_vs_hf=(n_ours / s_ours) / (n_hf / s_hf),
                        greedy_identical_prompts=f"{sum(r['identical'] for r in rows)}/{len(rows)}")
 
     print()
     print(f"ours ({FLAGS.method}, jitted, batch 1): {summary['ours_tokens_per_s']:.1f} tokens/s "
-          f"({n_ours} tokens in {s_ours:.2f} s); compile {compile_s:.1f} s (excluded)")
+          f"({n_ours} tokens in {s_ours:.2f} s, {summary['ours_cpu_ms_per_token']:.0f} CPU-ms/token); "
+          f"compile {compile_s:.1f} s (excluded)")
     if FLAGS.batched:
         print(f"ours ({FLAGS.method}, jitted, batch {len(prompts)}): "
               f"{summary['ours_batched_tokens_per_s']:.1f} tokens/s")
     if hf is not None:
         print(f"transformers generate (torch CPU fp32, greedy, batch 1): "
-              f"{summary['hf_tokens_per_s']:.1f} tokens/s ({n_hf} tokens in {s_hf:.2f} s)")
+              f"{summary['hf_tokens_per_s']:.1f} tokens/s ({n_hf} tokens in {s_hf:.2f} s, "
+              f"{summary['hf_cpu_ms_per_token']:.0f} CPU-ms/token)")
         print(f"ratio ours / transformers: {summary['speedup_vs_hf']:.2f}x")
         print(f"greedy tokens identical: {summary['greedy_identical_prompts']} prompts")
     print(f"{os.cpu_count()} CPUs; 1-min load average before/after: "

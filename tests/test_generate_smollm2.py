@@ -80,3 +80,17 @@ def test_greedy_batch2_different_lengths_equals_hf_per_prompt(setup, hf_greedy):
     rows, _ = _rows(res)
     for b in range(2):
         assert rows[b] == hf_greedy[b], (b, tok.decode(rows[b]), tok.decode(hf_greedy[b]))
+
+
+def test_cli_prints_the_greedy_completion(setup, hf_greedy):
+    """``python -m launch.generate`` end to end: chat template, default config, decode."""
+    import subprocess
+    import sys
+
+    _, _, tok, _ = setup
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "launch.generate", "--prompt", QUESTIONS[0],
+                        "--max_new_tokens", "12"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == tok.decode(hf_greedy[0][:12], skip_special_tokens=True).strip()
+    assert "generated 12 (stop: max_new_tokens)" in r.stderr and "tokens/s" in r.stderr

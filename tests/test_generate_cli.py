@@ -1,0 +1,34 @@
+"""``python -m launch.generate`` / ``launch.decode_bench`` flag handling (no model loaded)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("module,flags", [
+    ("launch.generate", ["prompt", "model", "method", "max_new_tokens", "temperature", "top_p", "seed", "config"]),
+    ("launch.decode_bench", ["method", "model", "max_new_tokens", "n_prompts", "threads", "hf", "json_out"]),
+])
+def test_help_documents_every_flag(module, flags):
+    r = _run(module, "--help")  # absl prints the help to stdout and exits with status 1
+    assert "flags:" in r.stdout, r.stderr
+    for f in flags:
+        line = next((ln for ln in r.stdout.splitlines() if ln.strip().startswith(f"--{f}:")
+                     or ln.strip().startswith(f"--[no]{f}:")), None)
+        assert line is not None and len(line.split(":", 1)[1].strip()) > 5, f"--{f} undocumented"
+
+
+def test_misspelt_config_field_and_unknown_method_fail_loudly():
+    r = _run("launch.generate", "--prompt", "Hi", "--config.decode.max_new_token=3")
+    assert r.returncode != 0 and "max_new_token" in r.stderr
+    r = _run("launch.generate", "--prompt", "Hi", "--method", "eagle9")
+    assert r.returncode != 0 and "ar" in r.stderr
