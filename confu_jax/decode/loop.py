@@ -50,6 +50,7 @@ from confu_jax.decode.generate import (PAD_OUT, StopReason, _sample, emit, pad_p
 from confu_jax.models import draft as draft_lib
 from confu_jax.models import target as target_lib
 from confu_jax.models.spec import ModelSpec
+from confu_jax.models.unrolled import split_layers
 
 METHODS = ("ar", "eagle3", "confu")
 
@@ -304,9 +305,11 @@ def trace_count() -> int:
 
 def _speculative_padded(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
                         spec: ModelSpec, plan: DraftPlan, rule: str, max_new_tokens: int,
-                        max_len: int) -> SpecResult:
+                        max_len: int, unroll_layers: bool) -> SpecResult:
     _TRACE_COUNT[0] += 1
     t = spec.target
+    if unroll_layers:  # per-layer weight buffers, split once outside the loop (models.unrolled)
+        params = dict(params, target=split_layers(params["target"], t))
     b, width = tokens_bt.shape
     a = plan.max_depth + 1
     temperature = jnp.asarray(temperature, jnp.float32)
@@ -356,7 +359,8 @@ def _speculative_padded(params, tokens_bt, lengths_b, temperature, top_p, eos_e,
 
 
 speculative_padded_jit = jax.jit(
-    _speculative_padded, static_argnames=("spec", "plan", "rule", "max_new_tokens", "max_len"))
+    _speculative_padded,
+    static_argnames=("spec", "plan", "rule", "max_new_tokens", "max_len", "unroll_layers"))
 
 
 def spec_params(target_params: dict, trainable: dict, draft_vocab: dict) -> dict:
@@ -373,8 +377,11 @@ def spec_params(target_params: dict, trainable: dict, draft_vocab: dict) -> dict
 def prepare_spec_inputs(spec: ModelSpec, plan: DraftPlan, prompts, *, max_new_tokens: int = 128,
                         temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                         eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
-                        min_bucket: int = 16):
-    """Host-side validation and padding -> (dynamic args after ``params``, static kwargs)."""
+                        min_bucket: int = 16, unroll_layers: Optional[bool] = None):
+    """Host-side validation and padding -> (dynamic args after ``params``, static kwargs).
+
+    ``unroll_layers`` (default: on for the CPU backend) runs the target layer-unrolled, as the AR
+    baseline does, so speed-ups compare like with like."""
     tokens_bt, lengths_b = pad_prompts(prompts, min_bucket)
     vocab = spec.target.vocab_size
     for i, p in enumerate(prompts):
@@ -399,7 +406,10 @@ def prepare_spec_inputs(spec: ModelSpec, plan: DraftPlan, prompts, *, max_new_to
     rule = _rule(plan, temperature <= 0.0)
     args = (jnp.asarray(tokens_bt), jnp.asarray(lengths_b), jnp.float32(temperature),
             jnp.float32(top_p), jnp.asarray(eos_e), jax.random.PRNGKey(seed))
-    static = dict(spec=spec, plan=plan, rule=rule, max_new_tokens=int(max_new_tokens), max_len=max_len)
+    if unroll_layers is None:
+        unroll_layers = jax.default_backend() == "cpu"
+    static = dict(spec=spec, plan=plan, rule=rule, max_new_tokens=int(max_new_tokens), max_len=max_len,
+                  unroll_layers=bool(unroll_layers))
     return args, static
 
 

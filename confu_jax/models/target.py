@@ -41,6 +41,7 @@ from confu_jax.decode.cache import KVCache, commit
 from confu_jax.models.llama import Llama, LlamaOutput
 from confu_jax.models.moe import make_token_embedder
 from confu_jax.models.spec import ModelSpec
+from confu_jax.models.unrolled import SplitParams, apply_unrolled
 
 
 class VerifyOutput(NamedTuple):
@@ -165,14 +166,29 @@ def _llama(spec: ModelSpec) -> Llama:
     return Llama(spec.target)
 
 
+def _forward(spec: ModelSpec, target_params, tokens_bt, positions_bt, **kw) -> LlamaOutput:
+    """The frozen target's forward. ``target_params`` may be the stacked tree (layer scan) or
+    ``SplitParams`` (layer-unrolled: the faster schedule on CPU, see ``models.unrolled``); the
+    decode loop splits once outside its while_loop. Gradients never reach the target."""
+    tp = jax.lax.stop_gradient(target_params)
+    if isinstance(tp, SplitParams):
+        return apply_unrolled(tp, spec.target, tokens_bt, positions_bt, **kw)
+    return _llama(spec).apply({"params": tp}, tokens_bt, positions_bt, **kw)
+
+
+def _shared(target_params):
+    """Embedding / final-norm / LM-head params of either layout."""
+    return target_params.shared if isinstance(target_params, SplitParams) else target_params
+
+
 def lm_logits(spec: ModelSpec, target_params: dict, hidden_btd: jax.Array) -> jax.Array:
     """The target's LM head (float32) on final-normed hidden states."""
-    return _llama(spec).apply({"params": jax.lax.stop_gradient(target_params)}, hidden_btd,
+    return _llama(spec).apply({"params": jax.lax.stop_gradient(_shared(target_params))}, hidden_btd,
                               method=Llama.logits)
 
 
 def embed_tokens(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array) -> jax.Array:
-    return _llama(spec).apply({"params": jax.lax.stop_gradient(target_params)}, tokens_bt,
+    return _llama(spec).apply({"params": jax.lax.stop_gradient(_shared(target_params))}, tokens_bt,
                               method=Llama.embed_tokens)
 
 
@@ -185,7 +201,7 @@ def real_forward(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array,
     b, n = tokens_bt.shape
     if positions_bt is None:
         positions_bt = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    return _llama(spec).apply({"params": jax.lax.stop_gradient(target_params)}, tokens_bt, positions_bt,
+    return _forward(spec, target_params, tokens_bt, positions_bt,
                               tap_layers=spec.taps, return_logits=return_logits)
 
 
@@ -204,8 +220,8 @@ def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict
     anchors_bk = anchors_bk.astype(jnp.int32)
     emb_bkd = con_embedding(spec, confu_params, con_src_bkc)
     eye = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
-    out = _llama(spec).apply(
-        {"params": jax.lax.stop_gradient(target_params)},
+    out = _forward(
+        spec, target_params,
         None,
         anchors_bk + 1,
         embeds_btd=emb_bkd,
@@ -233,8 +249,8 @@ def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVC
     b, t = tokens_bt.shape
     n_tokens_b = n_tokens_b.astype(jnp.int32)
     positions = cache.length_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    out = _llama(spec).apply(
-        {"params": jax.lax.stop_gradient(target_params)},
+    out = _forward(
+        spec, target_params,
         tokens_bt,
         positions,
         cache_k_lbshd=cache.k_lbshd,
@@ -276,7 +292,7 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
                   tap_layers=spec.taps, return_logits=False)
     if not spec.head.has_future:
         positions = cache.length_b[:, None] + depth_bt.astype(jnp.int32)
-        out = _llama(spec).apply({"params": tp}, tokens_bt, positions, block_mask_btt=anc_btt, **common)
+        out = _forward(spec, tp, tokens_bt, positions, block_mask_btt=anc_btt, **common)
         return VerifyOutput(lm_logits(spec, tp, out.hidden_btd), out.taps_btc, None,
                             out.k_new_lbthd, out.v_new_lbthd)
     _require_future(spec, confu_params, "verify")
@@ -286,8 +302,8 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
     node_emb = embed_tokens(spec, tp, tokens_bt)
     con_emb = con_embedding(spec, confu_params, con_src_bc)[:, None].astype(node_emb.dtype)
     embeds = jnp.concatenate([node_emb, jnp.broadcast_to(con_emb, node_emb.shape)], axis=1)
-    out = _llama(spec).apply(
-        {"params": tp}, None, positions, embeds_btd=embeds, block_mask_btt=mask,
+    out = _forward(
+        spec, tp, None, positions, embeds_btd=embeds, block_mask_btt=mask,
         prefix_k_lphd=confu_params["soft_prompt_k_lphd"], prefix_v_lphd=confu_params["soft_prompt_v_lphd"],
         prefix_visible_bt=prefix_visible, **common)
     return VerifyOutput(
