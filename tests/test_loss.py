@@ -241,50 +241,74 @@ def _reference_loss(variant, seed=0):
         assert valid.all()
         f = np.zeros((B, anchors.shape[1], spec.d_model), np.float32)
         h_cat = np.asarray(out.taps_btc)
+        model = Llama(spec.target)
+
+        @jax.jit
+        def contemplate(row_tokens, t, con_d):
+            """Causal pass over [x_0..x_t, [con], ...]: the query at t+1 sees x_<=t, itself and the
+            soft prompts; what follows it (padding) is invisible to it."""
+            emb = model.apply({"params": tp}, row_tokens[None], method=Llama.embed_tokens)
+            emb = jnp.concatenate([emb, emb[:, :1]], axis=1).at[0, t + 1].set(con_d.astype(emb.dtype))
+            vis = (jnp.arange(N + 1) == t + 1)[None]
+            o = model.apply({"params": tp}, None, jnp.arange(N + 1)[None], embeds_btd=emb,
+                            prefix_k_lphd=tr["confu"]["soft_prompt_k_lphd"],
+                            prefix_v_lphd=tr["confu"]["soft_prompt_v_lphd"], prefix_visible_bt=vis,
+                            return_logits=False)
+            return o.hidden_btd[0, t + 1]
+
         for r in range(B):
             for k, t in enumerate(anchors[r]):
                 assert lm[r, t + 1] and lm[r, t + 2]
-                con = con_embedding(spec, tr["confu"], jnp.asarray(h_cat[r, src[r, k]])[None])
-                emb = Llama(spec.target).apply({"params": tp}, jnp.asarray(tokens[r, :t + 1])[None],
-                                               method=Llama.embed_tokens)
-                seq = jnp.concatenate([emb, con[None].astype(emb.dtype)], axis=1)
-                vis = jnp.zeros((1, t + 2), bool).at[0, -1].set(True)
-                o = Llama(spec.target).apply(
-                    {"params": tp}, None, jnp.arange(t + 2)[None], embeds_btd=seq,
-                    prefix_k_lphd=tr["confu"]["soft_prompt_k_lphd"], prefix_v_lphd=tr["confu"]["soft_prompt_v_lphd"],
-                    prefix_visible_bt=vis, return_logits=False)
-                f[r, k] = np.asarray(o.hidden_btd[0, -1])
+                con = con_embedding(spec, tr["confu"], jnp.asarray(h_cat[r, src[r, k]])[None])[0]
+                f[r, k] = np.asarray(contemplate(jnp.asarray(tokens[r]), int(t), con))
         index = _bf_window(anchors, valid, N, CFG.replication)
         window = index >= 0
         future = TTTFuture(jnp.asarray(f), jnp.asarray(anchors), jnp.asarray(index))
     ttt = draft_ttt(spec, tr["draft"], tp["embed"]["embedding"], batch["tokens"], out.taps_btc, CFG.ttt_steps,
                     future=future)
     logq = _log_softmax(np.asarray(ttt.logits_sbnv, np.float64))
-    total, per_step = 0.0, []
+
+    def trained(s, r, j):
+        tgt, teach = j + 2 + s, j + 1 + s
+        return tgt < N and lm[r, tgt] and in_draft[r, teach] and (window[r, j] or not spec.head.has_future)
+
+    def hit(s, r, j):
+        return logq[s, r, j].argmax() == teacher[r, j + 1 + s].argmax()
+
+    total, per_step, acc = 0.0, [], []
     for s in range(CFG.ttt_steps):
-        kls = []
+        kls, hits = [], []
         for r in range(B):
             for j in range(N):
-                tgt, teach = j + 2 + s, j + 1 + s
-                if tgt >= N or not lm[r, tgt] or not in_draft[r, teach]:
-                    continue
-                if spec.head.has_future and not window[r, j]:
-                    continue
-                p = np.exp(teacher[r, teach])
-                kls.append(float(np.sum(p * (teacher[r, teach] - logq[s, r, j]))))
+                if trained(s, r, j):
+                    p = np.exp(teacher[r, j + 1 + s])
+                    kls.append(float(np.sum(p * (teacher[r, j + 1 + s] - logq[s, r, j]))))
+                    hits.append(hit(s, r, j))
         per_step.append(np.mean(kls))
+        acc.append(np.mean(hits))
         total += 0.8 ** s * np.mean(kls)
-    return total, per_step
+    # τ: chains from indices whose bonus x[j+1] and first drafted token x[j+2] are answer tokens
+    taus = []
+    for r in range(B):
+        for j in range(N - 2):
+            if lm[r, j + 1] and lm[r, j + 2] and (window[r, j] or not spec.head.has_future):
+                k = 0
+                while k < CFG.ttt_steps and j + 2 + k < N and lm[r, j + 2 + k] and in_draft[r, j + 1 + k] \
+                        and hit(k, r, j):
+                    k += 1
+                taus.append(1 + k)
+    return total, per_step, acc, float(np.mean(taus))
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "confu"])
 def test_loss_equals_reference_loop(variant):
     loss, metrics, _ = _loss_and_grad(variant)
-    want, per_step = _reference_loss(variant)
+    want, per_step, acc, tau = _reference_loss(variant)
     assert loss == pytest.approx(want, rel=1e-4)
     for s, v in enumerate(per_step):
         assert metrics[f"loss/step{s}"] == pytest.approx(v, rel=1e-4)
-    assert 1.0 <= metrics["acceptance_length"] <= 1.0 + CFG.ttt_steps
+        assert metrics[f"acc/step{s}"] == pytest.approx(acc[s], abs=1e-6)
+    assert metrics["acceptance_length"] == pytest.approx(tau, abs=1e-6)
 
 
 def _norms(tree):

@@ -33,7 +33,9 @@ Pipeline of one call:
    where x[j+2+s] is an answer token inside the sequence and the target argmax at j+1+s is in the
    draft vocabulary. Loss = Σ_s decay^s · (mean over valid (b, j) of the KL). The head + KL of each
    step is rematerialised in the backward pass, so the [B, N, V_draft] draft logits of the L_ttt
-   steps are never all alive together.
+   steps are never all alive together. ConFu evaluates the draft's LM head only at the (at most
+   K·(l+1) per row) indices inside windows, gathered to a static [B, M] set: the head is the
+   largest cost of the step, and indices outside every window carry no loss.
 
 Metrics (scalars; the training loop's convention ``loss/step{s}``, ``acc/step{s}``): per-step KL
 and top-1 agreement with the target, the number of trained positions, teacher diagnostics, and
@@ -123,12 +125,16 @@ def _lm_head_layout(spec: ModelSpec, target_params: dict) -> tuple[jax.Array, in
 
 
 def _scores(hidden_bnd: jax.Array, w: jax.Array, vocab_axis: int) -> jax.Array:
-    """float32 logits of hidden states against LM-head columns (as ``Llama.logits`` computes them)."""
-    h = hidden_bnd.astype(jnp.float32)
-    w = w.astype(jnp.float32)
-    if vocab_axis == 0:
-        return jnp.einsum("bnd,vd->bnv", h, w)
-    return jnp.einsum("bnd,dv->bnv", h, w)
+    """float32 logits of hidden states against LM-head columns.
+
+    Same dtypes (e.g. a bf16 target): multiply natively with float32 accumulation — products of
+    bf16 values are exact in float32, so this equals ``Llama.logits``' upcast-then-multiply up to
+    summation order, without a float32 copy of the (gathered) LM head. Mixed dtypes: upcast both.
+    """
+    if hidden_bnd.dtype != w.dtype:
+        hidden_bnd, w = hidden_bnd.astype(jnp.float32), w.astype(jnp.float32)
+    eq = "bnd,vd->bnv" if vocab_axis == 0 else "bnd,dv->bnv"
+    return jnp.einsum(eq, hidden_bnd, w, preferred_element_type=jnp.float32)
 
 
 def full_vocab_argmax_lse(hidden_bnd: jax.Array, w: jax.Array, vocab_axis: int, vocab_chunk: int):
@@ -269,8 +275,9 @@ def simulated_acceptance_length(correct_sbn: jax.Array, answer_sbn: jax.Array, i
                                  base_bn: Optional[jax.Array] = None) -> jax.Array:
     """Expected tokens per verification (bonus included) of a greedy chain of depth L_ttt.
 
-    Estimator: a draft index j is a verification starting point if its first drafted token x[j+2]
-    is an answer token (and, for ConFu, j has a future prediction: ``base_bn``). Step s is accepted
+    Estimator: a draft index j is a verification starting point if ``base_bn`` (the loss passes
+    x[j+1] and x[j+2] both answer tokens — the bonus and the first drafted token — and, for ConFu,
+    j inside an anchor window) and its first drafted token x[j+2] is an answer token. Step s is accepted
     iff steps 0..s all had draft top-1 == target top-1, the target's token has a draft id (else the
     draft cannot propose it) and x[j+2+s] is still inside the answer. τ = 1 + mean over starting
     points of the number of accepted steps (``confu_jax.train.step.simulated_acceptance_length``).
@@ -319,51 +326,77 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     h_cat_bnc = jax.lax.stop_gradient(out.taps_btc)
     teacher = teacher_from_hidden(spec, target_params, draft_vocab, out.hidden_btd, cfg.vocab_chunk)
 
-    future, base_bn, plan = None, None, None
+    # verification starting points for the simulated τ: the bonus x[j+1] and the first drafted
+    # token x[j+2] are answer tokens (the anchor candidates), for every variant alike
+    base_bn = anchor_candidates(loss_mask_bn)
+    future, plan = None, None
     if spec.head.has_future:
         plan = plan_anchors(rng, loss_mask_bn, cfg)
         rows = jnp.arange(b)[:, None]
         f_bkd = contemplate_queries(spec, target_params, trainable["confu"], out.k_new_lbthd, out.v_new_lbthd,
                                     plan.anchor_bk, h_cat_bnc[rows, plan.con_src_bk])
         future = TTTFuture(f_bkd, plan.anchor_bk, plan.index_bn)
-        base_bn = plan.index_bn >= 0
 
     ttt = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc, s_steps,
                     future=future, return_logits=False)
 
     masks = ttt_masks(loss_mask_bn, teacher.in_draft_bn, s_steps)
-    valid_sbn = masks.valid_sbn
-    if base_bn is not None:
-        valid_sbn = valid_sbn & base_bn[None]
-    # teacher rows j+1+s for step s: pad N past the end once, slice statically per step
+    # Draft indices whose LM head is evaluated: [B, M] indices ``sel_bm`` (None: all N) and ``ok_bm``.
+    # ConFu trains only inside anchor windows (eq. 3): at most K·(l+1) indices per row, so only
+    # those draft positions pay for the [d, V_draft] head, its softmax and its backward.
+    sel_bm, ok_bm = None, jnp.ones((b, n), bool)
+    if plan is not None:
+        in_window_bn = plan.index_bn >= 0
+        base_bn = base_bn & in_window_bn
+        m = min(n, cfg.k_train * (cfg.replication + 1))
+        if m < n:
+            sel_bm = jax.vmap(lambda w: jnp.nonzero(w, size=m, fill_value=0)[0])(in_window_bn).astype(jnp.int32)
+            ok_bm = jnp.arange(m)[None] < jnp.sum(in_window_bn, axis=1, keepdims=True)
+        else:
+            ok_bm = in_window_bn
+
+    def pick(x_bn):  # [B,N,...] -> [B,M,...]
+        return x_bn if sel_bm is None else jnp.take_along_axis(
+            x_bn, sel_bm.reshape(sel_bm.shape + (1,) * (x_bn.ndim - 2)), axis=1)
+
+    # teacher rows j+1+s for step s: pad N past the end once, index per step
     v_d = teacher.logp_bnv.shape[-1]
     t_pad = jnp.concatenate([teacher.logp_bnv, jnp.zeros((b, s_steps + 1, v_d), jnp.float32)], axis=1)
     t_arg = jnp.argmax(t_pad, axis=-1)
 
-    step_fn = (lambda dp, h, t: _step_kl(spec, dp, h, t))
-    if cfg.remat:
-        step_fn = jax.checkpoint(step_fn)
+    def teacher_rows(t_pad, s):
+        if sel_bm is None:
+            return t_pad[:, 1 + s:1 + s + n]
+        return jnp.take_along_axis(t_pad, (sel_bm + 1 + s)[..., None], axis=1)
+
+    def step_fn(dp, h_bmd, t_pad, s):
+        return _step_kl(spec, dp, h_bmd, teacher_rows(t_pad, s))
+
+    if cfg.remat:  # saves h and the shared t_pad per step, not [B, M, V_draft] logits
+        step_fn = jax.checkpoint(step_fn, static_argnums=(3,))
     metrics, loss = {}, jnp.zeros((), jnp.float32)
-    correct = []
+    correct, answer, in_draft = [], [], []
     for s in range(s_steps):
-        kl_bn, arg_bn = step_fn(trainable["draft"], ttt.hidden_sbnd[s], t_pad[:, 1 + s:1 + s + n])
-        w_bn = valid_sbn[s].astype(jnp.float32)
-        cnt = jnp.maximum(jnp.sum(w_bn), 1.0)
-        kl_s = jnp.sum(kl_bn * w_bn) / cnt
-        hit_bn = arg_bn == t_arg[:, 1 + s:1 + s + n]
-        correct.append(hit_bn)
+        kl_bm, arg_bm = step_fn(trainable["draft"], pick(ttt.hidden_sbnd[s]), t_pad, s)
+        w_bm = (pick(masks.valid_sbn[s]) & ok_bm).astype(jnp.float32)
+        cnt = jnp.maximum(jnp.sum(w_bm), 1.0)
+        kl_s = jnp.sum(kl_bm * w_bm) / cnt
+        hit_bm = arg_bm == (t_arg[:, 1 + s:1 + s + n] if sel_bm is None else
+                            jnp.take_along_axis(t_arg, sel_bm + 1 + s, axis=1))
+        correct.append(hit_bm)
+        answer.append(pick(masks.answer_sbn[s]))
+        in_draft.append(pick(masks.in_draft_sbn[s]))
         loss = loss + (cfg.ttt_decay ** s) * kl_s
         metrics[f"loss/step{s}"] = kl_s
-        metrics[f"acc/step{s}"] = jnp.sum(hit_bn * w_bn) / cnt
-        metrics[f"positions/step{s}"] = jnp.sum(w_bn)
-    correct_sbn = jax.lax.stop_gradient(jnp.stack(correct))
-    metrics["acceptance_length"] = simulated_acceptance_length(correct_sbn, masks.answer_sbn, masks.in_draft_sbn,
-                                                               base_bn)
+        metrics[f"acc/step{s}"] = jnp.sum(hit_bm * w_bm) / cnt
+        metrics[f"positions/step{s}"] = jnp.sum(w_bm)
+    metrics["acceptance_length"] = simulated_acceptance_length(
+        jax.lax.stop_gradient(jnp.stack(correct)), jnp.stack(answer), jnp.stack(in_draft), pick(base_bn) & ok_bm)
     answer_w = loss_mask_bn.astype(jnp.float32)
     n_ans = jnp.maximum(jnp.sum(answer_w), 1.0)
     metrics["teacher/draft_vocab_mass"] = jnp.sum(teacher.draft_mass_bn * answer_w) / n_ans
     metrics["teacher/argmax_in_draft"] = jnp.sum(teacher.in_draft_bn * answer_w) / n_ans
     if plan is not None:
         metrics["anchors/valid"] = jnp.mean(jnp.sum(plan.valid_bk, axis=1).astype(jnp.float32))
-        metrics["anchors/window_coverage"] = jnp.sum(base_bn * answer_w) / n_ans
+        metrics["anchors/window_coverage"] = jnp.sum(in_window_bn * answer_w) / n_ans
     return loss, metrics
