@@ -1,0 +1,79 @@
+"""``train.heads.load_trained_head``: a launch.train workdir comes back bit-exact (params at the
+last step, the run's draft vocabulary), and broken workdirs fail with errors that name them."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from configs.tiny import get_config
+from confu_jax.train.heads import load_trained_head
+from confu_jax.train.loop import train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("run") / "eagle3")
+    config = get_config("eagle3")
+    config.train.steps = 2
+    config.train.eval_every = 0
+    config.train.checkpoint.every = 1
+    config.train.checkpoint.async_save = False
+    config.train.progress_bar = False
+    config.train.tensorboard = "off"
+    seen = {}
+
+    def hook(step, state, metrics):
+        seen[step] = jax.tree_util.tree_map(np.asarray, jax.device_get(state.params))
+
+    train(config, workdir, hooks=[hook])
+    return workdir, seen
+
+
+def test_latest_and_named_step_restore_exactly(trained):
+    workdir, seen = trained
+    head = load_trained_head(workdir)
+    assert head.step == 2 and head.spec.head.variant == "eagle3"
+    assert head.config.model.preset == "tiny"
+    flat_got = jax.tree_util.tree_leaves_with_path(head.trainable)
+    flat_want = jax.tree_util.tree_leaves_with_path(seen[2])
+    assert [p for p, _ in flat_got] == [p for p, _ in flat_want]
+    for (p, g), (_, w) in zip(flat_got, flat_want):
+        np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(p))
+    # step 1 differs from step 2 (one AdamW update) and restores as seen at step 1
+    h1 = load_trained_head(workdir, step=1)
+    np.testing.assert_array_equal(h1.trainable["draft"]["fc"]["kernel"], seen[1]["draft"]["fc"]["kernel"])
+    assert not np.array_equal(h1.trainable["draft"]["fc"]["kernel"], seen[2]["draft"]["fc"]["kernel"])
+    # the draft vocabulary: d2t a distinct set of target ids, t2d its indicator
+    d2t, t2d = head.draft_vocab["d2t"], head.draft_vocab["t2d"]
+    assert d2t.shape == (head.spec.head.draft_vocab_size,) and len(np.unique(d2t)) == len(d2t)
+    assert np.array_equal(np.flatnonzero(t2d), np.sort(d2t))
+
+
+def test_errors_name_the_problem(trained, tmp_path):
+    workdir, _ = trained
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_trained_head(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="has no checkpoint for step 7.*\\[1, 2\\]"):
+        load_trained_head(workdir, step=7)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(os.path.join(workdir, "config.json"), bare / "config.json")
+    with pytest.raises(FileNotFoundError, match="saved no checkpoint"):
+        load_trained_head(str(bare))
+    (bare / "checkpoints").mkdir()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        load_trained_head(str(bare))
+    # a config for a different head than the checkpoint holds
+    other = tmp_path / "other"
+    shutil.copytree(workdir, other)
+    with open(other / "config.json") as f:
+        cfg = json.load(f)
+    cfg["confu"]["variant"] = "confu"
+    with open(other / "config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(Exception, match="params|confu"):
+        load_trained_head(str(other))
