@@ -3,22 +3,29 @@
     python -m launch.generate --prompt "What is speculative decoding?"
     python -m launch.generate --prompt "Hi" --temperature 0.7 --top_p 0.9 --seed 1
     python -m launch.generate --prompt "Hi" --config.decode.max_new_tokens=64
+    python -m launch.generate --prompt "Hi" --method confu --draft_ckpt runs/smollm2_confu --tree dynamic:6,8,30
+    python -m launch.generate --prompt "Hi" --method eagle3 --tree chain:4   # random head: smoke/lossless check
 
 The prompt is wrapped as one user turn and rendered with the checkpoint's chat template (generation
 prompt appended). The completion goes to stdout; timing (compile time, tokens/s) to stderr, so the
 output pipes cleanly. ``--max_new_tokens/--temperature/--top_p/--seed`` are shorthands for the
 matching ``--config.decode.*`` fields and win over them when given.
 
-Decoding methods are looked up in ``METHODS``; speculative methods register there when they land.
+Decoding methods are looked up in ``METHODS``: ``ar`` (jitted autoregressive), ``eagle3`` and
+``confu`` (the jitted speculative loop, ``confu_jax.decode.loop``). A speculative method reads its
+head from ``--draft_ckpt`` (a ``launch.train`` workdir); without it a randomly initialised head is
+used — τ stays near 1 but the output must still equal ``--method ar``'s (lossless), which makes it
+a smoke test. The speculative methods also print τ (mean tokens per target pass, Spec-Bench).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -32,9 +39,11 @@ class MethodOutput(NamedTuple):
     stop_reason: str
     compile_s: float  # tracing + XLA compilation, paid once per shape bucket
     decode_s: float  # prefill + decode of this prompt, compiled program only
+    accept_log: Optional[list] = None  # speculative: tokens emitted per target pass (bonus included)
+    head: str = ""  # speculative: where the draft head came from
 
 
-def run_ar(params, cfg, prompt_ids: list, decode, eos_ids) -> MethodOutput:
+def run_ar(params, cfg, prompt_ids: list, decode, eos_ids, **_) -> MethodOutput:
     """Jitted autoregressive decoding (``confu_jax.decode.generate``)."""
     import jax
     import numpy as np
@@ -55,18 +64,59 @@ def run_ar(params, cfg, prompt_ids: list, decode, eos_ids) -> MethodOutput:
     return MethodOutput(tokens, reason, t1 - t0, t2 - t1)
 
 
-# --method name -> fn(params, cfg, prompt_ids, config.decode, eos_ids) -> MethodOutput
-METHODS: dict[str, Callable[..., MethodOutput]] = {"ar": run_ar}
+def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: str,
+                    draft_ckpt: Optional[str] = None, tree: str = "chain:4", seed: int = 0) -> MethodOutput:
+    """The jitted speculative loop with a trained (``draft_ckpt``) or random head."""
+    import jax
+    import numpy as np
+
+    from confu_jax.decode.generate import StopReason
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.loop import compile_speculative, parse_plan
+
+    plan = parse_plan(tree)
+    head = decode_head(method, cfg, params, draft_ckpt, seed=seed)
+    if not head.trained:
+        print(f"[{method}] no --draft_ckpt: using a RANDOMLY INITIALISED draft head ({head.source}); "
+              "output is still the target's, but expect tau ~ 1", file=sys.stderr)
+    t0 = time.perf_counter()
+    run, args = compile_speculative(
+        head.spec, head.params, plan, [prompt_ids], max_new_tokens=decode.max_new_tokens,
+        temperature=decode.temperature, top_p=decode.top_p, seed=decode.seed, eos_ids=eos_ids,
+        max_len=decode.max_len or None, min_bucket=decode.min_bucket)
+    t1 = time.perf_counter()
+    res = jax.block_until_ready(run(head.params, *args))
+    t2 = time.perf_counter()
+    n = int(np.asarray(res.n_generated_b)[0])
+    passes = int(np.asarray(res.n_passes_b)[0])
+    tokens = np.asarray(res.tokens_bn)[0, :n].tolist()
+    reason = StopReason(int(np.asarray(res.stop_reason_b)[0])).name.lower()
+    log = np.asarray(res.accept_log_bi)[0, :passes].tolist()
+    return MethodOutput(tokens, reason, t1 - t0, t2 - t1, log, head.source)
+
+
+# --method name -> fn(params, cfg, prompt_ids, config.decode, eos_ids, draft_ckpt=, tree=) -> MethodOutput
+METHODS: dict[str, Callable[..., MethodOutput]] = {
+    "ar": run_ar,
+    "eagle3": functools.partial(run_speculative, method="eagle3"),
+    "confu": functools.partial(run_speculative, method="confu"),
+}
 
 flags.DEFINE_string("prompt", None, "user message; rendered with the model's chat template", required=True)
 flags.DEFINE_string("model", "smollm2-135m-instruct",
                     "target model: an asset name (smollm2-135m-instruct), a .gguf file, or a Hugging "
                     "Face directory with config.json + model.safetensors + tokenizer.json")
 flags.DEFINE_enum("method", "ar", sorted(METHODS),
-                  "decoding method: 'ar' = jitted autoregressive decoding (speculative methods to come)")
+                  "decoding method: 'ar' = jitted autoregressive decoding; 'eagle3' / 'confu' = "
+                  "speculative decoding with the head from --draft_ckpt (random head without it)")
+flags.DEFINE_string("draft_ckpt", None, "speculative methods: a launch.train workdir holding the trained "
+                    "draft head (config.json + checkpoints/); unset = randomly initialised head")
+flags.DEFINE_string("tree", "chain:4", "speculative methods: draft plan, chain:K | sampled_chain:K | "
+                    "dynamic:DEPTH,TOPK,NODES (EAGLE-2 tree; NODES excludes the root)")
 flags.DEFINE_integer("max_new_tokens", None, "most tokens to generate (overrides config.decode.max_new_tokens)")
 flags.DEFINE_float("temperature", None, "sampling temperature, 0 = greedy (overrides config.decode.temperature)")
 flags.DEFINE_float("top_p", None, "nucleus sampling mass in (0, 1], 1 = off (overrides config.decode.top_p)")
+flags.DEFINE_bool("print_ids", False, "also print the generated token ids to stderr (exact comparisons)")
 flags.DEFINE_integer("seed", None, "RNG seed for sampling (overrides config.decode.seed)")
 config_flags.DEFINE_config_file(
     "config", _DEFAULT_CONFIG,
@@ -101,11 +151,20 @@ def main(argv):
     messages = [{"role": "system", "content": config.chat.system}] if config.chat.system else []
     messages.append({"role": "user", "content": FLAGS.prompt})
     prompt_ids = tok.encode(tok.render(messages, add_generation_prompt=True))
-    out = METHODS[FLAGS.method](params, cfg, prompt_ids, config.decode, tok.eos_ids)
+    if FLAGS.method == "ar" and FLAGS.draft_ckpt:
+        raise app.UsageError("--draft_ckpt is for the speculative methods (eagle3, confu), not ar")
+    out = METHODS[FLAGS.method](params, cfg, prompt_ids, config.decode, tok.eos_ids,
+                                draft_ckpt=FLAGS.draft_ckpt, tree=FLAGS.tree)
     print(tok.decode(out.tokens, skip_special_tokens=True).strip())
     print(f"[{FLAGS.method}] prompt {len(prompt_ids)} tokens, generated {len(out.tokens)} "
           f"(stop: {out.stop_reason}) in {out.decode_s:.2f} s = {len(out.tokens) / out.decode_s:.1f} "
           f"tokens/s; compile {out.compile_s:.1f} s", file=sys.stderr)
+    if out.accept_log is not None:
+        tau = sum(out.accept_log) / max(len(out.accept_log), 1)
+        print(f"[{FLAGS.method}] tau = {tau:.3f} tokens per target pass over {len(out.accept_log)} passes "
+              f"(tree {FLAGS.tree}; head: {out.head})", file=sys.stderr)
+    if FLAGS.print_ids:
+        print("ids: " + " ".join(map(str, out.tokens)), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""``python -m launch.generate --method eagle3|confu``: on a tiny random GGUF model (real chat
+template and tokenizer path) the speculative output equals ``--method ar``'s greedy output token
+for token, τ is printed, and a missing head is announced as random on stderr."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.fixtures.tiny_checkpoints import hf_llama, write_gguf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    model = hf_llama(d / "hf", vocab=300, layers=4, max_pos=512)
+    path = str(d / "tiny.gguf")
+    write_gguf(path, model, chat_template=TEMPLATE)
+    return path
+
+
+def _generate(model, *args):
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "launch.generate", "--model", model, "--prompt",
+                        "Hello world, 12345", "--max_new_tokens", "20", "--print_ids",
+                        "--config.decode.top_p=1.0", "--temperature", "0", *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ids = re.search(r"^ids: (.*)$", r.stderr, re.M).group(1).split()
+    return r, [int(i) for i in ids]
+
+
+def test_speculative_cli_equals_ar_and_prints_tau(tiny_gguf):
+    _, ar_ids = _generate(tiny_gguf, "--method", "ar")
+    assert len(ar_ids) >= 2
+    for method, tree in (("eagle3", "chain:3"), ("confu", "dynamic:3,3,8")):
+        r, ids = _generate(tiny_gguf, "--method", method, "--tree", tree)
+        assert ids == ar_ids, (method, tree)
+        assert "RANDOMLY INITIALISED" in r.stderr
+        tau = float(re.search(r"tau = ([0-9.]+) tokens per target pass over (\d+) passes", r.stderr).group(1))
+        assert 1.0 <= tau <= 4.0 + 1e-6  # at most depth + 1 tokens per pass
+
+
+def test_bad_tree_and_bad_ckpt_fail_with_a_message(tiny_gguf, tmp_path):
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    base = [sys.executable, "-m", "launch.generate", "--model", tiny_gguf, "--prompt", "Hi",
+            "--max_new_tokens", "4", "--method", "eagle3"]
+    r = subprocess.run(base + ["--tree", "chain"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode != 0 and "chain:K" in r.stderr
+    r = subprocess.run(base + ["--draft_ckpt", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode != 0 and "config.json" in r.stderr
