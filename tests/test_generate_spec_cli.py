@@ -56,3 +56,11 @@ def test_bad_tree_and_bad_ckpt_fail_with_a_message(tiny_gguf, tmp_path):
     r = subprocess.run(base + ["--draft_ckpt", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode != 0 and "config.json" in r.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_speculative_cli_equals_ar():
+    _, ar_ids = _generate("smollm2-135m-instruct", "--method", "ar")
+    r, ids = _generate("smollm2-135m-instruct", "--method", "confu", "--tree", "dynamic:3,4,8")
+    assert ids == ar_ids
+    assert re.search(r"tau = [0-9.]+ tokens per target pass", r.stderr)

@@ -1,0 +1,63 @@
+"""Budget ``auto``: the estimator's arithmetic and the argmax, on hand-computed cases, plus one
+measured run on the tiny model (the chosen plan is the argmax of what was measured, and the chain
+estimate at the calibrated length is the calibration's own τ)."""
+
+import numpy as np
+import pytest
+
+from confu_jax.bench import budget
+from confu_jax.bench.budget import Candidate
+
+
+def test_tau_estimators_by_hand():
+    # rates 0.8, 0.5, 0.5: 1 + 0.8 = 1.8; + 0.4 = 2.2; + 0.2 = 2.4
+    assert budget.tau_from_rates([0.8, 0.5, 0.5], 1) == pytest.approx(1.8)
+    assert budget.tau_from_rates([0.8, 0.5, 0.5], 3) == pytest.approx(2.4)
+    with pytest.raises(ValueError, match="3 depths"):
+        budget.tau_from_rates([0.8, 0.5], 3)
+    # accepted counts of a chain:3 run: P(n>=1)=4/5, P(n>=2)=3/5, P(n>=3)=2/5
+    n = [0, 1, 2, 3, 3]
+    assert budget.tau_chain_from_accepts(n, 1, 3) == pytest.approx(1.8)
+    assert budget.tau_chain_from_accepts(n, 2, 3) == pytest.approx(2.4)
+    assert budget.tau_chain_from_accepts(n, 3, 3) == pytest.approx(1 + np.mean(n))
+    with pytest.raises(ValueError, match="chain:4 cannot"):
+        budget.tau_chain_from_accepts(n, 4, 3)
+
+
+def test_choice_depends_on_the_device_timings():
+    taus = {"chain:1": 1.8, "chain:2": 2.2, "chain:3": 2.4, "dynamic:6,8,30": 3.0}
+    # CPU-like: verification cost grows with T. tokens/s: 18, 20, 18.46, 15 -> chain:2
+    cpu = {"chain:1": 0.10, "chain:2": 0.11, "chain:3": 0.13, "dynamic:6,8,30": 0.20}
+    best = budget.choose([Candidate(p, taus[p], cpu[p]) for p in taus])
+    assert best.plan == "chain:2" and best.tokens_per_s == pytest.approx(20.0)
+    # accelerator-like: a pass costs the same for any T -> the largest E[tau] wins
+    flat = budget.choose([Candidate(p, taus[p], 0.1) for p in taus])
+    assert flat.plan == "dynamic:6,8,30"
+    # equal estimates: the smaller tree (chain:2 has T=3 nodes, dynamic:3,2,4 has T=5)
+    tie = budget.choose([Candidate("dynamic:3,2,4", 2.0, 0.1), Candidate("chain:2", 2.0, 0.1)])
+    assert tie.plan == "chain:2"
+    with pytest.raises(ValueError, match="no candidate"):
+        budget.choose([])
+
+
+def test_auto_plan_on_tiny_model():
+    from confu_jax.decode import loop
+    from confu_jax.models.draft import identity_draft_vocab
+    from confu_jax.models.presets import get_preset
+    from confu_jax.models.spec import HeadConfig, ModelSpec
+    from tests.model_fakes import tiny_params
+
+    vocab = 4  # a tiny vocabulary: random drafts are often right, so tau varies with the plan
+    spec = ModelSpec(get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=()),
+                     HeadConfig(variant="eagle3", draft_vocab_size=vocab, init_std=0.2))
+    tp, tr = tiny_params(spec, 0)
+    params = loop.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
+    prompts = [[1, 2, 3, 0, 1], [3, 3, 2]]
+    seen = []
+    best, cands = budget.auto_plan(spec, params, prompts, chains=("chain:1", "chain:3"), trees=(),
+                                   max_new_tokens=24, log=seen.append)
+    assert [c.plan for c in cands] == ["chain:1", "chain:3"] and len(seen) == 2
+    assert best.tokens_per_s == max(c.tokens_per_s for c in cands)
+    assert all(c.pass_s > 0 and 1.0 <= c.expected_tau <= budget.plan_nodes(c.plan) for c in cands)
+    tau3, _ = budget.calibrate_tau(spec, params, "chain:3", prompts, max_new_tokens=24)
+    assert cands[1].expected_tau == pytest.approx(tau3)
