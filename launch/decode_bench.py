@@ -42,7 +42,11 @@ flags.DEFINE_string("model", "smollm2-135m-instruct",
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt (both sides)")
 flags.DEFINE_integer("n_prompts", len(PROMPTS), f"use the first N of the {len(PROMPTS)} fixed prompts")
 flags.DEFINE_integer("min_bucket", 64, "smallest prompt bucket of the jitted loop (see decode/generate.py)")
-flags.DEFINE_integer("threads", 0, "torch intra-op threads for transformers (0 = all cores)")
+flags.DEFINE_integer("threads", 0,
+                     "CPU cores for both sides (0 = all): pins the process to the first N cores, sets "
+                     "torch's intra-op threads to N, and with N=1 turns off XLA's multi-threaded Eigen. "
+                     "N=1 is the stable setting on a shared machine: torch's spinning OpenMP threads "
+                     "slow down many-fold when another process takes one of their cores")
 flags.DEFINE_bool("hf", True, "also time transformers generate (needs torch + transformers + accelerate)")
 flags.DEFINE_bool("batched", True, "also time one batched call of ours over all prompts")
 flags.DEFINE_string("json_out", "", "write the figures to this JSON file as well")
@@ -90,7 +94,7 @@ def _load_hf(model_path):
             f"decode_bench: transformers reference unavailable ({e}). Install it with "
             "`pip install -r requirements-dev.txt` (torch, transformers, accelerate), or pass --nohf."
         )
-    torch.set_num_threads(FLAGS.threads or os.cpu_count())
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32)
     return model.eval()
@@ -107,6 +111,18 @@ def _hf_generate(model, prompt, eos_ids, pad_id, max_new_tokens):
     return y[0, len(prompt):].tolist(), time.perf_counter() - t0, time.process_time() - c0
 
 
+def _limit_cores(n: int):
+    """Give both sides the same n cores (before JAX's backend starts: XLA_FLAGS is read then)."""
+    if n <= 0:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if n > len(cores):
+        raise app.UsageError(f"--threads={n} but this process may use only {len(cores)} cores")
+    os.sched_setaffinity(0, cores[:n])
+    if n == 1:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+
+
 def _first_divergence(a, b):
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -118,6 +134,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    _limit_cores(FLAGS.threads)
     from confu_jax.assets import resolve_model_path
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model
@@ -164,7 +181,7 @@ def main(argv):
                "n_prompts": len(rows), "ours_tokens_per_s": n_ours / s_ours, "ours_compile_s": compile_s,
                # process CPU time per token: less sensitive than wall time to other processes
                "ours_cpu_ms_per_token": 1e3 * sum(r["ours_cpu_s"] for r in rows) / n_ours,
-               "cpu_count": os.cpu_count(),
+               "cpu_count": os.cpu_count(), "cores_used": len(os.sched_getaffinity(0)),
                # other processes on the machine skew both sides (torch's threads suffer most)
                "loadavg_1min_before_after": [load_before, os.getloadavg()[0]]}
     if FLAGS.batched:
@@ -192,7 +209,7 @@ def main(argv):
               f"{summary['hf_cpu_ms_per_token']:.0f} CPU-ms/token)")
         print(f"ratio ours / transformers: {summary['speedup_vs_hf']:.2f}x")
         print(f"greedy tokens identical: {summary['greedy_identical_prompts']} prompts")
-    print(f"{os.cpu_count()} CPUs; 1-min load average before/after: "
+    print(f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs used; 1-min load average before/after: "
           f"{summary['loadavg_1min_before_after'][0]:.1f}/{summary['loadavg_1min_before_after'][1]:.1f}")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
