@@ -9,20 +9,14 @@ import sys
 
 import pytest
 
-from tests.fixtures.tiny_checkpoints import hf_llama, write_gguf
+from tests.fixtures.tiny_chat_model import tiny_chat_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    model = hf_llama(d / "hf", vocab=300, layers=4, max_pos=512)
-    path = str(d / "tiny.gguf")
-    write_gguf(path, model, chat_template=TEMPLATE)
-    return path
+    return tiny_chat_gguf(tmp_path_factory.mktemp("tiny"))
 
 
 def _generate(model, *args):

@@ -1,0 +1,225 @@
+"""Speculative-decoding benchmark: methods × temperatures × budgets over Spec-Bench-format prompts.
+
+For every temperature the AR baseline runs first on every question; each speculative (method,
+budget) then decodes the same questions with the same settings. Per row: τ (Spec-Bench: pooled
+tokens per target pass), tokens/s of compiled programs (compilation timed apart, once per shape
+bucket), speed-up vs the AR baseline of the same run, per-category τ / SR, and — at temperature 0
+— a losslessness check: the speculative token ids equal AR's for every prompt and turn (any
+mismatch is counted and the first one reported). Heads come from ``launch.train`` workdirs, or are
+random (flagged ``trained: false`` in the row) when none is given.
+
+Multi-turn: turn 2 replays each method's own turn-1 answer (FastChat's MT-Bench protocol), so in
+a lossless greedy run both see identical prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from confu_jax.bench import metrics
+from confu_jax.bench.prompts import BenchPrompt, run_conversation
+
+
+def parse_budgets(text: str) -> list[str]:
+    """``chain:4,dynamic:6,8,30,auto`` -> ['chain:4', 'dynamic:6,8,30', 'auto'] (a plan's numbers
+    continue it; a part with ':' or 'auto' starts the next one)."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if ":" in part or part == "auto":
+            out.append(part)
+        elif out and out[-1] != "auto":
+            out[-1] += "," + part
+        else:
+            raise ValueError(f"--budgets {text!r}: {part!r} does not continue a plan; expected e.g. "
+                             "chain:4,dynamic:6,8,30,auto")
+    from confu_jax.decode.loop import parse_plan
+
+    for b in out:
+        if b != "auto":
+            parse_plan(b)  # raises with the accepted forms
+    return out
+
+
+def parse_heads(text: str) -> dict:
+    """``eagle3=DIR,confu=DIR`` -> {'eagle3': 'DIR', 'confu': 'DIR'}."""
+    out = {}
+    for part in (p.strip() for p in (text or "").split(",") if p.strip()):
+        name, eq, path = part.partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"--heads: {part!r} is not METHOD=WORKDIR (e.g. eagle3=runs/smollm2_eagle3)")
+        out[name] = path
+    return out
+
+
+class _Programs:
+    """One AOT-compiled program per (jit function, static args, argument shapes); compile time kept."""
+
+    def __init__(self):
+        self.cache, self.compile_s = {}, 0.0
+
+    def get(self, jitted, params, args, static):
+        key = (id(jitted), tuple(getattr(a, "shape", ()) for a in args), tuple(sorted(static.items())))
+        if key not in self.cache:
+            t0 = time.perf_counter()
+            self.cache[key] = jitted.lower(params, *args, **static).compile()
+            self.compile_s += time.perf_counter() - t0
+        return self.cache[key]
+
+
+@dataclasses.dataclass
+class BenchSetup:
+    target_cfg: object
+    target_params: dict
+    tokenizer: object  # ChatTokenizer-like: render, encode, decode, eos_ids
+    max_new_tokens: int = 128
+    turns: int = 1
+    top_p: float = 1.0
+    seed: int = 0
+    min_bucket: int = 64
+    system: Optional[str] = None
+
+
+def _turn_runner(setup: BenchSetup, programs: _Programs, decode_one: Callable, record: list):
+    """generate_turn for ``run_conversation``: chat template -> ids -> decode_one -> text, log."""
+    tok = setup.tokenizer
+
+    def generate_turn(messages):
+        ids = tok.encode(tok.render(messages, add_generation_prompt=True))
+        tokens, accept, wall = decode_one(ids)
+        record.append(tokens)
+        text = tok.decode([t for t in tokens if t not in tok.eos_ids], skip_special_tokens=True).strip()
+        return text, accept, len(tokens), wall
+
+    return generate_turn
+
+
+def _ar_decoder(setup: BenchSetup, programs: _Programs, temperature: float):
+    import jax
+
+    from confu_jax.decode.generate import generate_padded_jit, prepare_ar_inputs
+
+    def decode_one(ids):
+        args, static = prepare_ar_inputs(setup.target_cfg, [ids], max_new_tokens=setup.max_new_tokens,
+                                         temperature=temperature, top_p=setup.top_p, seed=setup.seed,
+                                         eos_ids=setup.tokenizer.eos_ids, min_bucket=setup.min_bucket)
+        fn = programs.get(generate_padded_jit, setup.target_params, args, static)
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(fn(setup.target_params, *args))
+        wall = time.perf_counter() - t0
+        n = int(np.asarray(res.n_generated_b)[0])
+        return np.asarray(res.tokens_bn)[0, :n].tolist(), [1] * (n - 1), wall
+
+    return decode_one
+
+
+def _spec_decoder(setup: BenchSetup, programs: _Programs, head, plan, temperature: float):
+    import jax
+
+    from confu_jax.decode.loop import prepare_spec_inputs, speculative_padded_jit
+
+    def decode_one(ids):
+        args, static = prepare_spec_inputs(head.spec, plan, [ids], max_new_tokens=setup.max_new_tokens,
+                                           temperature=temperature, top_p=setup.top_p, seed=setup.seed,
+                                           eos_ids=setup.tokenizer.eos_ids, min_bucket=setup.min_bucket)
+        fn = programs.get(speculative_padded_jit, head.params, args, static)
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(fn(head.params, *args))
+        wall = time.perf_counter() - t0
+        n = int(np.asarray(res.n_generated_b)[0])
+        passes = int(np.asarray(res.n_passes_b)[0])
+        return (np.asarray(res.tokens_bn)[0, :n].tolist(), np.asarray(res.accept_log_bi)[0, :passes].tolist(),
+                wall)
+
+    return decode_one
+
+
+def _run_all(prompts, setup, programs, decode_one, progress):
+    logs, tokens = [], []
+    for p in prompts:
+        _, turn_logs = run_conversation(p, _turn_runner(setup, programs, decode_one, tokens),
+                                        n_turns=setup.turns, system=setup.system)
+        logs.extend(turn_logs)
+        if progress:
+            progress()
+    return logs, tokens
+
+
+def _compare(ar_tokens, sp_tokens, prompts_turns) -> dict:
+    mismatches = [i for i, (a, s) in enumerate(zip(ar_tokens, sp_tokens)) if a != s]
+    first = None
+    if mismatches:
+        i = mismatches[0]
+        a, s = ar_tokens[i], sp_tokens[i]
+        pos = next((j for j, (x, y) in enumerate(zip(a, s)) if x != y), min(len(a), len(s)))
+        first = {"question_id": prompts_turns[i][0], "turn": prompts_turns[i][1], "position": pos}
+    return {"lossless_greedy": not mismatches and len(ar_tokens) == len(sp_tokens),
+            "n_mismatched_turns": len(mismatches), "first_mismatch": first}
+
+
+def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods: Sequence[str],
+                  temperatures: Sequence[float], budgets: Sequence[str], heads: dict,
+                  log: Callable[[str], None] = print, progress_factory=None) -> list[dict]:
+    """-> result rows (report.write_results layout) for AR and every (method, budget, temperature)."""
+    from confu_jax.bench import budget as budget_lib
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.loop import parse_plan
+
+    spec_methods = [m for m in methods if m != "ar"]
+    loaded = {}
+    for m in spec_methods:
+        loaded[m] = decode_head(m, setup.target_cfg, setup.target_params, heads.get(m), seed=setup.seed)
+        if not loaded[m].trained:
+            log(f"[{m}] no trained head given (--heads {m}=WORKDIR): RANDOMLY INITIALISED head, tau ~ 1")
+    turns_index = [(p.question_id, t) for p in prompts for t in range(min(setup.turns, len(p.turns)))]
+    rows = []
+
+    def bar(desc):
+        if progress_factory is None:
+            return None, lambda: None
+        b = progress_factory(total=len(prompts), desc=desc)
+        return b, b.update
+
+    for temp in temperatures:
+        programs = _Programs()
+        b, tick = bar(f"ar T={temp}")
+        ar_logs, ar_tokens = _run_all(prompts, setup, programs, _ar_decoder(setup, programs, temp), tick)
+        if b is not None:
+            b.close()
+        row = metrics.summarize("ar", ar_logs, ar_logs, temperature=temp)
+        row = dict(dataclasses.asdict(row), compile_s=programs.compile_s, budget=None, head=None,
+                   trained=None, lossless_greedy=None)
+        rows.append(row)
+        log(f"[ar] T={temp}: {row['tokens_per_s']:.2f} tokens/s (compile {programs.compile_s:.1f} s)")
+        for m in spec_methods:
+            head = loaded[m]
+            for bud in budgets:
+                plan_text = bud
+                if bud == "auto":
+                    calib = [setup.tokenizer.encode(setup.tokenizer.render(
+                        [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True)) for p in prompts[:2]]
+                    best, _ = budget_lib.auto_plan(head.spec, head.params, calib,
+                                                   max_new_tokens=min(setup.max_new_tokens, 64), log=log)
+                    plan_text = best.plan
+                    log(f"[{m}] budget auto -> {plan_text}")
+                plan = parse_plan(plan_text)
+                programs = _Programs()
+                b, tick = bar(f"{m} {bud} T={temp}")
+                sp_logs, sp_tokens = _run_all(prompts, setup, programs,
+                                              _spec_decoder(setup, programs, head, plan, temp), tick)
+                if b is not None:
+                    b.close()
+                res = metrics.summarize(m, sp_logs, ar_logs, nodes=plan.n_nodes_total, temperature=temp,
+                                        depth=plan.max_depth, setting={"plan": plan_text, "budget": bud})
+                check = _compare(ar_tokens, sp_tokens, turns_index) if temp == 0 else {
+                    "lossless_greedy": None, "n_mismatched_turns": None, "first_mismatch": None}
+                row = dict(dataclasses.asdict(res), compile_s=programs.compile_s, budget=bud,
+                           head=head.source, trained=head.trained, **check)
+                rows.append(row)
+                log(f"[{m}] {bud} ({plan_text}) T={temp}: tau {row['tau']:.3f}, {row['tokens_per_s']:.2f} "
+                    f"tokens/s, speed-up {row['speedup']:.3f}, compile {programs.compile_s:.1f} s"
+                    + ("" if temp != 0 else f", lossless={row['lossless_greedy']}"))
+    return rows

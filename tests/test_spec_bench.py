@@ -1,0 +1,57 @@
+"""Speculative benchmark on a tiny random GGUF model and the Spec-Bench-format fixture (2 prompts):
+the results file has the required fields, greedy speculative decoding is lossless for every method
+and budget, the AR row is its own baseline (SR 1), and parse helpers reject malformed flags."""
+
+import json
+import os
+
+import pytest
+
+from confu_jax.bench import report, spec_bench
+from confu_jax.bench.prompts import load_question_file
+from tests.fixtures.tiny_chat_model import tiny_chat_gguf
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "specbench_sample.jsonl")
+
+
+def test_parse_budgets_and_heads():
+    assert spec_bench.parse_budgets("chain:4,dynamic:6,8,30,dynamic:6,10,60,auto") == [
+        "chain:4", "dynamic:6,8,30", "dynamic:6,10,60", "auto"]
+    with pytest.raises(ValueError, match="does not continue a plan"):
+        spec_bench.parse_budgets("4,chain:2")
+    with pytest.raises(ValueError, match="dynamic:DEPTH,TOPK,NODES"):
+        spec_bench.parse_budgets("dynamic:6,8")
+    assert spec_bench.parse_heads("eagle3=a/b,confu=c") == {"eagle3": "a/b", "confu": "c"}
+    with pytest.raises(ValueError, match="METHOD=WORKDIR"):
+        spec_bench.parse_heads("eagle3")
+
+
+def test_tiny_benchmark_rows(tmp_path):
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    gguf = tiny_chat_gguf(tmp_path)
+    cfg, params = load_model(gguf)
+    prompts = load_question_file(FIXTURE)[:2]
+    setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=16, min_bucket=64)
+    messages = []
+    rows = spec_bench.run_benchmark(setup, prompts, methods=["ar", "eagle3", "confu"], temperatures=[0.0],
+                                    budgets=["chain:2", "dynamic:2,2,4"], heads={}, log=messages.append)
+    assert [(r["method"], r["budget"]) for r in rows] == [
+        ("ar", None), ("eagle3", "chain:2"), ("eagle3", "dynamic:2,2,4"), ("confu", "chain:2"),
+        ("confu", "dynamic:2,2,4")]
+    assert rows[0]["speedup"] == pytest.approx(1.0) and rows[0]["tau"] == pytest.approx(1.0)
+    cats = {p.category for p in prompts}
+    for r in rows[1:]:
+        assert r["lossless_greedy"] is True and r["n_mismatched_turns"] == 0, r
+        assert r["trained"] is False and r["head"].startswith("random")
+        assert 1.0 <= r["tau"] <= r["nodes"]
+        assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and r["compile_s"] > 0
+        assert set(r["per_category"]) == cats
+        assert all({"tau", "speedup"} <= set(c) for c in r["per_category"].values())
+    assert any("RANDOMLY INITIALISED" in m for m in messages)
+    out = tmp_path / "results.json"
+    report.write_results(out, rows)
+    doc = json.loads(out.read_text())
+    assert {"jax_version", "devices", "git_commit"} <= set(doc["environment"])
+    assert [r["lossless_greedy"] for r in doc["results"]] == [None, True, True, True, True]
