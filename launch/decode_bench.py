@@ -13,6 +13,18 @@ transformers' from the same GGUF via ``gguf_file=`` (torch CPU, float32). Prompt
 * the ratio, and whether the greedy tokens are identical prompt by prompt (first divergence if not).
 
 Tokens/s = total emitted tokens / total wall time, summed over prompts (the Spec-Bench convention).
+
+Speculative mode (``--methods``): AR, EAGLE-3 and ConFu over Spec-Bench-format prompts
+(``confu_jax.bench.spec_bench``), every method × ``--temperatures`` × ``--budgets``:
+
+    python -m launch.decode_bench --methods ar,eagle3,confu --heads eagle3=runs/e3,confu=runs/confu \
+        --temperatures 0,0.7,1.0 --budgets chain:4,dynamic:6,8,30,dynamic:6,10,60,auto \
+        --prompts mtbench --n_per_category 2 --turns 1 --max_new_tokens 128 --out results/bench.json
+
+writes ``bench.json`` (report.write_results layout: τ, tokens/s, speed-up vs the same run's AR,
+per-category τ / SR, losslessness at T=0, environment), ``bench.md`` (the paper's table plus the
+per-row settings) and ``bench.png`` (τ per category). A method without ``--heads`` runs a random
+head, flagged ``trained: false`` in its rows.
 """
 
 from __future__ import annotations
@@ -50,6 +62,22 @@ flags.DEFINE_integer("threads", 0,
 flags.DEFINE_bool("hf", True, "also time transformers generate (needs torch + transformers + accelerate)")
 flags.DEFINE_bool("batched", True, "also time one batched call of ours over all prompts")
 flags.DEFINE_string("json_out", "", "write the figures to this JSON file as well")
+# --- speculative mode (any --methods given)
+flags.DEFINE_list("methods", [], "speculative benchmark mode: comma list of ar, eagle3, confu, confu_nomoe "
+                  "(AR is always run as the baseline); empty = the AR-vs-transformers mode above")
+flags.DEFINE_list("temperatures", ["0"], "speculative mode: sampling temperatures (0 = greedy, with the "
+                  "losslessness check)")
+flags.DEFINE_string("budgets", "chain:4,dynamic:6,8,30", "speculative mode: draft plans, chain:K | "
+                    "sampled_chain:K | dynamic:DEPTH,TOPK,NODES | auto (measured choice, bench/budget.py)")
+flags.DEFINE_string("prompts", "mtbench", "speculative mode: mtbench | humaneval | a Spec-Bench question.jsonl "
+                    "(several joined with '+')")
+flags.DEFINE_integer("n_per_category", 2, "speculative mode: questions sampled per category (seeded)")
+flags.DEFINE_integer("turns", 1, "speculative mode: conversation turns per question (MT-Bench has 2)")
+flags.DEFINE_string("heads", "", "speculative mode: trained heads as METHOD=WORKDIR,... (launch.train "
+                    "workdirs); a method without one uses a random head (flagged in the output)")
+flags.DEFINE_float("top_p", 1.0, "speculative mode: nucleus mass for T > 0")
+flags.DEFINE_integer("seed", 0, "speculative mode: sampling seed, prompt sampling seed and random-head seed")
+flags.DEFINE_string("out", "results/decode_bench.json", "speculative mode: results JSON (+ .md table, .png figure)")
 FLAGS = flags.FLAGS
 
 
@@ -130,11 +158,71 @@ def _first_divergence(a, b):
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def write_outputs(out: str, rows: list) -> dict:
+    """results.json + .md (paper table and per-row settings) + .png (τ per category)."""
+    from confu_jax.bench import report
+
+    doc = report.write_results(out, rows)
+    base = os.path.splitext(out)[0]
+    lines = [report.markdown_table(rows), "", "| Method | T | Budget | Plan | Head | Lossless (T=0) | tokens/s | "
+             "compile s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        plan = r.get("setting", {}).get("plan", "–")
+        head = "–" if r.get("head") is None else ("trained " if r["trained"] else "RANDOM ") + str(r["head"])
+        lossless = "–" if r.get("lossless_greedy") is None else str(r["lossless_greedy"])
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r.get('budget') or '–'} | {plan} | {head} | "
+                     f"{lossless} | {r['tokens_per_s']:.2f} | {r.get('compile_s', float('nan')):.1f} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    report.plot_tau(rows, base + ".png")
+    return doc
+
+
+def main_speculative():
+    from tqdm import tqdm
+
+    from confu_jax.bench import spec_bench
+    from confu_jax.bench.prompts import load_prompts, sample_prompts
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    try:
+        budgets = spec_bench.parse_budgets(FLAGS.budgets)
+        heads = spec_bench.parse_heads(FLAGS.heads)
+        temperatures = [float(t) for t in FLAGS.temperatures]
+    except ValueError as e:
+        raise app.UsageError(str(e))
+    methods = list(dict.fromkeys(["ar"] + FLAGS.methods))
+    bad = [m for m in methods if m not in ("ar", "eagle3", "confu", "confu_nomoe")]
+    if bad:
+        raise app.UsageError(f"--methods: unknown {bad}; expected ar, eagle3, confu, confu_nomoe")
+    stray = sorted(set(heads) - set(methods))
+    if stray:
+        raise app.UsageError(f"--heads names {stray}, which are not in --methods {methods}")
+    prompts = sample_prompts(load_prompts(FLAGS.prompts), FLAGS.n_per_category, seed=FLAGS.seed)
+    tok = ChatTokenizer.load(FLAGS.model)
+    cfg, params = load_model(FLAGS.model)
+    print(f"model {FLAGS.model}: {len(prompts)} questions from {FLAGS.prompts}, {FLAGS.turns} turn(s), "
+          f"max_new_tokens={FLAGS.max_new_tokens}, methods {methods}, T {temperatures}, budgets {budgets}",
+          flush=True)
+    setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=FLAGS.turns,
+                                  top_p=FLAGS.top_p, seed=FLAGS.seed, min_bucket=FLAGS.min_bucket)
+    rows = spec_bench.run_benchmark(setup, prompts, methods=methods, temperatures=temperatures, budgets=budgets,
+                                    heads=heads, log=lambda m: print(m, flush=True),
+                                    progress_factory=lambda **kw: tqdm(leave=False, dynamic_ncols=True, **kw))
+    write_outputs(FLAGS.out, rows)
+    print(open(os.path.splitext(FLAGS.out)[0] + ".md").read())
+    print(f"wrote {FLAGS.out} (+ .md, .png)")
+    return 0
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     _limit_cores(FLAGS.threads)
+    if FLAGS.methods:
+        return main_speculative()
     from confu_jax.assets import resolve_model_path
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model

@@ -55,3 +55,33 @@ def test_tiny_benchmark_rows(tmp_path):
     doc = json.loads(out.read_text())
     assert {"jax_version", "devices", "git_commit"} <= set(doc["environment"])
     assert [r["lossless_greedy"] for r in doc["results"]] == [None, True, True, True, True]
+
+
+def test_decode_bench_cli_speculative_mode(tmp_path):
+    """``python -m launch.decode_bench --methods ...`` on the tiny model: results + table + figure."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    gguf = tiny_chat_gguf(tmp_path)
+    questions = tmp_path / "q.jsonl"
+    with open(FIXTURE) as f:
+        questions.write_text("".join(f.readlines()[:2]))
+    out = tmp_path / "res" / "bench.json"
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    r = subprocess.run([sys.executable, "-m", "launch.decode_bench", "--model", gguf, "--methods", "ar,confu",
+                        "--prompts", str(questions), "--n_per_category", "5", "--budgets", "chain:2",
+                        "--max_new_tokens", "12", "--out", str(out)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    ar, confu = doc["results"]
+    assert confu["method"] == "confu" and confu["lossless_greedy"] is True and confu["trained"] is False
+    for k in ("tau", "tokens_per_s", "speedup", "per_category", "compile_s"):
+        assert confu[k] is not None, k
+    assert ar["speedup"] == pytest.approx(1.0)
+    assert confu["speedup"] == pytest.approx(confu["tokens_per_s"] / ar["tokens_per_s"], rel=1e-6)
+    assert (tmp_path / "res" / "bench.png").stat().st_size > 1000
+    md = (tmp_path / "res" / "bench.md").read_text()
+    assert "RANDOM random" in md and "| True |" in md
+    assert "environment" in doc and doc["environment"]["command_line"]
