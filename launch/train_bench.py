@@ -9,6 +9,11 @@ compile time, seconds per step, tokens/s (B·N sequence tokens per second) and t
 own memory (arguments + outputs + temporaries, from XLA's memory analysis); then the ConFu/EAGLE-3
 step-time ratio (the cost of the contemplate pass and the future entry) and the process's peak
 resident memory (``resource.getrusage``). ``--out`` writes the same as JSON.
+
+ConFu evaluates the draft head only inside anchor windows (<= K·(l+1) indices per row), so with
+few anchors it trains fewer positions per step than EAGLE-3 and can be cheaper per step. The
+default ``confu:128`` run (128·4 >= 512: every index in a window, head on all N) isolates the
+cost of the contemplate pass and the future entry.
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "target: asset name, .gguf file or HF directory")
-flags.DEFINE_list("variants", ["eagle3", "confu"], "variants to time (configs.common.base_config)")
+flags.DEFINE_list("variants", ["eagle3", "confu", "confu:128"],
+                  "variants to time (configs.common.base_config); 'confu:K' sets K_train for that run")
 flags.DEFINE_integer("max_length", 512, "tokens per row (N)")
 flags.DEFINE_integer("batch", 2, "rows per step (B)")
 flags.DEFINE_integer("steps", 3, "timed steps per variant (after one warm-up step), interleaved")
 flags.DEFINE_integer("records", 300, "ShareGPT conversations read (batches and draft-vocab counts)")
-flags.DEFINE_integer("k_train", 64, "ConFu anchors per row")
+flags.DEFINE_integer("k_train", 64, "ConFu anchors per row (unless the variant says 'confu:K')")
 flags.DEFINE_integer("ttt_steps", 7, "L_ttt")
 flags.DEFINE_integer("vocab_chunk", 8192, "full-vocabulary argmax chunk")
 flags.DEFINE_string("out", "", "write the results as JSON here")
@@ -74,9 +80,10 @@ def main(argv):
 
     runs, results = {}, {}
     for variant in FLAGS.variants:
-        config = base_config("smollm2-135m", variant)
+        name, _, k = variant.partition(":")
+        config = base_config("smollm2-135m", name)
         config.draft.ttt_steps = FLAGS.ttt_steps
-        config.objective.k_train = FLAGS.k_train
+        config.objective.k_train = int(k) if k else FLAGS.k_train
         config.objective.vocab_chunk = FLAGS.vocab_chunk
         head = model_spec_from_config(config).head
         spec = ModelSpec(cfg, head)
@@ -103,7 +110,8 @@ def main(argv):
         state, m = compiled(state, target, batches[0])  # warm-up
         jax.block_until_ready(m)
         runs[variant] = [compiled, state, []]
-        results[variant] = {"compile_s": compile_s, "step_memory_mib": step_mib}
+        results[variant] = {"compile_s": compile_s, "step_memory_mib": step_mib,
+                            "k_train": int(config.objective.k_train) if name != "eagle3" else None}
         print(f"{variant:>12}: compiled in {compile_s:.1f}s, step memory {step_mib or float('nan'):.0f} MiB",
               flush=True)
 
@@ -115,22 +123,30 @@ def main(argv):
             jax.block_until_ready(m)
             run[2].append(time.time() - t)
             results[variant]["loss_last"] = float(m["loss"])
+            results[variant].setdefault("trained_positions", []).append(float(m["positions/step0"]))
     for variant, run in runs.items():
         sec = float(np.median(run[2]))
-        results[variant].update(step_s=sec, step_s_all=run[2], tokens_per_s=b * n / sec)
+        pos = float(np.mean(results[variant]["trained_positions"]))
+        results[variant].update(step_s=sec, step_s_all=run[2], tokens_per_s=b * n / sec,
+                                trained_positions_per_s=pos / sec)
         print(f"{variant:>12}: step {sec:6.2f}s (median of {FLAGS.steps}) | {b * n / sec:7.1f} tokens/s | "
-              f"loss {results[variant]['loss_last']:.3f}", flush=True)
+              f"{pos:5.0f} trained positions/step (TTT step 0) | loss {results[variant]['loss_last']:.3f}",
+              flush=True)
 
     summary = {"config": {"model": FLAGS.model, "batch": b, "max_length": n, "k_train": FLAGS.k_train,
                           "ttt_steps": FLAGS.ttt_steps, "vocab_chunk": FLAGS.vocab_chunk,
                           "devices": [str(d) for d in jax.devices()]},
                "variants": results, "peak_rss_mib": _rss_mib()}
-    if "eagle3" in results and "confu" in results:
-        summary["confu_over_eagle3_step_time"] = results["confu"]["step_s"] / results["eagle3"]["step_s"]
-        paired = [c / e for c, e in zip(runs["confu"][2], runs["eagle3"][2])]
-        summary["confu_over_eagle3_paired_median"] = float(np.median(paired))
-        print(f"ConFu / EAGLE-3 step time: {summary['confu_over_eagle3_step_time']:.3f}x of medians, "
-              f"{summary['confu_over_eagle3_paired_median']:.3f}x median of per-round ratios")
+    if "eagle3" in results:
+        for v in results:
+            if v == "eagle3":
+                continue
+            paired = [c / e for c, e in zip(runs[v][2], runs["eagle3"][2])]
+            ratio = results[v]["step_s"] / results["eagle3"]["step_s"]
+            results[v]["step_time_over_eagle3"] = ratio
+            results[v]["step_time_over_eagle3_paired_median"] = float(np.median(paired))
+            print(f"{v} / eagle3 step time: {ratio:.3f}x (medians), {float(np.median(paired)):.3f}x "
+                  f"(median of per-round ratios)")
     print(f"peak RSS: {summary['peak_rss_mib']:.0f} MiB")
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from confu_jax import sharding as shd
 from confu_jax.decode.cache import KVCache, init_cache
 from confu_jax.models.attention import NEG_INF
 from confu_jax.models.llama import RMSNorm, apply_rope, rope_cos_sin
@@ -231,6 +232,16 @@ def draft_future_entry(spec: ModelSpec, draft_params: dict, f_bnd: jax.Array, g_
 # ----------------------------------------------------------------------------- training-time test
 
 
+def _rows(x):
+    """Pin a [B, ...] activation to batch-sharded rows (no-op outside the sharded step compiler).
+
+    Besides steering layout propagation, this avoids an XLA:CPU gradient miscompile seen with
+    jax 0.10.2 on meshes whose three axes are all > 1 (``confu_jax.sharding.constrain``).
+    """
+    return shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
+
 class TTTFuture(NamedTuple):
     """Per-position future entries for ``draft_ttt``.
 
@@ -267,7 +278,7 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
     b, n = tokens_bn.shape
     if positions_bn is None:
         positions_bn = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    g_bnd = draft_features(spec, draft_params, h_cat_bnc)
+    g_bnd = _rows(draft_features(spec, draft_params, h_cat_bnc))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
     tok_pad = jnp.concatenate([tokens_bn, jnp.zeros((b, n_steps + 1), tokens_bn.dtype)], axis=1)
 
@@ -287,6 +298,7 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
     for s in range(n_steps):
         emb = _embed(embed_vd, tok_pad[:, 1 + s:1 + s + n])
         q, k, v = _apply(spec, draft_params, emb, hidden, positions_bn + s, method=DraftHead.project)
+        q, k, v = _rows(q), _rows(k), _rows(v)
         if s == 0:
             k0, v0 = k, v
         else:
@@ -298,7 +310,8 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
                                    jnp.stack(extra_m, 2))
         else:
             attn = draft_attention(q, k0, v0, causal)
-        h_out, hid = _apply(spec, draft_params, attn, hidden, method=DraftHead.finish)
+        h_out, hid = _apply(spec, draft_params, _rows(attn), hidden, method=DraftHead.finish)
+        h_out, hid = _rows(h_out), _rows(hid)
         hid_s.append(hid)
         hout_s.append(h_out)
         if return_logits:

@@ -50,6 +50,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from confu_jax import sharding as shd
 from confu_jax.models.draft import TTTFuture, draft_logits, draft_ttt
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.target import contemplate_queries, real_forward
@@ -295,6 +296,12 @@ def simulated_acceptance_length(correct_sbn: jax.Array, answer_sbn: jax.Array, i
 # ----------------------------------------------------------------------------- the objective
 
 
+def _rows(x):
+    """Pin a [B, ...] activation to batch-sharded rows at a block boundary (no-op outside the
+    sharded step compiler; see ``confu_jax.sharding.constrain``)."""
+    return shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
 def _step_kl(spec: ModelSpec, draft_params: dict, hidden_bnd: jax.Array, teacher_logp_bnv: jax.Array):
     """(KL(p_teacher ‖ p_draft) [B,N], draft argmax [B,N]) for one TTT step."""
     logq = jax.nn.log_softmax(draft_logits(spec, draft_params, hidden_bnd), axis=-1)
@@ -323,8 +330,8 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     target_params = jax.lax.stop_gradient(target_params)
 
     out = real_forward(spec, target_params, tokens_bn, return_logits=False)
-    h_cat_bnc = jax.lax.stop_gradient(out.taps_btc)
-    teacher = teacher_from_hidden(spec, target_params, draft_vocab, out.hidden_btd, cfg.vocab_chunk)
+    h_cat_bnc = _rows(jax.lax.stop_gradient(out.taps_btc))
+    teacher = teacher_from_hidden(spec, target_params, draft_vocab, _rows(out.hidden_btd), cfg.vocab_chunk)
 
     # verification starting points for the simulated τ: the bonus x[j+1] and the first drafted
     # token x[j+2] are answer tokens (the anchor candidates), for every variant alike
@@ -335,7 +342,7 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
         rows = jnp.arange(b)[:, None]
         f_bkd = contemplate_queries(spec, target_params, trainable["confu"], out.k_new_lbthd, out.v_new_lbthd,
                                     plan.anchor_bk, h_cat_bnc[rows, plan.con_src_bk])
-        future = TTTFuture(f_bkd, plan.anchor_bk, plan.index_bn)
+        future = TTTFuture(_rows(f_bkd), plan.anchor_bk, plan.index_bn)
 
     ttt = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc, s_steps,
                     future=future, return_logits=False)
@@ -361,7 +368,7 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
 
     # teacher rows j+1+s for step s: pad N past the end once, index per step
     v_d = teacher.logp_bnv.shape[-1]
-    t_pad = jnp.concatenate([teacher.logp_bnv, jnp.zeros((b, s_steps + 1, v_d), jnp.float32)], axis=1)
+    t_pad = _rows(jnp.concatenate([teacher.logp_bnv, jnp.zeros((b, s_steps + 1, v_d), jnp.float32)], axis=1))
     t_arg = jnp.argmax(t_pad, axis=-1)
 
     def teacher_rows(t_pad, s):
@@ -377,7 +384,7 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     metrics, loss = {}, jnp.zeros((), jnp.float32)
     correct, answer, in_draft = [], [], []
     for s in range(s_steps):
-        kl_bm, arg_bm = step_fn(trainable["draft"], pick(ttt.hidden_sbnd[s]), t_pad, s)
+        kl_bm, arg_bm = step_fn(trainable["draft"], _rows(pick(ttt.hidden_sbnd[s])), t_pad, s)
         w_bm = (pick(masks.valid_sbn[s]) & ok_bm).astype(jnp.float32)
         cnt = jnp.maximum(jnp.sum(w_bm), 1.0)
         kl_s = jnp.sum(kl_bm * w_bm) / cnt
