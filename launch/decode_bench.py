@@ -158,26 +158,6 @@ def _first_divergence(a, b):
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def write_outputs(out: str, rows: list) -> dict:
-    """results.json + .md (paper table and per-row settings) + .png (τ per category)."""
-    from confu_jax.bench import report
-
-    doc = report.write_results(out, rows)
-    base = os.path.splitext(out)[0]
-    lines = [report.markdown_table(rows), "", "| Method | T | Budget | Plan | Head | Lossless (T=0) | tokens/s | "
-             "compile s |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        plan = r.get("setting", {}).get("plan", "–")
-        head = "–" if r.get("head") is None else ("trained " if r["trained"] else "RANDOM ") + str(r["head"])
-        lossless = "–" if r.get("lossless_greedy") is None else str(r["lossless_greedy"])
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {r.get('budget') or '–'} | {plan} | {head} | "
-                     f"{lossless} | {r['tokens_per_s']:.2f} | {r.get('compile_s', float('nan')):.1f} |")
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    report.plot_tau(rows, base + ".png")
-    return doc
-
-
 def main_speculative():
     from tqdm import tqdm
 
@@ -210,7 +190,7 @@ def main_speculative():
     rows = spec_bench.run_benchmark(setup, prompts, methods=methods, temperatures=temperatures, budgets=budgets,
                                     heads=heads, log=lambda m: print(m, flush=True),
                                     progress_factory=lambda **kw: tqdm(leave=False, dynamic_ncols=True, **kw))
-    write_outputs(FLAGS.out, rows)
+    spec_bench.write_outputs(FLAGS.out, rows)
     print(open(os.path.splitext(FLAGS.out)[0] + ".md").read())
     print(f"wrote {FLAGS.out} (+ .md, .png)")
     return 0
@@ -273,8 +253,9 @@ def main(argv):
                # other processes on the machine skew both sides (torch's threads suffer most)
                "loadavg_1min_before_after": [load_before, os.getloadavg()[0]]}
     if FLAGS.batched:
-        outs, s_b, _ = ours_ar.run(prompts)  # its compile is not part of s_b
+        outs, s_b, c_b = ours_ar.run(prompts)  # its compile is not part of s_b
         summary["ours_batched_tokens_per_s"] = sum(map(len, outs)) / s_b
+        summary["ours_batched_cpu_ms_per_token"] = 1e3 * c_b / sum(map(len, outs))
         summary["ours_batch_size"] = len(prompts)
     if hf is not None:
         n_hf = sum(r["hf_tokens"] for r in rows)
@@ -290,7 +271,8 @@ def main(argv):
           f"compile {compile_s:.1f} s (excluded)")
     if FLAGS.batched:
         print(f"ours ({FLAGS.method}, jitted, batch {len(prompts)}): "
-              f"{summary['ours_batched_tokens_per_s']:.1f} tokens/s")
+              f"{summary['ours_batched_tokens_per_s']:.1f} tokens/s "
+              f"({summary['ours_batched_cpu_ms_per_token']:.0f} CPU-ms/token)")
     if hf is not None:
         print(f"transformers generate (torch CPU fp32, greedy, batch 1): "
               f"{summary['hf_tokens_per_s']:.1f} tokens/s ({n_hf} tokens in {s_hf:.2f} s, "

@@ -223,3 +223,25 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                     f"tokens/s, speed-up {row['speedup']:.3f}, compile {programs.compile_s:.1f} s"
                     + ("" if temp != 0 else f", lossless={row['lossless_greedy']}"))
     return rows
+
+
+def write_outputs(out: str, rows: list) -> dict:
+    """results.json + .md (paper table and per-row settings) + .png (τ per category)."""
+    import os
+
+    from confu_jax.bench import report
+
+    doc = report.write_results(out, rows)
+    base = os.path.splitext(out)[0]
+    lines = [report.markdown_table(rows), "", "| Method | T | Budget | Plan | Head | Lossless (T=0) | tokens/s | "
+             "compile s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        plan = r.get("setting", {}).get("plan", "–")
+        head = "–" if r.get("head") is None else ("trained " if r["trained"] else "RANDOM ") + str(r["head"])
+        lossless = "–" if r.get("lossless_greedy") is None else str(r["lossless_greedy"])
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r.get('budget') or '–'} | {plan} | {head} | "
+                     f"{lossless} | {r['tokens_per_s']:.2f} | {r.get('compile_s', float('nan')):.1f} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    report.plot_tau(rows, base + ".png")
+    return doc
