@@ -1,0 +1,140 @@
+"""The main job on a fresh machine: SmolLM2 + EAGLE-3 and ConFu heads + speculative decoding.
+
+    python -m launch.quickstart                       # ~15-20 min on 2 CPU cores (training dominates)
+    python -m launch.quickstart --train_steps 20 --n_prompts 2 --max_new_tokens 32   # a few minutes
+
+1. Heads: ``$CONFU_JAX_CACHE/heads/smollm2_{eagle3,confu}`` (default ``~/.cache/confu_jax``) if it
+   holds a finished ``launch.train`` run; otherwise that directory is trained now with
+   ``launch.train``'s machinery (``configs/smollm2_{eagle3,confu}.py``) on a slice of ShareGPT,
+   shrunk to fit a CPU (``--train_steps``, ``--train_records``, short rows, small batches). An
+   interrupted training resumes from its last checkpoint on the next run. Heads this short are far
+   from converged: τ reflects minutes of CPU training, not the paper's setting.
+2. Decoding: AR, EAGLE-3 and ConFu on ``--n_prompts`` MT-Bench questions (one per category first),
+   greedy, ``--tree`` draft plan; prints the τ / SR table (``confu_jax.bench``) and whether every
+   speculative output equals AR's token for token (the lossless check). Results also go to
+   ``--out`` (JSON + .md + .png).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+flags.DEFINE_string("model", "smollm2-135m-instruct", "target: asset name or .gguf (must match the configs' preset)")
+flags.DEFINE_integer("train_steps", 40, "optimizer steps per head when a head must be trained")
+flags.DEFINE_integer("train_records", 600, "ShareGPT conversations read for training (draft vocab + rows)")
+flags.DEFINE_integer("train_batch", 4, "rows per training step")
+flags.DEFINE_integer("train_max_length", 128, "tokens per training row (chat template applied, truncated)")
+flags.DEFINE_integer("n_prompts", 8, "MT-Bench questions decoded (at most one per category, then more)")
+flags.DEFINE_integer("max_new_tokens", 64, "tokens generated per question")
+flags.DEFINE_string("tree", "chain:3", "draft plan for EAGLE-3 and ConFu (chain:K | dynamic:DEPTH,TOPK,NODES)")
+flags.DEFINE_string("cache", "", "head cache root (default $CONFU_JAX_CACHE or ~/.cache/confu_jax)")
+flags.DEFINE_string("out", "results/quickstart.json", "results JSON (+ .md table, .png figure)")
+FLAGS = flags.FLAGS
+
+VARIANTS = ("eagle3", "confu")
+
+
+def cache_root() -> str:
+    root = FLAGS.cache or os.environ.get("CONFU_JAX_CACHE") or os.path.join("~", ".cache", "confu_jax")
+    return os.path.abspath(os.path.expanduser(root))
+
+
+def head_ready(workdir: str, steps: int | None = None) -> bool:
+    """A finished run: config.json and a complete checkpoint (at ``steps`` if given)."""
+    from confu_jax.train.checkpoint import Checkpointer
+
+    ck = os.path.join(workdir, "checkpoints")
+    if not (os.path.isfile(os.path.join(workdir, "config.json")) and os.path.isdir(ck)):
+        return False
+    c = Checkpointer(ck, read_only=True)
+    try:
+        done = c.all_steps()
+    finally:
+        c.close()
+    return bool(done) and (steps is None or max(done) >= steps)
+
+
+def head_config(variant: str):
+    """configs/smollm2_<variant>.py shrunk for a CPU run of a few minutes."""
+    import importlib
+
+    config = importlib.import_module(f"configs.smollm2_{variant}").get_config()
+    config.train.steps = FLAGS.train_steps
+    config.train.optim.lr = 1e-3  # short run: EAGLE's 1e-4 barely moves in a few dozen steps
+    config.train.optim.warmup_steps = max(1, FLAGS.train_steps // 20)
+    config.train.checkpoint.every = max(10, FLAGS.train_steps // 3)  # resumable if interrupted
+    config.train.checkpoint.keep = 1
+    config.train.eval_every = 0
+    config.train.log_every = max(1, FLAGS.train_steps // 20)
+    config.data.max_records = FLAGS.train_records
+    config.data.global_batch_size = FLAGS.train_batch
+    config.data.max_length = FLAGS.train_max_length
+    config.data.num_threads = 1
+    # TTT over 3 draft steps (the decode chain's depth) instead of 7: the step costs ~linear in it
+    config.draft.ttt_steps = 3
+    config.confu.max_lag = 4  # contemplate lag = depth + 1 (configs/common.py)
+    config.objective.eval_records = 0
+    config.objective.eval_batches = 0
+    return config
+
+
+def ensure_head(variant: str) -> str:
+    workdir = os.path.join(cache_root(), "heads", f"smollm2_{variant}")
+    if head_ready(workdir):
+        print(f"[{variant}] using the cached head in {workdir}", flush=True)
+        return workdir
+    from confu_jax.train.loop import train
+
+    print(f"[{variant}] no cached head: training {FLAGS.train_steps} steps on {FLAGS.train_records} ShareGPT "
+          f"conversations into {workdir}", flush=True)
+    res = train(head_config(variant), workdir)
+    m = res.last_metrics
+    print(f"[{variant}] trained to step {res.step}: loss {m.get('loss', float('nan')):.3f}, "
+          f"top-1 acc step0 {m.get('acc/step0', float('nan')):.3f}", flush=True)
+    return workdir
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint operation at INFO
+    from tqdm import tqdm
+
+    from confu_jax.bench import spec_bench
+    from confu_jax.bench.prompts import load_mtbench
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    heads = {v: ensure_head(v) for v in VARIANTS}
+    tok = ChatTokenizer.load(FLAGS.model)
+    cfg, params = load_model(FLAGS.model)
+    questions = load_mtbench()
+    firsts, seen = [], set()  # the first question of each category, then the rest in file order
+    for q in questions:
+        if q.category not in seen:
+            seen.add(q.category)
+            firsts.append(q)
+    rest = [q for q in questions if q not in firsts]
+    prompts = (firsts + rest)[: FLAGS.n_prompts]
+    setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=1)
+    rows = spec_bench.run_benchmark(setup, prompts, methods=["ar", *VARIANTS], temperatures=[0.0],
+                                    budgets=[FLAGS.tree], heads=heads, log=lambda m: print(m, flush=True),
+                                    progress_factory=lambda **kw: tqdm(dynamic_ncols=True, **kw))
+    spec_bench.write_outputs(FLAGS.out, rows)
+    print()
+    print(open(os.path.splitext(FLAGS.out)[0] + ".md").read())
+    ok = all(r["lossless_greedy"] for r in rows if r["method"] != "ar")
+    print(f"lossless check (greedy speculative == AR, token for token, {len(prompts)} questions): "
+          f"{'PASS' if ok else 'FAIL'}")
+    print(f"results: {FLAGS.out} (+ .md, .png)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    app.run(main)
