@@ -58,3 +58,14 @@ def test_smollm2_speculative_cli_equals_ar():
     r, ids = _generate("smollm2-135m-instruct", "--method", "confu", "--tree", "dynamic:3,4,8")
     assert ids == ar_ids
     assert re.search(r"tau = [0-9.]+ tokens per target pass", r.stderr)
+
+
+def test_quickstart_flags_documented():
+    """launch.quickstart imports cleanly (no flag clashes with the modules it uses) and documents
+    the flags that shrink it."""
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "launch.quickstart", "--help"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    for f in ("train_steps", "n_prompts", "max_new_tokens", "tree", "cache", "out"):
+        line = next((ln for ln in r.stdout.splitlines() if ln.strip().startswith(f"--{f}:")), None)
+        assert line is not None and len(line.split(":", 1)[1].strip()) > 5, (f, r.stdout[-2000:], r.stderr[-2000:])
