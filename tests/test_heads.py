@@ -77,3 +77,28 @@ def test_errors_name_the_problem(trained, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(Exception, match="params|confu"):
         load_trained_head(str(other))
+
+
+def test_trained_head_decodes_losslessly_and_checks_the_method(trained):
+    """The loaded head plugs into the speculative loop: greedy output == AR on the run's target."""
+    from confu_jax.decode.generate import generate_ar
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.loop import generate_speculative, parse_plan
+    from confu_jax.train.confu_task import load_target
+
+    workdir, _ = trained
+    head = load_trained_head(workdir)
+    spec, target = load_target(head.config, head.spec)
+    dh = decode_head("eagle3", spec.target, target, workdir)
+    assert dh.trained and dh.source.endswith("(step 2)")
+    prompts = [[3, 5, 7, 2, 9], [4, 4, 1]]
+    ar = generate_ar(target, spec.target, prompts, max_new_tokens=12, eos_ids=())
+    sp = generate_speculative(dh.spec, dh.params, parse_plan("chain:2"), prompts, max_new_tokens=12, eos_ids=())
+    for b in range(2):
+        n = int(np.asarray(sp.n_generated_b)[b])
+        assert n == 12
+        assert np.asarray(sp.tokens_bn)[b, :n].tolist() == np.asarray(ar.tokens_bn)[b, :n].tolist()
+    with pytest.raises(ValueError, match="holds a 'eagle3' head"):
+        decode_head("confu", spec.target, target, workdir)
+    with pytest.raises(ValueError, match="vocab_size"):
+        decode_head("eagle3", spec.target.replace(vocab_size=64), target, workdir)
