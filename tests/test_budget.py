@@ -59,5 +59,9 @@ def test_auto_plan_on_tiny_model():
     assert [c.plan for c in cands] == ["chain:1", "chain:3"] and len(seen) == 2
     assert best.tokens_per_s == max(c.tokens_per_s for c in cands)
     assert all(c.pass_s > 0 and 1.0 <= c.expected_tau <= budget.plan_nodes(c.plan) for c in cands)
-    tau3, _ = budget.calibrate_tau(spec, params, "chain:3", prompts, max_new_tokens=24)
-    assert cands[1].expected_tau == pytest.approx(tau3)
+    # E[tau] is the measured tau: every accepted count within [0, k], bonus adds 1
+    tau3, accepted, pass_s = budget.measure_plan(spec, params, "chain:3", prompts, max_new_tokens=24)
+    assert cands[1].expected_tau == pytest.approx(tau3) == pytest.approx(1 + accepted.mean())
+    assert accepted.min() >= 0 and accepted.max() <= 3 and pass_s > 0
+    # the chain:1 estimate from chain:3's accepted counts is within [1, 2]
+    assert 1.0 <= budget.tau_chain_from_accepts(accepted, 1, 3) <= 2.0

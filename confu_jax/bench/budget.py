@@ -7,18 +7,18 @@ expected throughput is
 
     tokens/s(P) = E[τ(P)] / t(P).
 
-* t(P) is measured on the device: the compiled speculative loop is run for a fixed number of
-  passes and the wall time divided by the passes it made (``measure_pass_s``). Drafting, the
+* t(P) is measured on the device: the compiled speculative loop decodes the calibration prompts
+  and the wall time is divided by the passes it made (``measure_plan``). Drafting, the
   verification pass, the accept rule and the cache commit are timed together, as they run — on a
   CPU a T-token verification costs far more than a 1-token step (FACTS.md: T=16 is 2.2x T=1), on
   an accelerator much less, which is exactly why the choice is device-specific.
-* E[τ(P)] comes from acceptance measured with the head on a few calibration prompts:
-  - chains: from the distribution of accepted lengths n (bonus excluded) of ONE calibration run
-    with the longest chain: with a greedy draft the first k draft tokens of chain:K are those of
-    chain:k, so E[τ(chain:k)] = 1 + Σ_{i=1..k} P(n ≥ i)  (``tau_chain_from_accepts``);
-  - per-depth conditional rates α_i (e.g. training's simulated acceptance): E[τ] =
-    1 + Σ_i Π_{j≤i} α_j  (``tau_from_rates``);
-  - trees: the τ a calibration run with that tree measured (mean of ``accept_log_bi``).
+* E[τ(P)] is the τ measured with the head on a few calibration prompts (greedy, EOS off; mean of
+  ``accept_log_bi``) in the same runs that give t(P) (``measure_plan``: one compile per plan).
+  Without running a plan, chains can also be estimated: from the accepted lengths n (bonus
+  excluded) of a chain:K run — with a greedy draft the first k drafts of chain:K are chain:k's, so
+  E[τ(chain:k)] = 1 + Σ_{i≤k} P(n ≥ i) (``tau_chain_from_accepts``) — or from per-depth
+  conditional rates α_i such as training's simulated acceptance: 1 + Σ_i Π_{j≤i} α_j
+  (``tau_from_rates``).
 * ``choose`` takes the argmax; ties go to the smaller T (less work for the same estimate).
 """
 
@@ -77,58 +77,43 @@ def choose(candidates: Sequence[Candidate]) -> Candidate:
     return min(candidates, key=lambda c: (-c.tokens_per_s, plan_nodes(c.plan)))
 
 
-def measure_pass_s(spec, params, plan: str, prompt_ids: Sequence[int], *, n_passes: int = 16,
-                   repeats: int = 2, eos_ids=()) -> float:
-    """Seconds per speculative pass of ``plan`` (compiled loop, greedy, EOS off, best of repeats)."""
+def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+                 min_bucket: int = 64):
+    """(mean τ, accepted-draft counts per pass, seconds per pass) of ``plan``, greedy, EOS off.
+
+    One compiled program per plan (prompts share the bucket of ``min_bucket``): a warm-up call on
+    the first prompt compiles it, then every prompt is decoded once, batch 1, and timed."""
     import jax
 
-    from confu_jax.decode.loop import compile_speculative, parse_plan
-
-    p = parse_plan(plan)
-    max_new = n_passes * (p.max_depth + 1) + 1  # enough that the loop makes >= n_passes passes
-    run, args = compile_speculative(spec, params, p, [list(prompt_ids)], max_new_tokens=max_new,
-                                    eos_ids=eos_ids)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        res = jax.block_until_ready(run(params, *args))
-        dt = time.perf_counter() - t0
-        best = min(best, dt / max(int(np.asarray(res.n_passes_b)[0]), 1))
-    return best
-
-
-def calibrate_tau(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
-                  eos_ids=None):
-    """(mean τ, accepted-draft counts per pass) of ``plan`` over ``prompts``, greedy."""
     from confu_jax.decode.loop import generate_speculative, parse_plan
 
-    res = generate_speculative(spec, params, parse_plan(plan), [list(p) for p in prompts],
-                               max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-    log = np.asarray(res.accept_log_bi)
-    passes = np.asarray(res.n_passes_b)
-    per_pass = np.concatenate([log[b, :passes[b]] for b in range(log.shape[0])])
-    if per_pass.size == 0:
+    p = parse_plan(plan)
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
+    jax.block_until_ready(generate_speculative(spec, params, p, [list(prompts[0])], **kw))
+    per_pass, seconds, passes = [], 0.0, 0
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(generate_speculative(spec, params, p, [list(prompt)], **kw))
+        seconds += time.perf_counter() - t0
+        n = int(np.asarray(res.n_passes_b)[0])
+        passes += n
+        per_pass.extend(np.asarray(res.accept_log_bi)[0, :n].tolist())
+    if not passes:
         raise ValueError(f"calibration with {plan} made no verification pass")
-    return float(per_pass.mean()), per_pass - 1
+    per_pass = np.asarray(per_pass)
+    return float(per_pass.mean()), per_pass - 1, seconds / passes
 
 
 def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequence[str] = DEFAULT_CHAINS,
               trees: Sequence[str] = DEFAULT_TREES, max_new_tokens: int = 64,
               log: Optional[Callable[[str], None]] = None):
-    """Measure and choose -> (best Candidate, all Candidates). One calibration run for all chains
-    (the longest) and one per tree; one timing run per candidate."""
+    """Measure every candidate on the calibration prompts and choose -> (best, all Candidates).
+    One compile per candidate; E[τ] is the candidate's own measured τ."""
     cands = []
-    if chains:
-        k_max = max(int(c.split(":")[1]) for c in chains)
-        _, accepted = calibrate_tau(spec, params, f"chain:{k_max}", prompts, max_new_tokens=max_new_tokens)
-        for c in chains:
-            tau = tau_chain_from_accepts(accepted, int(c.split(":")[1]), k_max)
-            cands.append(Candidate(c, tau, measure_pass_s(spec, params, c, prompts[0])))
-            if log:
-                log(f"budget auto: {c}: E[tau]={tau:.3f}, {cands[-1].pass_s * 1e3:.1f} ms/pass")
-    for t in trees:
-        tau, _ = calibrate_tau(spec, params, t, prompts, max_new_tokens=max_new_tokens)
-        cands.append(Candidate(t, tau, measure_pass_s(spec, params, t, prompts[0])))
+    for plan in (*chains, *trees):
+        tau, _, pass_s = measure_plan(spec, params, plan, prompts, max_new_tokens=max_new_tokens)
+        cands.append(Candidate(plan, tau, pass_s))
         if log:
-            log(f"budget auto: {t}: E[tau]={tau:.3f}, {cands[-1].pass_s * 1e3:.1f} ms/pass")
+            log(f"budget auto: {plan}: E[tau]={tau:.3f}, {pass_s * 1e3:.1f} ms/pass, "
+                f"{cands[-1].tokens_per_s:.1f} tokens/s expected")
     return choose(cands), cands
