@@ -85,3 +85,22 @@ def test_decode_bench_cli_speculative_mode(tmp_path):
     md = (tmp_path / "res" / "bench.md").read_text()
     assert "RANDOM random" in md and "| True |" in md
     assert "environment" in doc and doc["environment"]["command_line"]
+
+
+def test_budget_auto_row(tmp_path):
+    """``auto`` resolves to one of its candidates (recorded as the row's plan) and stays lossless."""
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    gguf = tiny_chat_gguf(tmp_path)
+    cfg, params = load_model(gguf)
+    setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=10,
+                                  auto_chains=("chain:1", "chain:2"), auto_trees=())
+    messages = []
+    rows = spec_bench.run_benchmark(setup, load_question_file(FIXTURE)[:1], methods=["ar", "eagle3"],
+                                    temperatures=[0.0], budgets=["auto"], heads={}, log=messages.append)
+    auto = rows[1]
+    assert auto["budget"] == "auto" and auto["setting"]["plan"] in ("chain:1", "chain:2")
+    assert auto["nodes"] == int(auto["setting"]["plan"][-1]) + 1
+    assert auto["lossless_greedy"] is True
+    assert sum("budget auto: chain:" in m for m in messages) == 2

@@ -81,6 +81,8 @@ class BenchSetup:
     seed: int = 0
     min_bucket: int = 64
     system: Optional[str] = None
+    auto_chains: Optional[tuple] = None  # budget 'auto' candidates (None: bench.budget defaults)
+    auto_trees: Optional[tuple] = None
 
 
 def _turn_runner(setup: BenchSetup, programs: _Programs, decode_one: Callable, record: list):
@@ -201,8 +203,10 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                 if bud == "auto":
                     calib = [setup.tokenizer.encode(setup.tokenizer.render(
                         [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True)) for p in prompts[:2]]
-                    best, _ = budget_lib.auto_plan(head.spec, head.params, calib,
-                                                   max_new_tokens=min(setup.max_new_tokens, 64), log=log)
+                    best, _ = budget_lib.auto_plan(
+                        head.spec, head.params, calib, max_new_tokens=min(setup.max_new_tokens, 64), log=log,
+                        chains=budget_lib.DEFAULT_CHAINS if setup.auto_chains is None else setup.auto_chains,
+                        trees=budget_lib.DEFAULT_TREES if setup.auto_trees is None else setup.auto_trees)
                     plan_text = best.plan
                     log(f"[{m}] budget auto -> {plan_text}")
                 plan = parse_plan(plan_text)
