@@ -84,3 +84,17 @@ def test_training_lowers_loss_and_raises_acceptance(variant):
     print(f"{variant}: held-out loss {float(before[0]):.3f} -> {float(after[0]):.3f}, tau {tau0:.3f} -> {tau1:.3f}")
     assert tau1 > tau0 + 0.2, (tau0, tau1)
     assert float(after[1]["acc/step0"]) > float(before[1]["acc/step0"]) + 0.1
+
+    # The briefly trained head in the real decode loop: lossless (== AR greedy) and it accepts.
+    from confu_jax.decode import loop
+    from confu_jax.decode.generate import generate_ar
+
+    prompts = [list(map(int, r[:PROMPT])) for r in np.asarray(held_out["tokens"])[:4]]
+    params = loop.spec_params(target, trainable, draft_vocab)
+    sp = loop.generate_speculative(spec, params, loop.parse_plan("dynamic:3,2,6"), prompts,
+                                   max_new_tokens=N - PROMPT, eos_ids=())
+    ar = generate_ar(target, spec.target, prompts, max_new_tokens=N - PROMPT, eos_ids=())
+    assert np.array_equal(np.asarray(sp.tokens_bn), np.asarray(ar.tokens_bn))
+    real_tau = float(np.asarray(sp.accept_log_bi).sum() / np.asarray(sp.n_passes_b).sum())
+    print(f"{variant}: tau in the decode loop {real_tau:.2f}")
+    assert real_tau > 1.3, real_tau
