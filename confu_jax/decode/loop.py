@@ -317,7 +317,10 @@ def _speculative_padded(params, tokens_bt, lengths_b, temperature, top_p, eos_e,
     rows = jnp.arange(b)
 
     cache = init_cache(t.n_layers, b, max_len, t.n_kv_heads, t.head_dim, jnp.dtype(t.dtype))
-    pre, cache = target_lib.prefill(spec, params["target"], params["confu"], cache, tokens_bt, lengths_b)
+    # attend_cache=False: the cache is empty, and attending to a freshly zeroed cache makes XLA
+    # constant-fold a batch-sized, fully masked score block (seconds of compile time)
+    pre, cache = target_lib.prefill(spec, params["target"], params["confu"], cache, tokens_bt, lengths_b,
+                                    attend_cache=False)
     first_b = _sample(jax.random.fold_in(key, 0), pre.last_logits_bv, temperature, top_p)
 
     # draft prefill: entries j = 0..n-2 (token x[j+1], g[j]); entry n-1 waits in the buffer

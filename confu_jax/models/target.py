@@ -238,13 +238,15 @@ def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict
 
 
 def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCache,
-            tokens_bt: jax.Array, n_tokens_b: jax.Array) -> tuple[PrefillOutput, KVCache]:
+            tokens_bt: jax.Array, n_tokens_b: jax.Array, *,
+            attend_cache: bool = True) -> tuple[PrefillOutput, KVCache]:
     """Run a (right-padded) prompt block, commit it, then the first contemplate query.
 
     Row b's prompt is ``tokens_bt[b, :n_tokens_b[b]]``, appended after the row's ``cache.length``
     tokens. The contemplate sits after the last prompt token (anchor q = its position) with
     [con] = MoE_con(h_cat of the token before it) — lag 1, clipped to the block's first token.
     Cost: T (+1 for ConFu) target tokens. Returns the outputs and the cache with the prompt committed.
+    ``attend_cache=False`` declares the cache empty and skips attending to it (as ``generate.prefill``).
     """
     b, t = tokens_bt.shape
     n_tokens_b = n_tokens_b.astype(jnp.int32)
@@ -253,9 +255,8 @@ def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVC
         spec, target_params,
         tokens_bt,
         positions,
-        cache_k_lbshd=cache.k_lbshd,
-        cache_v_lbshd=cache.v_lbshd,
-        cache_len_bt=cache.length_b,
+        **(dict(cache_k_lbshd=cache.k_lbshd, cache_v_lbshd=cache.v_lbshd, cache_len_bt=cache.length_b)
+           if attend_cache else {}),
         tap_layers=spec.taps,
         return_logits=False,
     )
