@@ -118,6 +118,32 @@ def apply_rope(x_bthd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax
     return out.astype(x_bthd.dtype)
 
 
+def layer_context(cfg: LlamaConfig, bt: tuple, positions_bt, block_mask_btt, cache_len_bt, has_cache: bool,
+                  prefix_visible_bt, has_prefix: bool, tap_layers: Sequence[int]):
+    """What every layer of one forward shares (RoPE, masks, visible lengths, tap indices), with the
+    argument checks; used by the scanned (``Llama``) and unrolled (``models.unrolled``) forwards.
+    Returns (ctx dict, validated tap layer tuple)."""
+    b, t = bt
+    if block_mask_btt is None:
+        block_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    cos, sin = rope_cos_sin(positions_bt, cfg)
+    ctx = {"cos": cos, "sin": sin, "block_mask": block_mask_btt}
+    if has_cache:
+        if cache_len_bt is None:
+            raise ValueError("cache_len_bt is required when a cache is given")
+        ctx["cache_len"] = jnp.asarray(cache_len_bt, jnp.int32)
+    if has_prefix:
+        if prefix_visible_bt is None:
+            raise ValueError("prefix_visible_bt is required when prefix K/V are given")
+        ctx["prefix_visible"] = prefix_visible_bt
+    tap_layers = tuple(int(i) for i in tap_layers)
+    for li in tap_layers:
+        if not 0 <= li < cfg.n_layers:
+            raise ValueError(f"tap layer {li} outside [0, {cfg.n_layers})")
+    ctx["tap_layers"] = jnp.asarray(tap_layers, jnp.int32)
+    return ctx, tap_layers
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -242,28 +268,15 @@ class Llama(nn.Module):
         """
         cfg = self.cfg
         x = self.embed_tokens(tokens_bt) if embeds_btd is None else embeds_btd.astype(jnp.dtype(cfg.dtype))
-        b, t, _ = x.shape
-        if block_mask_btt is None:
-            block_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-        cos, sin = rope_cos_sin(positions_bt, cfg)
-        ctx = {"cos": cos, "sin": sin, "block_mask": block_mask_btt}
+        ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, block_mask_btt, cache_len_bt,
+                                        cache_k_lbshd is not None, prefix_visible_bt,
+                                        prefix_k_lphd is not None, tap_layers)
         xs = {"layer": jnp.arange(cfg.n_layers)}
         if cache_k_lbshd is not None:
-            if cache_len_bt is None:
-                raise ValueError("cache_len_bt is required when a cache is given")
             xs["k_cache"], xs["v_cache"] = cache_k_lbshd, cache_v_lbshd
-            ctx["cache_len"] = jnp.asarray(cache_len_bt, jnp.int32)
         if prefix_k_lphd is not None:
-            if prefix_visible_bt is None:
-                raise ValueError("prefix_visible_bt is required when prefix K/V are given")
             xs["k_prefix"], xs["v_prefix"] = prefix_k_lphd, prefix_v_lphd
-            ctx["prefix_visible"] = prefix_visible_bt
-        tap_layers = tuple(int(i) for i in tap_layers)
-        for li in tap_layers:
-            if not 0 <= li < cfg.n_layers:
-                raise ValueError(f"tap layer {li} outside [0, {cfg.n_layers})")
         taps0 = tuple(jnp.zeros_like(x) for _ in tap_layers)
-        ctx["tap_layers"] = jnp.asarray(tap_layers, jnp.int32)
         (x, taps), (k_new, v_new) = self.layers((x, taps0), xs, ctx)
         hidden = self.final_norm(x)
         logits = self.logits(hidden) if return_logits else None

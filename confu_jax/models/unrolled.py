@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from confu_jax.models.llama import DecoderLayer, Llama, LlamaConfig, LlamaOutput, rope_cos_sin
+from confu_jax.models.llama import DecoderLayer, Llama, LlamaConfig, LlamaOutput, layer_context
 
 
 class SplitParams(NamedTuple):
@@ -67,24 +67,9 @@ def apply_unrolled(
         x = model.apply(shared, tokens_bt, method=Llama.embed_tokens)
     else:
         x = embeds_btd.astype(jnp.dtype(cfg.dtype))
-    b, t, _ = x.shape
-    if block_mask_btt is None:
-        block_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    cos, sin = rope_cos_sin(positions_bt, cfg)
-    ctx = {"cos": cos, "sin": sin, "block_mask": block_mask_btt}
-    if cache_k_lbshd is not None:
-        if cache_len_bt is None:
-            raise ValueError("cache_len_bt is required when a cache is given")
-        ctx["cache_len"] = jnp.asarray(cache_len_bt, jnp.int32)
-    if prefix_k_lphd is not None:
-        if prefix_visible_bt is None:
-            raise ValueError("prefix_visible_bt is required when prefix K/V are given")
-        ctx["prefix_visible"] = prefix_visible_bt
-    tap_layers = tuple(int(i) for i in tap_layers)
-    for li in tap_layers:
-        if not 0 <= li < cfg.n_layers:
-            raise ValueError(f"tap layer {li} outside [0, {cfg.n_layers})")
-    ctx["tap_layers"] = jnp.asarray(tap_layers, jnp.int32)
+    ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, block_mask_btt, cache_len_bt,
+                                    cache_k_lbshd is not None, prefix_visible_bt,
+                                    prefix_k_lphd is not None, tap_layers)
     carry = (x, tuple(jnp.zeros_like(x) for _ in tap_layers))
     layer = DecoderLayer(cfg)
     ks, vs = [], []
