@@ -64,6 +64,10 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     config.draft.ttt_steps = 7  # L_ttt: SpecForge's ttt_length default
     config.draft.ttt_decay = 0.8  # step s weighted 0.8^s (EAGLE-3)
     config.draft.init_std = 0.02  # Llama initializer_range
+    # 'target': start the draft LM head (and its final norm) from the target's rows for the draft
+    # vocabulary, so step 0 already maps "a state like the target's last hidden" to sensible tokens;
+    # 'random': EAGLE-3's initializer_range normal. Matters most for short (CPU-sized) runs.
+    config.draft.lm_head_init = "random"
     config.draft.dtype = dtype  # draft compute dtype
     config.draft.param_dtype = "float32"  # trainable params kept in fp32 (optimizer precision)
     _add_training(config, preset, source)

@@ -116,3 +116,29 @@ def test_confu_step_on_a_2x2x2_mesh_equals_single_device():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
     soft = live.params["confu"]["soft_prompt_k_lphd"]
     assert len({s.device for s in soft.addressable_shards}) == 8
+
+
+def test_lm_head_init_from_target_copies_the_draft_vocab_rows_and_final_norm():
+    """draft.lm_head_init='target': the draft LM head is the target's, restricted to the draft vocab."""
+    from confu_jax.models.draft import DraftHead
+    from confu_jax.train.confu_task import build_task
+
+    config = _tiny("confu")
+    config.draft.lm_head_init = "target"
+    task = build_task(config)
+    params = jax.jit(task.init_params)(jax.random.PRNGKey(0))
+    d2t = task.extra_arrays["draft_vocab_d2t"]
+    _, target = load_target(config, model_spec_from_config(config))
+    emb_vd = np.asarray(target["embed"]["embedding"])  # tiny ties embeddings: lm_head = embed^T
+    np.testing.assert_array_equal(np.asarray(params["draft"]["lm_head"]["kernel"]), emb_vd[d2t].T)
+    np.testing.assert_array_equal(np.asarray(params["draft"]["final_norm"]["scale"]),
+                                  np.asarray(target["final_norm"]["scale"]))
+    # the draft's logits of a target-like hidden state are the target's logits on the draft vocab
+    spec = model_spec_from_config(config)
+    h = np.random.default_rng(0).normal(size=(1, 3, spec.target.d_model)).astype(np.float32)
+    draft_logits = DraftHead(spec).apply({"params": params["draft"]}, h, method=DraftHead.logits)
+    np.testing.assert_allclose(np.asarray(draft_logits), (h @ emb_vd.T)[..., d2t], rtol=1e-5, atol=1e-5)
+
+    config.draft.lm_head_init = "zeros"
+    with pytest.raises(ValueError, match="lm_head_init"):
+        build_task(config)

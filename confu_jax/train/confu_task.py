@@ -227,8 +227,22 @@ def build_task(config) -> TrainTask:
         loss, metrics = confu_loss(spec, trainable, frozen, draft_vocab, batch, rng, eval_obj)
         return dict(metrics, loss=loss)
 
+    lm_head_init = str(config.draft.get("lm_head_init", "random"))
+    if lm_head_init not in ("random", "target"):
+        raise ValueError(f"config.draft.lm_head_init: expected 'random' or 'target', got {lm_head_init!r}")
+    head_rows = head_from_target(spec, target_host, vocab.d2t) if lm_head_init == "target" else None
+
+    def init_params(rng):
+        params = init_trainable(spec, rng)
+        if head_rows is not None:
+            draft = dict(params["draft"])
+            draft["lm_head"] = {"kernel": jnp.asarray(head_rows["lm_head"], draft["lm_head"]["kernel"].dtype)}
+            draft["final_norm"] = {"scale": jnp.asarray(head_rows["final_norm"], draft["final_norm"]["scale"].dtype)}
+            params = dict(params, draft=draft)
+        return params
+
     return TrainTask(
-        init_params=lambda rng: init_trainable(spec, rng),
+        init_params=init_params,
         frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target_host),
         load_frozen=lambda shardings: shd.put_tree(target_host, shardings),
         loss_fn=loss_fn,
@@ -241,6 +255,22 @@ def build_task(config) -> TrainTask:
                      f"({'self-distilled random data' if synthetic else data.train_files}), "
                      f"L_ttt={train_obj.ttt_steps}, K_train={train_obj.k_train}, l={train_obj.replication}"),
     )
+
+
+def head_from_target(spec: ModelSpec, target_params: dict, d2t: np.ndarray) -> dict:
+    """The draft's ``lm_head`` kernel [d, V_draft] and ``final_norm`` scale [d] taken from the target.
+
+    The draft layer's output plays the part of the target's last hidden state (both feed an LM head
+    after an RMSNorm), so the target's norm and vocabulary rows are a better start than noise.
+    """
+    from confu_jax.models.draft import lm_head_from_target
+
+    if spec.target.tie_embeddings:
+        w_dv = np.asarray(target_params["embed"]["embedding"]).T
+    else:
+        w_dv = np.asarray(target_params["lm_head"]["kernel"])
+    return {"lm_head": np.asarray(lm_head_from_target(w_dv, {"d2t": np.asarray(d2t)})),
+            "final_norm": np.asarray(target_params["final_norm"]["scale"])}
 
 
 def _real_data(config, spec: ModelSpec):
