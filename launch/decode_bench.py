@@ -63,8 +63,8 @@ flags.DEFINE_bool("hf", True, "also time transformers generate (needs torch + tr
 flags.DEFINE_bool("batched", True, "also time one batched call of ours over all prompts")
 flags.DEFINE_string("json_out", "", "write the figures to this JSON file as well")
 # --- speculative mode (any --methods given)
-flags.DEFINE_list("methods", [], "speculative benchmark mode: comma list of ar, eagle3, confu, confu_nomoe "
-                  "(AR is always run as the baseline); empty = the AR-vs-transformers mode above")
+flags.DEFINE_list("methods", [], "speculative benchmark mode: comma list of ar, eagle3, confu, confu_nomoe, "
+                  "confu_nomoe_norep (AR is always run as the baseline); empty = the AR-vs-transformers mode above")
 flags.DEFINE_list("temperatures", ["0"], "speculative mode: sampling temperatures (0 = greedy, with the "
                   "losslessness check)")
 flags.DEFINE_string("budgets", "chain:4,dynamic:6,8,30", "speculative mode: draft plans, chain:K | "
@@ -173,9 +173,11 @@ def main_speculative():
     except ValueError as e:
         raise app.UsageError(str(e))
     methods = list(dict.fromkeys(["ar"] + FLAGS.methods))
-    bad = [m for m in methods if m not in ("ar", "eagle3", "confu", "confu_nomoe")]
+    from confu_jax.decode.heads import METHOD_VARIANTS
+
+    bad = [m for m in methods if m != "ar" and m not in METHOD_VARIANTS]
     if bad:
-        raise app.UsageError(f"--methods: unknown {bad}; expected ar, eagle3, confu, confu_nomoe")
+        raise app.UsageError(f"--methods: unknown {bad}; expected ar, {', '.join(METHOD_VARIANTS)}")
     stray = sorted(set(heads) - set(methods))
     if stray:
         raise app.UsageError(f"--heads names {stray}, which are not in --methods {methods}")

@@ -6,11 +6,11 @@
 1. Heads: ``$CONFU_JAX_CACHE/heads/smollm2_{eagle3,confu}`` (default ``~/.cache/confu_jax``) if it
    holds a finished ``launch.train`` run; otherwise that directory is trained now with
    ``launch.train``'s machinery (``configs/smollm2_{eagle3,confu}.py``) on a slice of ShareGPT,
-   shrunk to fit a CPU (``--train_steps``, ``--train_records``, short rows, small batches). An
-   interrupted training resumes from its last checkpoint on the next run. Heads this short are far
-   from converged: τ reflects minutes of CPU training, not the paper's setting. Measured on a
-   2-core machine shared with other jobs: ~10 s per training step (4 rows × 128 tokens, 3 TTT
-   steps), ~25 s per decoding program compile, ~5 AR tokens/s.
+   shrunk to fit a CPU (``--train_steps``, ``--train_records``, short rows, small batches). Equal
+   budgets, as in the paper: EAGLE-3 trains ``--train_steps`` steps; ConFu starts from EAGLE-3's
+   checkpoint at half of them and trains the other half. An interrupted training resumes from its
+   last checkpoint on the next run. Heads this short are far from converged: τ reflects minutes of
+   CPU training, not the paper's setting. Timings: see docs/RESULTS.md ("The main job").
 2. Decoding: AR, EAGLE-3 and ConFu on ``--n_prompts`` MT-Bench questions (one per category first),
    greedy, ``--tree`` draft plan; prints the τ / SR table (``confu_jax.bench``) and whether every
    speculative output equals AR's token for token (the lossless check). Results also go to
@@ -27,7 +27,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 flags.DEFINE_string("model", "smollm2-135m-instruct", "target: asset name or .gguf (must match the configs' preset)")
-flags.DEFINE_integer("train_steps", 30, "optimizer steps per head when a head must be trained")
+flags.DEFINE_integer("train_steps", 30, "training budget per head (optimizer steps) when heads must be trained: "
+                     "EAGLE-3 trains this many; ConFu starts from EAGLE-3 at half of them and trains the rest")
 flags.DEFINE_integer("train_records", 600, "ShareGPT conversations read for training (draft vocab + rows)")
 flags.DEFINE_integer("train_batch", 4, "rows per training step")
 flags.DEFINE_integer("train_max_length", 128, "tokens per training row (chat template applied, truncated)")
@@ -61,6 +62,30 @@ def head_ready(workdir: str, steps: int | None = None) -> bool:
     return bool(done) and (steps is None or max(done) >= steps)
 
 
+def half_budget() -> int:
+    return max(1, FLAGS.train_steps // 2)
+
+
+def eagle3_start_step() -> int:
+    """ConFu's starting point: EAGLE-3 at half the budget, or its latest step if a cached run lacks it."""
+    from confu_jax.train.checkpoint import Checkpointer
+
+    c = Checkpointer(os.path.join(head_dir("eagle3"), "checkpoints"), read_only=True)
+    try:
+        steps = c.all_steps()
+    finally:
+        c.close()
+    if half_budget() in steps:
+        return half_budget()
+    print(f"[confu] the cached EAGLE-3 run has no step {half_budget()} (has {sorted(steps)}): starting from "
+          f"its step {max(steps)} instead", flush=True)
+    return max(steps)
+
+
+def head_dir(variant: str) -> str:
+    return os.path.join(cache_root(), "heads", f"smollm2_{variant}")
+
+
 def head_config(variant: str):
     """configs/smollm2_<variant>.py shrunk for a CPU run of a few minutes."""
     import importlib
@@ -69,8 +94,16 @@ def head_config(variant: str):
     config.train.steps = FLAGS.train_steps
     config.train.optim.lr = 1e-3  # short run: EAGLE's 1e-4 barely moves in a few dozen steps
     config.train.optim.warmup_steps = max(1, FLAGS.train_steps // 20)
-    config.train.checkpoint.every = max(10, FLAGS.train_steps // 3)  # resumable if interrupted
-    config.train.checkpoint.keep = 1
+    if variant == "eagle3":
+        # a checkpoint at half the budget is ConFu's starting point (kept beside the final one)
+        config.train.checkpoint.every = half_budget()
+        config.train.checkpoint.keep = 2
+    else:
+        config.train.steps = FLAGS.train_steps - half_budget()
+        config.train.checkpoint.every = max(1, config.train.steps // 2)  # resumable if interrupted
+        config.train.checkpoint.keep = 1
+        config.train.checkpoint.init_from = os.path.join(head_dir("eagle3"), "checkpoints")
+        config.train.checkpoint.init_from_step = eagle3_start_step()
     config.train.eval_every = 0
     config.train.log_every = max(1, FLAGS.train_steps // 20)
     config.data.max_records = FLAGS.train_records
@@ -86,15 +119,17 @@ def head_config(variant: str):
 
 
 def ensure_head(variant: str) -> str:
-    workdir = os.path.join(cache_root(), "heads", f"smollm2_{variant}")
+    workdir = head_dir(variant)
     if head_ready(workdir):
         print(f"[{variant}] using the cached head in {workdir}", flush=True)
         return workdir
     from confu_jax.train.loop import train
 
-    print(f"[{variant}] no cached head: training {FLAGS.train_steps} steps on {FLAGS.train_records} ShareGPT "
-          f"conversations into {workdir}", flush=True)
-    res = train(head_config(variant), workdir)
+    config = head_config(variant)
+    start = (f"from EAGLE-3 step {config.train.checkpoint.init_from_step}, " if variant != "eagle3" else "")
+    print(f"[{variant}] no cached head: training {start}{config.train.steps} steps on {FLAGS.train_records} "
+          f"ShareGPT conversations into {workdir}", flush=True)
+    res = train(config, workdir)
     m = res.last_metrics
     print(f"[{variant}] trained to step {res.step}: loss {m.get('loss', float('nan')):.3f}, "
           f"top-1 acc step0 {m.get('acc/step0', float('nan')):.3f}", flush=True)

@@ -24,6 +24,7 @@ METHOD_VARIANTS = {
     "eagle3": ("eagle3",),
     "confu": ("confu", "confu_nomoe", "confu_nomoe_norep"),
     "confu_nomoe": ("confu_nomoe", "confu_nomoe_norep"),
+    "confu_nomoe_norep": ("confu_nomoe_norep",),
 }
 
 
