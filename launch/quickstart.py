@@ -27,7 +27,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 flags.DEFINE_string("model", "smollm2-135m-instruct", "target: asset name or .gguf (must match the configs' preset)")
-flags.DEFINE_integer("train_steps", 30, "training budget per head (optimizer steps) when heads must be trained: "
+flags.DEFINE_integer("train_steps", 60, "training budget per head (optimizer steps) when heads must be trained: "
                      "EAGLE-3 trains this many; ConFu starts from EAGLE-3 at half of them and trains the rest")
 flags.DEFINE_integer("train_records", 600, "ShareGPT conversations read for training (draft vocab + rows)")
 flags.DEFINE_integer("train_batch", 4, "rows per training step")
@@ -47,19 +47,28 @@ def cache_root() -> str:
     return os.path.abspath(os.path.expanduser(root))
 
 
-def head_ready(workdir: str, steps: int | None = None) -> bool:
-    """A finished run: config.json and a complete checkpoint (at ``steps`` if given)."""
+def head_ready(workdir: str) -> bool:
+    """A finished run: config.json and a checkpoint at the ``train.steps`` that config asked for.
+
+    An interrupted run (checkpoints short of its own budget) is not ready: training it again
+    resumes from its last checkpoint.
+    """
+    import json
+
     from confu_jax.train.checkpoint import Checkpointer
 
     ck = os.path.join(workdir, "checkpoints")
-    if not (os.path.isfile(os.path.join(workdir, "config.json")) and os.path.isdir(ck)):
+    config_path = os.path.join(workdir, "config.json")
+    if not (os.path.isfile(config_path) and os.path.isdir(ck)):
         return False
+    with open(config_path) as f:
+        steps = int(json.load(f)["train"]["steps"])
     c = Checkpointer(ck, read_only=True)
     try:
         done = c.all_steps()
     finally:
         c.close()
-    return bool(done) and (steps is None or max(done) >= steps)
+    return bool(done) and max(done) >= steps
 
 
 def half_budget() -> int:
