@@ -139,6 +139,12 @@ def test_lm_head_init_from_target_copies_the_draft_vocab_rows_and_final_norm():
     draft_logits = DraftHead(spec).apply({"params": params["draft"]}, h, method=DraftHead.logits)
     np.testing.assert_allclose(np.asarray(draft_logits), (h @ emb_vd.T)[..., d2t], rtol=1e-5, atol=1e-5)
 
+
+
+def test_unknown_lm_head_init_is_refused_before_any_work():
+    from confu_jax.train.confu_task import build_task
+
+    config = _tiny("eagle3")
     config.draft.lm_head_init = "zeros"
-    with pytest.raises(ValueError, match="lm_head_init"):
+    with pytest.raises(ValueError, match="lm_head_init: expected 'random' or 'target', got 'zeros'"):
         build_task(config)

@@ -230,7 +230,9 @@ def test_training_form_equals_naive_in_value_and_gradient():
     (l_n, (f_n, out_n)), g_n = jax.jit(jax.value_and_grad(naive_loss, has_aux=True))(confu)
     _close(f_e, f_n)
     _close(l_e, l_n, atol=1e-4)
-    jax.tree_util.tree_map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-5, rtol=1e-4), g_e, g_n)
+    # atol 1e-4: float32 sums in a different order (thread count varies with machine load) moved
+    # gradient entries of ~0.08 by 2e-5 on a loaded CI machine; a wrong gradient is off by far more
+    jax.tree_util.tree_map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-4, rtol=1e-4), g_e, g_n)
     # gradients reach soft prompts and MoE_con; the target gets exactly zero
     for leaf in jax.tree_util.tree_leaves(g_e):
         assert float(jnp.abs(leaf).max()) > 0

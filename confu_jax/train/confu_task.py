@@ -186,6 +186,9 @@ def load_target(config, spec: ModelSpec) -> tuple[ModelSpec, dict]:
 
 
 def build_task(config) -> TrainTask:
+    lm_head_init = str(config.draft.get("lm_head_init", "random"))
+    if lm_head_init not in ("random", "target"):
+        raise ValueError(f"config.draft.lm_head_init: expected 'random' or 'target', got {lm_head_init!r}")
     spec, target_host = load_target(config, model_spec_from_config(config))
     train_obj = objective_from_config(config)
     eval_obj = objective_from_config(config, evaluation=True)
@@ -227,9 +230,6 @@ def build_task(config) -> TrainTask:
         loss, metrics = confu_loss(spec, trainable, frozen, draft_vocab, batch, rng, eval_obj)
         return dict(metrics, loss=loss)
 
-    lm_head_init = str(config.draft.get("lm_head_init", "random"))
-    if lm_head_init not in ("random", "target"):
-        raise ValueError(f"config.draft.lm_head_init: expected 'random' or 'target', got {lm_head_init!r}")
     head_rows = head_from_target(spec, target_host, vocab.d2t) if lm_head_init == "target" else None
 
     def init_params(rng):
