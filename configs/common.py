@@ -66,7 +66,7 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     config.draft.init_std = 0.02  # Llama initializer_range
     # 'target': start the draft LM head (and its final norm) from the target's rows for the draft
     # vocabulary, so step 0 already maps "a state like the target's last hidden" to sensible tokens;
-    # 'random': EAGLE-3's initializer_range normal. Matters most for short (CPU-sized) runs.
+    # 'random': EAGLE-3's initializer_range normal (measured better on SmolLM2: docs/RESULTS.md).
     config.draft.lm_head_init = "random"
     config.draft.dtype = dtype  # draft compute dtype
     config.draft.param_dtype = "float32"  # trainable params kept in fp32 (optimizer precision)

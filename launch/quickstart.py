@@ -55,20 +55,25 @@ def head_ready(workdir: str) -> bool:
     """
     import json
 
-    from confu_jax.train.checkpoint import Checkpointer
-
     ck = os.path.join(workdir, "checkpoints")
     config_path = os.path.join(workdir, "config.json")
     if not (os.path.isfile(config_path) and os.path.isdir(ck)):
         return False
     with open(config_path) as f:
         steps = int(json.load(f)["train"]["steps"])
-    c = Checkpointer(ck, read_only=True)
+    done = checkpoint_steps(ck)
+    return bool(done) and max(done) >= steps
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+    """The steps saved in a ``launch.train`` checkpoint directory (read-only; nothing is cleaned up)."""
+    from confu_jax.train.checkpoint import Checkpointer
+
+    c = Checkpointer(directory, read_only=True)
     try:
-        done = c.all_steps()
+        return c.all_steps()
     finally:
         c.close()
-    return bool(done) and max(done) >= steps
 
 
 def half_budget() -> int:
@@ -77,13 +82,7 @@ def half_budget() -> int:
 
 def eagle3_start_step() -> int:
     """ConFu's starting point: EAGLE-3 at half the budget, or its latest step if a cached run lacks it."""
-    from confu_jax.train.checkpoint import Checkpointer
-
-    c = Checkpointer(os.path.join(head_dir("eagle3"), "checkpoints"), read_only=True)
-    try:
-        steps = c.all_steps()
-    finally:
-        c.close()
+    steps = checkpoint_steps(os.path.join(head_dir("eagle3"), "checkpoints"))
     if half_budget() in steps:
         return half_budget()
     print(f"[confu] the cached EAGLE-3 run has no step {half_budget()} (has {sorted(steps)}): starting from "

@@ -150,9 +150,15 @@ def target_to_draft_logits(draft_vocab: dict, logits_btv: jax.Array) -> jax.Arra
     return jnp.take(logits_btv, draft_vocab["d2t"], axis=-1)
 
 
-def lm_head_from_target(target_lm_head_dv: jax.Array, draft_vocab: dict) -> jax.Array:
-    """Draft LM-head kernel [d, V_draft] initialised from the target's (rows of its vocab in d2t order)."""
-    return jnp.take(target_lm_head_dv, draft_vocab["d2t"], axis=1)
+def lm_head_from_target(target_lm_head: jax.Array, vocab_axis: int, d2t) -> jax.Array:
+    """Draft LM-head kernel [d, V_draft]: the target's vocabulary rows in d2t order.
+
+    ``target_lm_head`` is [V, d] (tied embedding, ``vocab_axis=0``) or [d, V] (``vocab_axis=1``),
+    as ``train.loss.lm_head_layout`` returns it; only the V_draft rows are gathered, never the
+    whole matrix transposed.
+    """
+    rows = jnp.take(target_lm_head, jnp.asarray(d2t), axis=vocab_axis)
+    return rows.T if vocab_axis == 0 else rows
 
 
 # ----------------------------------------------------------------------------- attention

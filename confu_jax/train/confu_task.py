@@ -29,7 +29,7 @@ from confu_jax import sharding as shd
 from confu_jax.models.llama import Llama, LlamaConfig, init_params as llama_init, param_shapes
 from confu_jax.models.params import init_trainable
 from confu_jax.models.spec import ModelSpec, model_spec_from_config
-from confu_jax.train.loss import confu_loss, objective_from_config
+from confu_jax.train.loss import confu_loss, lm_head_layout, objective_from_config
 from confu_jax.train.task import TrainTask
 
 log = logging.getLogger(__name__)
@@ -261,15 +261,13 @@ def head_from_target(spec: ModelSpec, target_params: dict, d2t: np.ndarray) -> d
     """The draft's ``lm_head`` kernel [d, V_draft] and ``final_norm`` scale [d] taken from the target.
 
     The draft layer's output plays the part of the target's last hidden state (both feed an LM head
-    after an RMSNorm), so the target's norm and vocabulary rows are a better start than noise.
+    after an RMSNorm), which makes the target's norm and vocabulary rows a candidate start. Measured
+    on SmolLM2 it trained slower than a random head (docs/RESULTS.md, "What helped, what did not").
     """
     from confu_jax.models.draft import lm_head_from_target
 
-    if spec.target.tie_embeddings:
-        w_dv = np.asarray(target_params["embed"]["embedding"]).T
-    else:
-        w_dv = np.asarray(target_params["lm_head"]["kernel"])
-    return {"lm_head": np.asarray(lm_head_from_target(w_dv, {"d2t": np.asarray(d2t)})),
+    w, vocab_axis = lm_head_layout(spec, target_params)
+    return {"lm_head": np.asarray(lm_head_from_target(w, vocab_axis, d2t)),
             "final_norm": np.asarray(target_params["final_norm"]["scale"])}
 
 

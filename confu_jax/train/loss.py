@@ -112,7 +112,7 @@ class Teacher(NamedTuple):
     draft_mass_bn: jax.Array  # [B,N] float32 target probability mass inside the draft vocab
 
 
-def _lm_head_layout(spec: ModelSpec, target_params: dict) -> tuple[jax.Array, int]:
+def lm_head_layout(spec: ModelSpec, target_params: dict) -> tuple[jax.Array, int]:
     """The target's LM-head matrix and its vocabulary axis, without transposing (no copy).
 
     Tied embeddings: ``embed/embedding`` [V, d] (axis 0); otherwise ``lm_head/kernel`` [d, V] (axis 1).
@@ -176,7 +176,7 @@ def teacher_from_hidden(spec: ModelSpec, target_params: dict, draft_vocab: dict,
                         vocab_chunk: int) -> Teacher:
     """The EAGLE-3 teacher from the target's final-normed hidden states (no gradient)."""
     hidden_bnd = jax.lax.stop_gradient(hidden_bnd)
-    w, axis = _lm_head_layout(spec, jax.lax.stop_gradient(target_params))
+    w, axis = lm_head_layout(spec, jax.lax.stop_gradient(target_params))
     d2t = draft_vocab["d2t"]
     if d2t.shape[0] != spec.head.draft_vocab_size:
         raise ValueError(f"draft_vocab['d2t'] has {d2t.shape[0]} ids; spec.head.draft_vocab_size is "
