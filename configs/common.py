@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
-from confu_jax.models.spec import VARIANTS
+from confu_jax.models.registry import VARIANTS
 
 # target preset -> (weights source, compute/param dtype, draft vocabulary size)
 TARGETS = {
@@ -31,7 +31,7 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     if preset not in TARGETS:
         raise ValueError(f"configs.common: unknown target preset {preset!r}; expected one of {sorted(TARGETS)}")
     if variant not in VARIANTS:
-        raise ValueError(f"configs.common: unknown variant {variant!r}; expected one of {VARIANTS}")
+        raise ValueError(f"configs.common: unknown variant {variant!r}; expected one of {tuple(VARIANTS)}")
     source, dtype, draft_vocab = TARGETS[preset]
     config = ml_collections.ConfigDict()
 
@@ -49,7 +49,7 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     config.confu.n_expert = 8
     config.confu.expert_top_k = 2
     # Replication window l (paper §3.3, eq. 3; value not given there). 0 for "-MoE & replicate".
-    config.confu.replication = 0 if variant == "confu_nomoe_norep" else 3
+    config.confu.replication = 3 if VARIANTS[variant].replication else 0
     # Contemplate lag δ ~ U{1..max_lag} in training = D + 1 for decode tree depth D (DESIGN.md §4):
     # at inference the contemplate after a depth-k node reads h_cat[p], a lag of k + 1.
     config.confu.max_lag = 7

@@ -173,11 +173,11 @@ def main_speculative():
     except ValueError as e:
         raise app.UsageError(str(e))
     methods = list(dict.fromkeys(["ar"] + FLAGS.methods))
-    from confu_jax.decode.heads import METHOD_VARIANTS
+    from confu_jax.models.registry import METHODS as REGISTERED
 
-    bad = [m for m in methods if m != "ar" and m not in METHOD_VARIANTS]
+    bad = [m for m in methods if m not in REGISTERED]
     if bad:
-        raise app.UsageError(f"--methods: unknown {bad}; expected ar, {', '.join(METHOD_VARIANTS)}")
+        raise app.UsageError(f"--methods: unknown {bad}; expected one of {', '.join(REGISTERED)}")
     stray = sorted(set(heads) - set(methods))
     if stray:
         raise app.UsageError(f"--heads names {stray}, which are not in --methods {methods}")

@@ -48,7 +48,8 @@ def run_ar(params, cfg, prompt_ids: list, decode, eos_ids, **_) -> MethodOutput:
     import jax
     import numpy as np
 
-    from confu_jax.decode.generate import StopReason, compile_ar
+    from confu_jax.decode.generate import compile_ar
+    from confu_jax.decode.stopping import StopReason
 
     t0 = time.perf_counter()
     run, args = compile_ar(
@@ -70,9 +71,10 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     import jax
     import numpy as np
 
-    from confu_jax.decode.generate import StopReason
+    from confu_jax.decode.stopping import StopReason
     from confu_jax.decode.heads import decode_head
-    from confu_jax.decode.loop import compile_speculative, parse_plan
+    from confu_jax.decode.loop import compile_speculative
+    from confu_jax.decode.plans import parse_plan
 
     plan = parse_plan(tree)
     head = decode_head(method, cfg, params, draft_ckpt, seed=seed)

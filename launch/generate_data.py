@@ -164,7 +164,8 @@ def make_generate_fn(params, cfg, *, max_new_tokens: int, temperature: float, to
                      min_bucket: int = 16):
     """``generate_fn`` for ``regenerate_batch`` backed by the jitted AR loop (one program per
     power-of-two prompt bucket >= ``min_bucket``)."""
-    from confu_jax.decode.generate import StopReason, generate_ar
+    from confu_jax.decode.generate import generate_ar
+    from confu_jax.decode.stopping import StopReason
 
     def generate_fn(prompts, seed):
         res = generate_ar(

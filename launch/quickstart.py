@@ -67,7 +67,7 @@ def head_ready(workdir: str) -> bool:
 
 def checkpoint_steps(directory: str) -> list[int]:
     """The steps saved in a ``launch.train`` checkpoint directory (read-only; nothing is cleaned up)."""
-    from confu_jax.train.checkpoint import Checkpointer
+    from confu_jax.runs.checkpoint import Checkpointer
 
     c = Checkpointer(directory, read_only=True)
     try:

@@ -42,7 +42,8 @@ def test_choice_depends_on_the_device_timings():
 
 def test_auto_plan_on_tiny_model():
     from confu_jax.decode import loop
-    from confu_jax.models.draft import identity_draft_vocab
+    from confu_jax.decode import spec_params as spec_params_lib
+    from confu_jax.models.vocab_map import identity_draft_vocab
     from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import HeadConfig, ModelSpec
     from tests.model_fakes import tiny_params
@@ -51,7 +52,7 @@ def test_auto_plan_on_tiny_model():
     spec = ModelSpec(get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=()),
                      HeadConfig(variant="eagle3", draft_vocab_size=vocab, init_std=0.2))
     tp, tr = tiny_params(spec, 0)
-    params = loop.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
+    params = spec_params_lib.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
     prompts = [[1, 2, 3, 0, 1], [3, 3, 2]]
     seen = []
     best, cands = budget.auto_plan(spec, params, prompts, chains=("chain:1", "chain:3"), trees=(),

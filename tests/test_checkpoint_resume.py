@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from confu_jax import sharding as shd
-from confu_jax.train.checkpoint import Checkpointer, init_params_from
+from confu_jax.runs.checkpoint import Checkpointer, init_params_from
 from confu_jax.train.loop import setup_run, train
 from confu_jax.train.metric_writers import read_csv
 from confu_jax.train.toy import get_toy_config

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from confu_jax.decode.cache import KVCache
-from confu_jax.models.draft import TTTFuture, draft_ttt
+from confu_jax.models.kv_cache import KVCache
+from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.llama import param_shapes
 from confu_jax.models.params import param_counts, trainable_shapes
 from confu_jax.models.spec import model_spec_from_config
@@ -101,7 +101,7 @@ def test_paper_configs_trace_with_expected_shapes(name, d, layers, kv, ffn, tied
                     S((b,), jnp.int32))
     out = jax.eval_shape(functools.partial(verify, spec), tgt, c, cache, S((b, t), jnp.int32),
                          S((b, t, t), bool), S((b, 3 * d), jnp.bfloat16))
-    assert shape(out.logits_btv) == (b, t, 128256) and shape(out.f_btd) == (b, t, d)
+    assert shape(out.logits_btv) == (b, t, 128256) and shape(out.future_btd) == (b, t, d)
     assert shape(out.h_cat_btc) == (b, t, 3 * d) and shape(out.k_new_lbthd) == (layers, b, t, kv, 128)
     f = jax.eval_shape(functools.partial(contemplate_queries, spec), tgt, c, cache.k_lbshd, cache.v_lbshd,
                        S((b, k), jnp.int32), S((b, k, 3 * d), jnp.bfloat16))
@@ -109,7 +109,7 @@ def test_paper_configs_trace_with_expected_shapes(name, d, layers, kv, ffn, tied
     fut = TTTFuture(S((b, k, d), jnp.bfloat16), S((b, k), jnp.int32), S((b, n), jnp.int32))
     ttt = jax.eval_shape(lambda p, e, x, h, fu: draft_ttt(spec, p, e, x, h, 7, future=fu, return_logits=False),
                          dr, tgt["embed"]["embedding"], S((b, n), jnp.int32), S((b, n, 3 * d), jnp.bfloat16), fut)
-    assert ttt.logits_sbnv is None and shape(ttt.hidden_sbnd) == (7, b, n, d)
+    assert ttt.logits_rbnv is None and shape(ttt.hidden_rbnd) == (7, b, n, d)
 
 
 def test_param_count_command():

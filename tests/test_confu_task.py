@@ -73,7 +73,7 @@ def test_launch_train_tiny_learns_and_saves_the_draft_vocab(tmp_path):
     assert tau[-1] > tau[0] + 0.2 and loss[-1] < loss[0], (tau, loss)
     saved = json.loads((work / "config.json").read_text())
     assert saved["data"]["draft_vocab_size"] == 64
-    from confu_jax.train.checkpoint import Checkpointer
+    from confu_jax.runs.checkpoint import Checkpointer
 
     ckpt = Checkpointer(str(work / "checkpoints"), every=20, keep=3, async_save=False)
     assert ckpt.latest_step() == 40

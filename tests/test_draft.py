@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.decode.cache import commit
-from confu_jax.models.draft import (DraftFuture, DraftHead, TTTFuture, draft_block, draft_features,
-                                    draft_future_entry, draft_to_target_ids, draft_ttt, draft_vocab_from_d2t,
-                                    identity_draft_vocab, init_draft_cache, target_to_draft_logits)
+from confu_jax.models.kv_cache import commit
+from confu_jax.models.draft import DraftFuture, DraftHead, draft_features, draft_future_entry
+from confu_jax.models.draft_decode import draft_block, init_draft_cache
+from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
+from confu_jax.models.vocab_map import draft_to_target_ids, draft_vocab_from_d2t, identity_draft_vocab, target_to_draft_logits
 from confu_jax.models.target import contemplate_queries, real_forward
 from tests.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
 
@@ -81,8 +82,8 @@ def test_incremental_chain_equals_ttt(variant):
         if future is not None:
             fut, vis = _row_future(spec, dp, g, future, j_b)
         out, cache, kw = _extend(spec, dp, embed, tokens, g, j_b, fut, vis)
-        _close(out.logits_btv[rows, j_b], ttt.logits_sbnv[0, rows, j_b])
-        _close(out.h_out_btd[rows, j_b], ttt.h_out_sbnd[0, rows, j_b])
+        _close(out.logits_btv[rows, j_b], ttt.logits_rbnv[0, rows, j_b])
+        _close(out.h_out_btd[rows, j_b], ttt.h_out_rbnd[0, rows, j_b])
         if kw:
             kw["future_visible_bt"] = vis[:, None]
         scratch_k = jnp.zeros((b, steps) + out.k_new_bthd.shape[2:])
@@ -93,8 +94,8 @@ def test_incremental_chain_equals_ttt(variant):
             smask = jnp.broadcast_to(jnp.arange(steps) < s - 1, (b, 1, steps))
             o = _block(spec, dp, embed, tok_pad[rows, j_b + 1 + s][:, None], hidden, (j_b + s)[:, None],
                        cache=cache, scratch_k_bmhd=scratch_k, scratch_v_bmhd=scratch_v, scratch_mask_btm=smask, **kw)
-            _close(o.logits_btv[:, 0], ttt.logits_sbnv[s, rows, j_b])
-            _close(o.hidden_btd[:, 0], ttt.hidden_sbnd[s, rows, j_b])
+            _close(o.logits_btv[:, 0], ttt.logits_rbnv[s, rows, j_b])
+            _close(o.hidden_btd[:, 0], ttt.hidden_rbnd[s, rows, j_b])
             scratch_k = scratch_k.at[:, s - 1].set(o.k_new_bthd[:, 0])
             scratch_v = scratch_v.at[:, s - 1].set(o.v_new_bthd[:, 0])
             hidden = o.h_out_btd
@@ -137,9 +138,9 @@ def test_tree_levels_equal_ttt_along_each_path():
     ttt = _ttt(spec, dp, embed, jnp.asarray(np.concatenate(seqs, 0)), tile(h_cat), 3, future=fut_p)
     for i, (a, c) in enumerate(paths):
         r = i * b + np.arange(b)
-        _close(o1.logits_btv[:, a], ttt.logits_sbnv[1, r, np.asarray(j_b)])
+        _close(o1.logits_btv[:, a], ttt.logits_rbnv[1, r, np.asarray(j_b)])
         if c is not None:
-            _close(o2.logits_btv[:, c], ttt.logits_sbnv[2, r, np.asarray(j_b)])
+            _close(o2.logits_btv[:, c], ttt.logits_rbnv[2, r, np.asarray(j_b)])
 
 
 def test_future_acts_only_through_its_entry():
@@ -243,7 +244,7 @@ def test_gradients_reach_every_trainable_leaf_and_never_the_target(variant):
             fut = TTTFuture(f, anchors, index)
         out = draft_ttt(spec, tr_["draft"], tp_["embed"]["embedding"], tokens, real.taps_btc, 3, future=fut)
         p_t = jax.nn.softmax(target_to_draft_logits(vocab, real.logits_btv), -1)
-        return -jnp.sum(p_t[None] * jax.nn.log_softmax(out.logits_sbnv, -1))
+        return -jnp.sum(p_t[None] * jax.nn.log_softmax(out.logits_rbnv, -1))
 
     g_tp, g_tr = jax.jit(jax.grad(loss, argnums=(0, 1)))(tp, tr)
     assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree_util.tree_leaves(g_tp))

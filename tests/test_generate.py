@@ -11,8 +11,10 @@ import pytest
 from scipy import stats
 
 from confu_jax.decode import generate as gen
-from confu_jax.decode.cache import init_cache
-from confu_jax.decode.generate import StopReason
+from confu_jax.decode import requests
+from confu_jax.decode.stopping import PAD_OUT
+from confu_jax.models.kv_cache import init_cache
+from confu_jax.decode.stopping import StopReason
 from confu_jax.decode.sampling import target_probs
 from confu_jax.models.llama import Llama, init_params
 from confu_jax.models.presets import get_preset
@@ -75,10 +77,10 @@ def prompts_of(lengths, seed=1):
 
 
 def test_bucket_length():
-    assert [gen.bucket_length(n) for n in (1, 16, 17, 32, 33, 100)] == [16, 16, 32, 32, 64, 128]
-    assert gen.bucket_length(5, min_bucket=4) == 8
+    assert [requests.bucket_length(n) for n in (1, 16, 17, 32, 33, 100)] == [16, 16, 32, 32, 64, 128]
+    assert requests.bucket_length(5, min_bucket=4) == 8
     with pytest.raises(ValueError, match="prompt length"):
-        gen.bucket_length(0)
+        requests.bucket_length(0)
 
 
 @pytest.mark.parametrize("schedule", ["scan", "unrolled"])
@@ -87,7 +89,7 @@ def test_prefill_then_incremental_decode_equals_full_forward(params, full_logits
         params = split_layers(params, CFG)
     prompts = prompts_of([5, 11])
     cont = [[7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45]]  # teacher-forced continuations
-    tokens_bt, lengths_b = gen.pad_prompts(prompts)
+    tokens_bt, lengths_b = requests.pad_prompts(prompts)
     cache = init_cache(CFG.n_layers, 2, 32, CFG.n_kv_heads, CFG.head_dim)
     logits_bv, cache = jax.jit(gen.prefill, static_argnums=1)(
         params, CFG, cache, jnp.asarray(tokens_bt), jnp.asarray(lengths_b))
@@ -118,7 +120,7 @@ def test_greedy_equals_python_loop_of_full_forwards(params, full_logits):
     np.testing.assert_array_equal(np.asarray(res.n_generated_b), [n] * 3)
     np.testing.assert_array_equal(np.asarray(res.stop_reason_b), [StopReason.MAX_NEW_TOKENS] * 3)
     # the padded-array form of the same prompts gives the same result
-    tokens_bt, lengths_b = gen.pad_prompts(prompts, min_bucket=1)
+    tokens_bt, lengths_b = requests.pad_prompts(prompts, min_bucket=1)
     res2 = gen.generate_ar(params, CFG, tokens_bt, lengths=lengths_b, max_new_tokens=n, eos_ids=())
     np.testing.assert_array_equal(np.asarray(res2.tokens_bn), toks)
 
@@ -141,7 +143,7 @@ def test_eos_and_max_new_stop_per_row(params, full_logits):
             saw_max_new = True
             assert n_gen[b] == n and why[b] == StopReason.MAX_NEW_TOKENS
         assert toks[b, :k].tolist() == r[:k]
-        assert (toks[b, k:] == gen.PAD_OUT).all()
+        assert (toks[b, k:] == PAD_OUT).all()
     assert saw_max_new and why[0] == StopReason.EOS
 
 
@@ -155,7 +157,7 @@ def test_cache_full_stops_cleanly(params, full_logits):
     np.testing.assert_array_equal(why, [StopReason.CACHE_FULL] * 3)
     for b, p in enumerate(prompts):
         assert toks[b, : n_gen[b]].tolist() == greedy_reference(full_logits, p, int(n_gen[b]))
-        assert (toks[b, n_gen[b]:] == gen.PAD_OUT).all()
+        assert (toks[b, n_gen[b]:] == PAD_OUT).all()
     # max_new_tokens reached on the same token as the cache fills: max_new takes priority
     res = gen.generate_ar(params, CFG, prompts[:1], max_new_tokens=4, eos_ids=(), max_len=max_len)
     assert int(res.n_generated_b[0]) == 4 and int(res.stop_reason_b[0]) == StopReason.MAX_NEW_TOKENS

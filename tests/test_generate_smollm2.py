@@ -8,7 +8,8 @@ import pytest
 
 from confu_jax.assets import resolve
 from confu_jax.data.chat import ChatTokenizer
-from confu_jax.decode.generate import StopReason, generate_ar
+from confu_jax.decode.generate import generate_ar
+from confu_jax.decode.stopping import StopReason
 from confu_jax.weights import load_model
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs.tiny import get_config
-from confu_jax.train.heads import load_trained_head
+from confu_jax.runs.heads import load_trained_head
 from confu_jax.train.loop import train
 
 
@@ -83,7 +83,8 @@ def test_trained_head_decodes_losslessly_and_checks_the_method(trained):
     """The loaded head plugs into the speculative loop: greedy output == AR on the run's target."""
     from confu_jax.decode.generate import generate_ar
     from confu_jax.decode.heads import decode_head
-    from confu_jax.decode.loop import generate_speculative, parse_plan
+    from confu_jax.decode.loop import generate_speculative
+from confu_jax.decode.plans import parse_plan
     from confu_jax.train.confu_task import load_target
 
     workdir, _ = trained

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.models.draft import TTTFuture, draft_ttt, draft_vocab_from_d2t
+from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
+from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.models.llama import Llama, param_shapes
 from confu_jax.models.target import con_embedding, real_forward
 from confu_jax.train import loss as L
@@ -160,9 +161,9 @@ def test_ttt_masks_equal_brute_force():
                 tgt, teach = j + 2 + s, j + 1 + s  # token predicted, teacher row
                 answer = tgt < 15 and lm[r, tgt]
                 in_draft = teach < 15 and ind[r, teach]
-                assert bool(m.answer_sbn[s, r, j]) == answer
-                assert bool(m.in_draft_sbn[s, r, j]) == in_draft
-                assert bool(m.valid_sbn[s, r, j]) == (answer and in_draft)
+                assert bool(m.answer_rbn[s, r, j]) == answer
+                assert bool(m.in_draft_rbn[s, r, j]) == in_draft
+                assert bool(m.valid_rbn[s, r, j]) == (answer and in_draft)
 
 
 def test_simulated_acceptance_length_equals_loop():
@@ -266,7 +267,7 @@ def _reference_loss(variant, seed=0):
         future = TTTFuture(jnp.asarray(f), jnp.asarray(anchors), jnp.asarray(index))
     ttt = draft_ttt(spec, tr["draft"], tp["embed"]["embedding"], batch["tokens"], out.taps_btc, CFG.ttt_steps,
                     future=future)
-    logq = _log_softmax(np.asarray(ttt.logits_sbnv, np.float64))
+    logq = _log_softmax(np.asarray(ttt.logits_rbnv, np.float64))
 
     def trained(s, r, j):
         tgt, teach = j + 2 + s, j + 1 + s

@@ -15,9 +15,14 @@ import pytest
 from scipy import stats
 
 from confu_jax.decode import loop
-from confu_jax.decode.generate import StopReason, generate_ar
+
+from confu_jax.decode import spec_params as spec_params_lib
+
+from confu_jax.decode import plans
+from confu_jax.decode.generate import generate_ar
+from confu_jax.decode.stopping import StopReason
 from confu_jax.decode.sampling import target_probs
-from confu_jax.models.draft import identity_draft_vocab
+from confu_jax.models.vocab_map import identity_draft_vocab
 from confu_jax.models.llama import Llama
 from confu_jax.models.presets import get_preset
 from confu_jax.models.spec import HeadConfig, ModelSpec
@@ -32,7 +37,7 @@ def make(variant, vocab, seed=0, **target_kw):
                       expert_top_k=2, init_std=0.2, soft_prompt_init_std=1.0)
     spec = ModelSpec(target, head)
     tp, tr = tiny_params(spec, seed)
-    return spec, tp, loop.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
+    return spec, tp, spec_params_lib.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
 
 
 def prompts_for(vocab):
@@ -54,7 +59,7 @@ def _rows(result, n_rows):
 )
 def test_greedy_lossless_batch(variant, vocab, plan):
     spec, tp, params = make(variant, vocab)
-    plan = loop.parse_plan(plan)
+    plan = plans.parse_plan(plan)
     prompts = prompts_for(vocab)
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=30, eos_ids=())
     sp = loop.generate_speculative(spec, params, plan, prompts, max_new_tokens=30, eos_ids=())
@@ -74,7 +79,7 @@ def test_greedy_lossless_batch(variant, vocab, plan):
 
 def test_greedy_lossless_batch1_and_eos():
     spec, tp, params = make("confu", 24, seed=1)
-    plan = loop.parse_plan("dynamic:3,3,8")
+    plan = plans.parse_plan("dynamic:3,3,8")
     prompt = [PROMPTS[1]]
     ar = generate_ar(tp, spec.target, prompt, max_new_tokens=24, eos_ids=())
     sp = loop.generate_speculative(spec, params, plan, prompt, max_new_tokens=24, eos_ids=())
@@ -90,7 +95,7 @@ def test_greedy_lossless_batch1_and_eos():
 
 def test_cache_full_stops_cleanly():
     spec, tp, params = make("eagle3", 4)
-    plan = loop.parse_plan("dynamic:2,4,20")
+    plan = plans.parse_plan("dynamic:2,4,20")
     max_len = 16 + 12  # bucket 16 + a few verifications
     prompts = prompts_for(4)
     sp = loop.generate_speculative(spec, params, plan, prompts, max_new_tokens=64, eos_ids=(),
@@ -108,9 +113,9 @@ def test_cache_full_stops_cleanly():
 def test_one_compiled_program_no_host_round_trip():
     """The whole generation is one while_loop inside one program: no callbacks, one trace."""
     spec, tp, params = make("confu", 24)
-    plan = loop.parse_plan("chain:2")
+    plan = plans.parse_plan("chain:2")
     args, static = loop.prepare_spec_inputs(spec, plan, PROMPTS[:2], max_new_tokens=12, eos_ids=())
-    jaxpr = jax.make_jaxpr(lambda p, *a: loop._speculative_padded(p, *a, **static))(params, *args)
+    jaxpr = jax.make_jaxpr(lambda p, *a: loop.speculative_padded(p, *a, **static))(params, *args)
     top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
     assert top.count("while") == 1, top
 
@@ -184,7 +189,7 @@ def _chi_square(samples, joint, n):
 def test_sampling_lossless_joint(plan, temperature, top_p):
     spec, tp, params = make("confu", 8, seed=3, n_layers=4, d_model=32, n_heads=2, n_kv_heads=1,
                             ffn_dim=64)
-    plan = loop.parse_plan(plan)
+    plan = plans.parse_plan(plan)
     prompt = [1, 5, 2]
     joint = _exact_joint(spec, tp, prompt, temperature, top_p)
     n_per, reps = 25_000, 4

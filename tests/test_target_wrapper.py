@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.decode.cache import commit, init_cache
+from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.llama import Llama
-from confu_jax.models.target import (ancestors_from_parents, con_embedding, contemplate_queries,
-                                     depth_from_ancestors, embed_tokens, prefill, real_forward,
-                                     verification_layout, verify)
+from confu_jax.models.tree_layout import ancestors_from_parents, depth_from_ancestors, verification_layout
+from confu_jax.models.target import (con_embedding, contemplate_queries,
+                                     embed_tokens, prefill, real_forward,
+                                     verify)
 from tests.model_fakes import path_to, random_parents, tiny_params, tiny_spec
 
 ATOL = 2e-5
@@ -111,15 +112,15 @@ def test_verify_equals_plain_forward_of_each_path(variant):
     _close(vo.k_new_lbthd, k_ref)
     _close(vo.v_new_lbthd, ref.v_new_lbthd[:, rows, last].reshape(vo.v_new_lbthd.shape))
     if variant == "confu":
-        _close(vo.f_btd.reshape(b * t, -1), ref.hidden_btd[rows, jnp.asarray(lens)])
+        _close(vo.future_btd.reshape(b * t, -1), ref.hidden_btd[rows, jnp.asarray(lens)])
         # the future vectors really depend on the soft prompts (the check above is not vacuous)
         moved = dict(confu, soft_prompt_v_lphd=confu["soft_prompt_v_lphd"] * 2.0)
         vo2 = vfn(tp, moved, cache, jnp.asarray(tokens), ancestors_from_parents(jnp.asarray(parents)),
                   jnp.asarray(con_src))
-        assert float(jnp.abs(vo2.f_btd - vo.f_btd).max()) > 1e-3
+        assert float(jnp.abs(vo2.future_btd - vo.future_btd).max()) > 1e-3
         np.testing.assert_array_equal(np.asarray(vo2.logits_btv), np.asarray(vo.logits_btv))
     else:
-        assert vo.f_btd is None
+        assert vo.future_btd is None
 
 
 def test_prefill_equals_plain_forward_and_chunking():
@@ -147,7 +148,7 @@ def test_prefill_equals_plain_forward_and_chunking():
     seqs[:, :10] = prompts
     src = np.asarray(plain.taps_btc)[np.arange(b), n - 2]
     ref = _plain_with_contemplate(spec, tp, confu, seqs, n, src)
-    _close(po.f_bd, ref.hidden_btd[rows, jnp.asarray(n)])
+    _close(po.future_bd, ref.hidden_btd[rows, jnp.asarray(n)])
 
     # the same prompts in two chunks (multi-turn): identical logits, f and cache
     n1 = np.array([4, 3], np.int32)
@@ -157,7 +158,7 @@ def test_prefill_equals_plain_forward_and_chunking():
         second[r, :n[r] - n1[r]] = prompts[r, n1[r]:n[r]]
     po2, cache2 = pf(tp, confu, c1, jnp.asarray(second), jnp.asarray(n - n1))
     _close(po2.last_logits_bv, po.last_logits_bv)
-    _close(po2.f_bd, po.f_bd)
+    _close(po2.future_bd, po.future_bd)
     _close(cache2.k_lbshd, cache.k_lbshd)
     np.testing.assert_array_equal(np.asarray(cache2.length_b), n)
 

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from confu_jax.data.draft_vocab import build_draft_vocab, count_answer_tokens
-from confu_jax.models.draft import draft_vocab_from_d2t
+from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.models.llama import Llama
 from confu_jax.train.loss import ObjectiveConfig, confu_loss
 from tests.model_fakes import tiny_params, tiny_spec
@@ -87,11 +87,13 @@ def test_training_lowers_loss_and_raises_acceptance(variant):
 
     # The briefly trained head in the real decode loop: lossless (== AR greedy) and it accepts.
     from confu_jax.decode import loop
+    from confu_jax.decode import spec_params as spec_params_lib
+    from confu_jax.decode import plans
     from confu_jax.decode.generate import generate_ar
 
     prompts = [list(map(int, r[:PROMPT])) for r in np.asarray(held_out["tokens"])[:4]]
-    params = loop.spec_params(target, trainable, draft_vocab)
-    sp = loop.generate_speculative(spec, params, loop.parse_plan("dynamic:3,2,6"), prompts,
+    params = spec_params_lib.spec_params(target, trainable, draft_vocab)
+    sp = loop.generate_speculative(spec, params, plans.parse_plan("dynamic:3,2,6"), prompts,
                                    max_new_tokens=N - PROMPT, eos_ids=())
     ar = generate_ar(target, spec.target, prompts, max_new_tokens=N - PROMPT, eos_ids=())
     assert np.array_equal(np.asarray(sp.tokens_bn), np.asarray(ar.tokens_bn))

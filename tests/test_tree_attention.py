@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from confu_jax.decode.cache import commit, init_cache
+from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.kernels import tree_attention as ta
 from confu_jax.models.llama import Llama, init_params
 from confu_jax.models.presets import get_preset
@@ -384,7 +384,7 @@ def test_config_attention_impl_selects_the_kernel_in_target_verification():
     """``config.model.attention_impl`` (ml_collections) -> ModelSpec -> ConFu ``target.verify``:
     the interpreted kernel reproduces the XLA path's logits, f vectors and node K/V."""
     from configs.tiny import get_config
-    from confu_jax.models import target
+    from confu_jax.models import target, tree_layout
     from confu_jax.models.spec import model_spec_from_config
     from tests.model_fakes import random_parents, tiny_params
 
@@ -406,7 +406,7 @@ def test_config_attention_impl_selects_the_kernel_in_target_verification():
     cache = jax.jit(commit, compiler_options=_FAST_COMPILE)(cache, jnp.asarray(k0), jnp.asarray(-k0),
                                                             jnp.asarray(n_prompt))
     parents = np.stack([random_parents(rng, t) for _ in range(b)])
-    anc = target.ancestors_from_parents(jnp.asarray(parents))
+    anc = tree_layout.ancestors_from_parents(jnp.asarray(parents))
     tokens = jnp.asarray(rng.integers(2, spec.target.vocab_size, (b, t)).astype(np.int32))
     con_src = jnp.asarray(rng.standard_normal((b, 3 * spec.d_model)).astype(np.float32))
     outs = {impl: jax.jit(functools.partial(target.verify, s), compiler_options=_FAST_COMPILE)(

@@ -65,7 +65,7 @@ def tau_chain_from_accepts(accepted_n: Sequence[int], k: int, k_calibrated: int)
 
 
 def plan_nodes(plan: str) -> int:
-    from confu_jax.decode.loop import parse_plan
+    from confu_jax.decode.plans import parse_plan
 
     return parse_plan(plan).n_nodes_total
 
@@ -85,7 +85,8 @@ def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, m
     the first prompt compiles it, then every prompt is decoded once, batch 1, and timed."""
     import jax
 
-    from confu_jax.decode.loop import generate_speculative, parse_plan
+    from confu_jax.decode.loop import generate_speculative
+    from confu_jax.decode.plans import parse_plan
 
     p = parse_plan(plan)
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)

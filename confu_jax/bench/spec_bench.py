@@ -36,7 +36,7 @@ def parse_budgets(text: str) -> list[str]:
         else:
             raise ValueError(f"--budgets {text!r}: {part!r} does not continue a plan; expected e.g. "
                              "chain:4,dynamic:6,8,30,auto")
-    from confu_jax.decode.loop import parse_plan
+    from confu_jax.decode.plans import parse_plan
 
     for b in out:
         if b != "auto":
@@ -168,7 +168,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
     """-> result rows (report.write_results layout) for AR and every (method, budget, temperature)."""
     from confu_jax.bench import budget as budget_lib
     from confu_jax.decode.heads import decode_head
-    from confu_jax.decode.loop import parse_plan
+    from confu_jax.decode.plans import parse_plan
 
     spec_methods = [m for m in methods if m != "ar"]
     loaded = {}

@@ -47,3 +47,13 @@ def next_token(key: jax.Array, logits_v: jax.Array, temperature, top_p=1.0) -> j
     greedy_tok = jnp.argmax(logits_v, axis=-1)
     sampled = sample(key, target_probs(logits_v, temperature, top_p))
     return jnp.where(jnp.asarray(temperature) <= 0.0, greedy_tok, sampled).astype(jnp.int32)
+
+
+def choose_token(key: jax.Array, logits_bv: jax.Array, temperature, top_p) -> jax.Array:
+    """``next_token``, skipping the sampling path at run time when greedy (``lax.cond`` on a traced
+    temperature). Both branches are ``next_token``'s own definition: results are identical."""
+    return jax.lax.cond(
+        temperature <= 0.0,
+        lambda: jnp.argmax(logits_bv, axis=-1).astype(jnp.int32),
+        lambda: next_token(key, logits_bv, temperature, top_p),
+    )

@@ -224,6 +224,11 @@ def _expansion_plan(structure: StaticStructure):
     return frontiers, slot_of, offset
 
 
+def scratch_slots(structure: StaticStructure) -> int:
+    """Scratch slots the drafter needs for a static tree: one per expanded (non-leaf) node."""
+    return _expansion_plan(structure)[2]
+
+
 def _static_frontiers(structure: StaticStructure, batch: int):
     """Host-side constants for each expansion call: nodes, parent slots, ancestor masks."""
     frontiers, slot_of, n_scratch = _expansion_plan(structure)

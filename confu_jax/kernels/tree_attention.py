@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from confu_jax.models.attention import NEG_INF, masked_attention_reference
+from confu_jax.kernels.attention_reference import NEG_INF, masked_attention_reference
 
 __all__ = [
     "masked_attention_pallas",

@@ -5,7 +5,7 @@ tokens at explicit positions under an explicit block mask (tree verification), a
 contemplate queries (input embeddings overridden, soft-prompt prefix visible to some queries).
 
 The forward never writes the cache: it returns the new tokens' post-RoPE K/V for every layer
-(``k_new_lbthd``) and the caller commits what it accepts (``confu_jax.decode.cache``). That keeps
+(``k_new_lbthd``) and the caller commits what it accepts (``confu_jax.models.kv_cache``). That keeps
 verification of rejected tree nodes free of cache clean-up and keeps the forward pure.
 
 Layers are stacked with ``nn.scan`` so a 30-layer model compiles as one layer; every parameter in

@@ -4,13 +4,9 @@
 ``jax.jit``. It is built from an ml_collections config with ``model_spec_from_config``; the config
 is the user-facing surface, the spec is what the code reads.
 
-Variants (``HeadConfig.variant``):
-
-* ``eagle3``            — EAGLE-3 draft head; no contemplate tokens, no future token, no extra params.
-* ``confu``             — soft prompts + MoE_con in the target, MoE_f future token in the draft.
-* ``confu_nomoe``       — as ``confu`` with one static embedding instead of each MoE ("-MoE").
-* ``confu_nomoe_norep`` — same model as ``confu_nomoe``; training uses no replication window
-  ("-MoE & replicate"; the window length lives in ``config.confu.replication``).
+Variants (``HeadConfig.variant``) are listed, with what each has, in ``models.registry``.
+The config's ``model.attention_impl`` is resolved here, once, against the backend
+(``resolve_attention_impl``: the Pallas kernel needs a GPU).
 """
 
 from __future__ import annotations
@@ -18,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from confu_jax.models.attention import resolve_attention_impl
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.presets import get_preset
-
-VARIANTS = ("eagle3", "confu", "confu_nomoe", "confu_nomoe_norep")
+from confu_jax.models.registry import VARIANTS, get_variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +38,7 @@ class HeadConfig:
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
-            raise ValueError(f"HeadConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
+            raise ValueError(f"HeadConfig.variant must be one of {tuple(VARIANTS)}, got {self.variant!r}")
         if self.has_future and self.uses_moe and not 1 <= self.expert_top_k <= self.n_expert:
             raise ValueError(
                 f"HeadConfig: expert_top_k must be in [1, n_expert={self.n_expert}], got {self.expert_top_k}"
@@ -53,11 +49,11 @@ class HeadConfig:
     @property
     def has_future(self) -> bool:
         """Whether the contemplate/future path exists at all (False only for EAGLE-3)."""
-        return self.variant != "eagle3"
+        return get_variant(self.variant).has_future
 
     @property
     def uses_moe(self) -> bool:
-        return self.variant == "confu"
+        return get_variant(self.variant).uses_moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +87,15 @@ class ModelSpec:
         return self.head.draft_ffn_dim or self.target.ffn_dim
 
 
-def model_spec_from_config(config) -> ModelSpec:
-    """Build the spec from an ml_collections config (``config.model``, ``config.confu``, ``config.draft``)."""
+def model_spec_from_config(config, backend: Optional[str] = None) -> ModelSpec:
+    """Build the spec from an ml_collections config (``config.model``, ``config.confu``, ``config.draft``).
+
+    ``model.attention_impl`` is checked against ``backend`` (default: JAX's default backend).
+    """
     m, c, d = config.model, config.confu, config.draft
     target = get_preset(m.preset).replace(
-        dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl
+        dtype=m.dtype, param_dtype=m.param_dtype,
+        attention_impl=resolve_attention_impl(m.attention_impl, backend),
     )
     head = HeadConfig(
         variant=c.variant,

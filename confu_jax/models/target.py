@@ -1,33 +1,26 @@
-"""The frozen target with ConFu's contemplate machinery (DESIGN.md §4; paper §3.1).
+"""The frozen target with ConFu's contemplate machinery (docs/DESIGN.md §4; paper §3.1).
 
 Everything here is a thin layer over ``confu_jax.models.llama.Llama``: the Llama forward already
 attends to [cache slots < cache_len | prefix (soft prompts) for queries that may see it | the
-block under a block mask], so ConFu reduces to choosing those arguments.
+block under a block mask], so ConFu reduces to choosing those arguments (the contemplate rules,
+anchors and lags: docs/DESIGN.md §3-§4).
 
 Parameter trees (kept separate so an optimizer can never touch the target):
 
-* ``target_params`` — the frozen Llama parameters (``Llama.init`` / ``confu_jax.weights``). Every
-  function here wraps them in ``stop_gradient``, so their gradient is exactly zero.
+* ``target_params`` — the frozen Llama parameters (``Llama.init`` / ``confu_jax.weights``), stacked
+  or ``SplitParams``. Every function here wraps them in ``stop_gradient``: their gradient is zero.
 * ``confu_params`` — trainable, ``{}`` for EAGLE-3, else::
 
-      {'soft_prompt_k_lphd': [L, s, Hkv, hd],  # keys stored post-RoPE: no rotation is applied
-       'soft_prompt_v_lphd': [L, s, Hkv, hd],
+      {'soft_prompt_k_lphd': [L, P, Hkv, hd],  # keys stored post-RoPE: no rotation is applied
+       'soft_prompt_v_lphd': [L, P, Hkv, hd],
        'moe_con': {...}}                        # EmbeddingMoE (or StaticEmbedding) on h_cat (3d)
 
-Contemplate token for anchor position q: RoPE position q+1, input embedding
-[con] = MoE_con(h_cat[a]) (a = the last position whose h_cat was known), sees the soft prompts, the
-real tokens at positions <= q and itself; f[q] is its final-normed last-layer state. Real tokens
-never see soft prompts or contemplates, so the target's own outputs are those of the plain model.
+Three forms of the contemplate query, one per use:
 
-Three forms of the contemplate query:
-
-* ``prefill``            prompt pass, commit, then one contemplate after the last prompt token;
-* ``verify``             T tree nodes + T contemplates in one 2T block ([T nodes | T contemplates]);
+* ``prefill``             prompt pass, commit, then one contemplate after the last prompt token;
+* ``verify``              T tree nodes + T contemplates in one 2T block (``models.tree_layout``);
 * ``contemplate_queries`` the training form: K contemplates against per-layer K/V of an already
   computed real-token pass (sequence cost N+K, not 2N), differentiable w.r.t. ``confu_params``.
-
-Cache convention: slot i of the target cache holds the token at RoPE position i (commits are
-contiguous from 0), so "real tokens <= q" is "cache slots < q+1".
 """
 
 from __future__ import annotations
@@ -37,17 +30,18 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode.cache import KVCache, commit
+from confu_jax.models.kv_cache import KVCache, commit
 from confu_jax.models.llama import Llama, LlamaOutput
 from confu_jax.models.moe import make_token_embedder
 from confu_jax.models.spec import ModelSpec
-from confu_jax.models.unrolled import SplitParams, apply_unrolled
+from confu_jax.models.tree_layout import depth_from_ancestors, verification_layout
+from confu_jax.models.unrolled import apply_target, shared_params, target_logits
 
 
 class VerifyOutput(NamedTuple):
     logits_btv: jax.Array  # [B,T,V] float32, target logits at each tree node
     h_cat_btc: jax.Array  # [B,T,3d] EAGLE-3 taps of each node (next draft features)
-    f_btd: Optional[jax.Array]  # [B,T,d] future vector of the contemplate after each node; None for eagle3
+    future_btd: Optional[jax.Array]  # [B,T,d] f, the future vector of the contemplate after each node; None for eagle3
     k_new_lbthd: jax.Array  # [L,B,T,Hkv,hd] the nodes' post-RoPE keys (contemplates' are never kept)
     v_new_lbthd: jax.Array
 
@@ -55,7 +49,7 @@ class VerifyOutput(NamedTuple):
 class PrefillOutput(NamedTuple):
     last_logits_bv: jax.Array  # [B,V] float32 logits at the last prompt token (samples the first bonus)
     h_cat_btc: jax.Array  # [B,T,3d] taps of every prompt token (draft features for the draft prefill)
-    f_bd: Optional[jax.Array]  # [B,d] f of the contemplate after the last prompt token; None for eagle3
+    future_bd: Optional[jax.Array]  # [B,d] f of the contemplate after the last prompt token; None for eagle3
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -83,21 +77,6 @@ def init_confu_params(spec: ModelSpec, rng: jax.Array) -> dict:
     }
 
 
-def soft_prompts_from_tokens(spec: ModelSpec, target_params: dict, tokens_s: jax.Array) -> tuple:
-    """Soft prompts initialised as the target's own K/V of ``s`` real tokens at positions 0..s-1.
-
-    A data-aware alternative to random init (BiTA-style): the prompts start inside the
-    distribution of keys the target's attention already handles. Returns (k_lphd, v_lphd).
-    """
-    s = tokens_s.shape[0]
-    if s != spec.head.n_soft_prompts:
-        raise ValueError(f"soft_prompts_from_tokens: expected {spec.head.n_soft_prompts} tokens, got {s}")
-    out = Llama(spec.target).apply({"params": target_params}, tokens_s[None], jnp.arange(s)[None],
-                                   return_logits=False)
-    pd = jnp.dtype(spec.head.param_dtype)
-    return out.k_new_lbthd[:, 0].astype(pd), out.v_new_lbthd[:, 0].astype(pd)
-
-
 def con_embedding(spec: ModelSpec, confu_params: dict, h_cat_nc: jax.Array) -> jax.Array:
     """[con] = MoE_con(h_cat) (or the static embedding), in the target's compute dtype."""
     _require_future(spec, confu_params, "con_embedding")
@@ -111,85 +90,28 @@ def _require_future(spec: ModelSpec, confu_params, fn: str):
         raise ValueError(f"{fn}: confu_params lacks 'soft_prompt_k_lphd' (got keys {sorted(confu_params or {})})")
 
 
-# ----------------------------------------------------------------------------- layout helpers
-
-
-def ancestors_from_parents(parents_bt: jax.Array) -> jax.Array:
-    """Ancestor-or-self mask [B,T,T] from parent indices [B,T] (-1 for a root; parent < child).
-
-    ``anc[b, i, j]`` is True iff node j is node i or one of its ancestors.
-    """
-    b, t = parents_bt.shape
-    eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
-    has_parent = parents_bt >= 0
-    par = jnp.where(has_parent, parents_bt, 0)
-
-    def body(_, anc):
-        from_parent = jnp.take_along_axis(anc, par[:, :, None], axis=1)  # row of each node's parent
-        return eye | (from_parent & has_parent[:, :, None])
-
-    return jax.lax.fori_loop(0, t, body, eye)
-
-
-def depth_from_ancestors(anc_btt: jax.Array) -> jax.Array:
-    """Depth [B,T] (root 0) = number of strict ancestors."""
-    return jnp.sum(anc_btt, axis=-1).astype(jnp.int32) - 1
-
-
-def verification_layout(anc_btt: jax.Array, base_pos_b: jax.Array, depth_bt: Optional[jax.Array] = None):
-    """Positions, block mask and soft-prompt visibility of the 2T verification block.
-
-    Layout ``[T nodes | T contemplates]``; contemplate i belongs to node i.
-    Node i at depth k has position base+k (base = p+1, the root/bonus position) and sees its
-    ancestors and itself; contemplate i has position base+k+1 and sees node i's ancestors, node i
-    and itself (plus the soft prompts). Nodes never see contemplates; both see the whole cache.
-    Returns (positions [B,2T] int32, block_mask [B,2T,2T] bool, prefix_visible [B,2T] bool).
-    """
-    b, t, _ = anc_btt.shape
-    if depth_bt is None:
-        depth_bt = depth_from_ancestors(anc_btt)
-    node_pos = base_pos_b[:, None].astype(jnp.int32) + depth_bt.astype(jnp.int32)
-    positions = jnp.concatenate([node_pos, node_pos + 1], axis=1)
-    none = jnp.zeros((b, t, t), bool)
-    eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
-    top = jnp.concatenate([anc_btt, none], axis=2)
-    bottom = jnp.concatenate([anc_btt, eye], axis=2)
-    mask = jnp.concatenate([top, bottom], axis=1)
-    prefix_visible = jnp.concatenate([jnp.zeros((b, t), bool), jnp.ones((b, t), bool)], axis=1)
-    return positions, mask, prefix_visible
-
-
 # ----------------------------------------------------------------------------- forwards
 
 
-def _llama(spec: ModelSpec) -> Llama:
-    return Llama(spec.target)
-
-
 def _forward(spec: ModelSpec, target_params, tokens_bt, positions_bt, **kw) -> LlamaOutput:
-    """The frozen target's forward. ``target_params`` may be the stacked tree (layer scan) or
-    ``SplitParams`` (layer-unrolled: the faster schedule on CPU, see ``models.unrolled``); the
-    decode loop splits once outside its while_loop. Gradients never reach the target."""
-    tp = jax.lax.stop_gradient(target_params)
-    if isinstance(tp, SplitParams):
-        return apply_unrolled(tp, spec.target, tokens_bt, positions_bt, **kw)
-    return _llama(spec).apply({"params": tp}, tokens_bt, positions_bt, **kw)
-
-
-def _shared(target_params):
-    """Embedding / final-norm / LM-head params of either layout."""
-    return target_params.shared if isinstance(target_params, SplitParams) else target_params
+    """The frozen target's forward on either parameter layout (``models.unrolled.apply_target``);
+    the decode loop splits the layers once outside its while_loop. Gradients never reach the target."""
+    return apply_target(jax.lax.stop_gradient(target_params), spec.target, tokens_bt, positions_bt, **kw)
 
 
 def lm_logits(spec: ModelSpec, target_params: dict, hidden_btd: jax.Array) -> jax.Array:
     """The target's LM head (float32) on final-normed hidden states."""
-    return _llama(spec).apply({"params": jax.lax.stop_gradient(_shared(target_params))}, hidden_btd,
-                              method=Llama.logits)
+    return target_logits(jax.lax.stop_gradient(target_params), spec.target, hidden_btd)
 
 
 def embed_tokens(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array) -> jax.Array:
-    return _llama(spec).apply({"params": jax.lax.stop_gradient(_shared(target_params))}, tokens_bt,
-                              method=Llama.embed_tokens)
+    return Llama(spec.target).apply({"params": jax.lax.stop_gradient(shared_params(target_params))},
+                                    tokens_bt, method=Llama.embed_tokens)
+
+
+def embedding_table(target_params) -> jax.Array:
+    """[V, d] token embeddings of either layout (the draft head reads the target's embeddings)."""
+    return shared_params(target_params)["embed"]["embedding"]
 
 
 def real_forward(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array,
@@ -264,13 +186,13 @@ def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVC
     rows = jnp.arange(b)
     last = jnp.maximum(n_tokens_b - 1, 0)
     last_logits = lm_logits(spec, target_params, out.hidden_btd[rows, last][:, None])[:, 0]
-    f_bd = None
+    future_bd = None
     if spec.head.has_future:
         src = out.taps_btc[rows, jnp.maximum(n_tokens_b - 2, 0)]  # h_cat of the token before the anchor
         anchor = (cache.length_b + last)[:, None]
-        f_bd = contemplate_queries(spec, target_params, confu_params, new_cache.k_lbshd, new_cache.v_lbshd,
+        future_bd = contemplate_queries(spec, target_params, confu_params, new_cache.k_lbshd, new_cache.v_lbshd,
                                    anchor, src[:, None])[:, 0]
-    return PrefillOutput(last_logits, out.taps_btc, f_bd), new_cache
+    return PrefillOutput(last_logits, out.taps_btc, future_bd), new_cache
 
 
 def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCache, tokens_bt: jax.Array,

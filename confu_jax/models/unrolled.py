@@ -86,3 +86,21 @@ def apply_unrolled(
     hidden, logits = model.apply(shared, x, return_logits, method=_final)
     taps_btc = jnp.concatenate(taps, axis=-1) if taps else None
     return LlamaOutput(logits, hidden, taps_btc, jnp.stack(ks), jnp.stack(vs))
+
+
+def apply_target(params, cfg: LlamaConfig, tokens_bt, positions_bt, **kw) -> LlamaOutput:
+    """The target forward on either layout: the stacked tree (``Llama``'s layer scan) or
+    ``SplitParams`` (layer-unrolled). Keyword arguments as ``Llama.__call__``."""
+    if isinstance(params, SplitParams):
+        return apply_unrolled(params, cfg, tokens_bt, positions_bt, **kw)
+    return Llama(cfg).apply({"params": params}, tokens_bt, positions_bt, **kw)
+
+
+def shared_params(params) -> dict:
+    """Embedding / final-norm / LM-head parameters of either layout."""
+    return params.shared if isinstance(params, SplitParams) else params
+
+
+def target_logits(params, cfg: LlamaConfig, hidden_btd) -> jax.Array:
+    """The target's LM head (float32) on final-normed hidden states, either layout."""
+    return Llama(cfg).apply({"params": shared_params(params)}, hidden_btd, method=Llama.logits)

@@ -264,7 +264,7 @@ def head_from_target(spec: ModelSpec, target_params: dict, d2t: np.ndarray) -> d
     after an RMSNorm), which makes the target's norm and vocabulary rows a candidate start. Measured
     on SmolLM2 it trained slower than a random head (docs/RESULTS.md, "What helped, what did not").
     """
-    from confu_jax.models.draft import lm_head_from_target
+    from confu_jax.models.vocab_map import lm_head_from_target
 
     w, vocab_axis = lm_head_layout(spec, target_params)
     return {"lm_head": np.asarray(lm_head_from_target(w, vocab_axis, d2t)),

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from confu_jax import sharding as shd
 from confu_jax.train import distributed
-from confu_jax.train.checkpoint import Checkpointer, init_params_from
+from confu_jax.runs.checkpoint import Checkpointer, init_params_from
 from confu_jax.train.metric_writers import make_writers
 from confu_jax.train.optim import make_optimizer
 from confu_jax.train.state import param_count, state_builder

@@ -51,7 +51,8 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax import sharding as shd
-from confu_jax.models.draft import TTTFuture, draft_logits, draft_ttt
+from confu_jax.models.draft import draft_logits
+from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.target import contemplate_queries, real_forward
 from confu_jax.train.step import simulated_acceptance_length as _chain_tau
@@ -256,9 +257,9 @@ def plan_anchors(rng: jax.Array, loss_mask_bn: jax.Array, cfg: ObjectiveConfig) 
 
 
 class TTTMasks(NamedTuple):
-    answer_sbn: jax.Array  # [S,B,N] bool: x[j+2+s] exists and is an answer token
-    in_draft_sbn: jax.Array  # [S,B,N] bool: the target argmax at the teacher row j+1+s has a draft id
-    valid_sbn: jax.Array  # [S,B,N] bool: both — (s, j) is trained
+    answer_rbn: jax.Array  # [R,B,N] bool: x[j+2+s] exists and is an answer token
+    in_draft_rbn: jax.Array  # [R,B,N] bool: the target argmax at the teacher row j+1+s has a draft id
+    valid_rbn: jax.Array  # [R,B,N] bool: both — (s, j) is trained
 
 
 def ttt_masks(loss_mask_bn: jax.Array, in_draft_bn: jax.Array, n_steps: int) -> TTTMasks:
@@ -272,7 +273,7 @@ def ttt_masks(loss_mask_bn: jax.Array, in_draft_bn: jax.Array, n_steps: int) -> 
     return TTTMasks(answer, in_draft, answer & in_draft)
 
 
-def simulated_acceptance_length(correct_sbn: jax.Array, answer_sbn: jax.Array, in_draft_sbn: jax.Array,
+def simulated_acceptance_length(correct_rbn: jax.Array, answer_rbn: jax.Array, in_draft_rbn: jax.Array,
                                  base_bn: Optional[jax.Array] = None) -> jax.Array:
     """Expected tokens per verification (bonus included) of a greedy chain of depth L_ttt.
 
@@ -287,10 +288,10 @@ def simulated_acceptance_length(correct_sbn: jax.Array, answer_sbn: jax.Array, i
     so τ is exact for such data and an estimate otherwise; answer ends cut chains short, a slight
     under-estimate for long chains.
     """
-    start = answer_sbn
+    start = answer_rbn
     if base_bn is not None:
         start = start & base_bn[None]
-    return _chain_tau(correct_sbn & in_draft_sbn, start)
+    return _chain_tau(correct_rbn & in_draft_rbn, start)
 
 
 # ----------------------------------------------------------------------------- the objective
@@ -384,15 +385,15 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     metrics, loss = {}, jnp.zeros((), jnp.float32)
     correct, answer, in_draft = [], [], []
     for s in range(s_steps):
-        kl_bm, arg_bm = step_fn(trainable["draft"], _rows(pick(ttt.hidden_sbnd[s])), t_pad, s)
-        w_bm = (pick(masks.valid_sbn[s]) & ok_bm).astype(jnp.float32)
+        kl_bm, arg_bm = step_fn(trainable["draft"], _rows(pick(ttt.hidden_rbnd[s])), t_pad, s)
+        w_bm = (pick(masks.valid_rbn[s]) & ok_bm).astype(jnp.float32)
         cnt = jnp.maximum(jnp.sum(w_bm), 1.0)
         kl_s = jnp.sum(kl_bm * w_bm) / cnt
         hit_bm = arg_bm == (t_arg[:, 1 + s:1 + s + n] if sel_bm is None else
                             jnp.take_along_axis(t_arg, sel_bm + 1 + s, axis=1))
         correct.append(hit_bm)
-        answer.append(pick(masks.answer_sbn[s]))
-        in_draft.append(pick(masks.in_draft_sbn[s]))
+        answer.append(pick(masks.answer_rbn[s]))
+        in_draft.append(pick(masks.in_draft_rbn[s]))
         loss = loss + (cfg.ttt_decay ** s) * kl_s
         metrics[f"loss/step{s}"] = kl_s
         metrics[f"acc/step{s}"] = jnp.sum(hit_bm * w_bm) / cnt

@@ -129,8 +129,17 @@ def read_config(g: GGUFFile, dtype: Optional[str] = None) -> LlamaConfig:
         raise CheckpointError(f"{g.path}: {arch}.rope.scaling.type is {scaling_type!r}; only Llama-3 rope_freqs is supported")
     tokens = g.get("tokenizer.ggml.tokens")
     vocab = g.get(f"{arch}.vocab_size")
+    if vocab is None and tokens is not None:
+        vocab = len(tokens)
     if vocab is None:
-        vocab = len(tokens) if tokens is not None else int(g.tensors["token_embd.weight"].dims[1])
+        embd = g.tensors.get("token_embd.weight")
+        if embd is None or len(embd.dims) != 2:
+            found = "is missing" if embd is None else f"has dims {embd.dims}, expected 2"
+            raise CheckpointError(
+                f"{g.path}: cannot tell the vocabulary size: no {arch}.vocab_size or tokenizer.ggml.tokens, "
+                f"and tensor 'token_embd.weight' {found}"
+            )
+        vocab = int(embd.dims[1])
     eos = [g.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     eos = tuple(dict.fromkeys(int(e) for e in eos if e is not None))
     bos = g.get("tokenizer.ggml.bos_token_id")

@@ -101,7 +101,7 @@ class Restored:
     extras: dict
 
 
-def _restore_args_for(abstract_tree):
+def restore_args_for(abstract_tree):
     """RestoreArgs restoring each leaf straight into its target sharding (no host gather)."""
     return jax.tree_util.tree_map(
         lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)
@@ -171,7 +171,7 @@ class Checkpointer:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         items = {
             "state": ocp.args.PyTreeRestore(item=abstract_state,
-                                            restore_args=_restore_args_for(abstract_state)),
+                                            restore_args=restore_args_for(abstract_state)),
             "data": DataStateRestore(),
         }
         if extras_like:
@@ -251,7 +251,7 @@ def init_params_from(directory: str, params, step: int = -1) -> tuple[Any, InitR
             return params, report
         target = {"params": _nest(copy)}
         restored = ckpt.manager.restore(src_step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args_for(target),
+            state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args_for(target),
                                          partial_restore=True)))["state"]["params"]
         got = _flat(restored)
         merged = {p: got.get(p, leaf) for p, leaf in dst.items()}

@@ -1,0 +1,122 @@
+"""One iteration's draft: ingest the accepted entries, then grow the tree level by level.
+
+The tree drafters in ``decode.tree`` talk to the draft model through one callable,
+``expand_fn(state, frontier) -> (logp_bkv, state)``; this module builds it for the EAGLE-3 /
+ConFu draft head (docs/DESIGN.md §5):
+
+* depth 0 (**ingest**): the pending entries of the ingestion buffer run as one causal block
+  against the draft cache and are committed to it; the output at the last one (the anchor p)
+  scores the root's children;
+* depth k > 0 (**expand**): the frontier nodes feed (embed(node), parent's draft state) at draft
+  position p+k, attend the draft cache, their ancestors' K/V in a per-iteration scratch buffer
+  and themselves, and write their own K/V to the scratch.
+
+For ConFu every draft query also sees the transient future entry built from f[p].
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from confu_jax.decode import tree as tree_lib
+from confu_jax.decode.plans import DraftPlan
+from confu_jax.decode.spec_params import SpecParams
+from confu_jax.decode.spec_state import SpecState
+from confu_jax.models import draft as draft_lib
+from confu_jax.models.draft_decode import draft_block
+from confu_jax.models.kv_cache import KVCache, commit
+from confu_jax.models.spec import ModelSpec
+
+
+class DraftScratch(NamedTuple):
+    """What ``expand_fn`` threads between depths."""
+
+    draft_cache: KVCache  # the draft cache (the ingest step commits to it)
+    scratch_k_bmhd: jax.Array  # [B, M, Hkv, hd] K of this iteration's expanded nodes (M scratch slots)
+    scratch_v_bmhd: jax.Array
+    h_out_bkd: jax.Array  # [B, K, d] draft state of the last frontier (its children's hidden input)
+
+
+def future_entry(spec: ModelSpec, params: SpecParams, s: SpecState,
+                 anchor_b: jax.Array) -> Optional[draft_lib.DraftFuture]:
+    """ConFu's future entry for this iteration (token [f] = MoE_f(g[p]), hidden f[p]); None for EAGLE-3."""
+    if not spec.head.has_future:
+        return None
+    rows = jnp.arange(anchor_b.shape[0])
+    g_anchor = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac[rows, s.ingest_count_b - 1])
+    return draft_lib.draft_future_entry(spec, params.draft, s.future_bd[:, None], g_anchor[:, None],
+                                        anchor_b[:, None])
+
+
+def ingest(spec: ModelSpec, params: SpecParams, s: SpecState, future, draft_cache: KVCache):
+    """Depth 0: commit the pending entries to the draft cache -> (logits at the anchor [B,1,V_d],
+    draft state at the anchor [B,1,d], updated draft cache)."""
+    b, a = s.ingest_tokens_ba.shape
+    rows = jnp.arange(b)
+    g_bad = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac)
+    pos = draft_cache.length_b[:, None] + jnp.arange(a, dtype=jnp.int32)[None]
+    out = draft_block(spec, params.draft, params.embed_vd, s.ingest_tokens_ba, g_bad, pos,
+                      cache=draft_cache, future=future)
+    active = (~s.done_b).astype(jnp.int32)
+    draft_cache = commit(draft_cache, out.k_new_bthd[None], out.v_new_bthd[None],
+                         s.ingest_count_b * active)
+    last = s.ingest_count_b - 1
+    return out.logits_btv[rows, last][:, None], out.h_out_btd[rows, last][:, None], draft_cache
+
+
+def expand(spec: ModelSpec, params: SpecParams, st: DraftScratch, fr: tree_lib.Frontier,
+           anchor_b: jax.Array, future):
+    """Depth k > 0: draft the frontier's children -> (logits [B,K,V_d], updated scratch)."""
+    b, k = fr.tokens_bk.shape
+    h_in = jnp.take_along_axis(st.h_out_bkd, fr.parent_slot_bk[..., None], axis=1)
+    pos = jnp.broadcast_to((anchor_b + fr.depth)[:, None], (b, k))
+    slot = jnp.arange(fr.n_scratch)
+    # slot 0 is the root's, whose K/V went to the draft cache at ingest; unwritten slots are masked
+    usable = (slot > 0) & ((slot < fr.slot_offset) | (slot >= fr.slot_offset + k))
+    out = draft_block(
+        spec, params.draft, params.embed_vd, fr.tokens_bk, h_in, pos, cache=st.draft_cache,
+        block_mask_btt=jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k)),
+        scratch_k_bmhd=st.scratch_k_bmhd, scratch_v_bmhd=st.scratch_v_bmhd,
+        scratch_mask_btm=fr.ancestor_bkn & usable[None, None], future=future)
+    sk = jax.lax.dynamic_update_slice_in_dim(st.scratch_k_bmhd, out.k_new_bthd.astype(st.scratch_k_bmhd.dtype),
+                                             fr.slot_offset, 1)
+    sv = jax.lax.dynamic_update_slice_in_dim(st.scratch_v_bmhd, out.v_new_bthd.astype(st.scratch_v_bmhd.dtype),
+                                             fr.slot_offset, 1)
+    return out.logits_btv, DraftScratch(st.draft_cache, sk, sv, out.h_out_btd)
+
+
+def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, s: SpecState, anchor_b: jax.Array,
+               key: jax.Array, temperature, top_p):
+    """Run the draft for one iteration -> (DraftTree, q_btv or None, updated draft cache).
+
+    ``q_btv`` (sampled chains only) holds the draft distributions the nodes were drawn from.
+    """
+    b = s.ingest_tokens_ba.shape[0]
+    t = spec.target
+    future = future_entry(spec, params, s, anchor_b)
+    scratch0 = jnp.zeros((b, plan.n_scratch, t.n_kv_heads, t.head_dim), jnp.dtype(spec.head.dtype))
+
+    def expand_fn(st: DraftScratch, fr: tree_lib.Frontier):
+        if fr.depth == 0:
+            logits, h_out, draft_cache = ingest(spec, params, s, future, st.draft_cache)
+            st = st._replace(draft_cache=draft_cache, h_out_bkd=h_out)
+        else:
+            logits, st = expand(spec, params, st, fr, anchor_b, future)
+        return jax.nn.log_softmax(logits, axis=-1), st
+
+    st0 = DraftScratch(s.draft_cache, scratch0, scratch0,
+                       jnp.zeros((b, 1, t.d_model), jnp.dtype(spec.head.dtype)))
+    d2t = params.draft_vocab["d2t"]
+    q = None
+    if plan.kind == "dynamic":
+        tree, _, st = tree_lib.draft_dynamic_tree(expand_fn, st0, s.root_b, depth=plan.depth,
+                                                  top_k=plan.top_k, n_nodes=plan.n_nodes, d2t_v=d2t)
+    elif plan.kind == "sampled_chain":
+        tree, q, st = tree_lib.draft_sampled_chain(expand_fn, st0, s.root_b, plan.k, key, temperature,
+                                                   top_p, d2t_v=d2t, target_vocab=t.vocab_size)
+    else:
+        tree, st = tree_lib.draft_static_tree(expand_fn, st0, s.root_b, plan.structure(), d2t_v=d2t)
+    return tree, q, st.draft_cache

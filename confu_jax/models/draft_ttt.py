@@ -1,0 +1,107 @@
+"""EAGLE-3's training-time test (TTT): the draft unrolled over its own predictions, for training.
+
+At inference the draft feeds on its own hidden states after the first step; training it only on
+the target's features (teacher forcing) leaves it unprepared for that. TTT unrolls L_ttt steps
+over a whole sequence at once: step r at index j reads (embed(x[j+1+r]), g[j] at r = 0, else the
+step r-1 output at j) and predicts x[j+2+r] (docs/DESIGN.md §3, §4 "Training objective").
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from confu_jax import sharding as shd
+from confu_jax.models.draft import (DraftHead, apply_head, draft_features, draft_future_entry,
+                                    draft_logits, embed_tokens)
+from confu_jax.models.draft_attention import draft_attention
+from confu_jax.models.spec import ModelSpec
+
+
+def _rows(x):
+    """Pin a [B, ...] activation to batch-sharded rows (no-op outside the sharded step compiler).
+
+    Besides steering layout propagation, this avoids an XLA:CPU gradient miscompile seen with
+    jax 0.10.2 on meshes whose three axes are all > 1 (``confu_jax.sharding.constrain``).
+    """
+    return shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
+class TTTFuture(NamedTuple):
+    """Per-position future entries for ``draft_ttt``.
+
+    ``f_bkd`` [B,K,d]: f of each anchor's contemplate; ``anchor_bk`` [B,K]: anchor positions t;
+    ``index_bn`` [B,N] int: which anchor's entry draft position j sees (-1: none). ConFu's
+    replication window makes positions t..t+l share anchor t; one entry per position.
+    """
+
+    f_bkd: jax.Array
+    anchor_bk: jax.Array
+    index_bn: jax.Array
+
+
+class DraftTTTOutput(NamedTuple):
+    logits_rbnv: Optional[jax.Array]  # [R,B,N,V_draft] float32 (None if return_logits=False)
+    hidden_rbnd: jax.Array  # [R,B,N,d] final-normed (LM-head input); draft_logits() on a slice
+    h_out_rbnd: jax.Array  # [R,B,N,d] pre-norm output (the recurrent state)
+
+
+def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_bn: jax.Array,
+              h_cat_bnc: jax.Array, n_steps: int, *, positions_bn: Optional[jax.Array] = None,
+              future: Optional[TTTFuture] = None, return_logits: bool = True) -> DraftTTTOutput:
+    """EAGLE-3 training-time test over a sequence, ``n_steps`` (L_ttt) unrolled steps.
+
+    ``tokens_bn`` [B,N]: the sequence x (unshifted); ``h_cat_bnc`` [B,N,3d]: target taps at each
+    position. Step r, index j: input (embed(x[j+1+r]), g[j] if r == 0 else h_out[r-1, j]), RoPE
+    position positions[j]+r, predicts x[j+2+r]; it attends step-0 keys at indices <= j and the
+    diagonal entries (j, 1..r), plus j's future entry (every step). Token indices past N read
+    token 0: those outputs have no target and must be masked by the loss. Right padding only
+    (no packing): step-0 attention is plain causal.
+    """
+    if future is not None and not spec.head.has_future:
+        raise ValueError("draft_ttt: variant 'eagle3' takes no future entries")
+    b, n = tokens_bn.shape
+    if positions_bn is None:
+        positions_bn = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    g_bnd = _rows(draft_features(spec, draft_params, h_cat_bnc))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
+    tok_pad = jnp.concatenate([tokens_bn, jnp.zeros((b, n_steps + 1), tokens_bn.dtype)], axis=1)
+
+    extra_k, extra_v, extra_m = [], [], []
+    if future is not None:
+        rows = jnp.arange(b)[:, None]
+        anchor_bk = future.anchor_bk.astype(jnp.int32)
+        fut = draft_future_entry(spec, draft_params, future.f_bkd, g_bnd[rows, anchor_bk], anchor_bk)
+        idx = jnp.maximum(future.index_bn, 0)
+        extra_k.append(fut.k_bnhd[rows, idx])
+        extra_v.append(fut.v_bnhd[rows, idx])
+        extra_m.append(future.index_bn >= 0)
+
+    hidden = g_bnd
+    k0 = v0 = None
+    logits_r, hid_r, hout_r = [], [], []
+    for r in range(n_steps):
+        emb = embed_tokens(embed_vd, tok_pad[:, 1 + r:1 + r + n])
+        q, k, v = apply_head(spec, draft_params, emb, hidden, positions_bn + r, method=DraftHead.project)
+        q, k, v = _rows(q), _rows(k), _rows(v)
+        if r == 0:
+            k0, v0 = k, v
+        else:
+            extra_k.append(k)
+            extra_v.append(v)
+            extra_m.append(jnp.ones((b, n), bool))
+        if extra_k:
+            attn = draft_attention(q, k0, v0, causal, jnp.stack(extra_k, 2), jnp.stack(extra_v, 2),
+                                   jnp.stack(extra_m, 2))
+        else:
+            attn = draft_attention(q, k0, v0, causal)
+        h_out, hid = apply_head(spec, draft_params, _rows(attn), hidden, method=DraftHead.finish)
+        h_out, hid = _rows(h_out), _rows(hid)
+        hid_r.append(hid)
+        hout_r.append(h_out)
+        if return_logits:
+            logits_r.append(draft_logits(spec, draft_params, hid))
+        hidden = h_out
+    return DraftTTTOutput(jnp.stack(logits_r) if return_logits else None, jnp.stack(hid_r), jnp.stack(hout_r))

@@ -1,0 +1,62 @@
+"""The one registry of head variants (what is trained) and decoding methods (what decodes).
+
+A **variant** is an architecture of the draft head and its target-side extras; a **method** is
+what a user asks to decode with (``--method``/``--methods``), which accepts heads of some variants.
+Every table of names in the code (config validation, CLI choices, head loading, benchmark rows)
+reads these two dicts, so adding a variant is one entry here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    has_future: bool  # contemplate tokens in the target, the future entry in the draft
+    uses_moe: bool  # [con] and [f] from an embedding MoE (else one static embedding each)
+    replication: bool  # training uses ConFu's replication window (config.confu.replication)
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    variants: tuple  # head variants it decodes with (the first one for random heads); () = AR
+    description: str
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.variants)
+
+
+VARIANTS: dict = {v.name: v for v in (
+    Variant("eagle3", False, False, False, "EAGLE-3 draft head; no contemplate tokens, no extra params"),
+    Variant("confu", True, True, True, "ConFu: soft prompts + MoE_con in the target, MoE_f future token"),
+    Variant("confu_nomoe", True, False, True, "ConFu with one static embedding instead of each MoE (-MoE)"),
+    Variant("confu_nomoe_norep", True, False, False,
+            "-MoE, trained without the replication window (-MoE & replicate)"),
+)}
+
+METHODS: dict = {m.name: m for m in (
+    Method("ar", (), "autoregressive decoding: one target pass per token (the baseline)"),
+    Method("eagle3", ("eagle3",), "speculative decoding with an EAGLE-3 head"),
+    Method("confu", ("confu", "confu_nomoe", "confu_nomoe_norep"), "speculative decoding with a ConFu head"),
+    Method("confu_nomoe", ("confu_nomoe", "confu_nomoe_norep"), "ConFu -MoE ablation"),
+    Method("confu_nomoe_norep", ("confu_nomoe_norep",), "ConFu -MoE & replicate ablation"),
+)}
+
+SPECULATIVE_METHODS = tuple(name for name, m in METHODS.items() if m.speculative)
+
+
+def get_variant(name: str) -> Variant:
+    if name not in VARIANTS:
+        raise ValueError(f"unknown head variant {name!r}; expected one of {tuple(VARIANTS)}")
+    return VARIANTS[name]
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"unknown decoding method {name!r}; expected one of {tuple(METHODS)}")
+    return METHODS[name]

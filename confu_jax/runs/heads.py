@@ -1,0 +1,171 @@
+"""Trained draft heads out of ``launch.train`` workdirs, for decoding, benchmarks and init_from.
+
+This lives outside ``train`` and ``decode`` because both read it (docs/DESIGN.md §2, §8).
+A workdir holds ``config.json`` (written by ``train.loop.train`` at start), ``target.json`` (the
+fingerprint of the frozen target the head was trained against) and
+``checkpoints/<step>/`` (orbax: ``state`` with the trainable params, ``extras`` with the draft
+vocabulary d2t / t2d). Only ``state.params`` is read back (partial restore): the optimizer state
+is as large again and decoding never needs it. Everything comes back as host numpy arrays; the
+caller places them.
+
+A head is only meaningful on the target it was trained for: a base and an instruct model of the
+same shape would load each other's heads silently and decode losslessly but slowly. So training
+records a fingerprint of the target's weights (``target_fingerprint``: a hash of a fixed sample
+of every tensor, rounded to bfloat16 so that the same weights loaded in f32 or bf16 agree) and
+``check_head_target`` refuses a head whose fingerprint differs from the loaded target's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+from confu_jax.models.llama import LlamaConfig
+from confu_jax.models.params import trainable_shapes
+from confu_jax.models.spec import ModelSpec, model_spec_from_config
+from confu_jax.runs.checkpoint import Checkpointer, restore_args_for
+
+TARGET_FILE = "target.json"
+# Elements sampled (evenly strided) from each tensor for the fingerprint: enough that two
+# fine-tunes of one base differ, small enough to hash an 8B target in well under a second.
+_FINGERPRINT_SAMPLES = 4096
+
+
+class TrainedHead(NamedTuple):
+    config: ml_collections.ConfigDict  # the training config (model / confu / draft sections)
+    spec: ModelSpec  # target preset's LlamaConfig + the head; swap in the loaded target's cfg
+    trainable: dict  # {'draft': ..., 'confu': ...} as in models.params.init_trainable
+    draft_vocab: dict  # {'d2t': int32 [V_draft], 't2d': bool [V_target]}
+    step: int
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        found = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else "directory does not exist"
+        raise FileNotFoundError(f"{path} not found: not a launch.train workdir (contents: {found})")
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def load_trained_head(workdir: str, step: Optional[int] = None) -> TrainedHead:
+    """(config, spec, trainable, draft_vocab, step) of ``workdir``'s latest (or ``step``) checkpoint."""
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    config = read_config(workdir)
+    try:
+        spec = model_spec_from_config(config)
+    except (KeyError, AttributeError, ValueError) as e:
+        raise ValueError(f"{workdir}/config.json does not describe a draft head: {e}") from e
+    ckdir = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(ckdir):
+        raise FileNotFoundError(f"{ckdir} not found: the run in {workdir} saved no checkpoint yet")
+    ckpt = Checkpointer(ckdir, read_only=True)
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {ckdir} (contents: {sorted(os.listdir(ckdir))}; "
+                                    "an interrupted save leaves only a tmp directory)")
+        step = steps[-1] if step is None else int(step)
+        if step not in steps:
+            raise FileNotFoundError(f"{ckdir} has no checkpoint for step {step}; it has {steps}")
+        abstract = {"params": trainable_shapes(spec)}
+        out = ckpt.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args_for(abstract),
+                                         partial_restore=True),
+            extras=ocp.args.PyTreeRestore()))
+    finally:
+        ckpt.close()
+    trainable = jax.tree_util.tree_map(np.asarray, out["state"]["params"])
+    want = jax.tree_util.tree_map(lambda a: (tuple(a.shape), str(a.dtype)), abstract["params"])
+    got = jax.tree_util.tree_map(lambda a: (tuple(a.shape), str(a.dtype)), trainable)
+    if want != got:
+        raise ValueError(f"{ckdir} step {step}: params do not match the head in config.json "
+                         f"(expected {want}, found {got})")
+    extras = dict(out["extras"] or {})
+    missing = [k for k in ("draft_vocab_d2t", "draft_vocab_t2d") if k not in extras]
+    if missing:
+        raise KeyError(f"{ckdir} step {step}: extras lack {missing} (found {sorted(extras)})")
+    d2t = np.asarray(extras["draft_vocab_d2t"], np.int32)
+    t2d = np.asarray(extras["draft_vocab_t2d"])
+    if d2t.shape != (spec.head.draft_vocab_size,) or t2d.shape != (spec.target.vocab_size,):
+        raise ValueError(f"{ckdir} step {step}: draft vocab d2t {d2t.shape} / t2d {t2d.shape}, expected "
+                         f"({spec.head.draft_vocab_size},) / ({spec.target.vocab_size},)")
+    return TrainedHead(config, spec, trainable, {"d2t": d2t, "t2d": t2d}, step)
+
+
+# ----------------------------------------------------------------------------- target identity
+
+
+def target_fingerprint(target_params) -> str:
+    """SHA-256 over every tensor's path, shape and an evenly strided sample of its values (bf16).
+
+    Equal for the same weights whatever their dtype (f32 / bf16 / f16 rounded alike) or placement;
+    different for two checkpoints of one architecture (a base and an instruct model).
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(target_params),
+                             key=lambda pl: jax.tree_util.keystr(pl[0])):
+        flat = np.asarray(leaf).reshape(-1)
+        sample = flat[:: max(1, flat.size // _FINGERPRINT_SAMPLES)][:_FINGERPRINT_SAMPLES]
+        h.update(f"{jax.tree_util.keystr(path)}:{tuple(np.shape(leaf))};".encode())
+        h.update(np.ascontiguousarray(sample.astype(np.float32).astype(jnp.bfloat16)).tobytes())
+    return h.hexdigest()
+
+
+def write_target_record(workdir: str, fingerprint: str, source: str) -> None:
+    """``<workdir>/target.json``: which target a run trains against (read by ``check_head_target``)."""
+    with open(os.path.join(workdir, TARGET_FILE), "w") as f:
+        json.dump({"fingerprint": fingerprint, "source": source}, f, indent=2)
+
+
+def read_target_record(workdir: str) -> Optional[dict]:
+    """The run's ``target.json``, or None for workdirs written before it existed."""
+    path = os.path.join(workdir, TARGET_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        record = json.load(f)
+    if not isinstance(record, dict) or not isinstance(record.get("fingerprint"), str):
+        raise ValueError(f"{path}: expected a JSON object with a string 'fingerprint', found {record!r}")
+    return record
+
+
+_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim")
+
+
+def check_head_target(head: TrainedHead, workdir: str, target_cfg: LlamaConfig, target_params,
+                      target_source: str = "the loaded target") -> None:
+    """Refuse a head trained for another target: architecture first, then the weights' fingerprint.
+
+    Workdirs from before fingerprints were recorded pass the architecture check only, with a
+    warning (their target cannot be verified).
+    """
+    trained_t = head.spec.target
+    for field in _SHAPE_FIELDS:
+        if getattr(trained_t, field) != getattr(target_cfg, field):
+            raise ValueError(f"{workdir} was trained on preset {head.config.model.preset!r} with {field}="
+                             f"{getattr(trained_t, field)}; the loaded target has {getattr(target_cfg, field)}")
+    record = read_target_record(workdir)
+    if record is None:
+        import logging
+
+        logging.warning("%s has no %s (written by runs before target fingerprints): cannot check that "
+                        "the head was trained for %s", workdir, TARGET_FILE, target_source)
+        return
+    have = target_fingerprint(target_params)
+    if record["fingerprint"] != have:
+        raise ValueError(
+            f"{workdir} was trained against a different target: its {TARGET_FILE} records "
+            f"{record.get('source', '?')!r} with weights fingerprint {record['fingerprint'][:16]}..., "
+            f"{target_source} has fingerprint {have[:16]}... (same architecture, different weights, "
+            "e.g. a base model and its instruct fine-tune). A head only accelerates the target it "
+            "was trained for; load that target, or train a head for this one.")
