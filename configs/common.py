@@ -78,7 +78,8 @@ def _add_training(config: ml_collections.ConfigDict, preset: str, source: str) -
     """``train`` (loop), ``data`` (pipeline) and ``objective`` (loss) sections for launch.train."""
     from confu_jax.data.pipeline import default_data_config
     from confu_jax.train.config import default_train_config
-    from confu_jax.train.confu_task import default_objective_config, default_synthetic_config
+    from confu_jax.train.confu_task import default_objective_config
+    from confu_jax.train.synthetic_data import default_synthetic_config
 
     config.train = default_train_config()
     config.train.task = "confu_jax.train.confu_task:build_task"

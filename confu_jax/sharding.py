@@ -93,11 +93,6 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
     return Mesh(dev_arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def mesh_from_config(cfg) -> Mesh:
-    """Mesh from a ConfigDict with ``data``, ``fsdp``, ``tensor`` (e.g. ``config.train.mesh``)."""
-    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor)
-
-
 def path_str(path) -> str:
     """'/'-joined pytree key path ('layers/q_proj/kernel', 'opt_state/0/mu/fc/kernel')."""
     parts = []
@@ -213,10 +208,6 @@ def batch_sharding(mesh: Mesh, ndim: int, axis_rules: Mapping = LOGICAL_AXIS_RUL
 
 def batch_shards(mesh: Mesh, axis_rules: Mapping = LOGICAL_AXIS_RULES) -> int:
     return math.prod(mesh.shape[a] for a in _mesh_axes_of("batch", axis_rules))
-
-
-def batch_shardings(batch, mesh: Mesh):
-    return jax.tree_util.tree_map(lambda x: batch_sharding(mesh, np.ndim(x)), batch)
 
 
 def global_batch(local_batch, mesh: Mesh):

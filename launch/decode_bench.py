@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 
 from absl import app, flags
@@ -46,9 +45,7 @@ PROMPTS = [
     "Summarize the causes of the French Revolution for a high-school student.",
 ]
 
-METHODS = ("ar",)
-
-flags.DEFINE_enum("method", "ar", list(METHODS), "our decoding method to time ('ar': jitted autoregressive)")
+flags.DEFINE_enum("method", "ar", ["ar"], "our decoding method to time ('ar': jitted autoregressive)")
 flags.DEFINE_string("model", "smollm2-135m-instruct",
                     "asset name or .gguf file (transformers loads the same file with gguf_file=)")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt (both sides)")
@@ -161,14 +158,14 @@ def _first_divergence(a, b):
 def main_speculative():
     from tqdm import tqdm
 
-    from confu_jax.bench import spec_bench
+    from confu_jax.bench import cli_args, report, spec_bench
     from confu_jax.bench.prompts import load_prompts, sample_prompts
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model
 
     try:
-        budgets = spec_bench.parse_budgets(FLAGS.budgets)
-        heads = spec_bench.parse_heads(FLAGS.heads)
+        budgets = cli_args.parse_budgets(FLAGS.budgets)
+        heads = cli_args.parse_heads(FLAGS.heads)
         temperatures = [float(t) for t in FLAGS.temperatures]
     except ValueError as e:
         raise app.UsageError(str(e))
@@ -192,7 +189,7 @@ def main_speculative():
     rows = spec_bench.run_benchmark(setup, prompts, methods=methods, temperatures=temperatures, budgets=budgets,
                                     heads=heads, log=lambda m: print(m, flush=True),
                                     progress_factory=lambda **kw: tqdm(leave=False, dynamic_ncols=True, **kw))
-    spec_bench.write_outputs(FLAGS.out, rows)
+    report.write_outputs(FLAGS.out, rows)
     print(open(os.path.splitext(FLAGS.out)[0] + ".md").read())
     print(f"wrote {FLAGS.out} (+ .md, .png)")
     return 0

@@ -30,6 +30,8 @@ from typing import Callable, NamedTuple, Optional
 from absl import app, flags
 from ml_collections import config_flags
 
+from confu_jax.models.registry import METHODS as REGISTERED_METHODS
+
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                "configs", "generate.py")
 
@@ -66,7 +68,8 @@ def run_ar(params, cfg, prompt_ids: list, decode, eos_ids, **_) -> MethodOutput:
 
 
 def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: str,
-                    draft_ckpt: Optional[str] = None, tree: str = "chain:4", seed: int = 0) -> MethodOutput:
+                    draft_ckpt: Optional[str] = None, tree: str = "chain:4", seed: int = 0,
+                    target_source: str = "the loaded target") -> MethodOutput:
     """The jitted speculative loop with a trained (``draft_ckpt``) or random head."""
     import jax
     import numpy as np
@@ -77,7 +80,7 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     from confu_jax.decode.plans import parse_plan
 
     plan = parse_plan(tree)
-    head = decode_head(method, cfg, params, draft_ckpt, seed=seed)
+    head = decode_head(method, cfg, params, draft_ckpt, seed=seed, target_source=target_source)
     if not head.trained:
         print(f"[{method}] no --draft_ckpt: using a RANDOMLY INITIALISED draft head ({head.source}); "
               "output is still the target's, but expect tau ~ 1", file=sys.stderr)
@@ -97,11 +100,11 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     return MethodOutput(tokens, reason, t1 - t0, t2 - t1, log, head.source)
 
 
-# --method name -> fn(params, cfg, prompt_ids, config.decode, eos_ids, draft_ckpt=, tree=) -> MethodOutput
+# --method name -> fn(params, cfg, prompt_ids, config.decode, eos_ids, draft_ckpt=, tree=) -> MethodOutput,
+# one entry per method of the registry (confu_jax.models.registry)
 METHODS: dict[str, Callable[..., MethodOutput]] = {
-    "ar": run_ar,
-    "eagle3": functools.partial(run_speculative, method="eagle3"),
-    "confu": functools.partial(run_speculative, method="confu"),
+    name: functools.partial(run_speculative, method=name) if m.speculative else run_ar
+    for name, m in REGISTERED_METHODS.items()
 }
 
 flags.DEFINE_string("prompt", None, "user message; rendered with the model's chat template", required=True)
@@ -109,8 +112,8 @@ flags.DEFINE_string("model", "smollm2-135m-instruct",
                     "target model: an asset name (smollm2-135m-instruct), a .gguf file, or a Hugging "
                     "Face directory with config.json + model.safetensors + tokenizer.json")
 flags.DEFINE_enum("method", "ar", sorted(METHODS),
-                  "decoding method: 'ar' = jitted autoregressive decoding; 'eagle3' / 'confu' = "
-                  "speculative decoding with the head from --draft_ckpt (random head without it)")
+                  "decoding method: 'ar' = jitted autoregressive decoding; 'eagle3', 'confu' and the ConFu "
+                  "ablations = speculative decoding with the head from --draft_ckpt (random head without it)")
 flags.DEFINE_string("draft_ckpt", None, "speculative methods: a launch.train workdir holding the trained "
                     "draft head (config.json + checkpoints/); unset = randomly initialised head")
 flags.DEFINE_string("tree", "chain:4", "speculative methods: draft plan, chain:K | sampled_chain:K | "
@@ -156,7 +159,7 @@ def main(argv):
     if FLAGS.method == "ar" and FLAGS.draft_ckpt:
         raise app.UsageError("--draft_ckpt is for the speculative methods (eagle3, confu), not ar")
     out = METHODS[FLAGS.method](params, cfg, prompt_ids, config.decode, tok.eos_ids,
-                                draft_ckpt=FLAGS.draft_ckpt, tree=FLAGS.tree)
+                                draft_ckpt=FLAGS.draft_ckpt, tree=FLAGS.tree, target_source=FLAGS.model)
     print(tok.decode(out.tokens, skip_special_tokens=True).strip())
     print(f"[{FLAGS.method}] prompt {len(prompt_ids)} tokens, generated {len(out.tokens)} "
           f"(stop: {out.stop_reason}) in {out.decode_s:.2f} s = {len(out.tokens) / out.decode_s:.1f} "

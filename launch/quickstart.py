@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -151,7 +150,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint operation at INFO
     from tqdm import tqdm
 
-    from confu_jax.bench import spec_bench
+    from confu_jax.bench import report, spec_bench
     from confu_jax.bench.prompts import load_mtbench
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model
@@ -171,7 +170,7 @@ def main(argv):
     rows = spec_bench.run_benchmark(setup, prompts, methods=["ar", *VARIANTS], temperatures=[0.0],
                                     budgets=[FLAGS.tree], heads=heads, log=lambda m: print(m, flush=True),
                                     progress_factory=lambda **kw: tqdm(dynamic_ncols=True, **kw))
-    spec_bench.write_outputs(FLAGS.out, rows)
+    report.write_outputs(FLAGS.out, rows)
     print()
     print(open(os.path.splitext(FLAGS.out)[0] + ".md").read())
     ok = all(r["lossless_greedy"] for r in rows if r["method"] != "ar")

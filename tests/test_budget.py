@@ -41,7 +41,6 @@ def test_choice_depends_on_the_device_timings():
 
 
 def test_auto_plan_on_tiny_model():
-    from confu_jax.decode import loop
     from confu_jax.decode import spec_params as spec_params_lib
     from confu_jax.models.vocab_map import identity_draft_vocab
     from confu_jax.models.presets import get_preset

@@ -19,7 +19,7 @@ from confu_jax import sharding as shd
 from confu_jax.runs.checkpoint import Checkpointer, init_params_from
 from confu_jax.train.loop import setup_run, train
 from confu_jax.train.metric_writers import read_csv
-from confu_jax.train.toy import get_toy_config
+from tests.toy_task import get_toy_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy_train.py")

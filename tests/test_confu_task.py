@@ -14,7 +14,8 @@ import pytest
 
 from confu_jax.models.llama import Llama
 from confu_jax.models.spec import model_spec_from_config
-from confu_jax.train.confu_task import SelfDistilledStream, load_target
+from confu_jax.train.synthetic_data import SelfDistilledStream
+from confu_jax.train.target_loading import load_target
 from confu_jax.train.loss import ALL_POSITIONS, objective_from_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,3 +149,24 @@ def test_unknown_lm_head_init_is_refused_before_any_work():
     config.draft.lm_head_init = "zeros"
     with pytest.raises(ValueError, match="lm_head_init: expected 'random' or 'target', got 'zeros'"):
         build_task(config)
+
+
+def test_pallas_attention_is_refused_in_training_and_off_gpu():
+    """The tree-attention kernel has no VJP: a training config naming it fails before any work;
+    the compiled kernel needs a GPU, so a spec resolved for a CPU backend refuses 'pallas'."""
+    from configs.tiny import get_config
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.train.confu_task import build_task
+
+    for impl in ("pallas", "pallas_interpret"):
+        c = get_config("confu")
+        c.model.attention_impl = impl
+        with pytest.raises(ValueError, match="cannot train.*no VJP"):
+            build_task(c)
+    c.model.attention_impl = "pallas"
+    with pytest.raises(ValueError, match="needs a CUDA GPU.*'cpu'"):
+        model_spec_from_config(c, backend="cpu")
+    assert model_spec_from_config(c, backend="gpu").target.attention_impl == "pallas"
+    c.model.attention_impl = "flash"
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        model_spec_from_config(c, backend="gpu")

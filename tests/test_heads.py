@@ -84,8 +84,8 @@ def test_trained_head_decodes_losslessly_and_checks_the_method(trained):
     from confu_jax.decode.generate import generate_ar
     from confu_jax.decode.heads import decode_head
     from confu_jax.decode.loop import generate_speculative
-from confu_jax.decode.plans import parse_plan
-    from confu_jax.train.confu_task import load_target
+    from confu_jax.decode.plans import parse_plan
+    from confu_jax.train.target_loading import load_target
 
     workdir, _ = trained
     head = load_trained_head(workdir)
@@ -103,3 +103,29 @@ from confu_jax.decode.plans import parse_plan
         decode_head("confu", spec.target, target, workdir)
     with pytest.raises(ValueError, match="vocab_size"):
         decode_head("eagle3", spec.target.replace(vocab_size=64), target, workdir)
+
+
+def test_head_is_refused_on_a_different_target_of_the_same_shape(trained, tmp_path):
+    """A base and an instruct model of one architecture must not load each other's heads: the
+    workdir's target.json fingerprint is checked against the loaded target's weights."""
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.runs.heads import read_target_record, target_fingerprint
+    from confu_jax.train.target_loading import load_target
+
+    workdir, _ = trained
+    head = load_trained_head(workdir)
+    spec, target = load_target(head.config, head.spec)
+    record = read_target_record(workdir)
+    assert record is not None and record["fingerprint"] == target_fingerprint(target)
+    # the fingerprint ignores the dtype the same weights are loaded in, but not the weights
+    as_bf16 = jax.tree_util.tree_map(lambda x: np.asarray(jax.numpy.asarray(x, jax.numpy.bfloat16)), target)
+    assert target_fingerprint(as_bf16) == target_fingerprint(target)
+    tuned = jax.tree_util.tree_map(np.array, target)
+    tuned["final_norm"]["scale"] = tuned["final_norm"]["scale"] * 1.5  # same shapes, other weights
+    with pytest.raises(ValueError, match="trained against a different target"):
+        decode_head("eagle3", spec.target, tuned, workdir)
+    # a workdir from before fingerprints: accepted (architecture checked) with a warning
+    old = tmp_path / "old"
+    shutil.copytree(workdir, old)
+    os.remove(old / "target.json")
+    assert decode_head("eagle3", spec.target, tuned, str(old)).trained

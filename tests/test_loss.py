@@ -13,6 +13,7 @@ from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.models.llama import Llama, param_shapes
 from confu_jax.models.target import con_embedding, real_forward
 from confu_jax.train import loss as L
+from confu_jax.train.acceptance import simulated_acceptance_length
 from tests.model_fakes import DRAFT_VOCAB, _fill, tiny_params, tiny_spec
 
 B, N = 2, 20
@@ -173,7 +174,7 @@ def test_simulated_acceptance_length_equals_loop():
     answer = rng.random((s_steps, b, n)) < 0.9
     in_draft = rng.random((s_steps, b, n)) < 0.9
     base = rng.random((b, n)) < 0.6
-    got = float(L.simulated_acceptance_length(*(jnp.asarray(x) for x in (correct, answer, in_draft, base))))
+    got = float(simulated_acceptance_length(*(jnp.asarray(x) for x in (correct, answer, in_draft, base))))
     taus = []
     for r in range(b):
         for j in range(n):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from confu_jax.bench import report, spec_bench
+from confu_jax.bench import cli_args, report, spec_bench
 from confu_jax.bench.prompts import load_question_file
 from tests.fixtures.tiny_chat_model import tiny_chat_gguf
 
@@ -15,15 +15,15 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "specbench_sample.
 
 
 def test_parse_budgets_and_heads():
-    assert spec_bench.parse_budgets("chain:4,dynamic:6,8,30,dynamic:6,10,60,auto") == [
+    assert cli_args.parse_budgets("chain:4,dynamic:6,8,30,dynamic:6,10,60,auto") == [
         "chain:4", "dynamic:6,8,30", "dynamic:6,10,60", "auto"]
     with pytest.raises(ValueError, match="does not continue a plan"):
-        spec_bench.parse_budgets("4,chain:2")
+        cli_args.parse_budgets("4,chain:2")
     with pytest.raises(ValueError, match="dynamic:DEPTH,TOPK,NODES"):
-        spec_bench.parse_budgets("dynamic:6,8")
-    assert spec_bench.parse_heads("eagle3=a/b,confu=c") == {"eagle3": "a/b", "confu": "c"}
+        cli_args.parse_budgets("dynamic:6,8")
+    assert cli_args.parse_heads("eagle3=a/b,confu=c") == {"eagle3": "a/b", "confu": "c"}
     with pytest.raises(ValueError, match="METHOD=WORKDIR"):
-        spec_bench.parse_heads("eagle3")
+        cli_args.parse_heads("eagle3")
 
 
 def test_tiny_benchmark_rows(tmp_path):

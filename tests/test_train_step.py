@@ -16,8 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, AxisType
 from confu_jax import sharding as shd
 from confu_jax.train.loop import setup_run
 from confu_jax.train.optim import make_optimizer, make_schedule
-from confu_jax.train.step import simulated_acceptance_length
-from confu_jax.train.toy import get_toy_config
+from confu_jax.train.acceptance import chain_acceptance_length as simulated_acceptance_length
+from tests.toy_task import get_toy_config
 
 N_STEPS = 3
 

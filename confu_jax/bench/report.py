@@ -217,3 +217,21 @@ def plot_tau(results: Sequence[MethodResult | Mapping], png_path: str | os.PathL
     os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
     fig.savefig(png_path, format="png", dpi=100, bbox_inches="tight")
     return fig
+
+
+def write_outputs(out: str, rows: list) -> dict:
+    """results.json + .md (paper table and per-row settings) + .png (τ per category)."""
+    doc = write_results(out, rows)
+    base = os.path.splitext(out)[0]
+    lines = [markdown_table(rows), "", "| Method | T | Budget | Plan | Head | Lossless (T=0) | tokens/s | "
+             "compile s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        plan = r.get("setting", {}).get("plan", "–")
+        head = "–" if r.get("head") is None else ("trained " if r["trained"] else "RANDOM ") + str(r["head"])
+        lossless = "–" if r.get("lossless_greedy") is None else str(r["lossless_greedy"])
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r.get('budget') or '–'} | {plan} | {head} | "
+                     f"{lossless} | {r['tokens_per_s']:.2f} | {r.get('compile_s', float('nan')):.1f} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot_tau(rows, base + ".png")
+    return doc

@@ -24,37 +24,6 @@ from confu_jax.bench import metrics
 from confu_jax.bench.prompts import BenchPrompt, run_conversation
 
 
-def parse_budgets(text: str) -> list[str]:
-    """``chain:4,dynamic:6,8,30,auto`` -> ['chain:4', 'dynamic:6,8,30', 'auto'] (a plan's numbers
-    continue it; a part with ':' or 'auto' starts the next one)."""
-    out: list[str] = []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        if ":" in part or part == "auto":
-            out.append(part)
-        elif out and out[-1] != "auto":
-            out[-1] += "," + part
-        else:
-            raise ValueError(f"--budgets {text!r}: {part!r} does not continue a plan; expected e.g. "
-                             "chain:4,dynamic:6,8,30,auto")
-    from confu_jax.decode.plans import parse_plan
-
-    for b in out:
-        if b != "auto":
-            parse_plan(b)  # raises with the accepted forms
-    return out
-
-
-def parse_heads(text: str) -> dict:
-    """``eagle3=DIR,confu=DIR`` -> {'eagle3': 'DIR', 'confu': 'DIR'}."""
-    out = {}
-    for part in (p.strip() for p in (text or "").split(",") if p.strip()):
-        name, eq, path = part.partition("=")
-        if not eq or not name or not path:
-            raise ValueError(f"--heads: {part!r} is not METHOD=WORKDIR (e.g. eagle3=runs/smollm2_eagle3)")
-        out[name] = path
-    return out
-
-
 class _Programs:
     """One AOT-compiled program per (jit function, static args, argument shapes); compile time kept."""
 
@@ -227,25 +196,3 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                     f"tokens/s, speed-up {row['speedup']:.3f}, compile {programs.compile_s:.1f} s"
                     + ("" if temp != 0 else f", lossless={row['lossless_greedy']}"))
     return rows
-
-
-def write_outputs(out: str, rows: list) -> dict:
-    """results.json + .md (paper table and per-row settings) + .png (τ per category)."""
-    import os
-
-    from confu_jax.bench import report
-
-    doc = report.write_results(out, rows)
-    base = os.path.splitext(out)[0]
-    lines = [report.markdown_table(rows), "", "| Method | T | Budget | Plan | Head | Lossless (T=0) | tokens/s | "
-             "compile s |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        plan = r.get("setting", {}).get("plan", "–")
-        head = "–" if r.get("head") is None else ("trained " if r["trained"] else "RANDOM ") + str(r["head"])
-        lossless = "–" if r.get("lossless_greedy") is None else str(r["lossless_greedy"])
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {r.get('budget') or '–'} | {plan} | {head} | "
-                     f"{lossless} | {r['tokens_per_s']:.2f} | {r.get('compile_s', float('nan')):.1f} |")
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    report.plot_tau(rows, base + ".png")
-    return doc

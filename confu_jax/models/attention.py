@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import jax
 
-from confu_jax.kernels.attention_reference import NEG_INF, masked_attention_reference  # noqa: F401  (re-export)
-from confu_jax.kernels.tree_attention import ATTENTION_IMPLS, resolve_attention_impl  # noqa: F401
+from confu_jax.kernels.attention_reference import masked_attention_reference
+from confu_jax.kernels.tree_attention import ATTENTION_IMPLS
 
 
 def masked_attention(*args, impl: str = "xla", **kwargs) -> jax.Array:

@@ -59,18 +59,6 @@ class LlamaConfig:
         """EAGLE-3 feature taps: hidden states entering layers 2, L//2 and L-3."""
         return (2, self.n_layers // 2, self.n_layers - 3)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "LlamaConfig":
-        d = dict(d)
-        if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], tuple):
-            d["rope_scaling"] = tuple(d["rope_scaling"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown LlamaConfig keys {sorted(unknown)}; expected a subset of {sorted(known)}")
-        return cls(**d)
-
     def replace(self, **kw) -> "LlamaConfig":
         return dataclasses.replace(self, **kw)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from confu_jax.models.attention import resolve_attention_impl
+from confu_jax.kernels.tree_attention import resolve_attention_impl
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.presets import get_preset
 from confu_jax.models.registry import VARIANTS, get_variant

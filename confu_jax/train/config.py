@@ -15,7 +15,7 @@ def default_train_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     # "module:function" building a confu_jax.train.task.TrainTask from the full config: the model,
     # the objective and the data. The loop knows nothing else about what it trains.
-    c.task = "confu_jax.train.toy:build_task"
+    c.task = "confu_jax.train.confu_task:build_task"
     c.seed = 0
     c.steps = 1000
 

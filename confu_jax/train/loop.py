@@ -2,7 +2,7 @@
 step → batches → metrics, checkpoints and preemption handling.
 
 Everything about *what* is trained comes from a :class:`~confu_jax.train.task.TrainTask`; this
-module is the same for the ConFu objective, the EAGLE-3 baseline and the toy task in tests.
+module is the same for the ConFu objective, the EAGLE-3 baseline and the toy task of the test suite.
 
 Resumption is exact: the state (params, optimizer, step, RNG) and every process's data position
 come back from the latest complete checkpoint, so a run killed at any point continues with the
@@ -31,6 +31,7 @@ from tqdm import tqdm
 from confu_jax import sharding as shd
 from confu_jax.train import distributed
 from confu_jax.runs.checkpoint import Checkpointer, init_params_from
+from confu_jax.runs.heads import write_target_record
 from confu_jax.train.metric_writers import make_writers
 from confu_jax.train.optim import make_optimizer
 from confu_jax.train.state import param_count, state_builder
@@ -166,6 +167,8 @@ def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[Train
     if main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
+        if task.target_fingerprint:
+            write_target_record(workdir, task.target_fingerprint, task.target_source)
         logging.info("task: %s | mesh %s over %d processes | trainable %s params | frozen %s params",
                      task.description, dict(run.mesh.shape), pcount,
                      f"{param_count(run.abstract_state.params):,}",

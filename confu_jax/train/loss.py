@@ -45,7 +45,7 @@ and top-1 agreement with the target, the number of trained positions, teacher di
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,7 @@ from confu_jax.models.draft import draft_logits
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.target import contemplate_queries, real_forward
-from confu_jax.train.step import simulated_acceptance_length as _chain_tau
+from confu_jax.train.acceptance import simulated_acceptance_length
 
 
 ALL_POSITIONS = 1 << 30  # k_train meaning "every candidate position" (clipped to N)
@@ -271,27 +271,6 @@ def ttt_masks(loss_mask_bn: jax.Array, in_draft_bn: jax.Array, n_steps: int) -> 
     answer = jnp.stack([lm[:, 2 + s:2 + s + n] for s in range(n_steps)])
     in_draft = jnp.stack([ind[:, 1 + s:1 + s + n] for s in range(n_steps)])
     return TTTMasks(answer, in_draft, answer & in_draft)
-
-
-def simulated_acceptance_length(correct_rbn: jax.Array, answer_rbn: jax.Array, in_draft_rbn: jax.Array,
-                                 base_bn: Optional[jax.Array] = None) -> jax.Array:
-    """Expected tokens per verification (bonus included) of a greedy chain of depth L_ttt.
-
-    Estimator: a draft index j is a verification starting point if ``base_bn`` (the loss passes
-    x[j+1] and x[j+2] both answer tokens — the bonus and the first drafted token — and, for ConFu,
-    j inside an anchor window) and its first drafted token x[j+2] is an answer token. Step s is accepted
-    iff steps 0..s all had draft top-1 == target top-1, the target's token has a draft id (else the
-    draft cannot propose it) and x[j+2+s] is still inside the answer. τ = 1 + mean over starting
-    points of the number of accepted steps (``confu_jax.train.step.simulated_acceptance_length``).
-    TTT conditions step s on the true tokens x[..j+1+s]; under greedy decoding those equal the
-    accepted draft tokens exactly when x is the target's own greedy output (self-distilled data),
-    so τ is exact for such data and an estimate otherwise; answer ends cut chains short, a slight
-    under-estimate for long chains.
-    """
-    start = answer_rbn
-    if base_bn is not None:
-        start = start & base_bn[None]
-    return _chain_tau(correct_rbn & in_draft_rbn, start)
 
 
 # ----------------------------------------------------------------------------- the objective

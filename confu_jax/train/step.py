@@ -115,19 +115,3 @@ def make_eval_step(eval_fn: EvalFn, mesh: Mesh, *, state, state_shardings, froze
                    frozen_shardings, batch) -> CompiledStep:
     return _compile(eval_step_fn(eval_fn), mesh, state, state_shardings, frozen,
                     frozen_shardings, batch, out_state=False, donate=False)
-
-
-def simulated_acceptance_length(correct_rbt: jax.Array, valid_rbt: jax.Array) -> jax.Array:
-    """Mean accepted length τ of a greedy chain of S drafted tokens, from per-TTT-step hits.
-
-    At a position, drafting step s is accepted iff steps 0..s are all correct (top-1 equal to
-    the target's token) and valid; τ = 1 (the bonus token) + number of accepted draft tokens,
-    averaged over positions where step 0 is valid — the Spec-Bench τ for chain drafting. TTT
-    feeds the draft its own hidden states, so this is the training-time estimate of the τ
-    the decode loop would measure on the same data with a chain of length S.
-    """
-    ok_rbt = jnp.logical_and(correct_rbt, valid_rbt).astype(jnp.int32)
-    run_rbt = jnp.cumprod(ok_rbt, axis=0)  # 1 while all previous steps are accepted
-    accepted_bt = jnp.sum(run_rbt, axis=0).astype(jnp.float32)
-    base_bt = valid_rbt[0].astype(jnp.float32)
-    return 1.0 + jnp.sum(accepted_bt * base_bt) / jnp.maximum(jnp.sum(base_bt), 1.0)

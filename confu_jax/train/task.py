@@ -55,6 +55,10 @@ class TrainTask:
     axis_units: dict = dataclasses.field(default_factory=dict)
     # Non-trainable arrays saved with every checkpoint (e.g. the draft vocabulary d2t / t2d).
     extra_arrays: dict = dataclasses.field(default_factory=dict)
+    # Identity of the frozen target (``confu_jax.runs.heads.target_fingerprint``) and where it came
+    # from; written to the workdir's target.json so a head is never decoded with another target.
+    target_fingerprint: Optional[str] = None
+    target_source: str = ""
     description: str = ""
 
 

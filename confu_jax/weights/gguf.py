@@ -10,7 +10,6 @@ original context) tuple from it and check that it reproduces the tensor exactly.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np

@@ -24,7 +24,7 @@ from confu_jax import sharding as shd
 from confu_jax.models.llama import Llama, init_params as llama_init, param_shapes
 from confu_jax.models.presets import get_preset
 from confu_jax.train.config import default_train_config
-from confu_jax.train.step import simulated_acceptance_length
+from confu_jax.train.acceptance import chain_acceptance_length
 from confu_jax.train.task import TrainTask
 
 
@@ -34,7 +34,7 @@ def get_toy_config() -> ml_collections.ConfigDict:
     c.model.preset = "tiny"
     c.model.seed = 1234  # the frozen target's random weights
     c.train = default_train_config()
-    c.train.task = "confu_jax.train.toy:build_task"
+    c.train.task = "tests.toy_task:build_task"
     c.train.steps = 20
     c.train.optim.lr = 3e-3
     c.train.optim.warmup_steps = 2
@@ -164,7 +164,7 @@ def make_forward(model: Llama, taps: tuple, steps: int, noise: float):
     def eval_fn(trainable, frozen, batch, rng):
         loss, metrics, logits, tgt, valid = loss_and_logits(trainable, frozen, batch, rng, False)
         metrics = dict(metrics, loss=loss)
-        metrics["acceptance_length"] = simulated_acceptance_length(jnp.argmax(logits, -1) == tgt, valid)
+        metrics["acceptance_length"] = chain_acceptance_length(jnp.argmax(logits, -1) == tgt, valid)
         return metrics
 
     return loss_fn, eval_fn

@@ -1,0 +1,35 @@
+"""The benchmark's command-line forms: budget lists and METHOD=WORKDIR head lists, with errors
+that show an accepted example."""
+
+from __future__ import annotations
+
+
+def parse_budgets(text: str) -> list[str]:
+    """``chain:4,dynamic:6,8,30,auto`` -> ['chain:4', 'dynamic:6,8,30', 'auto'] (a plan's numbers
+    continue it; a part with ':' or 'auto' starts the next one)."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if ":" in part or part == "auto":
+            out.append(part)
+        elif out and out[-1] != "auto":
+            out[-1] += "," + part
+        else:
+            raise ValueError(f"--budgets {text!r}: {part!r} does not continue a plan; expected e.g. "
+                             "chain:4,dynamic:6,8,30,auto")
+    from confu_jax.decode.plans import parse_plan
+
+    for b in out:
+        if b != "auto":
+            parse_plan(b)  # raises with the accepted forms
+    return out
+
+
+def parse_heads(text: str) -> dict:
+    """``eagle3=DIR,confu=DIR`` -> {'eagle3': 'DIR', 'confu': 'DIR'}."""
+    out = {}
+    for part in (p.strip() for p in (text or "").split(",") if p.strip()):
+        name, eq, path = part.partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"--heads: {part!r} is not METHOD=WORKDIR (e.g. eagle3=runs/smollm2_eagle3)")
+        out[name] = path
+    return out

@@ -1,0 +1,79 @@
+"""Training and held-out batches from conversation files, with the draft vocabulary counted on them.
+
+The last ``config.objective.eval_records`` conversations of the training files are held out for
+evaluation; the draft vocabulary is counted on the rest (it is saved with every checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from confu_jax.models.spec import ModelSpec
+from confu_jax.train.target_loading import strip_asset
+
+log = logging.getLogger(__name__)
+
+BATCH_KEYS = ("tokens", "loss_mask", "attention_mask")
+
+
+class KeepKeys:
+    """A batch iterator restricted to the keys the loss reads (checkpointable like the inner one)."""
+
+    def __init__(self, inner, keys=BATCH_KEYS):
+        self.inner, self.keys = inner, keys
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.inner)
+        return {k: np.asarray(batch[k]) for k in self.keys}
+
+    def get_state(self):
+        return self.inner.get_state()
+
+    def set_state(self, state) -> None:
+        self.inner.set_state(state)
+
+
+def process_rows(batch: dict, process_index: int, process_count: int) -> dict:
+    n = next(iter(batch.values())).shape[0]
+    lo, hi = process_index * n // process_count, (process_index + 1) * n // process_count
+    return {k: v[lo:hi] for k, v in batch.items()}
+
+
+def real_data(config, spec: ModelSpec):
+    """(draft vocab, train_iterator, eval_batches) over conversations, with a held-out tail."""
+    from confu_jax.data import formats, pipeline
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.data.draft_vocab import draft_vocab_for_training
+
+    data = config.data
+    tokenizer = ChatTokenizer.load(strip_asset(config.model.source))
+    conversations, report = formats.load_conversations(
+        pipeline.train_files(data), on_bad_record=data.on_bad_record, max_records=data.max_records or None)
+    log.info("training data: %s", report.summary())
+    n_eval = min(int(config.objective.eval_records), len(conversations) // 2)
+    train_convs = conversations[:len(conversations) - n_eval]
+    eval_convs = conversations[len(conversations) - n_eval:]
+    vocab = draft_vocab_for_training(data, tokenizer, spec.target.vocab_size, conversations=train_convs)
+
+    def train_iterator(pidx, pcount):
+        return KeepKeys(pipeline.make_train_iterator(config, tokenizer, pidx, pcount, seed=int(config.train.seed),
+                                                      conversations=train_convs))
+
+    def eval_batches(pidx, pcount):
+        rows = [r for r in (pipeline.encode_example(c["messages"], tokenizer, int(data.max_length),
+                                                    int(data.min_loss_tokens)) for c in eval_convs) if r is not None]
+        g = int(data.global_batch_size)
+        out = []
+        for i in range(min(int(config.objective.eval_batches), len(rows) // g)):
+            batch = {k: np.stack([r[k] for r in rows[i * g:(i + 1) * g]]) for k in BATCH_KEYS}
+            out.append(process_rows(batch, pidx, pcount))
+        if not out:
+            log.warning("no held-out batch: %d usable eval conversations < data.global_batch_size=%d", len(rows), g)
+        return out
+
+    return vocab, train_iterator, eval_batches

@@ -1,0 +1,84 @@
+"""Self-distilled synthetic training data for targets with random weights (tests, smoke runs).
+
+With ``model.source='random'`` there is no tokenizer and no text, yet training should still see
+the structure real self-distilled data has: answers that are the target's own greedy
+continuation. Random prompts continued greedily by the random target give exactly that.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from confu_jax.models.llama import Llama, LlamaConfig
+
+
+def default_synthetic_config() -> ml_collections.ConfigDict:
+    """``config.synthetic`` (only for ``model.source='random'``): self-distilled random prompts."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # random target weights and prompts
+    c.prompt_len = 4  # prompt tokens (not trained on); the rest of data.max_length is the answer
+    return c
+
+
+class SelfDistilledStream:
+    """Deterministic batches of random prompts continued greedily by a (random) target.
+
+    Batch ``i`` is a function of (seed, i) only, so the iterator state is the position. Rows:
+    ``prompt_len`` random tokens (loss-masked out) + the target's greedy continuation to
+    ``seq_len`` (the answer) — the shape of self-distilled training data, without a tokenizer.
+    """
+
+    def __init__(self, cfg: LlamaConfig, params: dict, *, global_batch: int, seq_len: int, prompt_len: int,
+                 seed: int, process_index: int = 0, process_count: int = 1):
+        if global_batch % process_count:
+            raise ValueError(f"data.global_batch_size={global_batch} is not divisible by {process_count} processes")
+        if not 1 <= prompt_len < seq_len - 2:
+            raise ValueError(f"synthetic.prompt_len={prompt_len} must be in [1, data.max_length - 2 = {seq_len - 2})")
+        self.cfg, self.params = cfg, params
+        self.global_batch, self.seq_len, self.prompt_len, self.seed = global_batch, seq_len, prompt_len, seed
+        self.rows = slice(process_index * global_batch // process_count,
+                          (process_index + 1) * global_batch // process_count)
+        self.position = 0
+        self._greedy = jax.jit(functools.partial(_greedy_fill, cfg, prompt_len))
+
+    def batch_at(self, index: int) -> dict:
+        rng = np.random.default_rng([self.seed, index])
+        prompts = rng.integers(0, self.cfg.vocab_size, (self.global_batch, self.prompt_len)).astype(np.int32)
+        buf = np.zeros((self.global_batch, self.seq_len), np.int32)
+        buf[:, :self.prompt_len] = prompts
+        tokens = np.asarray(self._greedy(self.params, jnp.asarray(buf)))[self.rows]
+        loss_mask = np.zeros(tokens.shape, bool)
+        loss_mask[:, self.prompt_len:] = True
+        return {"tokens": tokens, "loss_mask": loss_mask, "attention_mask": np.ones(tokens.shape, bool)}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = self.batch_at(self.position)
+        self.position += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"position": int(self.position), "seed": int(self.seed)}
+
+    def set_state(self, state: dict) -> None:
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"data state seed {state['seed']} != configured synthetic.seed {self.seed}")
+        self.position = int(state["position"])
+
+
+def _greedy_fill(cfg: LlamaConfig, prompt_len: int, params: dict, buf_bn: jax.Array) -> jax.Array:
+    """Fill positions prompt_len.. of ``buf_bn`` with the target's greedy continuation."""
+    pos = jnp.broadcast_to(jnp.arange(buf_bn.shape[1]), buf_bn.shape)
+
+    def body(t, buf):
+        logits = Llama(cfg).apply({"params": params}, buf, pos).logits_btv
+        return buf.at[:, t].set(jnp.argmax(logits[:, t - 1], -1).astype(jnp.int32))
+
+    return jax.lax.fori_loop(prompt_len, buf_bn.shape[1], body, buf_bn)
