@@ -49,8 +49,9 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     config.confu.n_expert = 8
     config.confu.expert_top_k = 2
     # Replication window l (paper §3.3, eq. 3; value not given there). 0 for "-MoE & replicate".
-    config.confu.replication = 3 if VARIANTS[variant].replication else 0
-    # Contemplate lag δ ~ U{1..max_lag} in training = D + 1 for decode tree depth D (DESIGN.md §4):
+    v = VARIANTS[variant]
+    config.confu.replication = 0 if v.has_future and not v.replication else 3  # (unread by eagle3)
+    # Contemplate lag δ ~ U{1..max_lag} in training = D + 1 for decode tree depth D (docs/DESIGN.md §4):
     # at inference the contemplate after a depth-k node reads h_cat[p], a lag of k + 1.
     config.confu.max_lag = 7
     config.confu.soft_prompt_init_std = 0.02

@@ -401,10 +401,17 @@ def draft_dynamic_tree(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array,
         front_pool_idx = pool_offset + sel
         pool_offset += top_k * top_k
         prev_anc = anc
-    pool_tok = jnp.concatenate(pool_tok, axis=1)
-    pool_cum = jnp.concatenate(pool_cum, axis=1)
-    pool_parent = jnp.concatenate(pool_parent, axis=1)
+    tree, cum_bt = _keep_top_nodes(root_token_b, jnp.concatenate(pool_tok, axis=1),
+                                   jnp.concatenate(pool_cum, axis=1), jnp.concatenate(pool_parent, axis=1),
+                                   n_nodes, depth)
+    return tree, cum_bt, state
 
+
+def _keep_top_nodes(root_token_b, pool_tok, pool_cum, pool_parent, n_nodes: int, depth: int):
+    """EAGLE-2's final selection: the root plus the top ``n_nodes - 1`` pool candidates by
+    cumulative draft log-probability, in pool order (topological, siblings in rank order)
+    -> (tree, cum_logp_bt)."""
+    b, pool = pool_tok.shape
     _, keep = _stable_top_k(pool_cum, n_nodes - 1)
     keep = jnp.sort(keep, axis=1)  # pool order is topological
     rows = jnp.arange(b)[:, None]
@@ -419,4 +426,4 @@ def draft_dynamic_tree(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array,
     cum_bt = jnp.concatenate([jnp.zeros((b, 1), cum_sel.dtype), cum_sel], axis=1)
     valid_bt = jnp.isfinite(cum_bt)
     # par_node == -1 would mean a dropped ancestor; build_tree then marks the node invalid
-    return build_tree(tokens_bt, parents_bt, depth, valid_bt), cum_bt, state
+    return build_tree(tokens_bt, parents_bt, depth, valid_bt), cum_bt

@@ -1,4 +1,4 @@
-"""Lossless verification of a draft tree against the target's logits (DESIGN.md §4).
+"""Lossless verification of a draft tree against the target's logits (docs/DESIGN.md §4).
 
 Inputs are the target's logits at every node ([B,T,V]: the distribution of that node's NEXT
 token; at the root, the distribution of its children) and a ``confu_jax.decode.tree.DraftTree``.

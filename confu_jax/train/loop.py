@@ -156,8 +156,59 @@ def evaluate(eval_step: CompiledStep, state, batches: Sequence) -> dict:
     return {k: float(np.mean(v)) for k, v in acc.items()}
 
 
+def _write_run_files(config, workdir: str, run: RunSetup) -> None:
+    """config.json, target.json and the run's description in the log (process 0 only)."""
+    task = run.task
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    if task.target_fingerprint:
+        write_target_record(workdir, task.target_fingerprint, task.target_source)
+    logging.info("task: %s | mesh %s over %d processes | trainable %s params | frozen %s params",
+                 task.description, dict(run.mesh.shape), jax.process_count(),
+                 f"{param_count(run.abstract_state.params):,}", f"{param_count(task.frozen_abstract):,}")
+    for row in shd.explain(run.abstract_state.params, run.mesh, task.param_rules, axis_units=task.axis_units):
+        if row["fallbacks"]:
+            logging.info("sharding fallback (replicated dims) for %s %s: %s", row["path"], row["shape"],
+                         row["fallbacks"])
+
+
+def _restore_or_init(config, workdir: str, run: RunSetup, ckpt: Checkpointer, iterator, main: bool):
+    """The latest checkpoint of this workdir (exact resume), else a fresh state, optionally
+    initialised from another run (``train.checkpoint.init_from``) -> (state, start step, init report)."""
+    tc, task = config.train, run.task
+    latest = ckpt.latest_step()
+    if latest is not None:
+        r = ckpt.restore(run.sharded_abstract_state(), latest, extras_like=task.extra_arrays)
+        iterator.set_state(r.data_state)
+        _check_extras(r.extras, task.extra_arrays)
+        if int(jax.device_get(r.state.step)) != r.step:
+            raise ValueError(f"checkpoint step {r.step} holds state.step={int(r.state.step)}")
+        if main:
+            logging.info("resumed from %s at step %d", ckpt.directory, r.step)
+        return r.state, r.step, None
+    state, init_report = run.init_state(), None
+    if tc.checkpoint.init_from:
+        params, init_report = init_params_from(tc.checkpoint.init_from, state.params, tc.checkpoint.init_from_step)
+        state = state.replace(params=params)
+        if main:
+            logging.info("%s", init_report.summary())
+            with open(os.path.join(workdir, "init_from.json"), "w") as f:
+                json.dump(dataclasses.asdict(init_report), f, indent=2)
+    return state, 0, init_report
+
+
+def _eval_setup(run: RunSetup, eval_every: int, pidx: int, pcount: int):
+    """(compiled eval step or None, this process's held-out batches on the mesh)."""
+    if eval_every <= 0 or run.task.eval_batches is None:
+        return None, []
+    batches = [shd.global_batch(b, run.mesh) for b in run.task.eval_batches(pidx, pcount)]
+    return (run.compile_eval_step(batches[0]) if batches else None), batches
+
+
 def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[TrainTask] = None,
           mesh=None) -> TrainResult:
+    """Train until ``config.train.steps`` (resuming the workdir's latest checkpoint), evaluating,
+    logging and checkpointing as configured; a preemption signal saves and stops cleanly."""
     tc = config.train
     pidx, pcount = jax.process_index(), jax.process_count()
     main = pidx == 0
@@ -165,52 +216,16 @@ def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[Train
     run = setup_run(config, task, mesh)
     task = run.task
     if main:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
-        if task.target_fingerprint:
-            write_target_record(workdir, task.target_fingerprint, task.target_source)
-        logging.info("task: %s | mesh %s over %d processes | trainable %s params | frozen %s params",
-                     task.description, dict(run.mesh.shape), pcount,
-                     f"{param_count(run.abstract_state.params):,}",
-                     f"{param_count(task.frozen_abstract):,}")
-        for row in shd.explain(run.abstract_state.params, run.mesh, task.param_rules,
-                               axis_units=task.axis_units):
-            if row["fallbacks"]:
-                logging.info("sharding fallback (replicated dims) for %s %s: %s", row["path"],
-                             row["shape"], row["fallbacks"])
+        _write_run_files(config, workdir, run)
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint.every,
                         keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
     iterator = task.train_iterator(pidx, pcount)
-    init_report = None
-    latest = ckpt.latest_step()
-    if latest is not None:
-        r = ckpt.restore(run.sharded_abstract_state(), latest, extras_like=task.extra_arrays)
-        state, start = r.state, r.step
-        iterator.set_state(r.data_state)
-        _check_extras(r.extras, task.extra_arrays)
-        if int(jax.device_get(state.step)) != start:
-            raise ValueError(f"checkpoint step {start} holds state.step={int(state.step)}")
-        if main:
-            logging.info("resumed from %s at step %d", ckpt.directory, start)
-    else:
-        state, start = run.init_state(), 0
-        if tc.checkpoint.init_from:
-            params, init_report = init_params_from(tc.checkpoint.init_from, state.params,
-                                                   tc.checkpoint.init_from_step)
-            state = state.replace(params=params)
-            if main:
-                logging.info("%s", init_report.summary())
-                with open(os.path.join(workdir, "init_from.json"), "w") as f:
-                    json.dump(dataclasses.asdict(init_report), f, indent=2)
+    state, start, init_report = _restore_or_init(config, workdir, run, ckpt, iterator, main)
 
     writers = make_writers(workdir, "metrics", tc.tensorboard, start) if main else None
     eval_writers = make_writers(workdir, "eval", tc.tensorboard, start) if main else None
-    eval_step, eval_batches = None, []
-    if tc.eval_every > 0 and task.eval_batches is not None:
-        eval_batches = [shd.global_batch(b, run.mesh) for b in task.eval_batches(pidx, pcount)]
-        if eval_batches:
-            eval_step = run.compile_eval_step(eval_batches[0])
+    eval_step, eval_batches = _eval_setup(run, tc.eval_every, pidx, pcount)
 
     watcher = PreemptionWatcher()
     pbar = tqdm(total=tc.steps, initial=start, disable=not (main and tc.progress_bar),

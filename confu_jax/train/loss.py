@@ -1,10 +1,9 @@
-"""The ConFu / EAGLE-3 training objective (DESIGN.md §4 "Training objective"; paper §3.3, eq. 3).
+"""The ConFu / EAGLE-3 training objective (docs/DESIGN.md §4 "Training objective"; paper §3.3, eq. 3).
 
 One function, :func:`confu_loss`, serves every variant; EAGLE-3 is the same code with the future
 path off (no anchors, no contemplate pass, every answer position counts).
 
-Index conventions (0-based, as in DESIGN.md): draft index j reads (x[j+1], g[j]) and at TTT step s
-predicts x[j+2+s]; its teacher is the target's next-token distribution at position j+1+s.
+Index conventions: docs/DESIGN.md §3 (draft index j, TTT step r, anchor, lag δ, window l).
 
 Pipeline of one call:
 
@@ -29,9 +28,9 @@ Pipeline of one call:
    Overlapping windows: an index takes the *latest* valid anchor whose window covers it — the
    freshest future prediction, as at inference where f always comes from the newest anchor.
    ConFu trains only on indices inside some window (eq. 3 sums over anchor windows only).
-4. **TTT** (``draft_ttt``, L_ttt steps). Step s at index j is trained with KL(P_target ‖ P_draft)
-   where x[j+2+s] is an answer token inside the sequence and the target argmax at j+1+s is in the
-   draft vocabulary. Loss = Σ_s decay^s · (mean over valid (b, j) of the KL). The head + KL of each
+4. **TTT** (``draft_ttt``, L_ttt steps). Step r at index j is trained with KL(P_target ‖ P_draft)
+   where x[j+2+r] is an answer token inside the sequence and the target argmax at j+1+r is in the
+   draft vocabulary. Loss = Σ_r decay^r · (mean over valid (b, j) of the KL). The head + KL of each
    step is rematerialised in the backward pass, so the [B, N, V_draft] draft logits of the L_ttt
    steps are never all alive together. ConFu evaluates the draft's LM head only at the (at most
    K·(l+1) per row) indices inside windows, gathered to a static [B, M] set: the head is the
@@ -39,7 +38,7 @@ Pipeline of one call:
 
 Metrics (scalars; the training loop's convention ``loss/step{s}``, ``acc/step{s}``): per-step KL
 and top-1 agreement with the target, the number of trained positions, teacher diagnostics, and
-``acceptance_length`` — see :func:`simulated_acceptance_length`.
+``acceptance_length`` — see ``train.acceptance.simulated_acceptance_length``.
 """
 
 from __future__ import annotations
@@ -290,6 +289,80 @@ def _step_kl(spec: ModelSpec, draft_params: dict, hidden_bnd: jax.Array, teacher
     return kl, jnp.argmax(logq, axis=-1)
 
 
+def _batch_arrays(batch: dict):
+    """(tokens [B,N] int32, loss mask [B,N] bool with right padding removed) of a training batch."""
+    tokens_bn = batch["tokens"].astype(jnp.int32)
+    loss_mask_bn = batch["loss_mask"].astype(bool)
+    if tokens_bn.shape != loss_mask_bn.shape:
+        raise ValueError(f"batch['tokens'] {tokens_bn.shape} and batch['loss_mask'] {loss_mask_bn.shape} differ")
+    if "attention_mask" in batch:
+        loss_mask_bn = loss_mask_bn & batch["attention_mask"].astype(bool)
+    return tokens_bn, loss_mask_bn
+
+
+def _trained_positions(plan, base_bn: jax.Array, n: int, cfg: ObjectiveConfig):
+    """Draft indices whose LM head is evaluated -> (sel_bm [B,M] or None for all N, ok_bm, base_bn).
+
+    ConFu trains only inside anchor windows (eq. 3): at most K·(l+1) indices per row, so only
+    those draft positions pay for the [d, V_draft] head, its softmax and its backward.
+    """
+    b = base_bn.shape[0]
+    if plan is None:
+        return None, jnp.ones((b, n), bool), base_bn
+    in_window_bn = plan.index_bn >= 0
+    m = min(n, cfg.k_train * (cfg.replication + 1))
+    if m < n:
+        sel_bm = jax.vmap(lambda w: jnp.nonzero(w, size=m, fill_value=0)[0])(in_window_bn).astype(jnp.int32)
+        ok_bm = jnp.arange(m)[None] < jnp.sum(in_window_bn, axis=1, keepdims=True)
+        return sel_bm, ok_bm, base_bn & in_window_bn
+    return None, in_window_bn, base_bn & in_window_bn
+
+
+def _pick(sel_bm, x_bn):
+    """[B,N,...] -> [B,M,...] at the trained positions (identity when ``sel_bm`` is None)."""
+    return x_bn if sel_bm is None else jnp.take_along_axis(
+        x_bn, sel_bm.reshape(sel_bm.shape + (1,) * (x_bn.ndim - 2)), axis=1)
+
+
+def _ttt_losses(spec: ModelSpec, draft_params: dict, ttt, teacher, masks, sel_bm, ok_bm, n: int,
+                cfg: ObjectiveConfig):
+    """Per-TTT-step KL and accuracy -> (weighted loss, metrics, [R,B,M] hits, answer, in-draft masks)."""
+    b = ok_bm.shape[0]
+    r_steps = cfg.ttt_steps
+    # teacher rows j+1+r for step r: pad N past the end once, index per step
+    v_d = teacher.logp_bnv.shape[-1]
+    t_pad = _rows(jnp.concatenate([teacher.logp_bnv, jnp.zeros((b, r_steps + 1, v_d), jnp.float32)], axis=1))
+    t_arg = jnp.argmax(t_pad, axis=-1)
+
+    def teacher_rows(t_pad, r):
+        if sel_bm is None:
+            return t_pad[:, 1 + r:1 + r + n]
+        return jnp.take_along_axis(t_pad, (sel_bm + 1 + r)[..., None], axis=1)
+
+    def step_fn(dp, h_bmd, t_pad, r):
+        return _step_kl(spec, dp, h_bmd, teacher_rows(t_pad, r))
+
+    if cfg.remat:  # saves h and the shared t_pad per step, not [B, M, V_draft] logits
+        step_fn = jax.checkpoint(step_fn, static_argnums=(3,))
+    metrics, loss = {}, jnp.zeros((), jnp.float32)
+    correct, answer, in_draft = [], [], []
+    for r in range(r_steps):
+        kl_bm, arg_bm = step_fn(draft_params, _rows(_pick(sel_bm, ttt.hidden_rbnd[r])), t_pad, r)
+        w_bm = (_pick(sel_bm, masks.valid_rbn[r]) & ok_bm).astype(jnp.float32)
+        cnt = jnp.maximum(jnp.sum(w_bm), 1.0)
+        kl_r = jnp.sum(kl_bm * w_bm) / cnt
+        hit_bm = arg_bm == (t_arg[:, 1 + r:1 + r + n] if sel_bm is None else
+                            jnp.take_along_axis(t_arg, sel_bm + 1 + r, axis=1))
+        correct.append(hit_bm)
+        answer.append(_pick(sel_bm, masks.answer_rbn[r]))
+        in_draft.append(_pick(sel_bm, masks.in_draft_rbn[r]))
+        loss = loss + (cfg.ttt_decay ** r) * kl_r
+        metrics[f"loss/step{r}"] = kl_r
+        metrics[f"acc/step{r}"] = jnp.sum(hit_bm * w_bm) / cnt
+        metrics[f"positions/step{r}"] = jnp.sum(w_bm)
+    return loss, metrics, jnp.stack(correct), jnp.stack(answer), jnp.stack(in_draft)
+
+
 def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_vocab: dict, batch: dict,
                rng: jax.Array, cfg: ObjectiveConfig) -> tuple[jax.Array, dict]:
     """(loss, metrics) of ``trainable = {'draft', 'confu'}`` on a batch (see module doc).
@@ -299,23 +372,14 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     ``{'d2t', 't2d'}``. ``rng`` draws the anchors and lags (unused by EAGLE-3). Gradients reach
     only ``trainable``: the target and its embedding enter under ``stop_gradient``.
     """
-    tokens_bn = batch["tokens"].astype(jnp.int32)
-    loss_mask_bn = batch["loss_mask"].astype(bool)
-    if tokens_bn.shape != loss_mask_bn.shape:
-        raise ValueError(f"batch['tokens'] {tokens_bn.shape} and batch['loss_mask'] {loss_mask_bn.shape} differ")
-    if "attention_mask" in batch:
-        loss_mask_bn = loss_mask_bn & batch["attention_mask"].astype(bool)
+    tokens_bn, loss_mask_bn = _batch_arrays(batch)
     b, n = tokens_bn.shape
-    s_steps = cfg.ttt_steps
     target_params = jax.lax.stop_gradient(target_params)
 
     out = real_forward(spec, target_params, tokens_bn, return_logits=False)
     h_cat_bnc = _rows(jax.lax.stop_gradient(out.taps_btc))
     teacher = teacher_from_hidden(spec, target_params, draft_vocab, _rows(out.hidden_btd), cfg.vocab_chunk)
 
-    # verification starting points for the simulated τ: the bonus x[j+1] and the first drafted
-    # token x[j+2] are answer tokens (the anchor candidates), for every variant alike
-    base_bn = anchor_candidates(loss_mask_bn)
     future, plan = None, None
     if spec.head.has_future:
         plan = plan_anchors(rng, loss_mask_bn, cfg)
@@ -323,67 +387,21 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
         f_bkd = contemplate_queries(spec, target_params, trainable["confu"], out.k_new_lbthd, out.v_new_lbthd,
                                     plan.anchor_bk, h_cat_bnc[rows, plan.con_src_bk])
         future = TTTFuture(_rows(f_bkd), plan.anchor_bk, plan.index_bn)
-
-    ttt = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc, s_steps,
-                    future=future, return_logits=False)
-
-    masks = ttt_masks(loss_mask_bn, teacher.in_draft_bn, s_steps)
-    # Draft indices whose LM head is evaluated: [B, M] indices ``sel_bm`` (None: all N) and ``ok_bm``.
-    # ConFu trains only inside anchor windows (eq. 3): at most K·(l+1) indices per row, so only
-    # those draft positions pay for the [d, V_draft] head, its softmax and its backward.
-    sel_bm, ok_bm = None, jnp.ones((b, n), bool)
-    if plan is not None:
-        in_window_bn = plan.index_bn >= 0
-        base_bn = base_bn & in_window_bn
-        m = min(n, cfg.k_train * (cfg.replication + 1))
-        if m < n:
-            sel_bm = jax.vmap(lambda w: jnp.nonzero(w, size=m, fill_value=0)[0])(in_window_bn).astype(jnp.int32)
-            ok_bm = jnp.arange(m)[None] < jnp.sum(in_window_bn, axis=1, keepdims=True)
-        else:
-            ok_bm = in_window_bn
-
-    def pick(x_bn):  # [B,N,...] -> [B,M,...]
-        return x_bn if sel_bm is None else jnp.take_along_axis(
-            x_bn, sel_bm.reshape(sel_bm.shape + (1,) * (x_bn.ndim - 2)), axis=1)
-
-    # teacher rows j+1+s for step s: pad N past the end once, index per step
-    v_d = teacher.logp_bnv.shape[-1]
-    t_pad = _rows(jnp.concatenate([teacher.logp_bnv, jnp.zeros((b, s_steps + 1, v_d), jnp.float32)], axis=1))
-    t_arg = jnp.argmax(t_pad, axis=-1)
-
-    def teacher_rows(t_pad, s):
-        if sel_bm is None:
-            return t_pad[:, 1 + s:1 + s + n]
-        return jnp.take_along_axis(t_pad, (sel_bm + 1 + s)[..., None], axis=1)
-
-    def step_fn(dp, h_bmd, t_pad, s):
-        return _step_kl(spec, dp, h_bmd, teacher_rows(t_pad, s))
-
-    if cfg.remat:  # saves h and the shared t_pad per step, not [B, M, V_draft] logits
-        step_fn = jax.checkpoint(step_fn, static_argnums=(3,))
-    metrics, loss = {}, jnp.zeros((), jnp.float32)
-    correct, answer, in_draft = [], [], []
-    for s in range(s_steps):
-        kl_bm, arg_bm = step_fn(trainable["draft"], _rows(pick(ttt.hidden_rbnd[s])), t_pad, s)
-        w_bm = (pick(masks.valid_rbn[s]) & ok_bm).astype(jnp.float32)
-        cnt = jnp.maximum(jnp.sum(w_bm), 1.0)
-        kl_s = jnp.sum(kl_bm * w_bm) / cnt
-        hit_bm = arg_bm == (t_arg[:, 1 + s:1 + s + n] if sel_bm is None else
-                            jnp.take_along_axis(t_arg, sel_bm + 1 + s, axis=1))
-        correct.append(hit_bm)
-        answer.append(pick(masks.answer_rbn[s]))
-        in_draft.append(pick(masks.in_draft_rbn[s]))
-        loss = loss + (cfg.ttt_decay ** s) * kl_s
-        metrics[f"loss/step{s}"] = kl_s
-        metrics[f"acc/step{s}"] = jnp.sum(hit_bm * w_bm) / cnt
-        metrics[f"positions/step{s}"] = jnp.sum(w_bm)
+    ttt = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc,
+                    cfg.ttt_steps, future=future, return_logits=False)
+    masks = ttt_masks(loss_mask_bn, teacher.in_draft_bn, cfg.ttt_steps)
+    # verification starting points for the simulated τ: the bonus x[j+1] and the first drafted
+    # token x[j+2] are answer tokens (the anchor candidates), for every variant alike
+    sel_bm, ok_bm, base_bn = _trained_positions(plan, anchor_candidates(loss_mask_bn), n, cfg)
+    loss, metrics, correct, answer, in_draft = _ttt_losses(spec, trainable["draft"], ttt, teacher, masks,
+                                                           sel_bm, ok_bm, n, cfg)
     metrics["acceptance_length"] = simulated_acceptance_length(
-        jax.lax.stop_gradient(jnp.stack(correct)), jnp.stack(answer), jnp.stack(in_draft), pick(base_bn) & ok_bm)
+        jax.lax.stop_gradient(correct), answer, in_draft, _pick(sel_bm, base_bn) & ok_bm)
     answer_w = loss_mask_bn.astype(jnp.float32)
     n_ans = jnp.maximum(jnp.sum(answer_w), 1.0)
     metrics["teacher/draft_vocab_mass"] = jnp.sum(teacher.draft_mass_bn * answer_w) / n_ans
     metrics["teacher/argmax_in_draft"] = jnp.sum(teacher.in_draft_bn * answer_w) / n_ans
     if plan is not None:
         metrics["anchors/valid"] = jnp.mean(jnp.sum(plan.valid_bk, axis=1).astype(jnp.float32))
-        metrics["anchors/window_coverage"] = jnp.sum(in_window_bn * answer_w) / n_ans
+        metrics["anchors/window_coverage"] = jnp.sum((plan.index_bn >= 0) * answer_w) / n_ans
     return loss, metrics

@@ -3,7 +3,7 @@
 Tensors are dequantised to float32 with ``gguf.quants.dequantize`` (Q4_1/Q8_0 for the embedded
 SmolLM2), then cast to the requested dtype. llama.cpp's converter permutes the rows of Q and K so
 its interleaved RoPE kernel can read them; our RoPE is HF's half-split, so those rows are
-permuted back (DESIGN.md §1). Llama-3 frequency scaling is stored as a ``rope_freqs.weight``
+permuted back (docs/DESIGN.md §1). Llama-3 frequency scaling is stored as a ``rope_freqs.weight``
 tensor of per-frequency divisors rather than as metadata; we recover the (factor, low, high,
 original context) tuple from it and check that it reproduces the tensor exactly.
 """
