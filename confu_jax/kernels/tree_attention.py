@@ -238,15 +238,7 @@ def masked_attention_pallas(
     """
     b, t, hq, d = q_bthd.shape
     hkv = k_blk_bthd.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if d < _MIN_TILE or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two >= {_MIN_TILE} for the Pallas kernel, got {d}")
-    if k_blk_bthd.shape != (b, t, hkv, d) or v_blk_bthd.shape != (b, t, hkv, d):
-        raise ValueError(f"block K/V must be [B,T,Hkv,D]={(b, t, hkv, d)}, got "
-                         f"{k_blk_bthd.shape} and {v_blk_bthd.shape}")
-    if block_mask_btt.shape != (b, t, t):
-        raise ValueError(f"block_mask_btt must be [B,T,T]={(b, t, t)}, got {block_mask_btt.shape}")
+    _check_block_shapes(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt)
     g = hq // hkv
     dtype = q_bthd.dtype
     has_cache = k_cache_bshd is not None and k_cache_bshd.shape[1] > 0
@@ -352,15 +344,33 @@ def masked_attention_pallas(
         name="confu_tree_attention",
     )(*args)
 
-    # Flash-decoding epilogue: weight each split's normalised output by its share of the
-    # softmax mass, exp(lse_j - lse*) / sum_j exp(lse_j - lse*).
+    o = _merge_splits(o_part, lse_part)[:, :, :n_rows]  # [B,Hkv,T*G,D]
+    o = o.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
+    return o.reshape(b, t, hq, d).astype(dtype)
+
+
+def _check_block_shapes(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt) -> None:
+    b, t, hq, d = q_bthd.shape
+    hkv = k_blk_bthd.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if d < _MIN_TILE or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two >= {_MIN_TILE} for the Pallas kernel, got {d}")
+    if k_blk_bthd.shape != (b, t, hkv, d) or v_blk_bthd.shape != (b, t, hkv, d):
+        raise ValueError(f"block K/V must be [B,T,Hkv,D]={(b, t, hkv, d)}, got "
+                         f"{k_blk_bthd.shape} and {v_blk_bthd.shape}")
+    if block_mask_btt.shape != (b, t, t):
+        raise ValueError(f"block_mask_btt must be [B,T,T]={(b, t, t)}, got {block_mask_btt.shape}")
+
+
+def _merge_splits(o_part, lse_part):
+    """Flash-decoding epilogue: weight each split's normalised output [B,Hkv,J,M,D] by its share of
+    the softmax mass, exp(lse_j - lse*) / sum_j exp(lse_j - lse*) -> [B,Hkv,M,D] float32."""
     lse_star = jnp.max(lse_part, axis=2, keepdims=True)
     w = jnp.where(lse_part > NEG_INF / 2, jnp.exp(lse_part - lse_star), 0.0)  # [B,Hkv,J,M]
     den = jnp.sum(w, axis=2)
     o = jnp.sum(w[..., None] * o_part.astype(jnp.float32), axis=2)  # elementwise: no TF32
-    o = o / jnp.where(den == 0, 1.0, den)[..., None]
-    o = o[:, :, :n_rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
-    return o.reshape(b, t, hq, d).astype(dtype)
+    return o / jnp.where(den == 0, 1.0, den)[..., None]
 
 
 # ----------------------------------------------------------------------------- dense baseline
