@@ -25,7 +25,7 @@ from confu_jax.models.llama import Llama, init_params as llama_init, param_shape
 from confu_jax.models.presets import get_preset
 from confu_jax.train.config import default_train_config
 from confu_jax.train.acceptance import chain_acceptance_length
-from confu_jax.train.task import TrainTask
+from confu_jax.train.task import PositionStream, TrainTask
 
 
 def get_toy_config() -> ml_collections.ConfigDict:
@@ -53,8 +53,10 @@ def get_toy_config() -> ml_collections.ConfigDict:
     return c
 
 
-class AffineSequences:
+class AffineSequences(PositionStream):
     """Deterministic batch stream; state = number of global batches consumed."""
+
+    seed_setting = "toy.data_seed"
 
     def __init__(self, global_batch: int, seq_len: int, vocab: int, prompt_len: int, seed: int,
                  process_index: int = 0, process_count: int = 1):
@@ -79,22 +81,6 @@ class AffineSequences:
         mask = np.zeros((b, t), bool)
         mask[:, self.prompt_len:] = True
         return {"tokens": x[self.rows].astype(np.int32), "loss_mask": mask[self.rows]}
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        batch = self.batch_at(self.position)
-        self.position += 1
-        return batch
-
-    def get_state(self) -> dict:
-        return {"position": int(self.position), "seed": int(self.seed)}
-
-    def set_state(self, state: dict) -> None:
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"data state seed {state['seed']} != configured toy.data_seed {self.seed}")
-        self.position = int(state["position"])
 
 
 def init_head(rng, d: int, n_taps: int, steps: int, hidden: int) -> dict:

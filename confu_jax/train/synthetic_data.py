@@ -15,6 +15,7 @@ import ml_collections
 import numpy as np
 
 from confu_jax.models.llama import Llama, LlamaConfig
+from confu_jax.train.task import PositionStream
 
 
 def default_synthetic_config() -> ml_collections.ConfigDict:
@@ -25,13 +26,15 @@ def default_synthetic_config() -> ml_collections.ConfigDict:
     return c
 
 
-class SelfDistilledStream:
+class SelfDistilledStream(PositionStream):
     """Deterministic batches of random prompts continued greedily by a (random) target.
 
     Batch ``i`` is a function of (seed, i) only, so the iterator state is the position. Rows:
     ``prompt_len`` random tokens (loss-masked out) + the target's greedy continuation to
     ``seq_len`` (the answer) — the shape of self-distilled training data, without a tokenizer.
     """
+
+    seed_setting = "synthetic.seed"
 
     def __init__(self, cfg: LlamaConfig, params: dict, *, global_batch: int, seq_len: int, prompt_len: int,
                  seed: int, process_index: int = 0, process_count: int = 1):
@@ -55,22 +58,6 @@ class SelfDistilledStream:
         loss_mask = np.zeros(tokens.shape, bool)
         loss_mask[:, self.prompt_len:] = True
         return {"tokens": tokens, "loss_mask": loss_mask, "attention_mask": np.ones(tokens.shape, bool)}
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        batch = self.batch_at(self.position)
-        self.position += 1
-        return batch
-
-    def get_state(self) -> dict:
-        return {"position": int(self.position), "seed": int(self.seed)}
-
-    def set_state(self, state: dict) -> None:
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"data state seed {state['seed']} != configured synthetic.seed {self.seed}")
-        self.position = int(state["position"])
 
 
 def _greedy_fill(cfg: LlamaConfig, prompt_len: int, params: dict, buf_bn: jax.Array) -> jax.Array:

@@ -34,6 +34,35 @@ class DataIterator(Protocol):
     def set_state(self, state: Any) -> None: ...
 
 
+class PositionStream:
+    """A deterministic batch stream: batch ``i`` is a function of (seed, i) only, so the iterator's
+    checkpointable state is its position. Subclasses set ``seed``, ``position`` and
+    ``seed_setting`` (the config key named when a restored seed differs) and define ``batch_at``."""
+
+    seed: int
+    position: int = 0
+    seed_setting: str = "seed"
+
+    def batch_at(self, index: int) -> dict:
+        raise NotImplementedError
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = self.batch_at(self.position)
+        self.position += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"position": int(self.position), "seed": int(self.seed)}
+
+    def set_state(self, state: dict) -> None:
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"data state seed {state['seed']} != configured {self.seed_setting} {self.seed}")
+        self.position = int(state["position"])
+
+
 @dataclasses.dataclass
 class TrainTask:
     # rng -> trainable params (jittable; the loop jits it with the params' shardings).
