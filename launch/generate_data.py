@@ -10,12 +10,17 @@ recommends it. System and user turns are kept verbatim; assistant turns are rege
 each one conditioned on the *regenerated* earlier answers (the context the target produces at
 inference). User turns after the last assistant turn are dropped (nothing to learn from them).
 
-Generation is batched and jitted (``confu_jax.decode.generate.generate_ar``): a batch of
-``--batch_size`` conversations regenerates its first answers in one call, then its second answers,
-and so on. Batches are padded to ``--batch_size`` rows so each prompt-length bucket compiles once.
+Generation is batched and jitted. The default engine is **continuous batching**
+(``confu_jax.decode.continuous``): ``--batch_size`` slots decode together and a slot whose answer
+finished is refilled at once with the next prompt — the next turn of the same conversation
+(conditioned on the regenerated answer) or a new conversation — without recompiling; a progress
+bar shows conversations and generated tokens/s. ``--engine static`` runs batches of
+``--batch_size`` conversations turn by turn through ``generate_ar`` instead. ``--num_shards`` /
+``--shard_index`` split the conversations by id hash over processes or hosts.
 
 Output ``{"id", "conversations": [{"role", "content"}]}`` per line, append-only, flushed and fsynced
-after every batch, so a killed run loses at most the batch in flight. Rerunning with the same
+after every conversation (continuous) or batch (static), so a killed run loses at most the
+conversations in flight. Rerunning with the same
 ``--output`` resumes: ids already in the file are skipped, and a torn last line (killed mid-write)
 is cut off first. Input ids must be unique (duplicates after the first are skipped, with a count).
 A conversation whose prompt would exceed ``--max_prompt_len`` tokens stops at the answers it has;
@@ -24,6 +29,7 @@ one with no regenerated answer at all is not written (and is re-checked, cheaply
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -219,6 +225,137 @@ def generate_dataset(
 
 
 # ----------------------------------------------------------------------------------------------
+# Continuous batching (the default engine)
+
+
+class _Conversation:
+    """Turn-by-turn regeneration state of one conversation."""
+
+    def __init__(self, conv: dict):
+        self.id = conv["id"]
+        self.slots = _assistant_slots(conv["messages"])
+        self.messages: list[dict] = []
+        self.turn = 0
+        self.n_answers = 0
+
+    def next_prompt(self, tokenizer, max_prompt_len: int):
+        """Ids of the next turn's prompt, or None when the conversation is complete (no turn left,
+        or the next prompt would exceed ``max_prompt_len``: it stops at the answers it has)."""
+        if self.turn >= len(self.slots):
+            return None
+        context = self.messages + self.slots[self.turn]
+        ids, _ = tokenizer.encode_chat(context, add_generation_prompt=True)
+        if len(ids) > max_prompt_len:
+            return None
+        self.messages = context
+        return ids
+
+    def add_answer(self, ids: list, stopped_at_eos: bool, tokenizer) -> None:
+        if stopped_at_eos and ids and ids[-1] in set(int(e) for e in tokenizer.eos_ids):
+            ids = ids[:-1]  # the chat template adds the end-of-turn token back
+        self.messages = self.messages + [{"role": "assistant", "content": tokenizer.decode(ids)}]
+        self.turn += 1
+        self.n_answers += 1
+
+    def record(self):
+        return {"id": self.id, "conversations": self.messages} if self.n_answers else None
+
+
+def turn_seed(conv_id: str, turn: int) -> int:
+    """The sampling seed of one turn: a function of the conversation and the turn only, so a
+    resumed or re-sharded run samples the same answers."""
+    return zlib.crc32(f"{conv_id}#{turn}".encode()) & 0x7FFFFFFF
+
+
+def generate_dataset_continuous(conversations: Sequence[dict], output: str, tokenizer, engine, *,
+                                max_prompt_len: int, progress: bool = True) -> dict:
+    """Regenerate what ``output`` lacks with a continuous-batching ``engine``
+    (``confu_jax.decode.continuous.ContinuousGenerator`` or anything with its ``run``).
+
+    Turns of different conversations share the batch: when a turn finishes, the conversation's
+    next turn (conditioned on the regenerated answer) is queued, and a conversation is appended to
+    ``output`` (and fsynced) once it and every conversation started before it are done, so the
+    file keeps the input order whatever the timing (at most 16x the batch of conversations are in
+    flight or waiting for an earlier one). A kill loses only those; rerunning resumes as ``generate_dataset`` does.
+    """
+    import time
+
+    from tqdm import tqdm
+
+    from confu_jax.decode.stopping import StopReason
+
+    done = read_done_ids(output)
+    seen: set[str] = set()
+    todo, n_dup = [], 0
+    for c in conversations:
+        if c["id"] in seen:
+            n_dup += 1
+            continue
+        seen.add(c["id"])
+        if c["id"] not in done:
+            todo.append(c)
+    if n_dup:
+        log.warning("skipped %d conversations whose id repeats an earlier one", n_dup)
+    stats = {"already_done": len(seen) - len(todo), "written": 0, "no_answer": 0, "duplicates": n_dup}
+    bar = tqdm(total=len(seen), initial=stats["already_done"], unit="conv", disable=not progress,
+               desc="regenerating")
+    pending = iter(todo)
+    active: dict[str, _Conversation] = {}
+    follow_ups: list[tuple] = []
+    width = getattr(engine, "batch", 1)
+    t0, tok0 = time.perf_counter(), getattr(engine, "tokens_generated", 0)
+
+    started: collections.deque = collections.deque()  # ids in input order, written in that order
+    complete: set[str] = set()
+
+    def finish(conv: _Conversation):
+        complete.add(conv.id)
+        ready = []
+        while started and started[0] in complete:
+            done_conv = active.pop(started.popleft())
+            complete.discard(done_conv.id)
+            rec = done_conv.record()
+            if rec is None:
+                stats["no_answer"] += 1
+            else:
+                ready.append(rec)
+            bar.update(1)
+        if ready:
+            stats["written"] += append_records(output, ready)
+
+    def more():
+        """Next turns of running conversations, then new conversations while fewer than 2x the
+        batch are running (so a freed slot always finds work) and the reorder buffer is bounded."""
+        out, follow_ups[:] = list(follow_ups), []
+        while len(active) - len(complete) < 2 * width and len(active) < 16 * width:
+            c = next(pending, None)
+            if c is None:
+                break
+            conv = active[c["id"]] = _Conversation(c)
+            started.append(conv.id)
+            ids = conv.next_prompt(tokenizer, max_prompt_len)
+            if ids is None:
+                finish(conv)
+                continue
+            out.append((conv.id, ids, turn_seed(conv.id, conv.turn)))
+        return out
+
+    for fin in engine.run([], more=more):
+        conv = active[fin.request_id]
+        conv.add_answer(fin.tokens, fin.reason == StopReason.EOS, tokenizer)
+        ids = conv.next_prompt(tokenizer, max_prompt_len)
+        if ids is None:
+            finish(conv)
+        else:
+            follow_ups.append((conv.id, ids, turn_seed(conv.id, conv.turn)))
+        dt = time.perf_counter() - t0
+        if dt > 0:
+            bar.set_postfix(tok_s=f"{(getattr(engine, 'tokens_generated', 0) - tok0) / dt:.1f}", refresh=False)
+    bar.close()
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -230,14 +367,35 @@ def _define_flags():
     flags.DEFINE_list("input", ["sharegpt"], "conversation files or asset names (ShareGPT/SpecForge/UltraChat)")
     flags.DEFINE_string("output", None, "JSONL to write (appended to; rerun to resume)", required=True)
     flags.DEFINE_integer("max_records", 0, "use only the first N good input conversations (0 = all)")
-    flags.DEFINE_integer("batch_size", 16, "conversations per jitted generation call")
+    flags.DEFINE_enum("engine", "continuous", ["continuous", "static"],
+                      "continuous: B slots refilled as rows finish (confu_jax.decode.continuous); "
+                      "static: batches of --batch_size conversations, turn by turn (generate_ar)")
+    flags.DEFINE_integer("batch_size", 32, "rows decoded together (continuous: slots; static: conversations per call)")
+    flags.DEFINE_integer("steps_per_sync", 16, "continuous: decode steps between host checks for finished rows")
     flags.DEFINE_integer("max_new_tokens", 512, "tokens generated per assistant turn at most")
-    flags.DEFINE_integer("max_prompt_len", 1536, "longest prompt (tokens) a turn may be generated from")
+    flags.DEFINE_integer("max_prompt_len", 512,
+                         "longest prompt (tokens) a turn may be generated from; the continuous engine's "
+                         "cache holds max_prompt_len + max_new_tokens slots per row")
     flags.DEFINE_float("temperature", 0.0, "0 = greedy")
     flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass (temperature > 0)")
     flags.DEFINE_string("dtype", "", "parameter/compute dtype (default: the checkpoint's)")
     flags.DEFINE_enum("on_bad_record", "skip", ["skip", "fail"], "what to do with malformed input records")
+    flags.DEFINE_integer("num_shards", 1, "split the conversations over this many processes/hosts (by id hash)")
+    flags.DEFINE_integer("shard_index", 0, "which shard this process generates; its output gets a "
+                         "'.shard-IIIII-of-NNNNN' suffix when num_shards > 1")
     return flags.FLAGS
+
+
+def shard_of(conv_id: str, num_shards: int) -> int:
+    """Stable shard of a conversation (independent of input order and of the process count's history)."""
+    return zlib.crc32(conv_id.encode()) % num_shards
+
+
+def shard_output(output: str, shard_index: int, num_shards: int) -> str:
+    if num_shards == 1:
+        return output
+    root, ext = os.path.splitext(output)
+    return f"{root}.shard-{shard_index:05d}-of-{num_shards:05d}{ext}"
 
 
 def main(argv):
@@ -247,21 +405,31 @@ def main(argv):
     from confu_jax.weights import load_model
 
     f = FLAGS
+    if not 0 <= f.shard_index < f.num_shards:
+        raise app.UsageError(f"--shard_index={f.shard_index} must lie in [0, --num_shards={f.num_shards})")
     convs, report = load_conversations(
         f.input, on_bad_record=f.on_bad_record, max_records=f.max_records or None
     )
     log.info("input: %s", report.summary())
+    convs = [c for c in convs if shard_of(c["id"], f.num_shards) == f.shard_index]
+    output = shard_output(f.output, f.shard_index, f.num_shards)
     tokenizer = ChatTokenizer.load(f.tokenizer or f.model)
     cfg, params = load_model(f.model, f.dtype or None)
-    generate_fn = make_generate_fn(
-        params, cfg, max_new_tokens=f.max_new_tokens, temperature=f.temperature, top_p=f.top_p,
-        eos_ids=tokenizer.eos_ids,
-    )
-    out_dir = os.path.dirname(os.path.abspath(f.output))
-    os.makedirs(out_dir, exist_ok=True)
-    stats = generate_dataset(convs, f.output, tokenizer, generate_fn, batch_size=f.batch_size,
-                             max_prompt_len=f.max_prompt_len)
-    print(json.dumps({"output": f.output, **stats}))
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    if f.engine == "continuous":
+        from confu_jax.decode.continuous import ContinuousGenerator
+
+        engine = ContinuousGenerator(params, cfg, batch=f.batch_size, max_len=f.max_prompt_len + f.max_new_tokens,
+                                     max_new_tokens=f.max_new_tokens, temperature=f.temperature, top_p=f.top_p,
+                                     eos_ids=tokenizer.eos_ids, steps_per_sync=f.steps_per_sync)
+        stats = generate_dataset_continuous(convs, output, tokenizer, engine, max_prompt_len=f.max_prompt_len)
+        stats["tokens_generated"] = engine.tokens_generated
+    else:
+        generate_fn = make_generate_fn(params, cfg, max_new_tokens=f.max_new_tokens, temperature=f.temperature,
+                                       top_p=f.top_p, eos_ids=tokenizer.eos_ids)
+        stats = generate_dataset(convs, output, tokenizer, generate_fn, batch_size=f.batch_size,
+                                 max_prompt_len=f.max_prompt_len)
+    print(json.dumps({"output": output, **stats}))
 
 
 if __name__ == "__main__":
