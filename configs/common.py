@@ -54,6 +54,8 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     # Contemplate lag δ ~ U{1..max_lag} in training = D + 1 for decode tree depth D (docs/DESIGN.md §4):
     # at inference the contemplate after a depth-k node reads h_cat[p], a lag of k + 1.
     config.confu.max_lag = 7
+    # Weights of δ = 1..max_lag (e.g. a measured acceptance-length histogram); () = uniform.
+    config.confu.lag_weights = ()
     config.confu.soft_prompt_init_std = 0.02
 
     config.draft = ml_collections.ConfigDict()

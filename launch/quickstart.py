@@ -120,6 +120,8 @@ def head_config(variant: str):
     # TTT over 3 draft steps (the decode chain's depth) instead of 7: the step costs ~linear in it
     config.draft.ttt_steps = 3
     config.confu.max_lag = 4  # contemplate lag = depth + 1 (configs/common.py)
+    # sparse anchors, so that the replication window (l = 3) is what trains indices between them
+    config.objective.k_train = max(1, (FLAGS.train_max_length - 2) // (2 * (config.confu.replication + 1)))
     config.objective.eval_records = 0
     config.objective.eval_batches = 0
     return config

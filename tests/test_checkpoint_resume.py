@@ -213,3 +213,59 @@ def test_sigterm_checkpoints_at_once_and_stops(tmp_path, reference):
     ck.close()
     # what it logged so far is the reference trajectory (resuming is the SIGKILL test's job)
     _assert_same_trajectory(read_csv(os.path.join(workdir, "metrics.csv")), ref_rows[:5])
+
+
+def test_resume_refuses_a_changed_config_and_allows_extending_the_run(tmp_path):
+    from confu_jax.train.loop import check_resume_config
+
+    workdir = str(tmp_path / "run")
+    train(_config(**{"train.steps": 3}), workdir)
+    # what is trained changed: refused before any work, the keys named with both values
+    with pytest.raises(ValueError, match=r"toy\.seq_len: 16 -> 24; train\.optim\.lr: 0\.003 -> 0\.01"):
+        train(_config(**{"train.steps": 6, "train.optim.lr": 0.01, "toy.seq_len": 24}), workdir)
+    # how long it runs, how it logs and checkpoints, the mesh: allowed
+    result = train(_config(**{"train.steps": 5, "train.log_every": 2, "train.mesh.fsdp": 1}), workdir)
+    assert (result.start_step, result.step) == (3, 5)
+    saved = json.load(open(os.path.join(workdir, "config.json")))
+    assert saved["train"]["steps"] == 5  # the run's config follows the allowed changes
+    # settings added to the code after the run was written are not a change
+    check_resume_config(workdir, _config(**{"train.steps": 5, "train.log_every": 2, "train.mesh.fsdp": 1}))
+    del saved["toy"]["feature_noise"]
+    json.dump(saved, open(os.path.join(workdir, "config.json"), "w"))
+    check_resume_config(workdir, _config(**{"train.steps": 5}))
+
+
+def test_init_from_remaps_the_draft_lm_head_by_target_id(tmp_path):
+    """A source run whose draft vocabulary differs: each draft id takes the column of its target id
+    in the source head (ids the source lacks keep their fresh init), never a column of another token."""
+    from configs.tiny import get_config
+    from confu_jax.models.params import init_trainable
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.runs.heads import load_trained_head
+
+    src = str(tmp_path / "e3")
+    c = get_config("eagle3")
+    c.train.steps, c.train.eval_every, c.train.progress_bar, c.train.tensorboard = 1, 0, False, "off"
+    c.train.checkpoint.async_save = False
+    train(c, src)
+    head = load_trained_head(src)
+    src_d2t, src_kernel = head.draft_vocab["d2t"], head.trainable["draft"]["lm_head"]["kernel"]
+    spec = model_spec_from_config(get_config("confu"))
+    fresh = init_trainable(spec, jax.random.PRNGKey(9))
+    v_draft = spec.head.draft_vocab_size
+    # the new run's vocabulary: the source's ids in reverse order, one replaced by an id it lacks
+    new_d2t = np.array(src_d2t[::-1])
+    missing = int(np.setdiff1d(np.arange(spec.target.vocab_size), src_d2t)[0])
+    new_d2t[0] = missing
+    params, report = init_params_from(os.path.join(src, "checkpoints"), fresh, draft_vocab_d2t=new_d2t)
+    kernel = np.asarray(params["draft"]["lm_head"]["kernel"])
+    assert report.lm_head_remap == {"matched": v_draft - 1, "fresh": 1}
+    np.testing.assert_array_equal(kernel[:, 0], np.asarray(fresh["draft"]["lm_head"]["kernel"])[:, 0])
+    for i in range(1, v_draft):
+        j = int(np.nonzero(src_d2t == new_d2t[i])[0][0])
+        np.testing.assert_array_equal(kernel[:, i], src_kernel[:, j])
+    np.testing.assert_array_equal(np.asarray(params["draft"]["fc"]["kernel"]), head.trainable["draft"]["fc"]["kernel"])
+    # the same vocabulary: a plain copy
+    same, report = init_params_from(os.path.join(src, "checkpoints"), fresh, draft_vocab_d2t=np.asarray(src_d2t))
+    assert report.lm_head_remap is None
+    np.testing.assert_array_equal(np.asarray(same["draft"]["lm_head"]["kernel"]), src_kernel)

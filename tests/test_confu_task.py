@@ -170,3 +170,35 @@ def test_pallas_attention_is_refused_in_training_and_off_gpu():
     c.model.attention_impl = "flash"
     with pytest.raises(ValueError, match="attention_impl must be one of"):
         model_spec_from_config(c, backend="gpu")
+
+
+def test_dense_anchors_that_leave_the_replication_window_unused_are_warned(caplog):
+    from configs.tiny import get_config
+    from confu_jax.train.confu_task import warn_if_windows_unused
+
+    c = get_config("confu")
+    c.data.max_length, c.confu.replication = 128, 3
+    c.objective.k_train = 256  # the old quickstart setting: every position is an anchor
+    with caplog.at_level("WARNING"):
+        assert warn_if_windows_unused(c)
+    assert "replication windows have (almost) no effect; use k_train <= 15" in caplog.text
+    c.objective.k_train = 15
+    assert not warn_if_windows_unused(c)
+    c.confu.variant = "eagle3"  # no anchors at all
+    c.objective.k_train = 256
+    assert not warn_if_windows_unused(c)
+
+
+def test_lag_weights_draw_lags_with_the_configured_distribution():
+    import jax
+
+    from confu_jax.train.loss import ObjectiveConfig, sample_lags
+
+    cfg = ObjectiveConfig(max_lag=4, lag_weights=(0.7, 0.2, 0.1, 0.0))
+    lags = np.asarray(sample_lags(jax.random.PRNGKey(0), (200_000,), cfg))
+    freq = np.bincount(lags, minlength=5)[1:] / lags.size
+    np.testing.assert_allclose(freq, [0.7, 0.2, 0.1, 0.0], atol=0.005)
+    uniform = np.asarray(sample_lags(jax.random.PRNGKey(0), (1000,), ObjectiveConfig(max_lag=4)))
+    assert uniform.min() == 1 and uniform.max() == 4
+    with pytest.raises(ValueError, match="lag_weights must be 4"):
+        ObjectiveConfig(max_lag=4, lag_weights=(1.0, 1.0))

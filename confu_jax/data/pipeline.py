@@ -170,6 +170,32 @@ class _Encode(grain.transforms.Map):
         return row
 
 
+def check_some_row_usable(conversations: Sequence[dict], tokenizer: ChatEncoder, max_length: int,
+                          min_loss_tokens: int) -> int:
+    """Index of the first conversation the row filter keeps; raises if it keeps none.
+
+    The pipeline repeats its records forever and drops unusable rows, so data whose every record
+    is dropped would make the first batch wait forever. Checking stops at the first usable record
+    (cheap); only data that is entirely unusable is encoded in full, to say why.
+    """
+    too_long_prompt = few_tokens = 0
+    for i, c in enumerate(conversations):
+        _, mask = tokenizer.encode_chat(c["messages"], add_generation_prompt=False)
+        kept = [False] + [bool(m) for m in mask[1:max_length]]  # position 0 is never predicted
+        if sum(kept) >= min_loss_tokens:
+            return i
+        if not any(kept) and any(mask[max_length:]):
+            too_long_prompt += 1
+        else:
+            few_tokens += 1
+    raise ValueError(
+        f"every one of the {len(conversations)} training conversations is filtered out: after the chat "
+        f"template and truncation to data.max_length={max_length}, none keeps data.min_loss_tokens="
+        f"{min_loss_tokens} assistant tokens ({too_long_prompt} have no answer token before position "
+        f"{max_length}, {few_tokens} have fewer answer tokens than that). Raise data.max_length or lower "
+        "data.min_loss_tokens.")
+
+
 def make_dataset(
     conversations: Sequence[dict],
     tokenizer: ChatEncoder,
@@ -193,6 +219,7 @@ def make_dataset(
         raise ValueError(f"process_index {process_index} not in [0, process_count={process_count})")
     if per_host_batch_size < 1:
         raise ValueError(f"per_host_batch_size must be >= 1, got {per_host_batch_size}")
+    check_some_row_usable(conversations, tokenizer, max_length, min_loss_tokens)
     ds = grain.MapDataset.range(len(conversations))
     if shuffle:
         ds = ds.shuffle(seed=seed)

@@ -27,7 +27,7 @@ import numpy as np
 
 from confu_jax.decode.generate import decode_step
 from confu_jax.decode.requests import bucket_length, default_unroll_layers
-from confu_jax.decode.sampling import choose_token
+from confu_jax.decode.sampling import choose_token, next_token
 from confu_jax.decode.stopping import PAD_OUT, StopReason, emit, is_eos, update_stop
 from confu_jax.models.kv_cache import KVCache, init_cache
 from confu_jax.models.llama import LlamaConfig
@@ -76,6 +76,18 @@ def _fill_row(params, slots: Slots, row, tokens_w, length, key, temperature, top
                  slots.key_b.at[row].set(key))
 
 
+def _choose_per_row(key_b, n_generated_b, logits_bv, temperature, top_p):
+    """Each row's next token with its own key (``fold_in(key, n_generated)``). The greedy/sampled
+    choice is one ``lax.cond`` for the whole batch: under ``vmap`` a cond would run both branches,
+    and the sampling branch sorts the vocabulary of every row."""
+
+    def sampled():
+        keys = jax.vmap(jax.random.fold_in)(key_b, n_generated_b)
+        return jax.vmap(lambda k, l: next_token(k, l[None], temperature, top_p)[0])(keys, logits_bv)
+
+    return jax.lax.cond(temperature <= 0.0, lambda: jnp.argmax(logits_bv, axis=-1).astype(jnp.int32), sampled)
+
+
 def _decode_steps(params, slots: Slots, temperature, top_p, eos_e, *, cfg: LlamaConfig, n_steps: int,
                   max_new_tokens: int, max_len: int, unroll_layers: bool) -> Slots:
     """Up to ``n_steps`` AR steps of every running row (stops early once all rows are done)."""
@@ -90,8 +102,7 @@ def _decode_steps(params, slots: Slots, temperature, top_p, eos_e, *, cfg: Llama
         i, s = carry
         active_b = ~s.done_b
         logits_bv, cache = decode_step(params, cfg, s.cache, s.last_b, active_b)
-        keys = jax.vmap(jax.random.fold_in)(s.key_b, s.n_generated_b)
-        tok_b = jax.vmap(lambda k, l: choose_token(k, l[None], temperature, top_p)[0])(keys, logits_bv)
+        tok_b = _choose_per_row(s.key_b, s.n_generated_b, logits_bv, temperature, top_p)
         tokens_bn, n_gen = emit(s.tokens_bn, s.n_generated_b, tok_b, active_b)
         done_b, reason_b = update_stop(active_b, is_eos(tok_b, eos_e), n_gen, cache.length_b + 1, s.done_b,
                                        s.reason_b, max_new_tokens=max_new_tokens, max_len=max_len)

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from etils import epath
 
 from confu_jax.sharding import path_str
@@ -192,6 +193,9 @@ class InitReport:
     kept_init: list  # paths only in the new tree: fresh init
     shape_mismatch: list  # (path, source shape, new shape): fresh init
     ignored: list  # paths only in the source
+    # draft LM head columns moved to the new run's draft-id order when the two runs' draft
+    # vocabularies differ: {'matched': ids found in the source vocab, 'fresh': ids left at init}
+    lm_head_remap: Optional[dict] = None
 
     def summary(self) -> str:
         lines = [f"init_from {self.source} (step {self.step}): copied {len(self.copied)} params, "
@@ -200,6 +204,9 @@ class InitReport:
         lines += [f"  fresh: {p}" for p in self.kept_init]
         lines += [f"  fresh (shape {s} in source, {n} here): {p}" for p, s, n in self.shape_mismatch]
         lines += [f"  ignored: {p}" for p in self.ignored]
+        if self.lm_head_remap:
+            lines.append(f"  {LM_HEAD}: draft vocabularies differ; columns remapped by target id "
+                         f"({self.lm_head_remap['matched']} matched, {self.lm_head_remap['fresh']} fresh)")
         return "\n".join(lines)
 
 
@@ -218,12 +225,40 @@ def _nest(flat: dict) -> dict:
     return out
 
 
-def init_params_from(directory: str, params, step: int = -1) -> tuple[Any, InitReport]:
+LM_HEAD = "draft/lm_head/kernel"  # [d, V_draft]: column i scores draft id i
+
+
+def _source_d2t(ckpt: Checkpointer, step: int, directory: str) -> np.ndarray:
+    out = ckpt.manager.restore(step, args=ocp.args.Composite(extras=ocp.args.PyTreeRestore()))
+    extras = dict(out["extras"] or {})
+    if "draft_vocab_d2t" not in extras:
+        raise KeyError(f"init_from: {directory} step {step} saved no draft vocabulary (extras: {sorted(extras)}), "
+                       "so its draft LM head cannot be matched to this run's draft ids")
+    return np.asarray(extras["draft_vocab_d2t"], np.int64)
+
+
+def _remap_lm_head(src_kernel: np.ndarray, src_d2t: np.ndarray, dst_d2t: np.ndarray, init_kernel: np.ndarray):
+    """Columns of a [d, V_src] draft LM head reordered to the draft ids of ``dst_d2t``: a draft id
+    whose target id the source vocab also has takes that column, the rest keep ``init_kernel``'s.
+    -> (kernel [d, V_dst], matched count)."""
+    col_of = {int(t): j for j, t in enumerate(src_d2t)}
+    src_cols = np.array([col_of.get(int(t), -1) for t in dst_d2t])
+    out = np.array(init_kernel, copy=True)
+    have = src_cols >= 0
+    out[:, have] = np.asarray(src_kernel)[:, src_cols[have]].astype(out.dtype)
+    return out, int(have.sum())
+
+
+def init_params_from(directory: str, params, step: int = -1,
+                     draft_vocab_d2t: Optional[np.ndarray] = None) -> tuple[Any, InitReport]:
     """Copy the params of another run's checkpoint into ``params`` where paths and shapes agree.
 
     ``params`` is the freshly initialised (sharded) trainable tree; copied leaves are restored
     directly into the sharding of the leaf they replace. Params are matched by their '/'-joined
     dict path (e.g. 'draft/fc/kernel'), which is what a ConFu tree and an EAGLE-3 tree share.
+    With ``draft_vocab_d2t`` (this run's draft vocabulary), the draft LM head is matched by
+    target id, not by column: if the source run's vocabulary differs, its columns are remapped
+    (draft ids the source lacks keep their fresh init) instead of being copied onto other tokens.
     """
     ckpt = Checkpointer(directory, read_only=True)
     try:
@@ -237,13 +272,20 @@ def init_params_from(directory: str, params, step: int = -1) -> tuple[Any, InitR
                            f"in its state item (found {sorted(meta_tree)})")
         src = _flat(meta_tree["params"])
         dst = _flat(params)
+        remap = None
+        if draft_vocab_d2t is not None and LM_HEAD in src and LM_HEAD in dst:
+            src_d2t = _source_d2t(ckpt, src_step, directory)
+            if not np.array_equal(src_d2t, np.asarray(draft_vocab_d2t)):
+                remap = src_d2t
         copy, mismatch = {}, []
         for p, leaf in dst.items():
-            if p in src:
+            if p in src and not (remap is not None and p == LM_HEAD):
                 if tuple(src[p].shape) == tuple(leaf.shape):
                     copy[p] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
                 else:
                     mismatch.append((p, tuple(src[p].shape), tuple(leaf.shape)))
+        if remap is not None:  # restored to host as it is, remapped below
+            copy[LM_HEAD] = jax.ShapeDtypeStruct(tuple(src[LM_HEAD].shape), dst[LM_HEAD].dtype)
         report = InitReport(source=str(directory), step=src_step, copied=sorted(copy),
                             kept_init=sorted(p for p in dst if p not in src),
                             shape_mismatch=mismatch, ignored=sorted(p for p in src if p not in dst))
@@ -254,6 +296,13 @@ def init_params_from(directory: str, params, step: int = -1) -> tuple[Any, InitR
             state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args_for(target),
                                          partial_restore=True)))["state"]["params"]
         got = _flat(restored)
+        if remap is not None:
+            leaf = dst[LM_HEAD]
+            init = (jax.device_get(leaf) if leaf.is_fully_addressable  # multi-host: gather the shards
+                    else multihost_utils.process_allgather(leaf, tiled=True))
+            kernel, matched = _remap_lm_head(got[LM_HEAD], remap, np.asarray(draft_vocab_d2t), np.asarray(init))
+            got[LM_HEAD] = jax.device_put(kernel, leaf.sharding)
+            report.lm_head_remap = {"matched": matched, "fresh": int(kernel.shape[1]) - matched}
         merged = {p: got.get(p, leaf) for p, leaf in dst.items()}
         leaves = [merged[path_str(p)] for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), leaves), report

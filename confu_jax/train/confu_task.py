@@ -17,6 +17,8 @@ Builds a :class:`~confu_jax.train.task.TrainTask` from the full config:
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -32,6 +34,8 @@ from confu_jax.train.real_data import real_data
 from confu_jax.train.synthetic_data import SelfDistilledStream
 from confu_jax.train.target_loading import load_target
 from confu_jax.train.task import TrainTask
+
+log = logging.getLogger(__name__)
 
 
 def default_objective_config() -> ml_collections.ConfigDict:
@@ -60,6 +64,22 @@ def check_training_config(config) -> None:
     lm_head_init = str(config.draft.get("lm_head_init", "random"))
     if lm_head_init not in ("random", "target"):
         raise ValueError(f"config.draft.lm_head_init: expected 'random' or 'target', got {lm_head_init!r}")
+    warn_if_windows_unused(config)
+
+
+def warn_if_windows_unused(config) -> bool:
+    """ConFu's replication window only matters when anchors are sparse: with K_train anchors per
+    row and at most N - 2 candidate positions, K_train·(l+1) >= N - 2 leaves nearly every index
+    covered by an anchor at (or next to) itself, so the window trains ~nothing beyond l = 0."""
+    from confu_jax.models.registry import get_variant
+
+    k, l_win, n = int(config.objective.k_train), int(config.confu.replication), int(config.data.max_length)
+    if not get_variant(config.confu.variant).has_future or k <= 0 or l_win == 0 or k * (l_win + 1) < n - 2:
+        return False
+    log.warning("objective.k_train=%d anchors x (confu.replication=%d + 1) >= the %d candidate positions of "
+                "rows of data.max_length=%d: the replication windows have (almost) no effect; use k_train <= "
+                "%d for windows that matter", k, l_win, n - 2, n, max(1, (n - 2) // (2 * (l_win + 1))))
+    return True
 
 
 def synthetic_data(config, spec: ModelSpec, target_host: dict):

@@ -156,6 +156,51 @@ def evaluate(eval_step: CompiledStep, state, batches: Sequence) -> dict:
     return {k: float(np.mean(v)) for k, v in acc.items()}
 
 
+# Settings a resumed run may change: how long it runs, how it logs, evaluates and checkpoints, and
+# how it is laid out on devices (checkpoints restore into any mesh). Everything else changes what
+# is trained, so resuming a workdir with it changed is refused.
+RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.tensorboard",
+                     "train.progress_bar", "train.checkpoint.every", "train.checkpoint.keep",
+                     "train.checkpoint.async_save", "train.checkpoint.init_from",
+                     "train.checkpoint.init_from_step", "train.mesh.", "data.num_threads",
+                     "data.prefetch_buffer_size", "data.num_workers", "objective.eval_batches")
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_changes(saved: dict, current: dict) -> dict:
+    """{key: (saved value, current value)} for every setting both configs have and set differently.
+
+    A key only one side has is a setting added or removed between versions of the code, not a
+    change the user made, and is not reported."""
+    a, b = _flatten(saved), _flatten(current)
+    return {k: (a[k], b[k]) for k in sorted(set(a) & set(b)) if a[k] != b[k]}
+
+
+def check_resume_config(workdir: str, config) -> None:
+    """Refuse to resume ``workdir`` with a config that changes what is trained (keys named)."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        return  # a workdir without its config (older runs, or a host without the shared file system)
+    with open(path) as f:
+        saved = json.load(f)
+    current = json.loads(config.to_json_best_effort())
+    bad = {k: v for k, v in config_changes(saved, current).items()
+           if not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE_CHANGES)}
+    if bad:
+        lines = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in bad.items())
+        raise ValueError(f"{workdir} holds checkpoints of a run with a different config ({path}): {lines}. "
+                         f"Resuming may change only {', '.join(RESUMABLE_CHANGES)}; use a new --workdir "
+                         "(with train.checkpoint.init_from to start from this run) or restore those values")
+
+
 def _write_run_files(config, workdir: str, run: RunSetup) -> None:
     """config.json, target.json and the run's description in the log (process 0 only)."""
     task = run.task
@@ -188,7 +233,8 @@ def _restore_or_init(config, workdir: str, run: RunSetup, ckpt: Checkpointer, it
         return r.state, r.step, None
     state, init_report = run.init_state(), None
     if tc.checkpoint.init_from:
-        params, init_report = init_params_from(tc.checkpoint.init_from, state.params, tc.checkpoint.init_from_step)
+        params, init_report = init_params_from(tc.checkpoint.init_from, state.params, tc.checkpoint.init_from_step,
+                                               draft_vocab_d2t=task.extra_arrays.get("draft_vocab_d2t"))
         state = state.replace(params=params)
         if main:
             logging.info("%s", init_report.summary())
@@ -213,13 +259,18 @@ def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[Train
     pidx, pcount = jax.process_index(), jax.process_count()
     main = pidx == 0
     os.makedirs(workdir, exist_ok=True)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint.every,
+                        keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
+    if ckpt.latest_step() is not None:
+        try:
+            check_resume_config(workdir, config)
+        except ValueError:
+            ckpt.close()
+            raise
     run = setup_run(config, task, mesh)
     task = run.task
     if main:
         _write_run_files(config, workdir, run)
-
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint.every,
-                        keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
     iterator = task.train_iterator(pidx, pcount)
     state, start, init_report = _restore_or_init(config, workdir, run, ckpt, iterator, main)
 

@@ -68,6 +68,10 @@ class ObjectiveConfig:
     k_train: int = 256  # anchors per row (ConFu); clipped to the sequence length
     replication: int = 3  # window l: indices t..t+l share anchor t's future prediction
     max_lag: int = 7  # δ ~ U{1..max_lag}; D+1 for decode tree depth D
+    # P(δ = 1..max_lag) up to a constant; () = uniform. At inference the lag is the accepted
+    # length of the previous iteration (docs/DESIGN.md §3), so a measured acceptance histogram
+    # is the natural choice.
+    lag_weights: tuple = ()
     ttt_decay: float = 0.8  # weight of TTT step s is decay**s (EAGLE-3)
     vocab_chunk: int = 8192  # columns per chunk of the full-vocabulary argmax scan (<= 0: one chunk)
     remat: bool = True  # recompute each step's draft logits in the backward pass
@@ -81,6 +85,10 @@ class ObjectiveConfig:
             raise ValueError(f"ObjectiveConfig.replication must be >= 0, got {self.replication}")
         if self.max_lag < 1:
             raise ValueError(f"ObjectiveConfig.max_lag must be >= 1, got {self.max_lag}")
+        if self.lag_weights and (len(self.lag_weights) != self.max_lag or min(self.lag_weights) < 0
+                                 or sum(self.lag_weights) <= 0):
+            raise ValueError(f"ObjectiveConfig.lag_weights must be {self.max_lag} (max_lag) non-negative "
+                             f"weights with a positive sum, or empty for uniform; got {self.lag_weights}")
 
 
 def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfig:
@@ -96,6 +104,7 @@ def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfi
         k_train=k if k > 0 else ALL_POSITIONS,
         replication=0 if evaluation else int(config.confu.replication),
         max_lag=int(config.confu.max_lag),
+        lag_weights=tuple(float(w) for w in (config.confu.get("lag_weights", None) or ())),
         ttt_decay=float(config.draft.ttt_decay),
         vocab_chunk=int(o.vocab_chunk),
         remat=bool(o.remat),
@@ -243,11 +252,19 @@ def window_index(anchor_bk: jax.Array, valid_bk: jax.Array, n: int, replication:
     return jnp.where(jnp.any(covers, axis=1), best, -1)
 
 
+def sample_lags(rng: jax.Array, shape: tuple, cfg: ObjectiveConfig) -> jax.Array:
+    """Contemplate lags δ in 1..max_lag: uniform, or drawn with ``cfg.lag_weights``."""
+    if not cfg.lag_weights:
+        return jax.random.randint(rng, shape, 1, cfg.max_lag + 1, dtype=jnp.int32)
+    logits = jnp.log(jnp.asarray(cfg.lag_weights, jnp.float32))
+    return jax.random.categorical(rng, logits, shape=shape).astype(jnp.int32) + 1
+
+
 def plan_anchors(rng: jax.Array, loss_mask_bn: jax.Array, cfg: ObjectiveConfig) -> AnchorPlan:
     a_rng, l_rng = jax.random.split(rng)
     b, n = loss_mask_bn.shape
     anchor_bk, valid_bk = sample_anchors(a_rng, anchor_candidates(loss_mask_bn), cfg.k_train)
-    lag_bk = jax.random.randint(l_rng, anchor_bk.shape, 1, cfg.max_lag + 1, dtype=jnp.int32)
+    lag_bk = sample_lags(l_rng, anchor_bk.shape, cfg)
     con_src_bk = jnp.maximum(anchor_bk - lag_bk, 0)
     return AnchorPlan(anchor_bk, valid_bk, con_src_bk, window_index(anchor_bk, valid_bk, n, cfg.replication))
 
