@@ -183,8 +183,8 @@ def test_data_whose_every_row_is_filtered_fails_fast_with_the_counts():
     convs[5]["messages"][1]["content"] = "a b c"
     long_prompt = [{"id": "p", "messages": [{"role": "user", "content": "x " * 40},
                                             {"role": "assistant", "content": "y"}]}]
-    with pytest.raises(ValueError, match=r"every one of the 7 .*min_loss_tokens=50 .*1 have no answer token "
-                                         r"before position 24, 6 have fewer"):
+    with pytest.raises(ValueError, match=r"every one of the 7 .*min_loss_tokens=50 .*2 have no answer token "
+                                         r"before position 24, 5 have fewer"):
         pipeline.make_dataset(convs[:6] + long_prompt, tok, max_length=MAX_LEN, per_host_batch_size=2,
                               min_loss_tokens=50)
     assert pipeline.check_some_row_usable(long_prompt + convs, tok, MAX_LEN, 1) == 1
