@@ -144,6 +144,9 @@ def resolved_config():
 
 
 def main(argv):
+    from confu_jax.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()  # compiled programs persist across runs (CONFU_JAX_COMPILE_CACHE)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU backend" noise
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}; pass the text with --prompt")

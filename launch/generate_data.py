@@ -400,11 +400,13 @@ def shard_output(output: str, shard_index: int, num_shards: int) -> str:
 
 def main(argv):
     del argv
+    from confu_jax.compile_cache import enable_compilation_cache
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.data.formats import load_conversations
     from confu_jax.weights import load_model
 
     f = FLAGS
+    enable_compilation_cache()  # compiled programs persist across runs (CONFU_JAX_COMPILE_CACHE)
     if not 0 <= f.shard_index < f.num_shards:
         raise app.UsageError(f"--shard_index={f.shard_index} must lie in [0, --num_shards={f.num_shards})")
     convs, report = load_conversations(

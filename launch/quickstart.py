@@ -132,9 +132,19 @@ def ensure_head(variant: str) -> str:
     if head_ready(workdir):
         print(f"[{variant}] using the cached head in {workdir}", flush=True)
         return workdir
-    from confu_jax.train.loop import train
+    from confu_jax.train.loop import check_resume_config, train
 
     config = head_config(variant)
+    if os.path.isdir(os.path.join(workdir, "checkpoints")):
+        try:  # an interrupted run resumes only if it trains the same thing
+            check_resume_config(workdir, config)
+        except ValueError as e:
+            import time
+
+            stale = f"{workdir}.stale-{int(time.time())}"
+            os.rename(workdir, stale)
+            print(f"[{variant}] the unfinished cached run was made with other settings; moved it to {stale} and "
+                  f"training afresh ({str(e).split(': ', 1)[-1].split('. Resuming')[0]})", flush=True)
     start = (f"from EAGLE-3 step {config.train.checkpoint.init_from_step}, " if variant != "eagle3" else "")
     print(f"[{variant}] no cached head: training {start}{config.train.steps} steps on {FLAGS.train_records} "
           f"ShareGPT conversations into {workdir}", flush=True)
@@ -148,6 +158,9 @@ def ensure_head(variant: str) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
+    from confu_jax.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()  # a second run loads the compiled programs (CONFU_JAX_COMPILE_CACHE)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint operation at INFO
     from tqdm import tqdm
