@@ -184,6 +184,24 @@ def make_generate_fn(params, cfg, *, max_new_tokens: int, temperature: float, to
     return generate_fn
 
 
+def pending_conversations(conversations: Sequence[dict], output: str):
+    """What ``output`` still lacks -> (conversations to do, in input order; run counts). Ids
+    already written are skipped (resume); a repeated id is skipped after its first occurrence."""
+    done = read_done_ids(output)
+    seen: set[str] = set()
+    todo, n_dup = [], 0
+    for c in conversations:
+        if c["id"] in seen:
+            n_dup += 1
+            continue
+        seen.add(c["id"])
+        if c["id"] not in done:
+            todo.append(c)
+    if n_dup:
+        log.warning("skipped %d conversations whose id repeats an earlier one", n_dup)
+    return todo, {"already_done": len(seen) - len(todo), "written": 0, "no_answer": 0, "duplicates": n_dup}
+
+
 def generate_dataset(
     conversations: Sequence[dict],
     output: str,
@@ -197,21 +215,9 @@ def generate_dataset(
     """Regenerate what ``output`` lacks, batch by batch; returns counts for the run."""
     from tqdm import tqdm
 
-    done = read_done_ids(output)
-    seen: set[str] = set()
-    todo, n_dup = [], 0
-    for c in conversations:
-        if c["id"] in seen:
-            n_dup += 1
-            continue
-        seen.add(c["id"])
-        if c["id"] not in done:
-            todo.append(c)
-    if n_dup:
-        log.warning("skipped %d conversations whose id repeats an earlier one", n_dup)
-    stats = {"already_done": len(seen) - len(todo), "written": 0, "no_answer": 0, "duplicates": n_dup}
-    bar = tqdm(total=len(seen), initial=stats["already_done"], unit="conv", disable=not progress,
-               desc="regenerating")
+    todo, stats = pending_conversations(conversations, output)
+    bar = tqdm(total=stats["already_done"] + len(todo), initial=stats["already_done"], unit="conv",
+               disable=not progress, desc="regenerating")
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         records = regenerate_batch(batch, tokenizer, generate_fn, batch_size=batch_size,
@@ -284,21 +290,9 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
 
     from confu_jax.decode.stopping import StopReason
 
-    done = read_done_ids(output)
-    seen: set[str] = set()
-    todo, n_dup = [], 0
-    for c in conversations:
-        if c["id"] in seen:
-            n_dup += 1
-            continue
-        seen.add(c["id"])
-        if c["id"] not in done:
-            todo.append(c)
-    if n_dup:
-        log.warning("skipped %d conversations whose id repeats an earlier one", n_dup)
-    stats = {"already_done": len(seen) - len(todo), "written": 0, "no_answer": 0, "duplicates": n_dup}
-    bar = tqdm(total=len(seen), initial=stats["already_done"], unit="conv", disable=not progress,
-               desc="regenerating")
+    todo, stats = pending_conversations(conversations, output)
+    bar = tqdm(total=stats["already_done"] + len(todo), initial=stats["already_done"], unit="conv",
+               disable=not progress, desc="regenerating")
     pending = iter(todo)
     active: dict[str, _Conversation] = {}
     follow_ups: list[tuple] = []

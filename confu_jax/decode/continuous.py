@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from confu_jax.decode.generate import decode_step
-from confu_jax.decode.requests import bucket_length, default_unroll_layers
+from confu_jax.decode.requests import bucket_length, check_settings, default_unroll_layers
 from confu_jax.decode.sampling import choose_token, next_token
 from confu_jax.decode.stopping import PAD_OUT, StopReason, emit, is_eos, update_stop
 from confu_jax.models.kv_cache import KVCache, init_cache
@@ -135,22 +135,14 @@ class ContinuousGenerator:
                  max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
                  eos_ids: Optional[Sequence[int]] = None, steps_per_sync: int = 16, min_bucket: int = 16,
                  unroll_layers: Optional[bool] = None):
-        if batch < 1 or steps_per_sync < 1 or max_new_tokens < 1:
-            raise ValueError(f"need batch, steps_per_sync, max_new_tokens >= 1; got {batch}, {steps_per_sync}, "
-                             f"{max_new_tokens}")
-        if not (temperature >= 0.0 and 0.0 < top_p <= 1.0):
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1; got temperature={temperature}, "
-                             f"top_p={top_p}")
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings="
-                             f"{cfg.max_position_embeddings}")
-        eos = [int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids)]
-        if any(e < 0 for e in eos):
-            raise ValueError(f"eos_ids must be token ids >= 0, got {eos}")
+        if batch < 1 or steps_per_sync < 1:
+            raise ValueError(f"need batch, steps_per_sync >= 1; got {batch}, {steps_per_sync}")
+        eos_e = check_settings(cfg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                               eos_ids=eos_ids, max_len=max_len)
         self.params, self.cfg, self.batch, self.max_len = params, cfg, batch, int(max_len)
         self.max_new_tokens, self.steps_per_sync, self.min_bucket = int(max_new_tokens), steps_per_sync, min_bucket
         self.temperature, self.top_p = jnp.float32(temperature), jnp.float32(top_p)
-        self.eos_e = jnp.asarray(eos or [-1], jnp.int32)
+        self.eos_e = jnp.asarray(eos_e)
         self.unroll = default_unroll_layers(unroll_layers)
         self.tokens_generated = 0
 

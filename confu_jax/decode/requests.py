@@ -82,6 +82,24 @@ class DecodeRequest(NamedTuple):
                 jnp.float32(self.top_p), jnp.asarray(self.eos_e), jax.random.PRNGKey(self.seed))
 
 
+def check_settings(cfg: LlamaConfig, *, max_new_tokens: int, temperature: float, top_p: float,
+                   eos_ids: Optional[Sequence[int]], max_len: int) -> np.ndarray:
+    """The per-request settings every decoding program shares -> EOS ids ``eos_e`` [E] int32
+    (``cfg.eos_token_ids`` when ``eos_ids`` is None; [-1], matching nothing, when empty)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not (temperature >= 0.0 and 0.0 < top_p <= 1.0):
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1; got temperature={temperature}, "
+                         f"top_p={top_p}")
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings}")
+    eos = [int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids)]
+    if any(e < 0 for e in eos):
+        raise ValueError(f"eos_ids must be token ids >= 0, got {eos}")
+    return np.asarray(eos or [-1], np.int32)  # -1 matches no token: EOS stopping off
+
+
 def validate_request(cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                      eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
@@ -104,23 +122,13 @@ def validate_request(cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens:
         b = int(np.nonzero(bad.any(axis=1))[0][0])
         raise ValueError(f"prompt {b} has token ids outside [0, {cfg.vocab_size}): "
                          f"{tokens_bt[b][bad[b]][:5].tolist()}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not (temperature >= 0.0 and 0.0 < top_p <= 1.0):
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1; got temperature={temperature}, "
-                         f"top_p={top_p}")
     max_len = int(max_len) if max_len else tokens_bt.shape[1] + int(max_new_tokens) + reserve
+    eos_e = check_settings(cfg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           eos_ids=eos_ids, max_len=max_len)
     longest = int(lengths_b.max())
     if longest + reserve > max_len:
         extra = f" plus {reserve_what}" if reserve_what else ""
         raise ValueError(f"KV cache of max_len={max_len} slots cannot hold a prompt of {longest} tokens{extra}")
-    if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings="
-                         f"{cfg.max_position_embeddings}")
-    eos = [int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids)]
-    if any(e < 0 for e in eos):
-        raise ValueError(f"eos_ids must be token ids >= 0, got {eos}")
-    eos_e = np.asarray(eos or [-1], np.int32)  # -1 matches no token: EOS stopping off
     return DecodeRequest(tokens_bt, lengths_b, int(max_new_tokens), max_len, float(temperature),
                          float(top_p), eos_e, int(seed))
 
