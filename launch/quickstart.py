@@ -132,19 +132,18 @@ def ensure_head(variant: str) -> str:
     if head_ready(workdir):
         print(f"[{variant}] using the cached head in {workdir}", flush=True)
         return workdir
-    from confu_jax.train.loop import check_resume_config, train
+    from confu_jax.train.loop import disallowed_changes, train
 
     config = head_config(variant)
-    if os.path.isdir(os.path.join(workdir, "checkpoints")):
-        try:  # an interrupted run resumes only if it trains the same thing
-            check_resume_config(workdir, config)
-        except ValueError as e:
-            import time
+    # an interrupted run resumes only if it trains the same thing
+    changed = disallowed_changes(workdir, config) if os.path.isdir(os.path.join(workdir, "checkpoints")) else {}
+    if changed:
+        import time
 
-            stale = f"{workdir}.stale-{int(time.time())}"
-            os.rename(workdir, stale)
-            print(f"[{variant}] the unfinished cached run was made with other settings; moved it to {stale} and "
-                  f"training afresh ({str(e).split(': ', 1)[-1].split('. Resuming')[0]})", flush=True)
+        stale = f"{workdir}.stale-{int(time.time())}"
+        os.rename(workdir, stale)
+        print(f"[{variant}] the unfinished cached run was made with other settings ({sorted(changed)}); moved it "
+              f"to {stale} and training afresh", flush=True)
     start = (f"from EAGLE-3 step {config.train.checkpoint.init_from_step}, " if variant != "eagle3" else "")
     print(f"[{variant}] no cached head: training {start}{config.train.steps} steps on {FLAGS.train_records} "
           f"ShareGPT conversations into {workdir}", flush=True)

@@ -114,8 +114,8 @@ def target_fingerprint(target_params) -> str:
     h = hashlib.sha256()
     for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(target_params),
                              key=lambda pl: jax.tree_util.keystr(pl[0])):
-        flat = np.asarray(leaf).reshape(-1)
-        sample = flat[:: max(1, flat.size // _FINGERPRINT_SAMPLES)][:_FINGERPRINT_SAMPLES]
+        flat = leaf.reshape(-1)  # sampled where the array lives: only the sample reaches the host
+        sample = np.asarray(flat[:: max(1, flat.size // _FINGERPRINT_SAMPLES)][:_FINGERPRINT_SAMPLES])
         h.update(f"{jax.tree_util.keystr(path)}:{tuple(np.shape(leaf))};".encode())
         h.update(np.ascontiguousarray(sample.astype(np.float32).astype(jnp.bfloat16)).tobytes())
     return h.hexdigest()

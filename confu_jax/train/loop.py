@@ -184,16 +184,22 @@ def config_changes(saved: dict, current: dict) -> dict:
     return {k: (a[k], b[k]) for k in sorted(set(a) & set(b)) if a[k] != b[k]}
 
 
-def check_resume_config(workdir: str, config) -> None:
-    """Refuse to resume ``workdir`` with a config that changes what is trained (keys named)."""
+def disallowed_changes(workdir: str, config) -> dict:
+    """Settings that differ from the run saved in ``workdir`` and may not change on resume."""
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
-        return  # a workdir without its config (older runs, or a host without the shared file system)
+        return {}  # a workdir without its config (older runs, or a host without the shared file system)
     with open(path) as f:
         saved = json.load(f)
     current = json.loads(config.to_json_best_effort())
-    bad = {k: v for k, v in config_changes(saved, current).items()
-           if not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE_CHANGES)}
+    return {k: v for k, v in config_changes(saved, current).items()
+            if not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE_CHANGES)}
+
+
+def check_resume_config(workdir: str, config) -> None:
+    """Refuse to resume ``workdir`` with a config that changes what is trained (keys named)."""
+    bad = disallowed_changes(workdir, config)
+    path = os.path.join(workdir, "config.json")
     if bad:
         lines = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in bad.items())
         raise ValueError(f"{workdir} holds checkpoints of a run with a different config ({path}): {lines}. "
