@@ -68,6 +68,10 @@ flags.DEFINE_string("budgets", "chain:4,dynamic:6,8,30", "speculative mode: draf
                     "sampled_chain:K | dynamic:DEPTH,TOPK,NODES | auto (measured choice, bench/budget.py)")
 flags.DEFINE_string("prompts", "mtbench", "speculative mode: mtbench | humaneval | a Spec-Bench question.jsonl "
                     "(several joined with '+')")
+flags.DEFINE_string("calibration", "", "speculative mode, budget auto: prompt source to calibrate on "
+                    "(same syntax as --prompts); its questions that are also measured are left out. Empty: "
+                    "the questions of --prompts that this run does not measure")
+flags.DEFINE_integer("n_calibration", 4, "speculative mode, budget auto: calibration prompts")
 flags.DEFINE_integer("n_per_category", 2, "speculative mode: questions sampled per category (seeded)")
 flags.DEFINE_integer("turns", 1, "speculative mode: conversation turns per question (MT-Bench has 2)")
 flags.DEFINE_string("heads", "", "speculative mode: trained heads as METHOD=WORKDIR,... (launch.train "
@@ -184,8 +188,20 @@ def main_speculative():
     print(f"model {FLAGS.model}: {len(prompts)} questions from {FLAGS.prompts}, {FLAGS.turns} turn(s), "
           f"max_new_tokens={FLAGS.max_new_tokens}, methods {methods}, T {temperatures}, budgets {budgets}",
           flush=True)
+    calibration = None
+    if "auto" in budgets:
+        measured = {(p.category, p.question_id) for p in prompts}
+        pool = [p for p in load_prompts(FLAGS.calibration or FLAGS.prompts)
+                if (p.category, p.question_id) not in measured]
+        if pool:
+            picked = pool[:: max(1, len(pool) // FLAGS.n_calibration)][:FLAGS.n_calibration]
+            calibration = tuple(tok.encode(tok.render([{"role": "user", "content": p.turns[0]}],
+                                                      add_generation_prompt=True)) for p in picked)
+            print(f"budget auto calibrates on {len(calibration)} held-out questions "
+                  f"({', '.join(str(p.question_id) for p in picked)})", flush=True)
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=FLAGS.turns,
-                                  top_p=FLAGS.top_p, seed=FLAGS.seed, min_bucket=FLAGS.min_bucket)
+                                  top_p=FLAGS.top_p, seed=FLAGS.seed, min_bucket=FLAGS.min_bucket,
+                                  calibration=calibration)
     rows = spec_bench.run_benchmark(setup, prompts, methods=methods, temperatures=temperatures, budgets=budgets,
                                     heads=heads, log=lambda m: print(m, flush=True),
                                     progress_factory=lambda **kw: tqdm(leave=False, dynamic_ncols=True, **kw))

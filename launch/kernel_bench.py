@@ -117,7 +117,7 @@ def make_case(cfg, b: int, t_nodes: int, s_len: int, p: int, dtype, seed: int = 
     rnd = lambda k, shape: jax.random.normal(k, shape, dtype)  # noqa: E731
     return (rnd(ks[0], (b, t2, hq, d)), rnd(ks[1], (b, t2, hkv, d)), rnd(ks[2], (b, t2, hkv, d)),
             jnp.asarray(np.broadcast_to(mask, (b, t2, t2))),
-            rnd(ks[3], (b, s_len, hkv, d)), rnd(ks[4], (b, s_len, hkv, d)),
+            rnd(ks[3], (b, hkv, s_len, d)), rnd(ks[4], (b, hkv, s_len, d)),
             jnp.full((b,), s_len, jnp.int32),
             rnd(ks[5], (p, hkv, d)), rnd(ks[6], (p, hkv, d)),
             jnp.asarray(np.broadcast_to(pvis, (b, t2))))

@@ -56,7 +56,8 @@ def test_auto_plan_on_tiny_model():
     seen = []
     best, cands = budget.auto_plan(spec, params, prompts, chains=("chain:1", "chain:3"), trees=(),
                                    max_new_tokens=24, log=seen.append)
-    assert [c.plan for c in cands] == ["chain:1", "chain:3"] and len(seen) == 2
+    assert [c.plan for c in cands] == ["ar", "chain:1", "chain:3"] and len(seen) == 3
+    assert cands[0].expected_tau == 1.0 and cands[0].pass_s > 0  # plain AR competes (tau 1 by definition)
     assert best.tokens_per_s == max(c.tokens_per_s for c in cands)
     assert all(c.pass_s > 0 and 1.0 <= c.expected_tau <= budget.plan_nodes(c.plan) for c in cands)
     # E[tau] is the measured tau: every accepted count within [0, k], bonus adds 1
@@ -65,3 +66,13 @@ def test_auto_plan_on_tiny_model():
     assert accepted.min() >= 0 and accepted.max() <= 3 and pass_s > 0
     # the chain:1 estimate from chain:3's accepted counts is within [1, 2]
     assert 1.0 <= budget.tau_chain_from_accepts(accepted, 1, 3) <= 2.0
+
+
+def test_ar_wins_when_speculation_does_not_pay():
+    """Budget auto can say no: a plan whose tau does not cover its pass cost loses to plain AR."""
+    ar = Candidate(budget.AR, 1.0, 0.050)
+    slow = Candidate("chain:3", 1.4, 0.118)  # the issue's CPU figures: 2.3x an AR step for tau 1.4
+    fast = Candidate("chain:3", 2.4, 0.080)
+    assert budget.choose([slow, ar]).plan == budget.AR
+    assert budget.choose([ar, fast]).plan == "chain:3"
+    assert budget.plan_nodes(budget.AR) == 1

@@ -97,13 +97,13 @@ def test_paper_configs_trace_with_expected_shapes(name, d, layers, kv, ffn, tied
     # the verification pass and the training forms trace end to end at full size, shapes only
     b, t, s, n, k = 1, 30, 256, 64, 4
     S = jax.ShapeDtypeStruct
-    cache = KVCache(S((layers, b, s, kv, 128), jnp.bfloat16), S((layers, b, s, kv, 128), jnp.bfloat16),
+    cache = KVCache(S((layers, b, kv, s, 128), jnp.bfloat16), S((layers, b, kv, s, 128), jnp.bfloat16),
                     S((b,), jnp.int32))
     out = jax.eval_shape(functools.partial(verify, spec), tgt, c, cache, S((b, t), jnp.int32),
                          S((b, t, t), bool), S((b, 3 * d), jnp.bfloat16))
     assert shape(out.logits_btv) == (b, t, 128256) and shape(out.future_btd) == (b, t, d)
     assert shape(out.h_cat_btc) == (b, t, 3 * d) and shape(out.k_new_lbthd) == (layers, b, t, kv, 128)
-    f = jax.eval_shape(functools.partial(contemplate_queries, spec), tgt, c, cache.k_lbshd, cache.v_lbshd,
+    f = jax.eval_shape(functools.partial(contemplate_queries, spec), tgt, c, cache.k_lbhsd, cache.v_lbhsd,
                        S((b, k), jnp.int32), S((b, k, 3 * d), jnp.bfloat16))
     assert shape(f) == (b, k, d)
     fut = TTTFuture(S((b, k, d), jnp.bfloat16), S((b, k), jnp.int32), S((b, n), jnp.int32))

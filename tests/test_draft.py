@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.models.kv_cache import commit
+from confu_jax.models.kv_cache import commit, to_cache_layout
 from confu_jax.models.draft import DraftFuture, DraftHead, draft_features, draft_future_entry
 from confu_jax.models.draft_decode import draft_block, init_draft_cache
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
@@ -240,7 +240,8 @@ def test_gradients_reach_every_trainable_leaf_and_never_the_target(variant):
         fut = None
         if spec.head.has_future:
             src = real.taps_btc[jnp.arange(b)[:, None], anchors - 1]
-            f = contemplate_queries(spec, tp_, tr_["confu"], real.k_new_lbthd, real.v_new_lbthd, anchors, src)
+            f = contemplate_queries(spec, tp_, tr_["confu"], to_cache_layout(real.k_new_lbthd),
+                                     to_cache_layout(real.v_new_lbthd), anchors, src)
             fut = TTTFuture(f, anchors, index)
         out = draft_ttt(spec, tr_["draft"], tp_["embed"]["embedding"], tokens, real.taps_btc, 3, future=fut)
         p_t = jax.nn.softmax(target_to_draft_logits(vocab, real.logits_btv), -1)

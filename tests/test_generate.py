@@ -107,7 +107,7 @@ def test_prefill_then_incremental_decode_equals_full_forward(params, full_logits
     # an inactive row computes but does not commit
     _, cache2 = step(params, CFG, cache, jnp.asarray([1, 1], jnp.int32), jnp.asarray([True, False]))
     np.testing.assert_array_equal(np.asarray(cache2.length_b), [12, 17])
-    np.testing.assert_array_equal(np.asarray(cache2.k_lbshd[:, 1]), np.asarray(cache.k_lbshd[:, 1]))
+    np.testing.assert_array_equal(np.asarray(cache2.k_lbhsd[:, 1]), np.asarray(cache.k_lbhsd[:, 1]))
 
 
 def test_greedy_equals_python_loop_of_full_forwards(params, full_logits):

@@ -100,7 +100,37 @@ def test_budget_auto_row(tmp_path):
     rows = spec_bench.run_benchmark(setup, load_question_file(FIXTURE)[:1], methods=["ar", "eagle3"],
                                     temperatures=[0.0], budgets=["auto"], heads={}, log=messages.append)
     auto = rows[1]
-    assert auto["budget"] == "auto" and auto["setting"]["plan"] in ("chain:1", "chain:2")
-    assert auto["nodes"] == int(auto["setting"]["plan"][-1]) + 1
+    assert auto["budget"] == "auto" and auto["setting"]["plan"] in ("ar", "chain:1", "chain:2")
+    assert auto["nodes"] == (1 if auto["setting"]["plan"] == "ar" else int(auto["setting"]["plan"][-1]) + 1)
     assert auto["lossless_greedy"] is True
     assert sum("budget auto: chain:" in m for m in messages) == 2
+    assert sum("budget auto: ar:" in m for m in messages) == 1  # plain AR is a candidate
+    assert any("no held-out calibration prompts" in m for m in messages)
+    if auto["setting"]["plan"] == "ar":  # speculation off: the row is the AR decode itself
+        assert auto["tau"] == pytest.approx(1.0) and auto["speedup"] == pytest.approx(1.0)
+
+
+def test_budget_auto_calibrates_on_the_given_prompts(tmp_path, monkeypatch):
+    """Held-out calibration prompts reach ``auto_plan`` instead of the measured questions."""
+    from confu_jax.bench import budget
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    gguf = tiny_chat_gguf(tmp_path)
+    cfg, params = load_model(gguf)
+    seen = []
+
+    def fake_auto_plan(spec, params, prompts, **kw):
+        seen.append(prompts)
+        c = budget.Candidate(budget.AR, 1.0, 0.01)
+        return c, [c]
+
+    monkeypatch.setattr(budget, "auto_plan", fake_auto_plan)
+    calib = ((5, 6, 7, 8), (9, 10, 11))
+    setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=6, calibration=calib)
+    messages = []
+    rows = spec_bench.run_benchmark(setup, load_question_file(FIXTURE)[:1], methods=["ar", "eagle3"],
+                                    temperatures=[0.0], budgets=["auto"], heads={}, log=messages.append)
+    assert seen == [calib]
+    assert rows[1]["setting"]["plan"] == "ar" and rows[1]["tokens_per_s"] == rows[0]["tokens_per_s"]
+    assert not any("no held-out calibration prompts" in m for m in messages)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.models.kv_cache import commit, init_cache
+from confu_jax.models.kv_cache import commit, init_cache, to_cache_layout
 from confu_jax.models.llama import Llama
 from confu_jax.models.tree_layout import ancestors_from_parents, depth_from_ancestors, verification_layout
 from confu_jax.models.target import (con_embedding, contemplate_queries,
@@ -140,7 +140,7 @@ def test_prefill_equals_plain_forward_and_chunking():
     _close(po.last_logits_bv, plain.logits_btv[rows, jnp.asarray(n - 1)])
     for r in range(b):
         _close(po.h_cat_btc[r, :n[r]], plain.taps_btc[r, :n[r]])
-        _close(cache.k_lbshd[:, r, :n[r]], plain.k_new_lbthd[:, r, :n[r]])
+        _close(cache.k_lbhsd[:, r, :, :n[r]], to_cache_layout(plain.k_new_lbthd)[:, r, :, :n[r]])
     np.testing.assert_array_equal(np.asarray(cache.length_b), n)
 
     # f: plain sequence prompt + [con] with [con] from h_cat of the token before the last
@@ -159,7 +159,7 @@ def test_prefill_equals_plain_forward_and_chunking():
     po2, cache2 = pf(tp, confu, c1, jnp.asarray(second), jnp.asarray(n - n1))
     _close(po2.last_logits_bv, po.last_logits_bv)
     _close(po2.future_bd, po.future_bd)
-    _close(cache2.k_lbshd, cache.k_lbshd)
+    _close(cache2.k_lbhsd, cache.k_lbhsd)
     np.testing.assert_array_equal(np.asarray(cache2.length_b), n)
 
 
@@ -216,7 +216,8 @@ def test_training_form_equals_naive_in_value_and_gradient():
     w = jax.random.normal(jax.random.PRNGKey(9), (b, k, spec.d_model))
 
     def eff_loss(tp_, confu_):
-        f = contemplate_queries(spec, tp_, confu_, real.k_new_lbthd, real.v_new_lbthd, jnp.asarray(anchors), con_src)
+        f = contemplate_queries(spec, tp_, confu_, to_cache_layout(real.k_new_lbthd), to_cache_layout(real.v_new_lbthd),
+                                jnp.asarray(anchors), con_src)
         return jnp.sum(f * w), f
 
     is_con, src, pos, mask, real_idx, con_idx = _naive_layout(anchors, n)

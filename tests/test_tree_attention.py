@@ -22,6 +22,7 @@ from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.kernels import tree_attention as ta
 from confu_jax.models.llama import Llama, init_params
 from confu_jax.models.presets import get_preset
+from tests.isolation import run_isolated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,7 @@ def make_inputs(c: Case, seed: int = 0):
         mask = np.broadcast_to(ancestor_mask(_tree_parents(c.t)), (c.b, c.t, c.t))
     else:
         mask = (rng.random((c.b, c.t, c.t)) < 0.4) | np.eye(c.t, dtype=bool)
-    kc, vc = (normal(c.b, c.s, c.hkv, c.d), normal(c.b, c.s, c.hkv, c.d)) if c.s else (None, None)
+    kc, vc = (normal(c.b, c.hkv, c.s, c.d), normal(c.b, c.hkv, c.s, c.d)) if c.s else (None, None)
     lens = jnp.asarray(c.lens, jnp.int32) if c.s else None
     kp, vp = (normal(c.p, c.hkv, c.d), normal(c.p, c.hkv, c.d)) if c.p else (None, None)
     pvis = jnp.asarray(np.broadcast_to(np.arange(c.t) % 2 == 1, (c.b, c.t))) if c.p else None
@@ -155,7 +156,7 @@ class TestTreeAttentionKernel:
         c = CASES[0]
         args = list(make_inputs(c))
         clean = np.asarray(_kernel(tuple(args), self.INTERPRET, c.tiling))
-        slot = jnp.arange(c.s)[None, :, None, None]
+        slot = jnp.arange(c.s)[None, None, :, None]  # cache [B, Hkv, S, D]
         lens = args[6][:, None, None, None]
         args[4] = jnp.where(slot >= lens, jnp.nan, args[4])
         args[5] = jnp.where(slot >= lens, jnp.nan, args[5])
@@ -218,12 +219,12 @@ def test_llama_verification_forward_lowers_for_cuda_with_pallas():
     cfg = get_preset("tiny").replace(attention_impl="pallas")
     b, t, s, p = 2, 8, 64, 2
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
-    kv = _sds((cfg.n_layers, b, s, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)
+    kv = _sds((cfg.n_layers, b, cfg.n_kv_heads, s, cfg.head_dim), cfg.dtype)
     pk = _sds((cfg.n_layers, p, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)
 
     def fwd(params, tokens, pos, mask, ck, cv, lens, pk_, pv_, pvis):
         return Llama(cfg).apply({"params": params}, tokens, pos, block_mask_btt=mask,
-                                cache_k_lbshd=ck, cache_v_lbshd=cv, cache_len_bt=lens,
+                                cache_k_lbhsd=ck, cache_v_lbhsd=cv, cache_len_bt=lens,
                                 prefix_k_lphd=pk_, prefix_v_lphd=pv_, prefix_visible_bt=pvis).logits_btv
 
     hlo = jax.jit(fwd).trace(params, _sds((b, t), jnp.int32), _sds((b, t), jnp.int32),
@@ -277,7 +278,7 @@ def _greedy_tree_decode(cfg, params, prompts, n_iters, drafts_fn, prefix_lphd):
     @functools.partial(jax.jit, compiler_options=_FAST_COMPILE)
     def prefill(cache, tokens, lens):
         out = model.apply({"params": params}, tokens, jnp.arange(width)[None].repeat(b, 0),
-                          cache_k_lbshd=cache.k_lbshd, cache_v_lbshd=cache.v_lbshd,
+                          cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd,
                           cache_len_bt=cache.length_b)
         nxt = jnp.argmax(out.logits_btv[jnp.arange(b), lens - 1], -1)
         return commit(cache, out.k_new_lbthd, out.v_new_lbthd, lens), nxt
@@ -294,7 +295,7 @@ def _greedy_tree_decode(cfg, params, prompts, n_iters, drafts_fn, prefix_lphd):
         emb = jnp.concatenate([emb_n, jnp.broadcast_to(con_embed, (b,) + con_embed.shape)], 1)
         out = model.apply({"params": params}, None, pos, embeds_btd=emb,
                           block_mask_btt=jnp.broadcast_to(mask_tt, (b, 2 * n, 2 * n)),
-                          cache_k_lbshd=cache.k_lbshd, cache_v_lbshd=cache.v_lbshd,
+                          cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd,
                           cache_len_bt=cache.length_b, prefix_k_lphd=prefix_lphd[0],
                           prefix_v_lphd=prefix_lphd[1],
                           prefix_visible_bt=jnp.broadcast_to(is_con, (b, 2 * n)))
@@ -340,6 +341,10 @@ def _ar_greedy(cfg, params, prompt, n_new, width=32):
 
 
 def test_greedy_tree_decoding_pallas_matches_xla():
+    run_isolated(_greedy_tree_decoding_pallas_matches_xla)
+
+
+def _greedy_tree_decoding_pallas_matches_xla():
     cfg_xla = get_preset("tiny")
     params = _init_params(cfg_xla, jax.random.PRNGKey(0))
     prompts = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 60, 61]]
@@ -367,6 +372,10 @@ def test_greedy_tree_decoding_pallas_matches_xla():
 
 
 def test_generate_ar_pallas_matches_xla():
+    run_isolated(_generate_ar_pallas_matches_xla)
+
+
+def _generate_ar_pallas_matches_xla():
     generate = pytest.importorskip("confu_jax.decode.generate")
     cfg_xla = get_preset("tiny")
     params = _init_params(cfg_xla, jax.random.PRNGKey(1))
@@ -381,6 +390,10 @@ def test_generate_ar_pallas_matches_xla():
 
 
 def test_config_attention_impl_selects_the_kernel_in_target_verification():
+    run_isolated(_config_attention_impl_selects_the_kernel_in_target_verification)
+
+
+def _config_attention_impl_selects_the_kernel_in_target_verification():
     """``config.model.attention_impl`` (ml_collections) -> ModelSpec -> ConFu ``target.verify``:
     the interpreted kernel reproduces the XLA path's logits, f vectors and node K/V."""
     from configs.tiny import get_config

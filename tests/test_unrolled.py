@@ -20,8 +20,8 @@ def test_unrolled_equals_scanned_forward():
     kw = dict(
         embeds_btd=jax.random.normal(ks[0], (b, t, CFG.d_model)),
         block_mask_btt=jax.random.bernoulli(ks[1], 0.6, (b, t, t)) | jnp.eye(t, dtype=bool),
-        cache_k_lbshd=jax.random.normal(ks[2], (L, b, s, h, d)),
-        cache_v_lbshd=jax.random.normal(ks[3], (L, b, s, h, d)),
+        cache_k_lbhsd=jax.random.normal(ks[2], (L, b, h, s, d)),
+        cache_v_lbhsd=jax.random.normal(ks[3], (L, b, h, s, d)),
         cache_len_bt=jnp.asarray([4, 7]),
         prefix_k_lphd=jax.random.normal(ks[4], (L, p, h, d)),
         prefix_v_lphd=jax.random.normal(ks[5], (L, p, h, d)),
@@ -30,7 +30,7 @@ def test_unrolled_equals_scanned_forward():
     )
     tokens = jax.random.randint(ks[7], (b, t), 0, CFG.vocab_size)
     pos = jnp.asarray([[4, 5, 6, 7, 8], [7, 8, 9, 10, 11]])
-    for extra in ({}, kw, {k: kw[k] for k in ("cache_k_lbshd", "cache_v_lbshd", "cache_len_bt")}):
+    for extra in ({}, kw, {k: kw[k] for k in ("cache_k_lbhsd", "cache_v_lbhsd", "cache_len_bt")}):
         ref = Llama(CFG).apply({"params": params}, tokens, pos, **extra)
         got = jax.jit(lambda p: apply_unrolled(split_layers(p, CFG), CFG, tokens, pos, **extra))(params)
         for name in ref._fields:

@@ -19,7 +19,16 @@ expected throughput is
   E[τ(chain:k)] = 1 + Σ_{i≤k} P(n ≥ i) (``tau_chain_from_accepts``) — or from per-depth
   conditional rates α_i such as training's simulated acceptance: 1 + Σ_i Π_{j≤i} α_j
   (``tau_from_rates``).
-* ``choose`` takes the argmax; ties go to the smaller T (less work for the same estimate).
+* Plain AR is a candidate too (``AR``: τ = 1 by definition, t = the measured AR step on the same
+  prompts): speculation is switched off where it does not pay, as serving engines do. On a 2-core
+  CPU with an untrained head that is the right answer, and a benchmark that never considered it
+  would report a slow-down as the best the method can do.
+* ``choose`` takes the argmax; ties go to the smaller T (less work for the same estimate; AR
+  counts as one node).
+
+The calibration prompts should not be the prompts later measured (the benchmark passes its own
+held-out set, ``bench.prompts.calibration_prompts``): a plan chosen on the measured questions
+would be fitted to them.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+AR = "ar"  # the no-speculation candidate: plain autoregressive decoding
 DEFAULT_CHAINS = tuple(f"chain:{k}" for k in range(1, 8))
 # EAGLE-2-style dynamic trees with T-1 = 4, 8, 16, 30, 60 non-root nodes
 DEFAULT_TREES = ("dynamic:3,2,4", "dynamic:4,4,8", "dynamic:5,6,16", "dynamic:6,8,30", "dynamic:6,10,60")
@@ -65,6 +75,9 @@ def tau_chain_from_accepts(accepted_n: Sequence[int], k: int, k_calibrated: int)
 
 
 def plan_nodes(plan: str) -> int:
+    """Target positions one pass verifies (AR: the one token it decodes)."""
+    if plan == AR:
+        return 1
     from confu_jax.decode.plans import parse_plan
 
     return parse_plan(plan).n_nodes_total
@@ -105,12 +118,38 @@ def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, m
     return float(per_pass.mean()), per_pass - 1, seconds / passes
 
 
+def measure_ar(spec, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+               min_bucket: int = 64) -> float:
+    """Seconds per token of plain AR decoding of the target in ``params`` (greedy, EOS off, batch 1),
+    on the same prompts and bucket as ``measure_plan``: the wall time over the tokens after the
+    first (which comes from the prefill)."""
+    import jax
+
+    from confu_jax.decode.generate import generate_ar
+
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
+    jax.block_until_ready(generate_ar(params.target, spec.target, [list(prompts[0])], **kw))
+    seconds, steps = 0.0, 0
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(generate_ar(params.target, spec.target, [list(prompt)], **kw))
+        seconds += time.perf_counter() - t0
+        steps += max(1, int(np.asarray(res.n_generated_b)[0]) - 1)
+    return seconds / steps
+
+
 def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequence[str] = DEFAULT_CHAINS,
-              trees: Sequence[str] = DEFAULT_TREES, max_new_tokens: int = 64,
+              trees: Sequence[str] = DEFAULT_TREES, max_new_tokens: int = 64, include_ar: bool = True,
               log: Optional[Callable[[str], None]] = None):
     """Measure every candidate on the calibration prompts and choose -> (best, all Candidates).
-    One compile per candidate; E[τ] is the candidate's own measured τ."""
+    One compile per candidate; E[τ] is the candidate's own measured τ. With ``include_ar`` plain
+    AR (``AR``, τ = 1) competes too, so the choice may be to not speculate."""
     cands = []
+    if include_ar:
+        step_s = measure_ar(spec, params, prompts, max_new_tokens=max_new_tokens)
+        cands.append(Candidate(AR, 1.0, step_s))
+        if log:
+            log(f"budget auto: ar: {step_s * 1e3:.1f} ms/token, {cands[-1].tokens_per_s:.1f} tokens/s")
     for plan in (*chains, *trees):
         tau, _, pass_s = measure_plan(spec, params, plan, prompts, max_new_tokens=max_new_tokens)
         cands.append(Candidate(plan, tau, pass_s))

@@ -52,6 +52,9 @@ class BenchSetup:
     system: Optional[str] = None
     auto_chains: Optional[tuple] = None  # budget 'auto' candidates (None: bench.budget defaults)
     auto_trees: Optional[tuple] = None
+    # budget 'auto' calibrates on these token-id prompts, not on the measured questions (None: the
+    # first two measured questions, with a warning that the choice is fitted to them)
+    calibration: Optional[tuple] = None
 
 
 def _turn_runner(setup: BenchSetup, programs: _Programs, decode_one: Callable, record: list):
@@ -135,6 +138,8 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                   temperatures: Sequence[float], budgets: Sequence[str], heads: dict,
                   log: Callable[[str], None] = print, progress_factory=None) -> list[dict]:
     """-> result rows (report.write_results layout) for AR and every (method, budget, temperature)."""
+    import jax
+
     from confu_jax.bench import budget as budget_lib
     from confu_jax.decode.heads import decode_head
     from confu_jax.decode.plans import parse_plan
@@ -142,7 +147,9 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
     spec_methods = [m for m in methods if m != "ar"]
     loaded = {}
     for m in spec_methods:
-        loaded[m] = decode_head(m, setup.target_cfg, setup.target_params, heads.get(m), seed=setup.seed)
+        head = decode_head(m, setup.target_cfg, setup.target_params, heads.get(m), seed=setup.seed)
+        # to the device once: host arrays passed to every timed call would be copied on every call
+        loaded[m] = head._replace(params=jax.device_put(head.params))
         if not loaded[m].trained:
             log(f"[{m}] no trained head given (--heads {m}=WORKDIR): RANDOMLY INITIALISED head, tau ~ 1")
     turns_index = [(p.question_id, t) for p in prompts for t in range(min(setup.turns, len(p.turns)))]
@@ -170,14 +177,28 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             for bud in budgets:
                 plan_text = bud
                 if bud == "auto":
-                    calib = [setup.tokenizer.encode(setup.tokenizer.render(
-                        [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True)) for p in prompts[:2]]
+                    calib = setup.calibration
+                    if calib is None:
+                        log(f"[{m}] budget auto: no held-out calibration prompts given; calibrating on "
+                            "the first two measured questions (the choice is fitted to them)")
+                        calib = [setup.tokenizer.encode(setup.tokenizer.render(
+                            [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True))
+                            for p in prompts[:2]]
                     best, _ = budget_lib.auto_plan(
                         head.spec, head.params, calib, max_new_tokens=min(setup.max_new_tokens, 64), log=log,
                         chains=budget_lib.DEFAULT_CHAINS if setup.auto_chains is None else setup.auto_chains,
                         trees=budget_lib.DEFAULT_TREES if setup.auto_trees is None else setup.auto_trees)
                     plan_text = best.plan
-                    log(f"[{m}] budget auto -> {plan_text}")
+                    log(f"[{m}] budget auto -> {plan_text} (expected tau {best.expected_tau:.2f}, "
+                        f"{best.tokens_per_s:.1f} tokens/s)")
+                    if plan_text == budget_lib.AR:  # speculation does not pay: decode as AR does
+                        res = metrics.summarize(m, ar_logs, ar_logs, nodes=1, temperature=temp, depth=None,
+                                                setting={"plan": plan_text, "budget": bud})
+                        rows.append(dict(dataclasses.asdict(res), compile_s=0.0, budget=bud, head=head.source,
+                                         trained=head.trained, lossless_greedy=True if temp == 0 else None,
+                                         n_mismatched_turns=0 if temp == 0 else None, first_mismatch=None))
+                        log(f"[{m}] {bud} (ar: speculation off) T={temp}: {rows[-1]['tokens_per_s']:.2f} tokens/s")
+                        continue
                 plan = parse_plan(plan_text)
                 programs = _Programs()
                 b, tick = bar(f"{m} {bud} T={temp}")

@@ -29,7 +29,7 @@ from confu_jax.decode.generate import decode_step
 from confu_jax.decode.requests import bucket_length, check_settings, default_unroll_layers
 from confu_jax.decode.sampling import choose_token, next_token
 from confu_jax.decode.stopping import PAD_OUT, StopReason, emit, is_eos, update_stop
-from confu_jax.models.kv_cache import KVCache, init_cache
+from confu_jax.models.kv_cache import KVCache, init_cache, write_row
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.unrolled import apply_target, split_layers, target_logits
 
@@ -37,7 +37,7 @@ from confu_jax.models.unrolled import apply_target, split_layers, target_logits
 class Slots(NamedTuple):
     """Device state of the B slots (carried between calls; donated)."""
 
-    cache: KVCache  # [L, B, S, Hkv, hd]; a row's length is its position
+    cache: KVCache  # [L, B, Hkv, S, hd] (per-layer buffers when layer-unrolled); a row's length is its position
     tokens_bn: jax.Array  # [B, N] int32 the row's generated tokens (N = max_new_tokens), PAD_OUT after
     n_generated_b: jax.Array  # [B] int32
     last_b: jax.Array  # [B] int32 last emitted token (fed at the next step)
@@ -46,8 +46,9 @@ class Slots(NamedTuple):
     key_b: jax.Array  # [B, 2] uint32 per-row PRNG keys
 
 
-def init_slots(cfg: LlamaConfig, batch: int, max_len: int, max_new_tokens: int) -> Slots:
-    cache = init_cache(cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
+def init_slots(cfg: LlamaConfig, batch: int, max_len: int, max_new_tokens: int, *, per_layer: bool = False) -> Slots:
+    cache = init_cache(cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype),
+                       per_layer=per_layer)
     return Slots(cache, jnp.full((batch, max_new_tokens), PAD_OUT, jnp.int32), jnp.zeros((batch,), jnp.int32),
                  jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32),
                  jnp.zeros((batch, 2), jnp.uint32))
@@ -60,11 +61,8 @@ def _fill_row(params, slots: Slots, row, tokens_w, length, key, temperature, top
     out = apply_target(params, cfg, tokens_w[None], jnp.arange(w, dtype=jnp.int32)[None], return_logits=False)
     logits_v = target_logits(params, cfg, out.hidden_btd[:, length - 1][:, None])[0, 0]
     tok = choose_token(jax.random.fold_in(key, 0), logits_v[None], temperature, top_p)[0]
-    c = slots.cache
-    n = min(w, c.max_len)  # slots past the row's length are never attended: padding may land there
-    k = jax.lax.dynamic_update_slice(c.k_lbshd, out.k_new_lbthd[:, :, :n].astype(c.k_lbshd.dtype), (0, row, 0, 0, 0))
-    v = jax.lax.dynamic_update_slice(c.v_lbshd, out.v_new_lbthd[:, :, :n].astype(c.v_lbshd.dtype), (0, row, 0, 0, 0))
-    cache = KVCache(k, v, c.length_b.at[row].set(length))
+    n = min(w, slots.cache.max_len)  # slots past the row's length are never attended: padding may land there
+    cache = write_row(slots.cache, row, out.k_new_lbthd[:, :, :n], out.v_new_lbthd[:, :, :n], length)
     one = jnp.arange(slots.done_b.shape[0]) == row
     tokens_bn = jnp.where(one[:, None], PAD_OUT, slots.tokens_bn)
     n_gen = jnp.where(one, 0, slots.n_generated_b)
@@ -79,7 +77,7 @@ def _fill_row(params, slots: Slots, row, tokens_w, length, key, temperature, top
 def _choose_per_row(key_b, n_generated_b, logits_bv, temperature, top_p):
     """Each row's next token with its own key (``fold_in(key, n_generated)``). The greedy/sampled
     choice is one ``lax.cond`` for the whole batch: under ``vmap`` a cond would run both branches,
-    and the sampling branch sorts the vocabulary of every row."""
+    and the sampling branch computes the softmax (and nucleus) of every row."""
 
     def sampled():
         keys = jax.vmap(jax.random.fold_in)(key_b, n_generated_b)
@@ -168,7 +166,7 @@ class ContinuousGenerator:
         """
         queue = collections.deque(requests)
         owner: list = [None] * self.batch
-        slots = init_slots(self.cfg, self.batch, self.max_len, self.max_new_tokens)
+        slots = init_slots(self.cfg, self.batch, self.max_len, self.max_new_tokens, per_layer=self.unroll)
         done_host = np.ones((self.batch,), bool)
         while True:
             if more is not None:

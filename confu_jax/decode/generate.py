@@ -68,7 +68,7 @@ def prefill(params, cfg: LlamaConfig, cache: KVCache, tokens_bt: jax.Array, leng
     positions_bt = cache.length_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cache_kw = {}
     if attend_cache:
-        cache_kw = dict(cache_k_lbshd=cache.k_lbshd, cache_v_lbshd=cache.v_lbshd,
+        cache_kw = dict(cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd,
                         cache_len_bt=cache.length_b)
     out = apply_target(params, cfg, tokens_bt, positions_bt, return_logits=False, **cache_kw)
     last_b1d = out.hidden_btd[jnp.arange(b), lengths_b - 1][:, None, :]
@@ -84,7 +84,7 @@ def decode_step(params, cfg: LlamaConfig, cache: KVCache, tokens_b: jax.Array, a
     but leave their cache untouched.
     """
     out = apply_target(params, cfg, tokens_b[:, None], cache.length_b[:, None],
-                       cache_k_lbshd=cache.k_lbshd, cache_v_lbshd=cache.v_lbshd,
+                       cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd,
                        cache_len_bt=cache.length_b)
     cache = commit(cache, out.k_new_lbthd, out.v_new_lbthd, active_b.astype(jnp.int32))
     return out.logits_btv[:, 0], cache
@@ -112,7 +112,8 @@ def generate_padded(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key
     top_p = jnp.asarray(top_p, jnp.float32)
     stop_kw = dict(max_new_tokens=max_new_tokens, max_len=max_len)
 
-    cache = init_cache(cfg.n_layers, b, max_len, cfg.n_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
+    cache = init_cache(cfg.n_layers, b, max_len, cfg.n_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype),
+                       per_layer=unroll_layers)  # per-layer buffers: read in place (models.kv_cache)
     logits_bv, cache = prefill(params, cfg, cache, tokens_bt, lengths_b, attend_cache=False)
     tok_b = choose_token(jax.random.fold_in(key, 0), logits_bv, temperature, top_p)
     all_b = jnp.ones((b,), bool)

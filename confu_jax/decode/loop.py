@@ -40,7 +40,7 @@ from confu_jax.models import target as target_lib
 from confu_jax.models.draft_decode import draft_block, init_draft_cache
 from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.spec import ModelSpec
-from confu_jax.models.unrolled import split_layers
+from confu_jax.models.unrolled import SplitParams, split_layers
 
 
 # ----------------------------------------------------------------------------- one iteration
@@ -140,7 +140,8 @@ def _prefill(spec: ModelSpec, params: SpecParams, plan: DraftPlan, tokens_bt, le
     b, width = tokens_bt.shape
     a = plan.max_depth + 1
     rows = jnp.arange(b)
-    cache = init_cache(t.n_layers, b, max_len, t.n_kv_heads, t.head_dim, jnp.dtype(t.dtype))
+    cache = init_cache(t.n_layers, b, max_len, t.n_kv_heads, t.head_dim, jnp.dtype(t.dtype),
+                       per_layer=isinstance(params.target, SplitParams))  # layer-unrolled: read in place
     # attend_cache=False: the cache is empty, and attending to a freshly zeroed cache makes XLA
     # constant-fold a batch-sized, fully masked score block (seconds of compile time)
     pre, cache = target_lib.prefill(spec, params.target, params.confu, cache, tokens_bt, lengths_b,

@@ -28,8 +28,8 @@ def masked_attention_reference(
     k_blk_bthd: jax.Array,
     v_blk_bthd: jax.Array,
     block_mask_btt: jax.Array,
-    k_cache_bshd: Optional[jax.Array] = None,
-    v_cache_bshd: Optional[jax.Array] = None,
+    k_cache_bhsd: Optional[jax.Array] = None,
+    v_cache_bhsd: Optional[jax.Array] = None,
     cache_len_bt: Optional[jax.Array] = None,
     k_prefix_phd: Optional[jax.Array] = None,
     v_prefix_phd: Optional[jax.Array] = None,
@@ -38,7 +38,8 @@ def masked_attention_reference(
     """Softmax attention over [cache | prefix | block] keys; GQA by head grouping.
 
     Shapes: q [B,T,Hq,D]; block K/V [B,T,Hkv,D]; block_mask [B,T,T] (True = visible);
-    cache K/V [B,S,Hkv,D]; cache_len [B,T] or [B] (number of visible cache slots);
+    cache K/V [B,Hkv,S,D] (head-major, ``models.kv_cache``); cache_len [B,T] or [B] (number of
+    visible cache slots);
     prefix K/V [P,Hkv,D] (shared over the batch); prefix_visible [B,T].
     Scores and softmax are computed in float32; the output has q's dtype.
     A query that sees no key at all returns zeros (never NaN).
@@ -55,14 +56,15 @@ def masked_attention_reference(
         return jnp.einsum("btkgd,bskd->bkgts", q, k_bshd.astype(jnp.float32))
 
     parts_s, parts_v = [], []
-    if k_cache_bshd is not None and k_cache_bshd.shape[1] > 0:
+    if k_cache_bhsd is not None and k_cache_bhsd.shape[2] > 0:
+        k_cache_bshd = jnp.swapaxes(k_cache_bhsd, 1, 2)
         s_len = k_cache_bshd.shape[1]
         lens = jnp.asarray(cache_len_bt)
         if lens.ndim == 1:
             lens = jnp.broadcast_to(lens[:, None], (b, t))
         vis = jnp.arange(s_len)[None, None, :] < lens[:, :, None]  # [B,T,S]
         parts_s.append(jnp.where(vis[:, None, None], scores(k_cache_bshd), NEG_INF))
-        parts_v.append(v_cache_bshd)
+        parts_v.append(jnp.swapaxes(v_cache_bhsd, 1, 2))
     if k_prefix_phd is not None and k_prefix_phd.shape[0] > 0:
         p_len = k_prefix_phd.shape[0]
         kp = jnp.broadcast_to(k_prefix_phd[None], (b,) + k_prefix_phd.shape)

@@ -215,8 +215,8 @@ def masked_attention_pallas(
     k_blk_bthd: jax.Array,
     v_blk_bthd: jax.Array,
     block_mask_btt: jax.Array,
-    k_cache_bshd: Optional[jax.Array] = None,
-    v_cache_bshd: Optional[jax.Array] = None,
+    k_cache_bhsd: Optional[jax.Array] = None,
+    v_cache_bhsd: Optional[jax.Array] = None,
     cache_len_bt: Optional[jax.Array] = None,
     k_prefix_phd: Optional[jax.Array] = None,
     v_prefix_phd: Optional[jax.Array] = None,
@@ -241,9 +241,9 @@ def masked_attention_pallas(
     _check_block_shapes(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt)
     g = hq // hkv
     dtype = q_bthd.dtype
-    has_cache = k_cache_bshd is not None and k_cache_bshd.shape[1] > 0
+    has_cache = k_cache_bhsd is not None and k_cache_bhsd.shape[2] > 0
     has_prefix = k_prefix_phd is not None and k_prefix_phd.shape[0] > 0
-    s_len = k_cache_bshd.shape[1] if has_cache else 0
+    s_len = k_cache_bhsd.shape[2] if has_cache else 0
 
     n_rows = t * g
     block_m = block_m or default_tiling(n_rows, 0, d)["block_m"]
@@ -274,6 +274,9 @@ def masked_attention_pallas(
     def tree_kv_map(i, j, bh):
         bb, h = bh_split(bh)
         return (bb, 0, h, 0)
+    def cache_map(i, j, bh):  # the cache is head-major [B, Hkv, S, D]
+        bb, h = bh_split(bh)
+        return (bb, h, 0, 0)
     def row_map(i, j, bh):
         return (bh // hkv, i)
 
@@ -298,11 +301,11 @@ def masked_attention_pallas(
         split_len = -(-split_len // block_k) * block_k
         k_splits = -(-s_len // split_len)
         # The cache is passed whole and unpadded (no copy): tail tiles are masked loads.
-        args += [_rows(lens, g, m_pad), k_cache_bshd.astype(dtype), v_cache_bshd.astype(dtype)]
+        args += [_rows(lens, g, m_pad), k_cache_bhsd.astype(dtype), v_cache_bhsd.astype(dtype)]
         in_specs += [
             pl.BlockSpec((None, block_m), row_map),
-            pl.BlockSpec((None, s_len, None, d), tree_kv_map),
-            pl.BlockSpec((None, s_len, None, d), tree_kv_map),
+            pl.BlockSpec((None, None, s_len, d), cache_map),
+            pl.BlockSpec((None, None, s_len, d), cache_map),
         ]
     p_len = k_prefix_phd.shape[0] if has_prefix else 0
     p_pad = max(_MIN_TILE, _next_pow2(p_len)) if has_prefix else 0
@@ -376,8 +379,8 @@ def _merge_splits(o_part, lse_part):
 # ----------------------------------------------------------------------------- dense baseline
 
 
-def dense_masked_attention(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cache_bshd=None,
-                           v_cache_bshd=None, cache_len_bt=None, k_prefix_phd=None,
+def dense_masked_attention(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cache_bhsd=None,
+                           v_cache_bhsd=None, cache_len_bt=None, k_prefix_phd=None,
                            v_prefix_phd=None, prefix_visible_bt=None) -> jax.Array:
     """The naive baseline: ``jax.nn.dot_product_attention`` over [cache | prefix | tree] keys
     concatenated, with one dense [B, 2T, S+P+2T] boolean mask.
@@ -389,12 +392,12 @@ def dense_masked_attention(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cac
     """
     b, t, _, _ = q_bthd.shape
     ks, vs, masks = [], [], []
-    if k_cache_bshd is not None and k_cache_bshd.shape[1] > 0:
-        s_len = k_cache_bshd.shape[1]
+    if k_cache_bhsd is not None and k_cache_bhsd.shape[2] > 0:
+        s_len = k_cache_bhsd.shape[2]
         lens = jnp.asarray(cache_len_bt, jnp.int32)
         lens = jnp.broadcast_to(lens[:, None], (b, t)) if lens.ndim == 1 else lens
-        ks.append(k_cache_bshd)
-        vs.append(v_cache_bshd)
+        ks.append(jnp.swapaxes(k_cache_bhsd, 1, 2))
+        vs.append(jnp.swapaxes(v_cache_bhsd, 1, 2))
         masks.append(jnp.arange(s_len)[None, None, :] < lens[:, :, None])
     if k_prefix_phd is not None and k_prefix_phd.shape[0] > 0:
         p_len = k_prefix_phd.shape[0]

@@ -1,9 +1,10 @@
 """Which attention implementation a target forward runs: the XLA reference or the Pallas kernel.
 
-The attention every target forward computes (cache | soft-prompt prefix | block, see
-``confu_jax.kernels.attention_reference``) has two implementations: the jnp reference, which
-XLA compiles on every backend and which training differentiates, and the Pallas tree-attention
-kernel for CUDA GPUs (inference only). ``LlamaConfig.attention_impl`` names one; it is validated
+The attention every target forward computes (cache | soft-prompt prefix | block, defined by
+``confu_jax.kernels.attention_reference``) has two implementations: the blockwise jnp version
+(``kernels.blockwise_attention``: no concatenated scores or V, native-dtype operands, chunked
+prefill), which XLA compiles on every backend and which training differentiates, and the Pallas
+tree-attention kernel for CUDA GPUs (inference only). ``LlamaConfig.attention_impl`` names one; it is validated
 against the backend once, when a config becomes a ``ModelSpec`` (``resolve_attention_impl``), and
 refused in training (docs/DESIGN.md §6).
 """
@@ -12,14 +13,14 @@ from __future__ import annotations
 
 import jax
 
-from confu_jax.kernels.attention_reference import masked_attention_reference
+from confu_jax.kernels.blockwise_attention import masked_attention_blockwise
 from confu_jax.kernels.tree_attention import ATTENTION_IMPLS
 
 
 def masked_attention(*args, impl: str = "xla", **kwargs) -> jax.Array:
-    """Dispatch on ``impl``: 'xla' (jnp, the CPU default) or 'pallas' / 'pallas_interpret' (the kernel)."""
+    """Dispatch on ``impl``: 'xla' (blockwise jnp, the default) or 'pallas' / 'pallas_interpret' (the kernel)."""
     if impl == "xla":
-        return masked_attention_reference(*args, **kwargs)
+        return masked_attention_blockwise(*args, **kwargs)
     if impl in ("pallas", "pallas_interpret"):
         from confu_jax.kernels import tree_attention
 

@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from confu_jax.models.llama import RMSNorm, apply_rope, rope_cos_sin
+from confu_jax.models.llama import F32_ACCUMULATE, RMSNorm, apply_rope, rope_cos_sin
 from confu_jax.models.moe import make_token_embedder
 from confu_jax.models.spec import ModelSpec
 
@@ -40,9 +40,9 @@ class DraftHead(nn.Module):
         t, h = self.spec.target, self.spec.head
         d, pd, cd = t.d_model, jnp.dtype(h.param_dtype), jnp.dtype(h.dtype)
 
-        def dense(n, name):
+        def dense(n, name, **kw):
             return nn.Dense(n, use_bias=False, dtype=cd, param_dtype=pd,
-                            kernel_init=nn.initializers.normal(h.init_std), name=name)
+                            kernel_init=nn.initializers.normal(h.init_std), name=name, **kw)
 
         self.fc = dense(d, "fc")
         self.input_norm = RMSNorm(t.rms_eps, pd)
@@ -56,7 +56,7 @@ class DraftHead(nn.Module):
         self.up_proj = dense(self.spec.draft_ffn_dim, "up_proj")
         self.down_proj = dense(d, "down_proj")
         self.final_norm = RMSNorm(t.rms_eps, pd)
-        self.lm_head = dense(h.draft_vocab_size, "lm_head")
+        self.lm_head = dense(h.draft_vocab_size, "lm_head", dot_general=F32_ACCUMULATE)  # f32 logits
         if h.has_future:
             self.moe_f = make_token_embedder(h.uses_moe, h.n_expert, h.expert_top_k, d, h.init_std, cd, pd)
 

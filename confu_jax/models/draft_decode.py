@@ -69,8 +69,8 @@ def draft_block(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens
         ms.insert(0, scratch_mask_btm)
     if cache is not None:
         s = cache.max_len
-        ks.insert(0, cache.k_lbshd[0])
-        vs.insert(0, cache.v_lbshd[0])
+        ks.insert(0, jnp.swapaxes(cache.k_lbhsd[0], 1, 2))  # the draft's attention is token-major
+        vs.insert(0, jnp.swapaxes(cache.v_lbhsd[0], 1, 2))
         ms.insert(0, jnp.broadcast_to(jnp.arange(s)[None, None, :] < cache.length_b[:, None, None], (b, t, s)))
     ks = [x.astype(k.dtype) for x in ks]
     vs = [x.astype(v.dtype) for x in vs]

@@ -15,6 +15,7 @@ Layers are stacked with ``nn.scan`` so a 30-layer model compiles as one layer; e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from confu_jax.models.attention import masked_attention
+from confu_jax.models.kv_cache import stacked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +149,7 @@ class RMSNorm(nn.Module):
         return (scale.astype(jnp.float32) * xf).astype(x.dtype)
 
 
-def _dense(features, cfg, name):
+def _dense(features, cfg, name, **kw):
     return nn.Dense(
         features,
         use_bias=False,
@@ -155,7 +157,13 @@ def _dense(features, cfg, name):
         param_dtype=jnp.dtype(cfg.param_dtype),
         kernel_init=nn.initializers.normal(0.02),
         name=name,
+        **kw,
     )
+
+
+# Products in the operands' own dtype, sums in float32: a bf16 LM head is read as bf16 (no
+# resident f32 copy of a [V, d] matrix, no 2x traffic) and still yields float32 logits.
+F32_ACCUMULATE = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
 
 
 class DecoderLayer(nn.Module):
@@ -183,8 +191,8 @@ class DecoderLayer(nn.Module):
             k,
             v,
             ctx["block_mask"],
-            k_cache_bshd=xs.get("k_cache"),
-            v_cache_bshd=xs.get("v_cache"),
+            k_cache_bhsd=xs.get("k_cache"),
+            v_cache_bhsd=xs.get("v_cache"),
             cache_len_bt=ctx.get("cache_len"),
             k_prefix_phd=xs.get("k_prefix"),
             v_prefix_phd=xs.get("v_prefix"),
@@ -213,7 +221,7 @@ class Llama(nn.Module):
         )
         self.final_norm = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype))
         if not cfg.tie_embeddings:
-            self.lm_head = _dense(cfg.vocab_size, cfg, "lm_head")
+            self.lm_head = _dense(cfg.vocab_size, cfg, "lm_head", dot_general=F32_ACCUMULATE)
         self.layers = nn.scan(
             DecoderLayer,
             variable_axes={"params": 0},
@@ -226,10 +234,13 @@ class Llama(nn.Module):
         return self.embed(tokens_bt)
 
     def logits(self, hidden_btd):
-        """LM head in float32 (tied: the embedding matrix transposed)."""
+        """Float32 logits from the LM head read in its own dtype (tied: the embedding matrix
+        transposed). Tied and untied heads give the same precision: operands in the compute dtype,
+        float32 accumulation (``preferred_element_type``), never an upcast copy of the weights."""
         if self.cfg.tie_embeddings:
             w = self.embed.embedding
-            return jnp.einsum("btd,vd->btv", hidden_btd.astype(jnp.float32), w.astype(jnp.float32))
+            return jnp.einsum("btd,vd->btv", hidden_btd.astype(jnp.dtype(self.cfg.dtype)),
+                              w.astype(jnp.dtype(self.cfg.dtype)), preferred_element_type=jnp.float32)
         return self.lm_head(hidden_btd).astype(jnp.float32)
 
     def __call__(
@@ -239,8 +250,8 @@ class Llama(nn.Module):
         *,
         embeds_btd: Optional[jax.Array] = None,
         block_mask_btt: Optional[jax.Array] = None,
-        cache_k_lbshd: Optional[jax.Array] = None,
-        cache_v_lbshd: Optional[jax.Array] = None,
+        cache_k_lbhsd: Optional[jax.Array] = None,
+        cache_v_lbhsd: Optional[jax.Array] = None,
         cache_len_bt: Optional[jax.Array] = None,
         prefix_k_lphd: Optional[jax.Array] = None,
         prefix_v_lphd: Optional[jax.Array] = None,
@@ -257,11 +268,12 @@ class Llama(nn.Module):
         cfg = self.cfg
         x = self.embed_tokens(tokens_bt) if embeds_btd is None else embeds_btd.astype(jnp.dtype(cfg.dtype))
         ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, block_mask_btt, cache_len_bt,
-                                        cache_k_lbshd is not None, prefix_visible_bt,
+                                        cache_k_lbhsd is not None, prefix_visible_bt,
                                         prefix_k_lphd is not None, tap_layers)
         xs = {"layer": jnp.arange(cfg.n_layers)}
-        if cache_k_lbshd is not None:
-            xs["k_cache"], xs["v_cache"] = cache_k_lbshd, cache_v_lbshd
+        if cache_k_lbhsd is not None:
+            # the scan slices a stacked cache; per-layer buffers (kv_cache.init_cache) are stacked here
+            xs["k_cache"], xs["v_cache"] = stacked(cache_k_lbhsd), stacked(cache_v_lbhsd)
         if prefix_k_lphd is not None:
             xs["k_prefix"], xs["v_prefix"] = prefix_k_lphd, prefix_v_lphd
         taps0 = tuple(jnp.zeros_like(x) for _ in tap_layers)

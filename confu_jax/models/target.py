@@ -127,12 +127,13 @@ def real_forward(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array,
                               tap_layers=spec.taps, return_logits=return_logits)
 
 
-def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict, k_lbshd: jax.Array,
-                        v_lbshd: jax.Array, anchors_bk: jax.Array, con_src_bkc: jax.Array) -> jax.Array:
+def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict, k_lbhsd: jax.Array,
+                        v_lbhsd: jax.Array, anchors_bk: jax.Array, con_src_bkc: jax.Array) -> jax.Array:
     """f for K contemplate tokens, each after its anchor, against precomputed real-token K/V.
 
-    ``k_lbshd``/``v_lbshd`` [L,B,S,Hkv,hd]: post-RoPE K/V of real tokens, slot i = position i (a
-    ``real_forward``'s ``k_new_lbthd`` or a committed cache). ``anchors_bk`` [B,K] int: anchor
+    ``k_lbhsd``/``v_lbhsd`` [L,B,Hkv,S,hd], the cache layout: post-RoPE K/V of real tokens, slot
+    i = position i (a committed cache, or a ``real_forward``'s ``k_new_lbthd`` through
+    ``kv_cache.to_cache_layout``). ``anchors_bk`` [B,K] int: anchor
     positions q; contemplate k has position q+1 and sees slots <= q, the soft prompts and itself
     (not the other contemplates). ``con_src_bkc`` [B,K,3d]: the h_cat that MoE_con reads (training:
     h_cat[q - δ]). Returns f [B,K,d]. Differentiable w.r.t. ``confu_params`` only.
@@ -148,8 +149,8 @@ def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict
         anchors_bk + 1,
         embeds_btd=emb_bkd,
         block_mask_btt=eye,
-        cache_k_lbshd=jax.lax.stop_gradient(k_lbshd),
-        cache_v_lbshd=jax.lax.stop_gradient(v_lbshd),
+        cache_k_lbhsd=jax.lax.stop_gradient(k_lbhsd),
+        cache_v_lbhsd=jax.lax.stop_gradient(v_lbhsd),
         cache_len_bt=anchors_bk + 1,
         prefix_k_lphd=confu_params["soft_prompt_k_lphd"],
         prefix_v_lphd=confu_params["soft_prompt_v_lphd"],
@@ -177,7 +178,7 @@ def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVC
         spec, target_params,
         tokens_bt,
         positions,
-        **(dict(cache_k_lbshd=cache.k_lbshd, cache_v_lbshd=cache.v_lbshd, cache_len_bt=cache.length_b)
+        **(dict(cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd, cache_len_bt=cache.length_b)
            if attend_cache else {}),
         tap_layers=spec.taps,
         return_logits=False,
@@ -190,7 +191,7 @@ def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVC
     if spec.head.has_future:
         src = out.taps_btc[rows, jnp.maximum(n_tokens_b - 2, 0)]  # h_cat of the token before the anchor
         anchor = (cache.length_b + last)[:, None]
-        future_bd = contemplate_queries(spec, target_params, confu_params, new_cache.k_lbshd, new_cache.v_lbshd,
+        future_bd = contemplate_queries(spec, target_params, confu_params, new_cache.k_lbhsd, new_cache.v_lbhsd,
                                    anchor, src[:, None])[:, 0]
     return PrefillOutput(last_logits, out.taps_btc, future_bd), new_cache
 
@@ -211,7 +212,7 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
     if depth_bt is None:
         depth_bt = depth_from_ancestors(anc_btt)
     tp = jax.lax.stop_gradient(target_params)
-    common = dict(cache_k_lbshd=cache.k_lbshd, cache_v_lbshd=cache.v_lbshd, cache_len_bt=cache.length_b,
+    common = dict(cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd, cache_len_bt=cache.length_b,
                   tap_layers=spec.taps, return_logits=False)
     if not spec.head.has_future:
         positions = cache.length_b[:, None] + depth_bt.astype(jnp.int32)

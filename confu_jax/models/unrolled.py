@@ -51,8 +51,8 @@ def apply_unrolled(
     *,
     embeds_btd: Optional[jax.Array] = None,
     block_mask_btt: Optional[jax.Array] = None,
-    cache_k_lbshd: Optional[jax.Array] = None,
-    cache_v_lbshd: Optional[jax.Array] = None,
+    cache_k_lbhsd: Optional[jax.Array] = None,
+    cache_v_lbhsd: Optional[jax.Array] = None,
     cache_len_bt: Optional[jax.Array] = None,
     prefix_k_lphd: Optional[jax.Array] = None,
     prefix_v_lphd: Optional[jax.Array] = None,
@@ -68,15 +68,15 @@ def apply_unrolled(
     else:
         x = embeds_btd.astype(jnp.dtype(cfg.dtype))
     ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, block_mask_btt, cache_len_bt,
-                                    cache_k_lbshd is not None, prefix_visible_bt,
+                                    cache_k_lbhsd is not None, prefix_visible_bt,
                                     prefix_k_lphd is not None, tap_layers)
     carry = (x, tuple(jnp.zeros_like(x) for _ in tap_layers))
     layer = DecoderLayer(cfg)
     ks, vs = [], []
     for i, lp in enumerate(sp.layers):
         xs = {"layer": jnp.int32(i)}
-        if cache_k_lbshd is not None:
-            xs["k_cache"], xs["v_cache"] = cache_k_lbshd[i], cache_v_lbshd[i]
+        if cache_k_lbhsd is not None:
+            xs["k_cache"], xs["v_cache"] = cache_k_lbhsd[i], cache_v_lbhsd[i]
         if prefix_k_lphd is not None:
             xs["k_prefix"], xs["v_prefix"] = prefix_k_lphd[i], prefix_v_lphd[i]
         carry, (k, v) = layer.apply({"params": lp}, carry, xs, ctx)

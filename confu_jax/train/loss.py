@@ -53,6 +53,7 @@ from confu_jax import sharding as shd
 from confu_jax.models.draft import draft_logits
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.spec import ModelSpec
+from confu_jax.models.kv_cache import to_cache_layout
 from confu_jax.models.target import contemplate_queries, real_forward
 from confu_jax.train.acceptance import simulated_acceptance_length
 
@@ -401,7 +402,8 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     if spec.head.has_future:
         plan = plan_anchors(rng, loss_mask_bn, cfg)
         rows = jnp.arange(b)[:, None]
-        f_bkd = contemplate_queries(spec, target_params, trainable["confu"], out.k_new_lbthd, out.v_new_lbthd,
+        f_bkd = contemplate_queries(spec, target_params, trainable["confu"], to_cache_layout(out.k_new_lbthd),
+                                    to_cache_layout(out.v_new_lbthd),
                                     plan.anchor_bk, h_cat_bnc[rows, plan.con_src_bk])
         future = TTTFuture(_rows(f_bkd), plan.anchor_bk, plan.index_bn)
     ttt = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc,
