@@ -38,6 +38,8 @@ import time
 
 from absl import app, flags
 
+from confu_jax.bench.decode_cost import floor_bytes, forward_cost, stream_bandwidth
+
 flags.DEFINE_string("models", "smollm2-135m,llama-3.2-3b,llama-3.1-8b", "model presets (comma-separated)")
 flags.DEFINE_string("caches", "1024,4096", "cache lengths S (valid slots)")
 flags.DEFINE_string("tokens", "1,30,60,120", "new tokens T per forward (1 = AR step)")
@@ -57,62 +59,6 @@ def _ints(s: str) -> list:
         return [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise app.UsageError(f"expected comma-separated integers, got {s!r}")
-
-
-def floor_bytes(cfg, n_params_bytes: int, s_len: int, t: int) -> int:
-    """Weights once + S cache slots read (K and V, every layer) + T new K/V entries written."""
-    import numpy as np
-
-    item = np.dtype(cfg.dtype).itemsize
-    per_token_kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * item
-    return n_params_bytes + s_len * per_token_kv + t * per_token_kv
-
-
-def forward_cost(cfg, s_len: int, t: int, batch: int = 1) -> dict:
-    """XLA cost analysis of the compiled layer-unrolled forward of ``t`` tokens against ``s_len`` slots."""
-    import jax
-    import jax.numpy as jnp
-
-    from confu_jax.models.llama import param_shapes
-    from confu_jax.models.unrolled import SplitParams, apply_target
-
-    ps = param_shapes(cfg)
-    layer = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), ps["layers"])
-    sp = SplitParams({k: v for k, v in ps.items() if k != "layers"}, tuple(layer for _ in range(cfg.n_layers)))
-    kv = tuple(jax.ShapeDtypeStruct((batch, cfg.n_kv_heads, s_len, cfg.head_dim), jnp.dtype(cfg.dtype))
-               for _ in range(cfg.n_layers))
-
-    def fwd(sp, k, v, lens, toks):
-        pos = lens[:, None] + jnp.arange(toks.shape[1])[None]
-        out = apply_target(sp, cfg, toks, pos, cache_k_lbhsd=k, cache_v_lbhsd=v, cache_len_bt=lens)
-        return out.logits_btv, out.k_new_lbthd, out.v_new_lbthd
-
-    t0 = time.perf_counter()
-    compiled = jax.jit(fwd).lower(sp, kv, kv, jax.ShapeDtypeStruct((batch,), jnp.int32),
-                                  jax.ShapeDtypeStruct((batch, t), jnp.int32)).compile()
-    ca = compiled.cost_analysis()
-    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(ps))
-    floor = floor_bytes(cfg, n_bytes, s_len, t)
-    return {"cache": s_len, "tokens": t, "bytes_accessed": float(ca["bytes accessed"]), "flops": float(ca["flops"]),
-            "weight_bytes": n_bytes, "floor_bytes": floor, "bytes_over_floor": float(ca["bytes accessed"]) / floor,
-            "compile_s": time.perf_counter() - t0}
-
-
-def stream_bandwidth() -> float:
-    """Bytes/s of an XLA sum over 1 GiB of float32 (this machine's practical read bandwidth)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((1 << 28,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t0)
-    return x.nbytes / sorted(ts)[3]
 
 
 def _median_time(run, params, args, repeats: int):

@@ -13,7 +13,7 @@ import sys
 import jax
 import numpy as np
 
-from launch import decode_cost as dc
+from confu_jax.bench import decode_cost as dc
 from confu_jax.models.llama import param_shapes
 from confu_jax.models.presets import get_preset
 

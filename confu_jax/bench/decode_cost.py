@@ -1,0 +1,69 @@
+"""Bytes and FLOPs of the target forward the decode loops run, against the memory floor.
+
+The floor of one forward of T new tokens against S valid cache slots: every weight read once, the
+S slots' K/V read once, the T new K/V entries written. ``forward_cost`` compiles the layer-unrolled
+forward for shapes only (no weights: Llama-3.1-8B compiles in seconds) and reads XLA's cost
+analysis. Unrolled on purpose: XLA counts a while/scan body once, not once per layer. The CLI is
+``launch.decode_cost``; the method and its limits are in the README ("Decode cost against the
+memory floor").
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def floor_bytes(cfg, n_params_bytes: int, s_len: int, t: int) -> int:
+    """Weights once + S cache slots read (K and V, every layer) + T new K/V entries written."""
+    import numpy as np
+
+    item = np.dtype(cfg.dtype).itemsize
+    per_token_kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * item
+    return n_params_bytes + s_len * per_token_kv + t * per_token_kv
+
+
+def forward_cost(cfg, s_len: int, t: int, batch: int = 1) -> dict:
+    """XLA cost analysis of the compiled layer-unrolled forward of ``t`` tokens against ``s_len`` slots."""
+    import jax
+    import jax.numpy as jnp
+
+    from confu_jax.models.llama import param_shapes
+    from confu_jax.models.unrolled import SplitParams, apply_target
+
+    ps = param_shapes(cfg)
+    layer = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), ps["layers"])
+    sp = SplitParams({k: v for k, v in ps.items() if k != "layers"}, tuple(layer for _ in range(cfg.n_layers)))
+    kv = tuple(jax.ShapeDtypeStruct((batch, cfg.n_kv_heads, s_len, cfg.head_dim), jnp.dtype(cfg.dtype))
+               for _ in range(cfg.n_layers))
+
+    def fwd(sp, k, v, lens, toks):
+        pos = lens[:, None] + jnp.arange(toks.shape[1])[None]
+        out = apply_target(sp, cfg, toks, pos, cache_k_lbhsd=k, cache_v_lbhsd=v, cache_len_bt=lens)
+        return out.logits_btv, out.k_new_lbthd, out.v_new_lbthd
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(fwd).lower(sp, kv, kv, jax.ShapeDtypeStruct((batch,), jnp.int32),
+                                  jax.ShapeDtypeStruct((batch, t), jnp.int32)).compile()
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(ps))
+    floor = floor_bytes(cfg, n_bytes, s_len, t)
+    return {"cache": s_len, "tokens": t, "bytes_accessed": float(ca["bytes accessed"]), "flops": float(ca["flops"]),
+            "weight_bytes": n_bytes, "floor_bytes": floor, "bytes_over_floor": float(ca["bytes accessed"]) / floor,
+            "compile_s": time.perf_counter() - t0}
+
+
+def stream_bandwidth() -> float:
+    """Bytes/s of an XLA sum over 1 GiB of float32 (this machine's practical read bandwidth)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((1 << 28,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    return x.nbytes / sorted(ts)[3]
