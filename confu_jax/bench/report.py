@@ -229,6 +229,8 @@ def write_outputs(out: str, rows: list) -> dict:
         plan = r.get("setting", {}).get("plan", "–")
         head = "–" if r.get("head") is None else ("trained " if r["trained"] else "RANDOM ") + str(r["head"])
         lossless = "–" if r.get("lossless_greedy") is None else str(r["lossless_greedy"])
+        if r.get("n_numerical_ties"):
+            lossless += f" ({r['n_numerical_ties']} numerical ties)"
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r.get('budget') or '–'} | {plan} | {head} | "
                      f"{lossless} | {r['tokens_per_s']:.2f} | {r.get('compile_s', float('nan')):.1f} |")
     with open(base + ".md", "w") as f:

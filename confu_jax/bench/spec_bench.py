@@ -4,8 +4,10 @@ For every temperature the AR baseline runs first on every question; each specula
 budget) then decodes the same questions with the same settings. Per row: τ (Spec-Bench: pooled
 tokens per target pass), tokens/s of compiled programs (compilation timed apart, once per shape
 bucket), speed-up vs the AR baseline of the same run, per-category τ / SR, and — at temperature 0
-— a losslessness check: the speculative token ids equal AR's for every prompt and turn (any
-mismatch is counted and the first one reported). Heads come from ``launch.train`` workdirs, or are
+— a losslessness check: the speculative token ids equal AR's for every prompt and turn; a
+divergence where the target's two candidates are within its numerical tie tolerance in both
+programs' arithmetic is a tie, not a failure (``bench.lossless``; mismatches and ties are counted
+and the first one reported with both logit gaps). Heads come from ``launch.train`` workdirs, or are
 random (flagged ``trained: false`` in the row) when none is given.
 
 Multi-turn: turn 2 replays each method's own turn-1 answer (FastChat's MT-Bench protocol), so in
@@ -64,7 +66,7 @@ def _turn_runner(setup: BenchSetup, programs: _Programs, decode_one: Callable, r
     def generate_turn(messages):
         ids = tok.encode(tok.render(messages, add_generation_prompt=True))
         tokens, accept, wall = decode_one(ids)
-        record.append(tokens)
+        record.append((ids, tokens))
         text = tok.decode([t for t in tokens if t not in tok.eos_ids], skip_special_tokens=True).strip()
         return text, accept, len(tokens), wall
 
@@ -122,16 +124,12 @@ def _run_all(prompts, setup, programs, decode_one, progress):
     return logs, tokens
 
 
-def _compare(ar_tokens, sp_tokens, prompts_turns) -> dict:
-    mismatches = [i for i, (a, s) in enumerate(zip(ar_tokens, sp_tokens)) if a != s]
-    first = None
-    if mismatches:
-        i = mismatches[0]
-        a, s = ar_tokens[i], sp_tokens[i]
-        pos = next((j for j, (x, y) in enumerate(zip(a, s)) if x != y), min(len(a), len(s)))
-        first = {"question_id": prompts_turns[i][0], "turn": prompts_turns[i][1], "position": pos}
-    return {"lossless_greedy": not mismatches and len(ar_tokens) == len(sp_tokens),
-            "n_mismatched_turns": len(mismatches), "first_mismatch": first}
+def _compare(setup: BenchSetup, ar_turns, sp_turns, turns_index) -> dict:
+    """Greedy losslessness: token-for-token equality, a divergence within the target's numerical
+    tie tolerance excepted (``bench.lossless``: the first divergence with both programs' margins)."""
+    from confu_jax.bench.lossless import compare_greedy
+
+    return compare_greedy(setup.target_params, setup.target_cfg, turns_index, ar_turns, sp_turns)
 
 
 def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods: Sequence[str],
@@ -196,7 +194,8 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                                                 setting={"plan": plan_text, "budget": bud})
                         rows.append(dict(dataclasses.asdict(res), compile_s=0.0, budget=bud, head=head.source,
                                          trained=head.trained, lossless_greedy=True if temp == 0 else None,
-                                         n_mismatched_turns=0 if temp == 0 else None, first_mismatch=None))
+                                         n_mismatched_turns=0 if temp == 0 else None,
+                                         n_numerical_ties=0 if temp == 0 else None, first_mismatch=None))
                         log(f"[{m}] {bud} (ar: speculation off) T={temp}: {rows[-1]['tokens_per_s']:.2f} tokens/s")
                         continue
                 plan = parse_plan(plan_text)
@@ -208,8 +207,9 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                     b.close()
                 res = metrics.summarize(m, sp_logs, ar_logs, nodes=plan.n_nodes_total, temperature=temp,
                                         depth=plan.max_depth, setting={"plan": plan_text, "budget": bud})
-                check = _compare(ar_tokens, sp_tokens, turns_index) if temp == 0 else {
-                    "lossless_greedy": None, "n_mismatched_turns": None, "first_mismatch": None}
+                check = _compare(setup, ar_tokens, sp_tokens, turns_index) if temp == 0 else {
+                    "lossless_greedy": None, "n_mismatched_turns": None, "n_numerical_ties": None,
+                    "first_mismatch": None}
                 row = dict(dataclasses.asdict(res), compile_s=programs.compile_s, budget=bud,
                            head=head.source, trained=head.trained, **check)
                 rows.append(row)
