@@ -40,31 +40,36 @@ class DraftScratch(NamedTuple):
     h_out_bkd: jax.Array  # [B, K, d] draft state of the last frontier (its children's hidden input)
 
 
-def future_entry(spec: ModelSpec, params: SpecParams, s: SpecState,
-                 anchor_b: jax.Array) -> Optional[draft_lib.DraftFuture]:
-    """ConFu's future entry for this iteration (token [f] = MoE_f(g[p]), hidden f[p]); None for EAGLE-3."""
+def future_entry(spec: ModelSpec, params: SpecParams, s: SpecState, anchor_b: jax.Array,
+                 g_anchor_bd: Optional[jax.Array] = None) -> Optional[draft_lib.DraftFuture]:
+    """ConFu's future entry for this iteration (token [f] = MoE_f(g[p]), hidden f[p]); None for EAGLE-3.
+    ``g_anchor_bd``: g[p] when the caller already has it (``draft_tree`` computes g once for ingestion)."""
     if not spec.head.has_future:
         return None
-    rows = jnp.arange(anchor_b.shape[0])
-    g_anchor = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac[rows, s.ingest_count_b - 1])
-    return draft_lib.draft_future_entry(spec, params.draft, s.future_bd[:, None], g_anchor[:, None],
+    if g_anchor_bd is None:
+        rows = jnp.arange(anchor_b.shape[0])
+        g_anchor_bd = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac[rows, s.ingest_count_b - 1])
+    return draft_lib.draft_future_entry(spec, params.draft, s.future_bd[:, None], g_anchor_bd[:, None],
                                         anchor_b[:, None])
 
 
-def ingest(spec: ModelSpec, params: SpecParams, s: SpecState, future, draft_cache: KVCache):
+def ingest(spec: ModelSpec, params: SpecParams, s: SpecState, future, draft_cache: KVCache,
+           g_bad: Optional[jax.Array] = None):
     """Depth 0: commit the pending entries to the draft cache -> (logits at the anchor [B,1,V_d],
-    draft state at the anchor [B,1,d], updated draft cache)."""
+    draft state at the anchor [B,1,d], updated draft cache). ``g_bad``: fc of the pending entries'
+    h_cat when the caller computed it already. The LM head runs at the anchor row only."""
     b, a = s.ingest_tokens_ba.shape
     rows = jnp.arange(b)
-    g_bad = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac)
+    if g_bad is None:
+        g_bad = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac)
     pos = draft_cache.length_b[:, None] + jnp.arange(a, dtype=jnp.int32)[None]
+    last = s.ingest_count_b - 1
     out = draft_block(spec, params.draft, params.embed_vd, s.ingest_tokens_ba, g_bad, pos,
-                      cache=draft_cache, future=future)
+                      cache=draft_cache, future=future, logits_index_b=last)
     active = (~s.done_b).astype(jnp.int32)
     draft_cache = commit(draft_cache, out.k_new_bthd[None], out.v_new_bthd[None],
                          s.ingest_count_b * active)
-    last = s.ingest_count_b - 1
-    return out.logits_btv[rows, last][:, None], out.h_out_btd[rows, last][:, None], draft_cache
+    return out.logits_btv, out.h_out_btd[rows, last][:, None], draft_cache
 
 
 def expand(spec: ModelSpec, params: SpecParams, st: DraftScratch, fr: tree_lib.Frontier,
@@ -96,12 +101,14 @@ def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, s: SpecStat
     """
     b = s.ingest_tokens_ba.shape[0]
     t = spec.target
-    future = future_entry(spec, params, s, anchor_b)
+    # fc(h_cat) of the pending entries, once: the anchor's g also builds the future entry
+    g_bad = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac)
+    future = future_entry(spec, params, s, anchor_b, g_bad[jnp.arange(b), s.ingest_count_b - 1])
     scratch0 = jnp.zeros((b, plan.n_scratch, t.n_kv_heads, t.head_dim), jnp.dtype(spec.head.dtype))
 
     def expand_fn(st: DraftScratch, fr: tree_lib.Frontier):
         if fr.depth == 0:
-            logits, h_out, draft_cache = ingest(spec, params, s, future, st.draft_cache)
+            logits, h_out, draft_cache = ingest(spec, params, s, future, st.draft_cache, g_bad)
             st = st._replace(draft_cache=draft_cache, h_out_bkd=h_out)
         else:
             logits, st = expand(spec, params, st, fr, anchor_b, future)

@@ -29,8 +29,10 @@ from confu_jax.kernels.attention_reference import NEG_INF
 Q_CHUNK = 512  # queries per chunk when a block is longer than this (prefill)
 
 
-def _partial(s_bkgts, visible, v, v_spec: str):
-    """(o [B,Hkv,G,T,D] f32 unnormalised, m [B,Hkv,G,T], l [B,Hkv,G,T]) of one key block."""
+def softmax_block_state(s_bkgts, visible, v, v_spec: str):
+    """(o [B,Hkv,G,T,D] f32 unnormalised, m [B,Hkv,G,T], l [B,Hkv,G,T]) of one key block: its
+    float32 scores ``s_bkgts``, which of them are ``visible`` (broadcastable), and its values
+    ``v`` laid out as ``v_spec`` says (einsum letters over b, k (KV head), s (key), d)."""
     s = jnp.where(visible, s_bkgts, NEG_INF)
     m = jnp.max(s, axis=-1)
     p = jnp.where(visible, jnp.exp(s - m[..., None]), 0.0)
@@ -38,7 +40,7 @@ def _partial(s_bkgts, visible, v, v_spec: str):
     return o, m, jnp.sum(p, axis=-1)
 
 
-def _merge(parts):
+def merge_block_states(parts):
     """Combine per-block softmax states; rows that saw nothing get zeros."""
     m_all = parts[0][1]
     for _, m, _ in parts[1:]:
@@ -61,15 +63,15 @@ def _attend(q_bkgtd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cache_bhsd, v_cac
         s = jnp.einsum("bkgtd,bksd->bkgts", q_bkgtd, k_cache_bhsd.astype(q_bkgtd.dtype),
                        preferred_element_type=f32) * scale
         vis = jnp.arange(s_len)[None, None, :] < cache_len_bt[:, :, None]  # [B,T,S]
-        parts.append(_partial(s, vis[:, None, None], v_cache_bhsd, "bksd"))
+        parts.append(softmax_block_state(s, vis[:, None, None], v_cache_bhsd, "bksd"))
     if k_prefix_phd is not None:
         s = jnp.einsum("bkgtd,pkd->bkgtp", q_bkgtd, k_prefix_phd.astype(q_bkgtd.dtype),
                        preferred_element_type=f32) * scale
-        parts.append(_partial(s, prefix_visible_bt[:, None, None, :, None], v_prefix_phd, "skd"))
+        parts.append(softmax_block_state(s, prefix_visible_bt[:, None, None, :, None], v_prefix_phd, "skd"))
     s = jnp.einsum("bkgtd,bskd->bkgts", q_bkgtd, k_blk_bthd.astype(q_bkgtd.dtype),
                    preferred_element_type=f32) * scale
-    parts.append(_partial(s, block_mask_btt[:, None, None], v_blk_bthd, "bskd"))
-    return _merge(parts)
+    parts.append(softmax_block_state(s, block_mask_btt[:, None, None], v_blk_bthd, "bskd"))
+    return merge_block_states(parts)
 
 
 def masked_attention_blockwise(

@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax.models.draft import DraftFuture, DraftHead, apply_head, draft_logits, embed_tokens
-from confu_jax.models.draft_attention import draft_attention
+from confu_jax.kernels.blockwise_attention import merge_block_states, softmax_block_state
 from confu_jax.models.kv_cache import KVCache, init_cache
 from confu_jax.models.spec import ModelSpec
 
 
 class DraftBlockOutput(NamedTuple):
-    logits_btv: jax.Array  # [B,T,V_draft] float32
+    logits_btv: jax.Array  # [B,T,V_draft] float32 ([B,1,V_draft] with logits_index_b)
     hidden_btd: jax.Array  # [B,T,d] final-normed
     h_out_btd: jax.Array  # [B,T,d] pre-norm output: the hidden input of these nodes' children
     k_new_bthd: jax.Array  # [B,T,Hkv,hd] this block's keys: commit (step-0 entries) or keep as scratch
@@ -38,7 +38,8 @@ def draft_block(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens
                 block_mask_btt: Optional[jax.Array] = None, scratch_k_bmhd: Optional[jax.Array] = None,
                 scratch_v_bmhd: Optional[jax.Array] = None, scratch_mask_btm: Optional[jax.Array] = None,
                 future: Optional[DraftFuture] = None,
-                future_visible_bt: Optional[jax.Array] = None) -> DraftBlockOutput:
+                future_visible_bt: Optional[jax.Array] = None,
+                logits_index_b: Optional[jax.Array] = None) -> DraftBlockOutput:
     """Incremental draft forward of T inputs; never writes anything.
 
     Input i: (embed(tokens[i]), hidden[i]) at RoPE ``positions[i]``. It attends:
@@ -54,6 +55,8 @@ def draft_block(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens
     g[j] from the verification's h_cat) as a causal block and commit their K/V; the output at the
     last one (the anchor p) gives the root's children. (2) Draft tree levels with hidden = the
     parents' ``h_out``, positions = parents' + 1, scratch = earlier levels' K/V.
+    ``logits_index_b`` [B]: run the LM head only at that row of the block (logits_btv is then
+    [B,1,V_draft]) — ingestion uses one row of up to D+1.
     """
     if future is not None and not spec.head.has_future:
         raise ValueError("draft_block: variant 'eagle3' takes no future entry")
@@ -62,23 +65,39 @@ def draft_block(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens
     q, k, v = apply_head(spec, draft_params, emb, hidden_btd, positions_bt.astype(jnp.int32), method=DraftHead.project)
     if block_mask_btt is None:
         block_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    ks, vs, ms = [k], [v], [block_mask_btt]
-    if scratch_k_bmhd is not None:
-        ks.insert(0, scratch_k_bmhd)
-        vs.insert(0, scratch_v_bmhd)
-        ms.insert(0, scratch_mask_btm)
-    if cache is not None:
-        s = cache.max_len
-        ks.insert(0, jnp.swapaxes(cache.k_lbhsd[0], 1, 2))  # the draft's attention is token-major
-        vs.insert(0, jnp.swapaxes(cache.v_lbhsd[0], 1, 2))
-        ms.insert(0, jnp.broadcast_to(jnp.arange(s)[None, None, :] < cache.length_b[:, None, None], (b, t, s)))
-    ks = [x.astype(k.dtype) for x in ks]
-    vs = [x.astype(v.dtype) for x in vs]
-    ek = ev = em = None
-    if future is not None:
-        ek = jnp.broadcast_to(future.k_bnhd[:, :1][:, None], (b, t, 1) + k.shape[2:])
-        ev = jnp.broadcast_to(future.v_bnhd[:, :1][:, None], (b, t, 1) + v.shape[2:])
-        em = jnp.ones((b, t, 1), bool) if future_visible_bt is None else future_visible_bt[:, :, None]
-    attn = draft_attention(q, jnp.concatenate(ks, 1), jnp.concatenate(vs, 1), jnp.concatenate(ms, 2), ek, ev, em)
+    attn = _attend_blocks(q, k, v, block_mask_btt, cache, scratch_k_bmhd, scratch_v_bmhd, scratch_mask_btm,
+                          future, future_visible_bt)
     h_out, hidden = apply_head(spec, draft_params, attn, hidden_btd, method=DraftHead.finish)
-    return DraftBlockOutput(draft_logits(spec, draft_params, hidden), hidden, h_out, k, v)
+    at = hidden if logits_index_b is None else hidden[jnp.arange(b), logits_index_b][:, None]
+    return DraftBlockOutput(draft_logits(spec, draft_params, at), hidden, h_out, k, v)
+
+
+def _attend_blocks(q_bthd, k_bthd, v_bthd, block_mask_btt, cache, scratch_k_bmhd, scratch_v_bmhd,
+                   scratch_mask_btm, future, future_visible_bt):
+    """Softmax over [cache | scratch | block | future] as per-block states merged by their maxima
+    (``kernels.blockwise_attention``): the draft cache is read in place, in its head-major layout
+    and its own dtype, at every tree depth — no transposed, concatenated or upcast copy of it —
+    with float32 accumulation. The future entry is one key shared by a row's queries."""
+    b, t, hq, d = q_bthd.shape
+    hkv = k_bthd.shape[2]
+    q = q_bthd.reshape(b, t, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)  # [B,Hkv,G,T,D]
+    scale, f32 = 1.0 / d ** 0.5, jnp.float32
+
+    def scores(keys, spec_):
+        return jnp.einsum(f"bkgtd,{spec_}->bkgts", q, keys.astype(q.dtype), preferred_element_type=f32) * scale
+
+    parts = []
+    if cache is not None:
+        k_c, v_c = cache.k_lbhsd[0], cache.v_lbhsd[0]  # [B,Hkv,S,hd]
+        visible = jnp.arange(cache.max_len)[None, :] < cache.length_b[:, None]  # [B,S]
+        parts.append(softmax_block_state(scores(k_c, "bksd"), visible[:, None, None, None], v_c, "bksd"))
+    if scratch_k_bmhd is not None:
+        parts.append(softmax_block_state(scores(scratch_k_bmhd, "bskd"), scratch_mask_btm[:, None, None],
+                                         scratch_v_bmhd, "bskd"))
+    parts.append(softmax_block_state(scores(k_bthd, "bskd"), block_mask_btt[:, None, None], v_bthd, "bskd"))
+    if future is not None:
+        vis = jnp.ones((b, t), bool) if future_visible_bt is None else future_visible_bt
+        parts.append(softmax_block_state(scores(future.k_bnhd[:, :1], "bskd"), vis[:, None, None, :, None],
+                                         future.v_bnhd[:, :1], "bskd"))
+    out = merge_block_states(parts)  # [B,Hkv,G,T,D] f32
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q_bthd.dtype)
