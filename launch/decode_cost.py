@@ -23,11 +23,14 @@ Two parts:
    not as a GPU prediction.
 
 2. ``--measure``: on this machine, SmolLM2 (fp32, batch 1, the embedded asset) — the measured stream
-   bandwidth (an XLA sum over 1 GiB), the AR step's wall time, and the wall time of one speculative
-   iteration (draft + verification + accept/commit) of EAGLE-3 and ConFu chain:3 with random heads
-   (τ ≈ 1, so one iteration ≈ one emitted token: the cost of a pass, not a speed-up), each as a
-   ratio to the AR step and to the floor. Per-step times are differences of two AOT-compiled runs
-   (N tokens minus 1 token) over the extra steps, medians over repeats. Run it on an idle machine.
+   bandwidth (best of 7 XLA sums over 1 GiB), the AR step's wall time, and the wall time of one
+   speculative iteration (draft + verification + accept/commit) of EAGLE-3 and ConFu chain:3 with
+   random heads of ``--draft_vocab`` rows (τ ≈ 1, so one iteration ≈ one emitted token: the cost of
+   a pass, not a speed-up), each as a ratio to the AR step and to the floor. Per-step times are
+   differences of two AOT-compiled runs (N tokens minus 1 token) over the extra steps; all programs
+   are timed round-robin, medians over ``--repeats`` rounds. Then one iteration alone, split into
+   draft / verify / accept+commit (differences of three programs on the same state), at T = 0 and
+   T = 0.7 (the sampled rule's extra cost). Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ flags.DEFINE_string("dtype", "float32", "parameter/compute dtype of the analysed
                     "conversions) or 'model' (each preset's own dtype)")
 flags.DEFINE_bool("measure", False, "also time SmolLM2 on this machine (AR step, EAGLE-3 / ConFu passes)")
 flags.DEFINE_integer("prompt_len", 300, "--measure: prompt tokens")
-flags.DEFINE_integer("new_tokens", 48, "--measure: tokens generated per timed run")
-flags.DEFINE_integer("repeats", 3, "--measure: timed repeats (median)")
+flags.DEFINE_integer("new_tokens", 96, "--measure: tokens generated per timed run")
+flags.DEFINE_integer("repeats", 5, "--measure: timed rounds (every program once per round; medians)")
+flags.DEFINE_integer("draft_vocab", 4096, "--measure: draft vocabulary of the random heads (the CPU "
+                     "recipe's 4096; the draft LM head's rows are part of every draft step)")
 flags.DEFINE_string("out", "", "write the results JSON here too")
 FLAGS = flags.FLAGS
 
@@ -61,19 +66,60 @@ def _ints(s: str) -> list:
         raise app.UsageError(f"expected comma-separated integers, got {s!r}")
 
 
-def _median_time(run, params, args, repeats: int):
+def split_iteration(head, plan, prompt, max_len: int, repeats: int, temperature: float = 0.0) -> dict:
+    """Wall time of one speculative iteration split into draft / verify / accept+commit (ms).
+
+    Three AOT-compiled programs on the same loop state (after prefill): the draft tree alone,
+    draft + target verification pass + acceptance rule, and the whole ``loop.iteration``; the
+    parts are their differences (medians over ``repeats`` calls each). The layer-unrolled weight
+    buffers are made once, outside the timed calls, as the loop does.
+    """
     import jax
+    import jax.numpy as jnp
 
-    jax.block_until_ready(run(params, *args))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(run(params, *args))
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2], out
+    from confu_jax.decode import drafting, loop
+    from confu_jax.models.unrolled import split_layers
+
+    spec = head.spec
+    args, static = loop.prepare_spec_inputs(spec, plan, [prompt], max_new_tokens=8, eos_ids=(),
+                                            max_len=max_len, temperature=temperature)
+    tokens_bt, lengths_b, temp, top_p, eos_e, key = args
+    kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
+    rule = static["rule"]
+    params = head.params
+    if static["unroll_layers"]:
+        params = jax.jit(lambda p: p.replace(target=split_layers(p.target, spec.target)))(params)
+    temp, top_p = jnp.float32(temp), jnp.float32(top_p)
+    state = jax.jit(lambda p: loop._prefill(spec, p, plan, tokens_bt, lengths_b, temp, top_p, eos_e, key,
+                                            **kw))(params)
+
+    def draft(p, s):
+        return drafting.draft_tree(spec, p, plan, s, s.cache.length_b - 1, s.key, temp, top_p)
+
+    def draft_verify(p, s):
+        tree, q, _ = draft(p, s)
+        return loop._verify(spec, p, rule, s, tree, q, s.key, temp, top_p)[1]
+
+    def whole(p, s):
+        return loop.iteration(spec, p, plan, rule, s, temp, top_p, eos_e, **kw)
+
+    runs = {name: jax.jit(fn).lower(params, state).compile()
+            for name, fn in (("draft", draft), ("draft_verify", draft_verify), ("iteration", whole))}
+    samples = {name: [] for name in runs}
+    for run in runs.values():
+        jax.block_until_ready(run(params, state))
+    for _ in range(repeats):  # round-robin: a slow spell hits the three alike
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(params, state))
+            samples[name].append(time.perf_counter() - t0)
+    times = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+    return {"draft_ms": times["draft"] * 1e3, "verify_ms": (times["draft_verify"] - times["draft"]) * 1e3,
+            "accept_commit_ms": (times["iteration"] - times["draft_verify"]) * 1e3,
+            "iteration_ms": times["iteration"] * 1e3, "rule": rule}
 
 
-def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int) -> dict:
+def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab: int = 4096) -> dict:
     import jax
     import numpy as np
 
@@ -93,34 +139,55 @@ def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int) -> dict:
     res = {"bandwidth_gib_s": bw / 2 ** 30, "floor_ms": floor_s * 1e3, "prompt_len": prompt_len,
            "new_tokens": new_tokens}
 
-    def per_step(compile_fn, count):
-        long_run, long_args = compile_fn(new_tokens)
-        short_run, short_args = compile_fn(1)
-        t_long, out = _median_time(long_run, params_for[0], long_args, repeats)
-        t_short, _ = _median_time(short_run, params_for[0], short_args, repeats)
-        return (t_long - t_short) / max(1, count(out)), out
-
-    params_for = [params]
+    # Every program is compiled first, then all are timed round-robin (one call each per round,
+    # medians over rounds), so a slow spell of the machine hits every figure alike.
     kw = dict(eos_ids=(), max_len=max_len)
-    ar_s, _ = per_step(lambda n: compile_ar(params, cfg, [prompt], max_new_tokens=n, **kw),
-                       lambda out: new_tokens - 1)
+    plan = parse_plan("chain:3")
+    heads = {m: random_head(m, cfg, params, draft_vocab_size=draft_vocab) for m in ("eagle3", "confu")}
+    progs = {}  # name -> (compiled, params, args)
+    for n in (new_tokens, 1):
+        run, args = compile_ar(params, cfg, [prompt], max_new_tokens=n, **kw)
+        progs[("ar", n)] = (run, params, args)
+        for m, head in heads.items():
+            run, args = compile_speculative(head.spec, head.params, plan, [prompt], max_new_tokens=n, **kw)
+            progs[(m, n)] = (run, head.params, args)
+    times = {k: [] for k in progs}
+    outs = {}
+    for k, (run, p, args) in progs.items():  # warm-up
+        outs[k] = jax.block_until_ready(run(p, *args))
+    for _ in range(repeats):
+        for k, (run, p, args) in progs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(p, *args))
+            times[k].append(time.perf_counter() - t0)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+
+    def per_step(name, count):
+        return (med[(name, new_tokens)] - med[(name, 1)]) / max(1, count)
+
+    ar_s = per_step("ar", new_tokens - 1)
     res["ar_step_ms"] = ar_s * 1e3
     res["ar_step_over_floor"] = ar_s / floor_s
     print(f"SmolLM2 AR step: {ar_s * 1e3:.1f} ms = {ar_s / floor_s:.2f}x the floor "
           f"({floor_s * 1e3:.1f} ms at {bw / 2 ** 30:.1f} GiB/s)", flush=True)
-    plan = parse_plan("chain:3")
-    for method in ("eagle3", "confu"):
-        head = random_head(method, cfg, params)
-        params_for[0] = head.params
-
-        def compile_fn(n, head=head):
-            return compile_speculative(head.spec, head.params, plan, [prompt], max_new_tokens=n, **kw)
-
-        it_s, out = per_step(compile_fn, lambda out: int(np.asarray(out.n_passes_b)[0]))
+    for method, head in heads.items():
+        passes = int(np.asarray(outs[(method, new_tokens)].n_passes_b)[0]) - int(
+            np.asarray(outs[(method, 1)].n_passes_b)[0])
+        it_s = per_step(method, passes)
         res[f"{method}_pass_ms"] = it_s * 1e3
         res[f"{method}_pass_over_ar"] = it_s / ar_s
         print(f"SmolLM2 {method} chain:3 iteration (draft + verify + accept): {it_s * 1e3:.1f} ms = "
               f"{it_s / ar_s:.2f}x an AR step", flush=True)
+    for method, head in heads.items():
+        for temp in (0.0, 0.7):
+            sp = split_iteration(head, plan, prompt, max_len, max(repeats, 15), temperature=temp)
+            res[f"{method}_split_T{temp:g}"] = sp
+            print(f"  one {method} iteration alone, T={temp:g} ({sp['rule']}): {sp['iteration_ms']:.1f} ms = "
+                  f"draft {sp['draft_ms']:.1f} + verify {sp['verify_ms']:.1f} + accept/commit "
+                  f"{sp['accept_commit_ms']:.1f} ms", flush=True)
+        ratio = res[f"{method}_split_T0.7"]["iteration_ms"] / res[f"{method}_split_T0"]["iteration_ms"]
+        res[f"{method}_sampled_over_greedy"] = ratio
+        print(f"  {method}: a T=0.7 iteration costs {ratio:.2f}x a T=0 iteration", flush=True)
     return res
 
 
@@ -149,7 +216,8 @@ def main(argv):
                     worst = max(worst or 0.0, r["bytes_over_floor"])
         results["programs"][name] = rows
     if FLAGS.measure:
-        results["measured_smollm2"] = measure_smollm2(FLAGS.prompt_len, FLAGS.new_tokens, FLAGS.repeats)
+        results["measured_smollm2"] = measure_smollm2(FLAGS.prompt_len, FLAGS.new_tokens, FLAGS.repeats,
+                                                      FLAGS.draft_vocab)
     if worst is not None:
         results["max_bytes_over_floor_8b"] = worst
     if FLAGS.out:

@@ -129,3 +129,23 @@ def test_head_is_refused_on_a_different_target_of_the_same_shape(trained, tmp_pa
     shutil.copytree(workdir, old)
     os.remove(old / "target.json")
     assert decode_head("eagle3", spec.target, tuned, str(old)).trained
+
+
+def test_random_head_with_a_smaller_draft_vocabulary():
+    """Cost measurements use random heads shaped like trained ones: V_draft rows in the draft LM
+    head, draft id i = target id i."""
+    from confu_jax.decode.heads import random_head
+    from confu_jax.models.presets import get_preset
+    from confu_jax.models.spec import HeadConfig, ModelSpec
+    from model_fakes import tiny_params
+
+    cfg = get_preset("tiny")
+    tp, _ = tiny_params(ModelSpec(cfg, HeadConfig(variant="eagle3", draft_vocab_size=cfg.vocab_size)))
+    head = random_head("confu", cfg, tp, draft_vocab_size=16)
+    assert head.spec.head.draft_vocab_size == 16 and not head.trained
+    assert np.array_equal(np.asarray(head.params.draft_vocab["d2t"]), np.arange(16))
+    t2d = np.asarray(head.params.draft_vocab["t2d"])
+    assert t2d.shape == (cfg.vocab_size,) and t2d[:16].all() and not t2d[16:].any()
+    assert {x.shape[-1] for x in jax.tree_util.tree_leaves(head.params.draft["lm_head"])} == {16}
+    with pytest.raises(ValueError, match="draft_vocab_size must be in"):
+        random_head("eagle3", cfg, tp, draft_vocab_size=cfg.vocab_size + 1)

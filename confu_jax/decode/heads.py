@@ -38,12 +38,18 @@ def _speculative_method(method: str):
     return m
 
 
-def random_head(method: str, target_cfg: LlamaConfig, target_params: dict, seed: int = 0) -> DecodeHead:
+def random_head(method: str, target_cfg: LlamaConfig, target_params: dict, seed: int = 0,
+                draft_vocab_size: Optional[int] = None) -> DecodeHead:
+    """An untrained head (τ ≈ 1): lossless checks and cost measurements. ``draft_vocab_size``
+    (default: the target's) keeps the first ids — a trained head's draft LM head has that many rows."""
     variant = _speculative_method(method).variants[0]
-    head = HeadConfig(variant=variant, draft_vocab_size=target_cfg.vocab_size)
+    v_draft = target_cfg.vocab_size if draft_vocab_size is None else draft_vocab_size
+    if not 0 < v_draft <= target_cfg.vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {target_cfg.vocab_size}], got {v_draft}")
+    head = HeadConfig(variant=variant, draft_vocab_size=v_draft)
     spec = ModelSpec(target_cfg, head)
     trainable = jax.device_get(init_trainable(spec, jax.random.PRNGKey(seed)))
-    vocab = identity_draft_vocab(target_cfg.vocab_size, target_cfg.vocab_size)
+    vocab = identity_draft_vocab(target_cfg.vocab_size, v_draft)
     return DecodeHead(spec, spec_params(target_params, trainable, vocab), False, f"random (seed {seed})")
 
 
