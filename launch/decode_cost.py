@@ -97,8 +97,8 @@ def split_iteration(head, plan, prompt, max_len: int, repeats: int, temperature:
         return drafting.draft_tree(spec, p, plan, s, s.cache.length_b - 1, s.key, temp, top_p)
 
     def draft_verify(p, s):
-        tree, q, _ = draft(p, s)
-        return loop._verify(spec, p, rule, s, tree, q, s.key, temp, top_p)[1]
+        tree, q, _, con_nodes = draft(p, s)
+        return loop._verify(spec, p, rule, s, tree, q, s.key, temp, top_p, con_nodes)[1]
 
     def whole(p, s):
         return loop.iteration(spec, p, plan, rule, s, temp, top_p, eos_e, **kw)

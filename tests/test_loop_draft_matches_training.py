@@ -24,13 +24,16 @@ from test_spec_loop import make
 def _loop_depth0_logprobs(spec, params, s):
     """What ``drafting.draft_tree`` scores the root's children with: ingest at the anchor p."""
     anchor_b = s.cache.length_b - 1
-    future = drafting.future_entry(spec, params, s, anchor_b)
+    future = drafting.future_entry(spec, params, s)
     logits, _, _ = drafting.ingest(spec, params, s, future, s.draft_cache)
     return np.asarray(jax.nn.log_softmax(logits[:, 0], axis=-1)), np.asarray(anchor_b)
 
 
-def _training_form_logprobs(spec, params, seq, anchor, lag, *, zero_future=False):
-    """Training's pieces on the decoded sequence ``seq`` (= context + the bonus token x[anchor+1])."""
+def _training_form_logprobs(spec, params, seq, anchor, lag, *, zero_future=False, index=None):
+    """Training's pieces on the decoded sequence ``seq`` (= context + the bonus token): the draft
+    query at index ``index`` (default: the anchor itself) with the future entry of ``anchor``,
+    whose contemplate read h_cat[anchor - lag] — a replication window when index > anchor."""
+    j = anchor if index is None else index
     x = jnp.asarray([seq], jnp.int32)
     real = target_lib.real_forward(spec, params.target, x, return_logits=False)
     h_cat = real.taps_btc
@@ -40,19 +43,23 @@ def _training_form_logprobs(spec, params, seq, anchor, lag, *, zero_future=False
         anchors, h_cat[:, [anchor - lag]])
     if zero_future:
         f_bkd = jnp.zeros_like(f_bkd)
-    index = np.full((1, len(seq)), -1, np.int32)
-    index[0, anchor] = 0
+    window = np.full((1, len(seq)), -1, np.int32)
+    window[0, j] = 0
     out = draft_ttt(spec, params.draft, params.embed_vd, x, h_cat, 1,
-                    future=TTTFuture(f_bkd=f_bkd, anchor_bk=anchors, index_bn=jnp.asarray(index)))
-    return np.asarray(jax.nn.log_softmax(out.logits_rbnv[0, 0, anchor], axis=-1))
+                    future=TTTFuture(f_bkd=f_bkd, anchor_bk=anchors, index_bn=jnp.asarray(window)))
+    return np.asarray(jax.nn.log_softmax(out.logits_rbnv[0, 0, j], axis=-1))
 
 
-@pytest.mark.parametrize("variant", ["confu", "confu_nomoe"])
-def test_loop_depth0_draft_equals_training_form(variant):
+@pytest.mark.parametrize("variant,plan_text", [("confu", "dynamic:2,4,20"), ("confu_nomoe", "dynamic:2,4,20"),
+                                               ("confu", "dynamic:2,4,20+c1")])
+def test_loop_depth0_draft_equals_training_form(variant, plan_text):
     # vocab 4 with the full 2-level tree: the target's choice is always drafted, so the first
-    # pass accepts >= 2 nodes and the second draft runs at a lag > 1
+    # pass accepts >= 2 nodes and the second draft runs at a lag > 1. With +c1 only the root gets
+    # a contemplate: the second draft's future comes from the root's position (anchor n, lag 1),
+    # and the draft query at the last accepted position sits in that anchor's window.
     spec, tp, params = make(variant, 4, seed=1)
-    plan = plans.parse_plan("dynamic:2,4,20")
+    plan = plans.parse_plan(plan_text)
+    sparse = plan.contemplates == 1
     prompt = [2, 0, 3, 1, 1, 2, 0]
     args, static = loop.prepare_spec_inputs(spec, plan, [prompt], max_new_tokens=16, eos_ids=())
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
@@ -71,9 +78,15 @@ def test_loop_depth0_draft_equals_training_form(variant):
     want = _training_form_logprobs(spec, params, prompt + emitted[:1], n - 1, 1)
     np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
 
-    # after one pass that accepted n_acc nodes: anchor n-1+n_acc, lag n_acc ([con] from h_cat[n-1])
+    # after one pass that accepted n_acc nodes: anchor n-1+n_acc, lag n_acc ([con] from h_cat[n-1]);
+    # sparse (+c1): anchor n (the root's position), lag 1, draft index n-1+n_acc in its window
     got, anchor = _loop_depth0_logprobs(spec, params, s1)
     assert int(anchor[0]) == n - 1 + n_acc
+    assert int(s1.future_anchor_b[0]) == (n if sparse else n - 1 + n_acc)
+    if sparse:
+        want = _training_form_logprobs(spec, params, prompt + emitted, n, 1, index=n - 1 + n_acc)
+        np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
+        return
     want = _training_form_logprobs(spec, params, prompt + emitted, n - 1 + n_acc, n_acc)
     np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
     # the check is not vacuous: a missing future vector, or (where [con] reads h_cat: MoE_con) a

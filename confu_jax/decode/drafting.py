@@ -40,17 +40,23 @@ class DraftScratch(NamedTuple):
     h_out_bkd: jax.Array  # [B, K, d] draft state of the last frontier (its children's hidden input)
 
 
-def future_entry(spec: ModelSpec, params: SpecParams, s: SpecState, anchor_b: jax.Array,
-                 g_anchor_bd: Optional[jax.Array] = None) -> Optional[draft_lib.DraftFuture]:
-    """ConFu's future entry for this iteration (token [f] = MoE_f(g[p]), hidden f[p]); None for EAGLE-3.
-    ``g_anchor_bd``: g[p] when the caller already has it (``draft_tree`` computes g once for ingestion)."""
+def future_entry(spec: ModelSpec, params: SpecParams, s: SpecState,
+                 g_bad: Optional[jax.Array] = None) -> Optional[draft_lib.DraftFuture]:
+    """ConFu's future entry for this iteration (token [f] = MoE_f(g[a]), hidden f[a], key at a+1,
+    a = ``s.future_anchor_b``: p, or with sparse contemplates the deepest contemplated accepted
+    node); None for EAGLE-3. ``g_bad``: fc of the ingestion buffer when the caller has it
+    (``draft_tree`` computes it once for ingestion); a is one of the buffer's entries."""
     if not spec.head.has_future:
         return None
-    if g_anchor_bd is None:
-        rows = jnp.arange(anchor_b.shape[0])
-        g_anchor_bd = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac[rows, s.ingest_count_b - 1])
-    return draft_lib.draft_future_entry(spec, params.draft, s.future_bd[:, None], g_anchor_bd[:, None],
-                                        anchor_b[:, None])
+    rows = jnp.arange(s.future_anchor_b.shape[0])
+    # the buffer holds entries p-n+1..p (n = ingest_count_b) and the cache length is p+1
+    idx = s.future_anchor_b - (s.cache.length_b - s.ingest_count_b)
+    if g_bad is None:
+        g_anchor = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac[rows, idx])
+    else:
+        g_anchor = g_bad[rows, idx]
+    return draft_lib.draft_future_entry(spec, params.draft, s.future_bd[:, None], g_anchor[:, None],
+                                        s.future_anchor_b[:, None])
 
 
 def ingest(spec: ModelSpec, params: SpecParams, s: SpecState, future, draft_cache: KVCache,
@@ -95,15 +101,17 @@ def expand(spec: ModelSpec, params: SpecParams, st: DraftScratch, fr: tree_lib.F
 
 def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, s: SpecState, anchor_b: jax.Array,
                key: jax.Array, temperature, top_p):
-    """Run the draft for one iteration -> (DraftTree, q_btv or None, updated draft cache).
+    """Run the draft for one iteration -> (DraftTree, q_btv or None, updated draft cache,
+    con_nodes_bm or None).
 
-    ``q_btv`` (sampled chains only) holds the draft distributions the nodes were drawn from.
+    ``q_btv`` (sampled chains only) holds the draft distributions the nodes were drawn from;
+    ``con_nodes_bm`` [B,M] (ConFu with sparse contemplates only) the nodes that get one.
     """
     b = s.ingest_tokens_ba.shape[0]
     t = spec.target
-    # fc(h_cat) of the pending entries, once: the anchor's g also builds the future entry
+    # fc(h_cat) of the pending entries, once: the future anchor's g also builds the future entry
     g_bad = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac)
-    future = future_entry(spec, params, s, anchor_b, g_bad[jnp.arange(b), s.ingest_count_b - 1])
+    future = future_entry(spec, params, s, g_bad)
     scratch0 = jnp.zeros((b, plan.n_scratch, t.n_kv_heads, t.head_dim), jnp.dtype(spec.head.dtype))
 
     def expand_fn(st: DraftScratch, fr: tree_lib.Frontier):
@@ -118,12 +126,35 @@ def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, s: SpecStat
                        jnp.zeros((b, 1, t.d_model), jnp.dtype(spec.head.dtype)))
     d2t = params.draft_vocab["d2t"]
     q = None
+    score_bt = None
     if plan.kind == "dynamic":
-        tree, _, st = tree_lib.draft_dynamic_tree(expand_fn, st0, s.root_b, depth=plan.depth,
-                                                  top_k=plan.top_k, n_nodes=plan.n_nodes, d2t_v=d2t)
+        tree, score_bt, st = tree_lib.draft_dynamic_tree(expand_fn, st0, s.root_b, depth=plan.depth,
+                                                         top_k=plan.top_k, n_nodes=plan.n_nodes, d2t_v=d2t)
     elif plan.kind == "sampled_chain":
         tree, q, st = tree_lib.draft_sampled_chain(expand_fn, st0, s.root_b, plan.k, key, temperature,
                                                    top_p, d2t_v=d2t, target_vocab=t.vocab_size)
     else:
         tree, st = tree_lib.draft_static_tree(expand_fn, st0, s.root_b, plan.structure(), d2t_v=d2t)
-    return tree, q, st.draft_cache
+    con_nodes = contemplate_nodes(spec, plan, tree, score_bt)
+    return tree, q, st.draft_cache, con_nodes
+
+
+def contemplate_nodes(spec: ModelSpec, plan: DraftPlan, tree: tree_lib.DraftTree,
+                      score_bt: Optional[jax.Array]) -> Optional[jax.Array]:
+    """Sparse contemplates: the M nodes that get one -> [B,M] node indices in topological order,
+    or None when every node gets one (EAGLE-3, or M = T).
+
+    The M nodes the draft scores highest: by cumulative draft log-probability where the tree
+    keeps it (dynamic trees; ties to the earlier node, so the root — score 0 — always comes
+    first and a parent before its children), else the first M nodes (chains and static trees
+    list nodes root-first, the draft's preferred children first). Invalid nodes score -inf.
+    """
+    m, t = plan.n_contemplates, tree.tokens_bt.shape[1]
+    if not spec.head.has_future or m >= t:
+        return None
+    b = tree.tokens_bt.shape[0]
+    if score_bt is None:
+        return jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
+    score = jnp.where(tree.valid_bt, score_bt, -jnp.inf).at[:, 0].set(0.0)
+    _, idx = tree_lib.stable_top_k(score, m)
+    return jnp.sort(idx, axis=1).astype(jnp.int32)

@@ -47,12 +47,13 @@ from confu_jax.models.unrolled import SplitParams, split_layers
 
 
 def _verify(spec: ModelSpec, params: SpecParams, rule: str, s: SpecState, tree, q_btv, key,
-            temperature, top_p):
+            temperature, top_p, con_nodes_bm=None):
     """Target pass over the tree and the acceptance rule -> (target outputs, Verification)."""
     rows = jnp.arange(s.root_b.shape[0])
     hcat_anchor = s.ingest_h_cat_bac[rows, s.ingest_count_b - 1]  # h_cat[p]: what [con] reads
     vo = target_lib.verify(spec, params.target, params.confu, s.cache, tree.tokens_bt, tree.ancestor_btt,
-                           con_src_bc=hcat_anchor if spec.head.has_future else None, depth_bt=tree.depth_bt)
+                           con_src_bc=hcat_anchor if spec.head.has_future else None, depth_bt=tree.depth_bt,
+                           con_nodes_bm=con_nodes_bm)
     if rule == "greedy":
         ver = verify_lib.verify_greedy(tree, vo.logits_btv)
     elif rule == "sampled_tree":
@@ -80,6 +81,18 @@ def _emit_accepted(s: SpecState, ver, active, eos_e, max_new_tokens: int):
     return tokens_bn, s.n_generated_b + n_emit, n_emit, hit_eos
 
 
+def _future_source(tree, last_node_b: jax.Array, con_nodes_bm) -> jax.Array:
+    """Index of the contemplate whose f the next iteration uses: the last accepted node's own, or
+    with sparse contemplates that of its deepest contemplated ancestor-or-self (the root always
+    has one) -> [B] index into the verification's contemplates."""
+    if con_nodes_bm is None:
+        return last_node_b
+    rows = jnp.arange(last_node_b.shape[0])
+    on_path_bm = jnp.take_along_axis(tree.ancestor_btt[rows, last_node_b], con_nodes_bm, axis=1)
+    depth_bm = jnp.take_along_axis(tree.depth_bt, con_nodes_bm, axis=1)
+    return jnp.argmax(jnp.where(on_path_bm, depth_bm, -1), axis=1)
+
+
 def iteration(spec: ModelSpec, params: SpecParams, plan: DraftPlan, rule: str, s: SpecState,
               temperature, top_p, eos_e, *, max_new_tokens: int, max_len: int) -> SpecState:
     """Draft, verify, commit and emit once for every row (done rows ride along unchanged)."""
@@ -89,8 +102,8 @@ def iteration(spec: ModelSpec, params: SpecParams, plan: DraftPlan, rule: str, s
     k_draft, k_verify = jax.random.split(jax.random.fold_in(jax.random.fold_in(s.key, 1), s.iteration))
     anchor_b = s.cache.length_b - 1  # p: the last accepted position
 
-    tree, q_btv, draft_cache = draft_tree(spec, params, plan, s, anchor_b, k_draft, temperature, top_p)
-    vo, ver = _verify(spec, params, rule, s, tree, q_btv, k_verify, temperature, top_p)
+    tree, q_btv, draft_cache, con_nodes = draft_tree(spec, params, plan, s, anchor_b, k_draft, temperature, top_p)
+    vo, ver = _verify(spec, params, rule, s, tree, q_btv, k_verify, temperature, top_p, con_nodes)
 
     path = jnp.maximum(ver.path_bd, 0)  # [B, A]
     cache = commit(s.cache, vo.k_new_lbthd, vo.v_new_lbthd, jnp.where(active, ver.n_accepted_b, 0),
@@ -103,7 +116,12 @@ def iteration(spec: ModelSpec, params: SpecParams, plan: DraftPlan, rule: str, s
 
     keep = active[:, None]
     hcat_path = jnp.take_along_axis(vo.h_cat_btc, path[..., None], axis=1)
-    future_new = vo.future_btd[rows, ver.last_node_b] if spec.head.has_future else s.future_bd
+    future_new, future_anchor = s.future_bd, s.future_anchor_b
+    if spec.head.has_future:
+        c = _future_source(tree, ver.last_node_b, con_nodes)
+        future_new = vo.future_btd[rows, c]
+        node = ver.last_node_b if con_nodes is None else con_nodes[rows, c]
+        future_anchor = anchor_b + 1 + tree.depth_bt[rows, node]  # that node's position
     return s.replace(
         tokens_bn=tokens_bn,
         n_generated_b=n_gen,
@@ -117,6 +135,7 @@ def iteration(spec: ModelSpec, params: SpecParams, plan: DraftPlan, rule: str, s
                                    s.ingest_h_cat_bac),
         ingest_count_b=jnp.where(active, ver.n_accepted_b, s.ingest_count_b),
         future_bd=jnp.where(keep, future_new.astype(s.future_bd.dtype), s.future_bd),
+        future_anchor_b=jnp.where(active, future_anchor, s.future_anchor_b),
         accept_log_bi=accept_log,
         n_passes_b=s.n_passes_b + active.astype(jnp.int32),
         iteration=s.iteration + 1,
@@ -172,6 +191,7 @@ def _prefill(spec: ModelSpec, params: SpecParams, plan: DraftPlan, tokens_bt, le
             pre.h_cat_btc[rows, lengths_b - 1]),
         ingest_count_b=jnp.ones((b,), jnp.int32),
         future_bd=pre.future_bd if spec.head.has_future else jnp.zeros((b, t.d_model), jnp.float32),
+        future_anchor_b=lengths_b - 1,  # the prefill contemplate follows the last prompt token
         accept_log_bi=jnp.zeros((b, max_new_tokens), jnp.int32),
         n_passes_b=jnp.zeros((b,), jnp.int32),
         iteration=jnp.int32(0),

@@ -11,7 +11,8 @@ import dataclasses
 
 from confu_jax.decode import tree as tree_lib
 
-PLAN_FORMS = "chain:K, sampled_chain:K or dynamic:DEPTH,TOPK,NODES (e.g. chain:4, dynamic:6,8,30)"
+PLAN_FORMS = ("chain:K, sampled_chain:K or dynamic:DEPTH,TOPK,NODES, optionally +cM for ConFu's sparse "
+              "contemplates (e.g. chain:4, dynamic:6,8,30, dynamic:6,10,60+c15)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,13 @@ class DraftPlan:
     kinds: ``chain`` (k greedy tokens), ``sampled_chain`` (k tokens sampled from the draft; the
     Leviathan rule at temperature > 0), ``static`` (EAGLE/Medusa "choices" paths filled with the
     draft's top-k), ``dynamic`` (EAGLE-2: depth, top_k per expansion, n_nodes including the root).
+
+    ``contemplates`` (ConFu; 0 = after every node): sparse contemplates — only M of the T nodes get a
+    contemplate token in the verification pass (T + M queries instead of 2T): the M nodes the draft
+    scores highest (cumulative draft log-probability; for chains and static trees, whose nodes are
+    in that order already, the first M), the root always among them. The next iteration's future
+    vector comes from the deepest contemplated node on the accepted path (docs/DESIGN.md §4).
+    EAGLE-3 heads ignore it.
     """
 
     kind: str
@@ -29,6 +37,7 @@ class DraftPlan:
     top_k: int = 0
     n_nodes: int = 0
     paths: tuple = ()
+    contemplates: int = 0
 
     def __post_init__(self):
         if self.kind in ("chain", "sampled_chain"):
@@ -43,6 +52,14 @@ class DraftPlan:
         else:
             raise ValueError(f"unknown draft plan kind {self.kind!r}; expected chain, sampled_chain, "
                              "static or dynamic")
+        if not 0 <= self.contemplates <= self.n_nodes_total:
+            raise ValueError(f"contemplates must be in [1, T={self.n_nodes_total}] (or 0: after every node); "
+                             f"got {self.contemplates}")
+
+    @property
+    def n_contemplates(self) -> int:
+        """M: contemplate tokens per verification (ConFu); T unless the plan makes them sparse."""
+        return self.contemplates or self.n_nodes_total
 
     @property
     def max_depth(self) -> int:
@@ -77,14 +94,23 @@ class DraftPlan:
 
 def parse_plan(text: str) -> DraftPlan:
     """``chain:K`` | ``sampled_chain:K`` | ``dynamic:DEPTH,TOPK,NODES`` (NODES excludes the root,
-    as EAGLE-2's total_tokens) -> DraftPlan. Errors say which form was expected."""
-    kind, _, arg = text.partition(":")
+    as EAGLE-2's total_tokens), each optionally followed by ``+cM`` (M sparse contemplates)
+    -> DraftPlan. Errors say which form was expected."""
+    body, plus, con = text.partition("+")
+    kind, _, arg = body.partition(":")
     try:
+        m = 0
+        if plus:
+            if not con.startswith("c"):
+                raise ValueError(f"the suffix {'+' + con!r} is not +cM")
+            m = int(con[1:])
+            if m < 1:
+                raise ValueError(f"+cM needs M >= 1, got {m}")
         if kind in ("chain", "sampled_chain"):
-            return DraftPlan(kind, k=int(arg))
+            return DraftPlan(kind, k=int(arg), contemplates=m)
         if kind == "dynamic":
             d, k, t = (int(x) for x in arg.split(","))
-            return DraftPlan("dynamic", depth=d, top_k=k, n_nodes=t + 1)
+            return DraftPlan("dynamic", depth=d, top_k=k, n_nodes=t + 1, contemplates=m)
     except ValueError as e:
         raise ValueError(f"bad draft plan {text!r}: {e}. Expected {PLAN_FORMS}") from None
     raise ValueError(f"bad draft plan {text!r}: expected {PLAN_FORMS}")

@@ -25,13 +25,16 @@ class SpecState:
     n_generated_b: jax.Array  # [B] int32 tokens emitted (prefill's first token included)
     done_b: jax.Array  # [B] bool
     reason_b: jax.Array  # [B] int32 StopReason
-    cache: KVCache  # target cache [L, B, S, Hkv, hd], length p+1
-    draft_cache: KVCache  # draft cache (one layer) [1, B, S, Hkv, hd], length p-n+1
+    cache: KVCache  # target cache [L, B, Hkv, S, hd], length p+1
+    draft_cache: KVCache  # draft cache (one layer) [1, B, Hkv, S, hd], length p-n+1
     root_b: jax.Array  # [B] int32 the bonus token x[p+1]: root of the next tree
     ingest_tokens_ba: jax.Array  # [B, A] int32 token slot x[j+1] of pending draft entries j = p-n+1..p
     ingest_h_cat_bac: jax.Array  # [B, A, 3d] their target features h_cat[j]
     ingest_count_b: jax.Array  # [B] int32 n, the number of valid pending entries (>= 1)
-    future_bd: jax.Array  # [B, d] ConFu's future vector f[p] (zeros, unused, for EAGLE-3)
+    future_bd: jax.Array  # [B, d] ConFu's future vector f[a] (zeros, unused, for EAGLE-3)
+    # [B] int32 a: the position whose contemplate made future_bd — p, or with sparse contemplates
+    # the deepest contemplated node on the accepted path (p-n+1 <= a <= p); the future entry's anchor
+    future_anchor_b: jax.Array
     accept_log_bi: jax.Array  # [B, N] int32 tokens emitted by the row's i-th verification pass
     n_passes_b: jax.Array  # [B] int32 verification passes so far
     iteration: jax.Array  # [] int32 loop iterations (the loop bound and the RNG fold)

@@ -145,7 +145,7 @@ def _map_tokens(idx, d2t_v):
     return idx.astype(jnp.int32) if d2t_v is None else jnp.asarray(d2t_v, jnp.int32)[idx]
 
 
-def _stable_top_k(x_bn: jax.Array, k: int) -> Tuple[jax.Array, jax.Array]:
+def stable_top_k(x_bn: jax.Array, k: int) -> Tuple[jax.Array, jax.Array]:
     """Top-k along the last axis, ties broken towards the lower index (guaranteed, not hoped)."""
     n = x_bn.shape[-1]
     iota = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), x_bn.shape)
@@ -395,7 +395,7 @@ def draft_dynamic_tree(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array,
         pool_cum.append(cand_cum)
         pool_parent.append(cand_parent)
         # next frontier: candidate j = slot*top_k + rank
-        cum_bk, sel = _stable_top_k(cand_cum, top_k)
+        cum_bk, sel = stable_top_k(cand_cum, top_k)
         tok_bk = jnp.take_along_axis(cand_tok, sel, axis=1)
         front_parent_slot = sel // top_k
         front_pool_idx = pool_offset + sel
@@ -412,7 +412,7 @@ def _keep_top_nodes(root_token_b, pool_tok, pool_cum, pool_parent, n_nodes: int,
     cumulative draft log-probability, in pool order (topological, siblings in rank order)
     -> (tree, cum_logp_bt)."""
     b, pool = pool_tok.shape
-    _, keep = _stable_top_k(pool_cum, n_nodes - 1)
+    _, keep = stable_top_k(pool_cum, n_nodes - 1)
     keep = jnp.sort(keep, axis=1)  # pool order is topological
     rows = jnp.arange(b)[:, None]
     pool_to_node = jnp.full((b, pool), -1, jnp.int32).at[rows, keep].set(

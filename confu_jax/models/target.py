@@ -41,7 +41,7 @@ from confu_jax.models.unrolled import apply_target, shared_params, target_logits
 class VerifyOutput(NamedTuple):
     logits_btv: jax.Array  # [B,T,V] float32, target logits at each tree node
     h_cat_btc: jax.Array  # [B,T,3d] EAGLE-3 taps of each node (next draft features)
-    future_btd: Optional[jax.Array]  # [B,T,d] f, the future vector of the contemplate after each node; None for eagle3
+    future_btd: Optional[jax.Array]  # [B,M,d] f of each contemplate (M = T: one after each node); None for eagle3
     k_new_lbthd: jax.Array  # [L,B,T,Hkv,hd] the nodes' post-RoPE keys (contemplates' are never kept)
     v_new_lbthd: jax.Array
 
@@ -198,13 +198,15 @@ def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVC
 
 def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCache, tokens_bt: jax.Array,
            anc_btt: jax.Array, con_src_bc: Optional[jax.Array] = None,
-           depth_bt: Optional[jax.Array] = None) -> VerifyOutput:
-    """Score T tree nodes (and, for ConFu, their T contemplates) in one target pass.
+           depth_bt: Optional[jax.Array] = None, con_nodes_bm: Optional[jax.Array] = None) -> VerifyOutput:
+    """Score T tree nodes (and, for ConFu, their contemplates) in one target pass.
 
     ``tokens_bt`` [B,T]: node tokens, node 0 the root (the bonus token x[p+1]) at position
     ``cache.length_b`` (= p+1); ``anc_btt`` [B,T,T] ancestor-or-self mask (``ancestors_from_parents``);
     ``con_src_bc`` [B,3d]: h_cat[p] of the last accepted token (ConFu only), shared by all T
-    contemplates. Block layout: ``verification_layout``. Cost: T tokens (eagle3) or 2T (ConFu).
+    contemplates. ``con_nodes_bm`` [B,M] (ConFu, optional): the nodes that get a contemplate
+    (sparse contemplates; default every node, M = T); ``future_btd`` is then [B,M,d] in that order.
+    Block layout: ``verification_layout``. Cost: T tokens (eagle3), T + M (ConFu).
     The caller commits accepted nodes with ``commit(cache, out.k_new_lbthd, out.v_new_lbthd, n,
     src_idx_bt=path)``.
     """
@@ -222,10 +224,11 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
     _require_future(spec, confu_params, "verify")
     if con_src_bc is None:
         raise ValueError("verify: ConFu variants need con_src_bc [B,3d] (h_cat of the last accepted token)")
-    positions, mask, prefix_visible = verification_layout(anc_btt, cache.length_b, depth_bt)
+    positions, mask, prefix_visible = verification_layout(anc_btt, cache.length_b, depth_bt, con_nodes_bm)
+    m = positions.shape[1] - t
     node_emb = embed_tokens(spec, tp, tokens_bt)
     con_emb = con_embedding(spec, confu_params, con_src_bc)[:, None].astype(node_emb.dtype)
-    embeds = jnp.concatenate([node_emb, jnp.broadcast_to(con_emb, node_emb.shape)], axis=1)
+    embeds = jnp.concatenate([node_emb, jnp.broadcast_to(con_emb, (b, m, node_emb.shape[-1]))], axis=1)
     out = _forward(
         spec, tp, None, positions, embeds_btd=embeds, block_mask_btt=mask,
         prefix_k_lphd=confu_params["soft_prompt_k_lphd"], prefix_v_lphd=confu_params["soft_prompt_v_lphd"],

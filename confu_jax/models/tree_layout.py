@@ -38,24 +38,32 @@ def depth_from_ancestors(anc_btt: jax.Array) -> jax.Array:
     return jnp.sum(anc_btt, axis=-1).astype(jnp.int32) - 1
 
 
-def verification_layout(anc_btt: jax.Array, base_pos_b: jax.Array, depth_bt: Optional[jax.Array] = None):
-    """Positions, block mask and soft-prompt visibility of the 2T verification block.
+def verification_layout(anc_btt: jax.Array, base_pos_b: jax.Array, depth_bt: Optional[jax.Array] = None,
+                        con_nodes_bm: Optional[jax.Array] = None):
+    """Positions, block mask and soft-prompt visibility of the verification block.
 
-    Layout ``[T nodes | T contemplates]``; contemplate i belongs to node i.
+    Layout ``[T nodes | M contemplates]``; contemplate c belongs to node ``con_nodes_bm[:, c]``
+    (default: M = T, contemplate i to node i; sparse contemplates pass M < T node indices).
     Node i at depth k has position base+k (base = p+1, the root/bonus position) and sees its
-    ancestors and itself; contemplate i has position base+k+1 and sees node i's ancestors, node i
-    and itself (plus the soft prompts). Nodes never see contemplates; both see the whole cache.
-    Returns (positions [B,2T] int32, block_mask [B,2T,2T] bool, prefix_visible [B,2T] bool).
+    ancestors and itself; a contemplate of node i has position base+k+1 and sees node i's
+    ancestors, node i and itself (plus the soft prompts). Nodes never see contemplates; both see
+    the whole cache. Returns (positions [B,T+M] int32, block_mask [B,T+M,T+M] bool,
+    prefix_visible [B,T+M] bool).
     """
     b, t, _ = anc_btt.shape
     if depth_bt is None:
         depth_bt = depth_from_ancestors(anc_btt)
     node_pos = base_pos_b[:, None].astype(jnp.int32) + depth_bt.astype(jnp.int32)
-    positions = jnp.concatenate([node_pos, node_pos + 1], axis=1)
-    none = jnp.zeros((b, t, t), bool)
-    eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
-    top = jnp.concatenate([anc_btt, none], axis=2)
-    bottom = jnp.concatenate([anc_btt, eye], axis=2)
+    if con_nodes_bm is None:
+        con_pos, con_anc = node_pos + 1, anc_btt
+    else:
+        con_nodes_bm = con_nodes_bm.astype(jnp.int32)
+        con_pos = jnp.take_along_axis(node_pos, con_nodes_bm, axis=1) + 1
+        con_anc = jnp.take_along_axis(anc_btt, con_nodes_bm[..., None], axis=1)  # [B,M,T]
+    m = con_pos.shape[1]
+    positions = jnp.concatenate([node_pos, con_pos], axis=1)
+    top = jnp.concatenate([anc_btt, jnp.zeros((b, t, m), bool)], axis=2)
+    bottom = jnp.concatenate([con_anc, jnp.broadcast_to(jnp.eye(m, dtype=bool), (b, m, m))], axis=2)
     mask = jnp.concatenate([top, bottom], axis=1)
-    prefix_visible = jnp.concatenate([jnp.zeros((b, t), bool), jnp.ones((b, t), bool)], axis=1)
+    prefix_visible = jnp.concatenate([jnp.zeros((b, t), bool), jnp.ones((b, m), bool)], axis=1)
     return positions, mask, prefix_visible
