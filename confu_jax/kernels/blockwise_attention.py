@@ -35,7 +35,9 @@ def softmax_block_state(s_bkgts, visible, v, v_spec: str):
     ``v`` laid out as ``v_spec`` says (einsum letters over b, k (KV head), s (key), d)."""
     s = jnp.where(visible, s_bkgts, NEG_INF)
     m = jnp.max(s, axis=-1)
-    p = jnp.where(visible, jnp.exp(s - m[..., None]), 0.0)
+    # masked scores are NEG_INF, so exp makes them exactly 0 without a second select over the
+    # [T, S] scores (one pass fewer); a row with no visible key (m = NEG_INF) shifts by 0 instead
+    p = jnp.exp(s - jnp.where(m > NEG_INF / 2, m, 0.0)[..., None])
     o = jnp.einsum(f"bkgts,{v_spec}->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o, m, jnp.sum(p, axis=-1)
 
