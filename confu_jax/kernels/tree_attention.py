@@ -6,7 +6,8 @@ soft prompts (a handful of keys, visible to contemplate rows only) and the 2T tr
 themselves under the tree mask. The cache dominates the bytes, so the kernel is a flash-decoding
 (split-K) kernel over the cache whose query tile is *all* queries of a row that share one KV head:
 rows ``r = t * G + g`` (tree position t, head g of the GQA group), so a K/V tile is loaded once
-for G·2T queries instead of once per head.
+per row tile of ``block_m`` (<= 128) rows instead of once per head: once per GQA group while
+G·2T <= 128, ceil(G·2T / block_m) times beyond (4x at 2T = 122 with G = 4).
 
 Grid ``(n_m, J, B * Hkv)``: ``n_m`` row tiles of ``block_m`` rows; ``J = k_splits + 1`` column
 programs, the first ``k_splits`` each owning a contiguous range of cache slots and the last one
