@@ -31,6 +31,15 @@ Two parts:
    are timed round-robin, medians over ``--repeats`` rounds. Then one iteration alone, split into
    draft / verify / accept+commit (differences of three programs on the same state), at T = 0 and
    T = 0.7 (the sampled rule's extra cost). Run it on an idle machine.
+
+3. ``--mesh tensor=8`` (any ``data=D,fsdp=F,tensor=T``): what each device holds when the decode loops
+   run sharded (``confu_jax.decode.sharded``, the training table's rules): per model, the target's
+   parameter bytes and those of the target with an EAGLE-3 / ConFu head (``--mesh_head_vocab``
+   draft rows), in the preset's own dtype — total, sharded, replicated, and the largest per-device
+   share (from the shardings' index maps) — then the AR and speculative (ConFu, ``--mesh_plan``)
+   programs are lowered on the mesh with scanned layers, and for TPU (``lowering_platforms``) when
+   this JAX can. Shape-only: no weights, nothing compiled. On CPU the mesh's devices are faked
+   (``--xla_force_host_platform_device_count``).
 """
 
 from __future__ import annotations
@@ -55,6 +64,11 @@ flags.DEFINE_integer("new_tokens", 96, "--measure: tokens generated per timed ru
 flags.DEFINE_integer("repeats", 5, "--measure: timed rounds (every program once per round; medians)")
 flags.DEFINE_integer("draft_vocab", 4096, "--measure: draft vocabulary of the random heads (the CPU "
                      "recipe's 4096; the draft LM head's rows are part of every draft step)")
+flags.DEFINE_string("mesh", "", "also report per-device parameter bytes and lower the decode loops on this "
+                    "mesh, e.g. tensor=8 or data=2,tensor=4 (axes data, fsdp, tensor; empty = skip)")
+flags.DEFINE_string("mesh_plan", "dynamic:6,8,30", "--mesh: draft plan of the lowered speculative loop")
+flags.DEFINE_integer("mesh_head_vocab", 32000, "--mesh: draft vocabulary rows of the heads counted")
+flags.DEFINE_bool("mesh_lower", True, "--mesh: also lower the AR / speculative loops (and for TPU)")
 flags.DEFINE_string("out", "", "write the results JSON here too")
 FLAGS = flags.FLAGS
 
@@ -191,8 +205,58 @@ def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab:
     return res
 
 
+def sharded_report(name: str, mesh, plan_text: str, head_vocab: int, lower: bool) -> dict:
+    """Per-device parameter bytes of ``name`` (target alone, + EAGLE-3 head, + ConFu head) on
+    ``mesh``, and whether its decode loops lower there and for TPU."""
+    import jax
+
+    from confu_jax.decode import sharded
+    from confu_jax.decode.plans import parse_plan
+    from confu_jax.models.presets import get_preset
+    from confu_jax.models.spec import HeadConfig, ModelSpec
+
+    cfg = get_preset(name)
+    res = {"mesh": dict(mesh.shape), "dtype": cfg.dtype, "params": {}}
+    for label, variant in (("target", None), ("target+eagle3", "eagle3"), ("target+confu", "confu")):
+        spec = ModelSpec(cfg, HeadConfig(variant=variant or "eagle3", draft_vocab_size=min(head_vocab, cfg.vocab_size)))
+        params = sharded.abstract_spec_params(spec, mesh)
+        tree = params.target if variant is None else params
+        r = sharded.bytes_report(tree, jax.tree_util.tree_map(lambda x: x.sharding, tree))
+        n_dev = len(r["per_device"])
+        row = {k: r[k] for k in ("total", "sharded", "replicated", "max_per_device")}
+        row["min_per_device"] = min(r["per_device"].values())
+        res["params"][label] = row
+        print(f"{name:<14} {label:<14} {r['total'] / 2**30:>9.3f} {r['sharded'] / 2**30:>9.3f} "
+              f"{r['replicated'] / 2**20:>11.2f} {r['max_per_device'] / 2**30:>12.3f} "
+              f"{(r['sharded'] / n_dev + r['replicated']) / 2**30:>15.3f}", flush=True)
+    fb = sharded.explain_fallbacks(sharded.abstract_spec_params(
+        ModelSpec(cfg, HeadConfig(variant="confu", draft_vocab_size=min(head_vocab, cfg.vocab_size))), mesh), cfg, mesh)
+    res["replicated_fallbacks"] = [f"{r['path']} {r['shape']}" for r in fb]
+    for f in res["replicated_fallbacks"]:
+        print(f"  {name}: not divisible on this mesh, replicated: {f}")
+    if lower:
+        spec = ModelSpec(cfg, HeadConfig(variant="confu", draft_vocab_size=min(head_vocab, cfg.vocab_size)))
+        traced = sharded.trace_loops(spec, mesh, parse_plan(plan_text))
+        for prog, tr in traced.items():
+            tr.lower()
+            res[f"lowers_{prog}"] = True
+            try:
+                tr.lower(lowering_platforms=("tpu",))
+                res[f"lowers_{prog}_tpu"] = True
+            except Exception as e:  # noqa: BLE001 - report why this JAX cannot lower for TPU
+                res[f"lowers_{prog}_tpu"] = f"{type(e).__name__}: {e}"[:300]
+            tpu = res[f"lowers_{prog}_tpu"]
+            print(f"  {name}: {prog} loop lowers on the mesh: yes; for TPU: "
+                  f"{'yes' if tpu is True else 'no (' + tpu + ')'}", flush=True)
+    return res
+
+
 def main(argv):
     del argv
+    if FLAGS.mesh:
+        from confu_jax.decode.sharded import fake_host_devices
+
+        fake_host_devices(FLAGS.mesh)
     from confu_jax.models.presets import get_preset
 
     results = {"programs": {}, "dtype": FLAGS.dtype}
@@ -215,6 +279,20 @@ def main(argv):
                 if name == "llama-3.1-8b":
                     worst = max(worst or 0.0, r["bytes_over_floor"])
         results["programs"][name] = rows
+    if FLAGS.mesh:
+        from confu_jax.decode.sharded import parse_mesh
+
+        try:
+            mesh = parse_mesh(FLAGS.mesh)
+        except ValueError as e:
+            raise app.UsageError(str(e))
+        print(f"\nper-device parameter bytes on mesh {dict(mesh.shape)} (each preset's dtype; GiB, replicated MiB)")
+        print(f"{'model':<14} {'params':<14} {'total':>9} {'sharded':>9} {'replicated':>11} "
+              f"{'max/device':>12} {'sharded/n+rep':>15}")
+        results["sharded"] = {}
+        for name in [m.strip() for m in FLAGS.models.split(",") if m.strip()]:
+            results["sharded"][name] = sharded_report(name, mesh, FLAGS.mesh_plan, FLAGS.mesh_head_vocab,
+                                                      FLAGS.mesh_lower)
     if FLAGS.measure:
         results["measured_smollm2"] = measure_smollm2(FLAGS.prompt_len, FLAGS.new_tokens, FLAGS.repeats,
                                                       FLAGS.draft_vocab)

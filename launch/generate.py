@@ -45,19 +45,23 @@ class MethodOutput(NamedTuple):
     head: str = ""  # speculative: where the draft head came from
 
 
-def run_ar(params, cfg, prompt_ids: list, decode, eos_ids, **_) -> MethodOutput:
-    """Jitted autoregressive decoding (``confu_jax.decode.generate``)."""
+def run_ar(params, cfg, prompt_ids: list, decode, eos_ids, mesh=None, **_) -> MethodOutput:
+    """Jitted autoregressive decoding (``confu_jax.decode.generate``); ``mesh``: sharded
+    (``confu_jax.decode.sharded``)."""
     import jax
     import numpy as np
 
     from confu_jax.decode.generate import compile_ar
+    from confu_jax.decode.sharded import place_target
     from confu_jax.decode.stopping import StopReason
 
+    if mesh is not None:
+        params = place_target(params, cfg, mesh)
     t0 = time.perf_counter()
     run, args = compile_ar(
         params, cfg, [prompt_ids], max_new_tokens=decode.max_new_tokens,
         temperature=decode.temperature, top_p=decode.top_p, seed=decode.seed, eos_ids=eos_ids,
-        max_len=decode.max_len or None, min_bucket=decode.min_bucket)
+        max_len=decode.max_len or None, min_bucket=decode.min_bucket, mesh=mesh)
     t1 = time.perf_counter()
     res = jax.block_until_ready(run(params, *args))
     t2 = time.perf_counter()
@@ -69,8 +73,9 @@ def run_ar(params, cfg, prompt_ids: list, decode, eos_ids, **_) -> MethodOutput:
 
 def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: str,
                     draft_ckpt: Optional[str] = None, tree: str = "chain:4", seed: int = 0,
-                    target_source: str = "the loaded target") -> MethodOutput:
-    """The jitted speculative loop with a trained (``draft_ckpt``) or random head."""
+                    target_source: str = "the loaded target", mesh=None) -> MethodOutput:
+    """The jitted speculative loop with a trained (``draft_ckpt``) or random head; ``mesh``:
+    sharded (``confu_jax.decode.sharded``)."""
     import jax
     import numpy as np
 
@@ -78,9 +83,12 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     from confu_jax.decode.heads import decode_head
     from confu_jax.decode.loop import compile_speculative
     from confu_jax.decode.plans import parse_plan
+    from confu_jax.decode.sharded import place_spec_params
 
     plan = parse_plan(tree)
     head = decode_head(method, cfg, params, draft_ckpt, seed=seed, target_source=target_source)
+    if mesh is not None:
+        head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
     if not head.trained:
         print(f"[{method}] no --draft_ckpt: using a RANDOMLY INITIALISED draft head ({head.source}); "
               "output is still the target's, but expect tau ~ 1", file=sys.stderr)
@@ -88,7 +96,7 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     run, args = compile_speculative(
         head.spec, head.params, plan, [prompt_ids], max_new_tokens=decode.max_new_tokens,
         temperature=decode.temperature, top_p=decode.top_p, seed=decode.seed, eos_ids=eos_ids,
-        max_len=decode.max_len or None, min_bucket=decode.min_bucket)
+        max_len=decode.max_len or None, min_bucket=decode.min_bucket, mesh=mesh)
     t1 = time.perf_counter()
     res = jax.block_until_ready(run(head.params, *args))
     t2 = time.perf_counter()
@@ -123,6 +131,11 @@ flags.DEFINE_float("temperature", None, "sampling temperature, 0 = greedy (overr
 flags.DEFINE_float("top_p", None, "nucleus sampling mass in (0, 1], 1 = off (overrides config.decode.top_p)")
 flags.DEFINE_bool("print_ids", False, "also print the generated token ids to stderr (exact comparisons)")
 flags.DEFINE_integer("seed", None, "RNG seed for sampling (overrides config.decode.seed)")
+flags.DEFINE_string("mesh", "", "decode over a device mesh, e.g. tensor=8 (heads / MLP / vocabulary of the "
+                    "target and head split over 'tensor', for targets that do not fit one device); axes "
+                    "data, fsdp, tensor with the training rules (confu_jax/sharding.py). One prompt is one "
+                    "row, so data × fsdp must be 1. Empty = one device. On CPU the mesh's devices are faked "
+                    "(--xla_force_host_platform_device_count), a layout check rather than a speed-up")
 config_flags.DEFINE_config_file(
     "config", _DEFAULT_CONFIG,
     "ml_collections config file with the decode settings (fields: decode.max_new_tokens, "
@@ -147,6 +160,10 @@ def main(argv):
     from confu_jax.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()  # compiled programs persist across runs (CONFU_JAX_COMPILE_CACHE)
+    if FLAGS.mesh:
+        from confu_jax.decode.sharded import fake_host_devices
+
+        fake_host_devices(FLAGS.mesh)  # before JAX starts its backends
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU backend" noise
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}; pass the text with --prompt")
@@ -161,8 +178,17 @@ def main(argv):
     prompt_ids = tok.encode(tok.render(messages, add_generation_prompt=True))
     if FLAGS.method == "ar" and FLAGS.draft_ckpt:
         raise app.UsageError("--draft_ckpt is for the speculative methods (eagle3, confu), not ar")
+    mesh = None
+    if FLAGS.mesh:
+        from confu_jax.decode.sharded import parse_mesh
+
+        try:
+            mesh = parse_mesh(FLAGS.mesh)
+        except ValueError as e:
+            raise app.UsageError(str(e))
     out = METHODS[FLAGS.method](params, cfg, prompt_ids, config.decode, tok.eos_ids,
-                                draft_ckpt=FLAGS.draft_ckpt, tree=FLAGS.tree, target_source=FLAGS.model)
+                                draft_ckpt=FLAGS.draft_ckpt, tree=FLAGS.tree, target_source=FLAGS.model,
+                                mesh=mesh)
     print(tok.decode(out.tokens, skip_special_tokens=True).strip())
     print(f"[{FLAGS.method}] prompt {len(prompt_ids)} tokens, generated {len(out.tokens)} "
           f"(stop: {out.stop_reason}) in {out.decode_s:.2f} s = {len(out.tokens) / out.decode_s:.1f} "

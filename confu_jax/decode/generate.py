@@ -17,13 +17,18 @@ out of bounds.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from confu_jax import sharding as shd
 
 from confu_jax.decode.requests import default_unroll_layers, validate_request
 from confu_jax.decode.sampling import choose_token
+from confu_jax.decode.sharded import constrain_tree, place_request, place_target
 from confu_jax.decode.stopping import PAD_OUT, emit, is_eos, update_stop
 from confu_jax.models.kv_cache import KVCache, commit, init_cache
 from confu_jax.models.llama import LlamaConfig
@@ -102,9 +107,19 @@ def trace_count() -> int:
 
 def generate_padded(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
                     cfg: LlamaConfig, max_new_tokens: int, max_len: int,
-                    unroll_layers: bool) -> GenerateResult:
-    """The AR program on a validated, padded request (``requests.DecodeRequest.device_args``)."""
+                    unroll_layers: bool, mesh: Optional[Mesh] = None) -> GenerateResult:
+    """The AR program on a validated, padded request (``requests.DecodeRequest.device_args``).
+
+    ``mesh``: decode over a device mesh (``decode.sharded``): the carry (KV cache, per-row state)
+    is pinned to the training table's layouts; inputs must be placed on the same mesh."""
     _TRACE_COUNT[0] += 1  # Python side effect: runs once per trace, never per call
+    with shd.activation_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        return _generate(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key, cfg=cfg,
+                         max_new_tokens=max_new_tokens, max_len=max_len, unroll_layers=unroll_layers)
+
+
+def _generate(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *, cfg: LlamaConfig,
+              max_new_tokens: int, max_len: int, unroll_layers: bool) -> GenerateResult:
     if unroll_layers:  # split once, outside the loop: every step reads per-layer buffers
         params = split_layers(params, cfg)
     b = tokens_bt.shape[0]
@@ -122,7 +137,7 @@ def generate_padded(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key
     # the emitted token is fed next: it needs slot `length`, i.e. length + 1 slots
     done_b, reason_b = update_stop(all_b, is_eos(tok_b, eos_e), n_gen_b, cache.length_b + 1,
                                    jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32), **stop_kw)
-    state = ARState(tokens_bn, n_gen_b, tok_b, cache, done_b, reason_b, jnp.int32(1), key)
+    state = constrain_tree(ARState(tokens_bn, n_gen_b, tok_b, cache, done_b, reason_b, jnp.int32(1), key))
 
     def cond(s: ARState):
         return (s.step < max_new_tokens) & ~jnp.all(s.done_b)
@@ -135,35 +150,39 @@ def generate_padded(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key
         done_b, reason_b = update_stop(active_b, is_eos(tok_b, eos_e), n_gen_b, cache.length_b + 1,
                                        s.done_b, s.reason_b, **stop_kw)
         last_b = jnp.where(active_b, tok_b, s.last_b)
-        return ARState(tokens_bn, n_gen_b, last_b, cache, done_b, reason_b, s.step + 1, s.key)
+        return constrain_tree(ARState(tokens_bn, n_gen_b, last_b, cache, done_b, reason_b, s.step + 1, s.key))
 
     state = jax.lax.while_loop(cond, body, state)
     return GenerateResult(state.tokens_bn, state.n_generated_b, state.reason_b)
 
 
 generate_padded_jit = jax.jit(
-    generate_padded, static_argnames=("cfg", "max_new_tokens", "max_len", "unroll_layers")
+    generate_padded, static_argnames=("cfg", "max_new_tokens", "max_len", "unroll_layers", "mesh")
 )
 
 
 def prepare_ar_inputs(cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens: int = 128,
                       temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                       eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
-                      min_bucket: int = 16, unroll_layers: Optional[bool] = None):
+                      min_bucket: int = 16, unroll_layers: Optional[bool] = None,
+                      mesh: Optional[Mesh] = None):
     """Validate and pad on the host -> (dynamic args after ``params``, static kwargs) of
-    ``generate_padded_jit``. Arguments as in ``generate_ar``."""
+    ``generate_padded_jit``. Arguments as in ``generate_ar``; with ``mesh`` the args are placed
+    on it (rows over data × fsdp)."""
     req = validate_request(cfg, prompts, lengths=lengths, max_new_tokens=max_new_tokens,
                            temperature=temperature, top_p=top_p, seed=seed, eos_ids=eos_ids,
                            max_len=max_len, min_bucket=min_bucket)
     static = dict(cfg=cfg, max_new_tokens=req.max_new_tokens, max_len=req.max_len,
-                  unroll_layers=default_unroll_layers(unroll_layers))
-    return req.device_args(), static
+                  unroll_layers=default_unroll_layers(unroll_layers), mesh=mesh)
+    args = req.device_args()
+    return (args if mesh is None else place_request(args, mesh)), static
 
 
 def generate_ar(params, cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens: int = 128,
                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                 eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
-                min_bucket: int = 16, unroll_layers: Optional[bool] = None) -> GenerateResult:
+                min_bucket: int = 16, unroll_layers: Optional[bool] = None,
+                mesh: Optional[Mesh] = None) -> GenerateResult:
     """Generate up to ``max_new_tokens`` per prompt with one compiled program.
 
     ``prompts``: a list of token-id lists (any lengths), or a [B, T] array of right-padded
@@ -171,18 +190,24 @@ def generate_ar(params, cfg: LlamaConfig, prompts, *, lengths=None, max_new_toke
     ``()`` to disable EOS stopping). ``max_len`` is the KV-cache size in slots (default: bucket +
     max_new_tokens, enough that no row hits it). Temperature 0 is greedy. ``unroll_layers``
     runs the layers from per-layer weight buffers instead of the scan (default: on CPU only;
-    same results; see ``confu_jax.models.unrolled``).
+    same results; see ``confu_jax.models.unrolled``). ``mesh``: decode over a device mesh
+    (``decode.sharded``; params are placed on it by the training table, rows over data × fsdp).
     """
     args, static = prepare_ar_inputs(
         cfg, prompts, lengths=lengths, max_new_tokens=max_new_tokens, temperature=temperature,
         top_p=top_p, seed=seed, eos_ids=eos_ids, max_len=max_len, min_bucket=min_bucket,
-        unroll_layers=unroll_layers)
+        unroll_layers=unroll_layers, mesh=mesh)
+    if mesh is not None:
+        params = place_target(params, cfg, mesh)
     return generate_padded_jit(params, *args, **static)
 
 
 def compile_ar(params, cfg: LlamaConfig, prompts, **kw):
     """Ahead-of-time compile for these prompts/settings -> (run, args): ``run(params, *args)``
     returns a ``GenerateResult`` without tracing or compiling. Lets benchmarks time compilation
-    separately; keyword arguments as in ``generate_ar``."""
+    separately; keyword arguments as in ``generate_ar``. With ``mesh=``, ``run`` expects params
+    placed by ``decode.sharded.place_target``."""
     args, static = prepare_ar_inputs(cfg, prompts, **kw)
+    if static["mesh"] is not None:
+        params = place_target(params, cfg, static["mesh"])
     return generate_padded_jit.lower(params, *args, **static).compile(), args

@@ -22,16 +22,21 @@ token comes from prefill and is not in the log.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from confu_jax import sharding as shd
 
 from confu_jax.decode import verify as verify_lib
 from confu_jax.decode.drafting import draft_tree
 from confu_jax.decode.plans import DraftPlan, verification_rule
 from confu_jax.decode.requests import default_unroll_layers, validate_request
 from confu_jax.decode.sampling import choose_token
+from confu_jax.decode.sharded import constrain_tree, place_request, place_spec_params
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.decode.spec_state import SpecResult, SpecState
 from confu_jax.decode.stopping import PAD_OUT, emit, is_eos, update_stop
@@ -201,22 +206,34 @@ def _prefill(spec: ModelSpec, params: SpecParams, plan: DraftPlan, tokens_bt, le
 
 def speculative_padded(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
                        spec: ModelSpec, plan: DraftPlan, rule: str, max_new_tokens: int,
-                       max_len: int, unroll_layers: bool) -> SpecResult:
-    """The speculative program on a validated, padded request (``requests.DecodeRequest``)."""
+                       max_len: int, unroll_layers: bool, mesh: Optional[Mesh] = None) -> SpecResult:
+    """The speculative program on a validated, padded request (``requests.DecodeRequest``).
+
+    ``mesh``: decode over a device mesh (``decode.sharded``): the loop state (target and draft
+    caches, per-row arrays) is pinned to the training table's layouts; inputs must be on the mesh."""
     _TRACE_COUNT[0] += 1
+    with shd.activation_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        return _speculative(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key, spec=spec,
+                            plan=plan, rule=rule, max_new_tokens=max_new_tokens, max_len=max_len,
+                            unroll_layers=unroll_layers)
+
+
+def _speculative(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
+                 spec: ModelSpec, plan: DraftPlan, rule: str, max_new_tokens: int,
+                 max_len: int, unroll_layers: bool) -> SpecResult:
     if unroll_layers:  # per-layer weight buffers, split once outside the loop (models.unrolled)
         params = params.replace(target=split_layers(params.target, spec.target))
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
-    state = _prefill(spec, params, plan, tokens_bt, lengths_b, temperature, top_p, eos_e, key,
-                     max_new_tokens=max_new_tokens, max_len=max_len)
+    state = constrain_tree(_prefill(spec, params, plan, tokens_bt, lengths_b, temperature, top_p, eos_e,
+                                    key, max_new_tokens=max_new_tokens, max_len=max_len))
 
     def cond(s: SpecState):
         return ~jnp.all(s.done_b) & (s.iteration < max_new_tokens)
 
     def body(s: SpecState):
-        return iteration(spec, params, plan, rule, s, temperature, top_p, eos_e,
-                         max_new_tokens=max_new_tokens, max_len=max_len)
+        return constrain_tree(iteration(spec, params, plan, rule, s, temperature, top_p, eos_e,
+                                        max_new_tokens=max_new_tokens, max_len=max_len))
 
     state = jax.lax.while_loop(cond, body, state)
     return SpecResult(state.tokens_bn, state.n_generated_b, state.reason_b, state.accept_log_bi,
@@ -225,14 +242,16 @@ def speculative_padded(params: SpecParams, tokens_bt, lengths_b, temperature, to
 
 speculative_padded_jit = jax.jit(
     speculative_padded,
-    static_argnames=("spec", "plan", "rule", "max_new_tokens", "max_len", "unroll_layers"))
+    static_argnames=("spec", "plan", "rule", "max_new_tokens", "max_len", "unroll_layers", "mesh"))
 
 
 def prepare_spec_inputs(spec: ModelSpec, plan: DraftPlan, prompts, *, max_new_tokens: int = 128,
                         temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                         eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
-                        min_bucket: int = 16, unroll_layers: Optional[bool] = None):
-    """Host-side validation and padding -> (dynamic args after ``params``, static kwargs).
+                        min_bucket: int = 16, unroll_layers: Optional[bool] = None,
+                        mesh: Optional[Mesh] = None):
+    """Host-side validation and padding -> (dynamic args after ``params``, static kwargs); with
+    ``mesh`` the args are placed on it (rows over data × fsdp, ``decode.sharded``).
 
     The cache must hold the prompt plus one verification (D+1 slots). ``unroll_layers`` (default:
     on for the CPU backend) runs the target layer-unrolled, as the AR baseline does, so speed-ups
@@ -243,21 +262,28 @@ def prepare_spec_inputs(spec: ModelSpec, plan: DraftPlan, prompts, *, max_new_to
                            reserve=a, reserve_what=f"one verification of depth {a - 1}")
     static = dict(spec=spec, plan=plan, rule=verification_rule(plan, temperature <= 0.0),
                   max_new_tokens=req.max_new_tokens, max_len=req.max_len,
-                  unroll_layers=default_unroll_layers(unroll_layers))
-    return req.device_args(), static
+                  unroll_layers=default_unroll_layers(unroll_layers), mesh=mesh)
+    args = req.device_args()
+    return (args if mesh is None else place_request(args, mesh)), static
 
 
 def generate_speculative(spec: ModelSpec, params: SpecParams, plan: DraftPlan, prompts, **kw) -> SpecResult:
     """Speculative generation for a list of token-id prompts; ``params`` from ``spec_params``.
 
     Keyword arguments as ``generate_ar`` (max_new_tokens, temperature, top_p, seed, eos_ids,
-    max_len, min_bucket). The method (EAGLE-3 or ConFu) is ``spec.head.variant``.
+    max_len, min_bucket, mesh). The method (EAGLE-3 or ConFu) is ``spec.head.variant``. With
+    ``mesh`` the params are placed on it by the training table (``decode.sharded``).
     """
     args, static = prepare_spec_inputs(spec, plan, prompts, **kw)
+    if static["mesh"] is not None:
+        params = place_spec_params(params, spec, static["mesh"])
     return speculative_padded_jit(params, *args, **static)
 
 
 def compile_speculative(spec: ModelSpec, params: SpecParams, plan: DraftPlan, prompts, **kw):
-    """Ahead-of-time compile -> (run, args): ``run(params, *args)`` neither traces nor compiles."""
+    """Ahead-of-time compile -> (run, args): ``run(params, *args)`` neither traces nor compiles.
+    With ``mesh=``, ``run`` expects params placed by ``decode.sharded.place_spec_params``."""
     args, static = prepare_spec_inputs(spec, plan, prompts, **kw)
+    if static["mesh"] is not None:
+        params = place_spec_params(params, spec, static["mesh"])
     return speculative_padded_jit.lower(params, *args, **static).compile(), args
