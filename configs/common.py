@@ -73,6 +73,16 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     config.draft.lm_head_init = "random"
     config.draft.dtype = dtype  # draft compute dtype
     config.draft.param_dtype = "float32"  # trainable params kept in fp32 (optimizer precision)
+    # The draft's own RoPE / norms, for runs initialised from a published EAGLE-3 head
+    # (README "EAGLE-3 heads from and to other frameworks"); unset: the target's, as EAGLE-3 trains.
+    config.draft.rope_theta = config_dict.placeholder(float)
+    config.draft.rope_scaling = config_dict.placeholder(tuple)  # Llama-3: (factor, low, high, original_ctx)
+    config.draft.max_position_embeddings = config_dict.placeholder(int)
+    config.draft.rms_eps = config_dict.placeholder(float)
+    config.draft.norm_before_residual = False  # speculators' norm-placement flags
+    config.draft.norm_before_fc = False
+    config.draft.fc_norm = False
+    config.draft.norm_output = False
     _add_training(config, preset, source)
     return config
 

@@ -75,7 +75,8 @@ flags.DEFINE_integer("n_calibration", 4, "speculative mode, budget auto: calibra
 flags.DEFINE_integer("n_per_category", 2, "speculative mode: questions sampled per category (seeded)")
 flags.DEFINE_integer("turns", 1, "speculative mode: conversation turns per question (MT-Bench has 2)")
 flags.DEFINE_string("heads", "", "speculative mode: trained heads as METHOD=WORKDIR,... (launch.train "
-                    "workdirs); a method without one uses a random head (flagged in the output)")
+                    "workdirs, or for eagle3 an EAGLE-3 head in the official / SGLang / SpecForge or "
+                    "speculators format); a method without one uses a random head (flagged in the output)")
 flags.DEFINE_float("top_p", 1.0, "speculative mode: nucleus mass for T > 0")
 flags.DEFINE_integer("seed", 0, "speculative mode: sampling seed, prompt sampling seed and random-head seed")
 flags.DEFINE_string("out", "results/decode_bench.json", "speculative mode: results JSON (+ .md table, .png figure)")

@@ -123,7 +123,8 @@ flags.DEFINE_enum("method", "ar", sorted(METHODS),
                   "decoding method: 'ar' = jitted autoregressive decoding; 'eagle3', 'confu' and the ConFu "
                   "ablations = speculative decoding with the head from --draft_ckpt (random head without it)")
 flags.DEFINE_string("draft_ckpt", None, "speculative methods: a launch.train workdir holding the trained "
-                    "draft head (config.json + checkpoints/); unset = randomly initialised head")
+                    "draft head (config.json + checkpoints/), or for eagle3 an EAGLE-3 head directory in the "
+                    "official (SGLang / SpecForge) or speculators (vLLM) format; unset = randomly initialised head")
 flags.DEFINE_string("tree", "chain:4", "speculative methods: draft plan, chain:K | sampled_chain:K | "
                     "dynamic:DEPTH,TOPK,NODES (EAGLE-2 tree; NODES excludes the root)")
 flags.DEFINE_integer("max_new_tokens", None, "most tokens to generate (overrides config.decode.max_new_tokens)")

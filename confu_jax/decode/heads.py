@@ -4,7 +4,8 @@ A random head proposes near-uniform tokens, so τ stays near 1 — but the outpu
 target's (losslessness does not depend on the draft), which makes it the cheapest end-to-end check
 of a decoding path. Random heads use the whole target vocabulary as draft vocabulary (identity
 d2t), so no token-frequency data is needed. Trained heads come from ``launch.train`` workdirs
-(``confu_jax.runs.heads``) and are checked against the target they were trained for.
+(``confu_jax.runs.heads``) or, for EAGLE-3, from the official / SGLang / SpecForge or speculators
+(vLLM) formats (``confu_jax.weights.eagle3_formats``), and are checked against their target.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from confu_jax.models.registry import get_method
 from confu_jax.models.spec import HeadConfig, ModelSpec
 from confu_jax.models.vocab_map import identity_draft_vocab
 from confu_jax.runs.heads import check_head_target, load_trained_head
+from confu_jax.weights.eagle3_formats import bind_to_target, detect_format, load_head
 
 
 class DecodeHead(NamedTuple):
@@ -58,6 +60,8 @@ def trained_head(method: str, workdir: str, target_cfg: LlamaConfig, target_para
     """The head of a ``launch.train`` workdir on this target (architecture and weights checked)."""
     accepted = _speculative_method(method).variants
     workdir = os.path.abspath(os.path.expanduser(workdir))
+    if detect_format(workdir) is not None:
+        return imported_head(method, workdir, target_cfg, target_params)
     h = load_trained_head(workdir, step)
     if h.spec.head.variant not in accepted:
         raise ValueError(f"{workdir} holds a {h.spec.head.variant!r} head; --method {method} needs one of "
@@ -66,6 +70,18 @@ def trained_head(method: str, workdir: str, target_cfg: LlamaConfig, target_para
     spec = ModelSpec(target_cfg, h.spec.head)
     vocab = {"d2t": np.asarray(h.draft_vocab["d2t"], np.int32), "t2d": np.asarray(h.draft_vocab["t2d"])}
     return DecodeHead(spec, spec_params(target_params, h.trainable, vocab), True, f"{workdir} (step {h.step})")
+
+
+def imported_head(method: str, directory: str, target_cfg: LlamaConfig, target_params: dict) -> DecodeHead:
+    """An EAGLE-3 head in the official (SGLang / SpecForge) or speculators (vLLM) format
+    (``weights.eagle3_formats``), checked against this target: width, heads, vocabulary, taps."""
+    accepted = _speculative_method(method).variants
+    imp = load_head(directory)
+    if imp.head.variant not in accepted:
+        raise ValueError(f"{directory} holds an EAGLE-3 head ({imp.fmt} format); --method {method} needs one of "
+                         f"{accepted}: decode it with --method eagle3, or train ConFu from it (init_from)")
+    spec, trainable, vocab = bind_to_target(imp, target_cfg, target_params)
+    return DecodeHead(spec, spec_params(target_params, trainable, vocab), True, f"{directory} ({imp.fmt} format)")
 
 
 def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workdir: Optional[str] = None,

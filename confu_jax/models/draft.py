@@ -39,29 +39,39 @@ class DraftHead(nn.Module):
     def setup(self):
         t, h = self.spec.target, self.spec.head
         d, pd, cd = t.d_model, jnp.dtype(h.param_dtype), jnp.dtype(h.dtype)
+        eps = self.spec.draft_rms_eps
 
         def dense(n, name, **kw):
             return nn.Dense(n, use_bias=False, dtype=cd, param_dtype=pd,
                             kernel_init=nn.initializers.normal(h.init_std), name=name, **kw)
 
         self.fc = dense(d, "fc")
-        self.input_norm = RMSNorm(t.rms_eps, pd)
-        self.hidden_norm = RMSNorm(t.rms_eps, pd)
+        if h.norm_before_fc:  # speculators' norm-placement flags (DESIGN.md §10)
+            self.fc_input_norm = RMSNorm(eps, pd)
+        if h.fc_norm:
+            self.fc_tap_norms = [RMSNorm(eps, pd) for _ in self.spec.taps]
+        self.input_norm = RMSNorm(eps, pd)
+        self.hidden_norm = RMSNorm(eps, pd)
         self.q_proj = dense(t.n_heads * t.head_dim, "q_proj")
         self.k_proj = dense(t.n_kv_heads * t.head_dim, "k_proj")
         self.v_proj = dense(t.n_kv_heads * t.head_dim, "v_proj")
         self.o_proj = dense(d, "o_proj")
-        self.post_attn_norm = RMSNorm(t.rms_eps, pd)
+        self.post_attn_norm = RMSNorm(eps, pd)
         self.gate_proj = dense(self.spec.draft_ffn_dim, "gate_proj")
         self.up_proj = dense(self.spec.draft_ffn_dim, "up_proj")
         self.down_proj = dense(d, "down_proj")
-        self.final_norm = RMSNorm(t.rms_eps, pd)
+        self.final_norm = RMSNorm(eps, pd)
         self.lm_head = dense(h.draft_vocab_size, "lm_head", dot_general=F32_ACCUMULATE)  # f32 logits
         if h.has_future:
             self.moe_f = make_token_embedder(h.uses_moe, h.n_expert, h.expert_top_k, d, h.init_std, cd, pd)
 
     def features(self, h_cat_btc):
-        return self.fc(h_cat_btc.astype(jnp.dtype(self.spec.head.dtype)))
+        x = h_cat_btc.astype(jnp.dtype(self.spec.head.dtype))
+        if self.spec.head.norm_before_fc:
+            x = self.fc_input_norm(x)
+        if self.spec.head.fc_norm:
+            x = jnp.concatenate([n(c) for n, c in zip(self.fc_tap_norms, jnp.split(x, len(self.fc_tap_norms), -1))], -1)
+        return self.fc(x)
 
     def project(self, emb_btd, hidden_btd, positions_bt):
         """q [B,T,Hq,hd], k/v [B,T,Hkv,hd] (post-RoPE) of draft inputs (embedding, hidden state)."""
@@ -72,15 +82,21 @@ class DraftHead(nn.Module):
         q = self.q_proj(x).reshape(b, n, t.n_heads, t.head_dim)
         k = self.k_proj(x).reshape(b, n, t.n_kv_heads, t.head_dim)
         v = self.v_proj(x).reshape(b, n, t.n_kv_heads, t.head_dim)
-        cos, sin = rope_cos_sin(positions_bt, t)
+        cos, sin = rope_cos_sin(positions_bt, self.spec.draft_rope)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, attn_bthd, residual_btd):
         """(h_out, hidden): pre-norm output (next step's hidden input) and final-normed state."""
         b, n = attn_bthd.shape[:2]
-        x = residual_btd.astype(jnp.dtype(self.spec.head.dtype)) + self.o_proj(attn_bthd.reshape(b, n, -1))
+        residual = residual_btd.astype(jnp.dtype(self.spec.head.dtype))
+        if self.spec.head.norm_before_residual:
+            residual = self.hidden_norm(residual)
+        x = residual + self.o_proj(attn_bthd.reshape(b, n, -1))
         hmlp = self.post_attn_norm(x)
         x = x + self.down_proj(nn.silu(self.gate_proj(hmlp)) * self.up_proj(hmlp))
+        if self.spec.head.norm_output:  # "EAGLE 3.1": the normed state is both recurrent state and LM-head input
+            x = self.final_norm(x)
+            return x, x
         return x, self.final_norm(x)
 
     def logits(self, hidden_btd):

@@ -35,8 +35,24 @@ class HeadConfig:
     soft_prompt_init_std: float = 0.02
     dtype: str = "float32"  # draft compute dtype
     param_dtype: str = "float32"  # trainable parameters (soft prompts, MoEs, draft)
+    # The draft's own RoPE and norms. Our heads use the target's (None / False); a published EAGLE-3
+    # head brings its own config (weights/eagle3_formats.py, DESIGN.md §10): e.g. RoPE base 10000
+    # under a Llama-3 target whose base is 500000.
+    rope_theta: Optional[float] = None  # None: the target's RoPE (rope_theta and rope_scaling)
+    rope_scaling: Optional[tuple] = None  # with rope_theta: Llama-3 scaling tuple (LlamaConfig's form) or None
+    max_position_embeddings: Optional[int] = None  # the draft config's own; recorded, RoPE runs at any position
+    rms_eps: Optional[float] = None  # None: the target's rms_eps
+    # speculators' norm-placement flags (all False = EAGLE-3 as published):
+    norm_before_residual: bool = False  # the attention residual is hidden_norm(h), not h
+    norm_before_fc: bool = False  # one RMSNorm over h_cat (3d) before fc
+    fc_norm: bool = False  # an RMSNorm per tapped layer (d each) before fc
+    norm_output: bool = False  # the recurrent state is final_norm(h_out); the LM head reads it as is
 
     def __post_init__(self):
+        if self.rope_scaling is not None and self.rope_theta is None:
+            raise ValueError("HeadConfig: rope_scaling needs rope_theta (None means the target's RoPE)")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("HeadConfig: norm_before_fc and fc_norm are mutually exclusive")
         if self.variant not in VARIANTS:
             raise ValueError(f"HeadConfig.variant must be one of {tuple(VARIANTS)}, got {self.variant!r}")
         if self.has_future and self.uses_moe and not 1 <= self.expert_top_k <= self.n_expert:
@@ -86,6 +102,18 @@ class ModelSpec:
     def draft_ffn_dim(self) -> int:
         return self.head.draft_ffn_dim or self.target.ffn_dim
 
+    @property
+    def draft_rope(self) -> LlamaConfig:
+        """The LlamaConfig whose RoPE the draft uses: the target's unless the head sets its own."""
+        h = self.head
+        if h.rope_theta is None:
+            return self.target
+        return self.target.replace(rope_theta=float(h.rope_theta), rope_scaling=h.rope_scaling)
+
+    @property
+    def draft_rms_eps(self) -> float:
+        return self.target.rms_eps if self.head.rms_eps is None else float(self.head.rms_eps)
+
 
 def model_spec_from_config(config, backend: Optional[str] = None) -> ModelSpec:
     """Build the spec from an ml_collections config (``config.model``, ``config.confu``, ``config.draft``).
@@ -109,5 +137,19 @@ def model_spec_from_config(config, backend: Optional[str] = None) -> ModelSpec:
         soft_prompt_init_std=float(c.soft_prompt_init_std),
         dtype=d.dtype,
         param_dtype=d.param_dtype,
+        rope_theta=_opt(d, "rope_theta", float),
+        rope_scaling=tuple(d.rope_scaling) if d.get("rope_scaling", None) is not None else None,
+        max_position_embeddings=_opt(d, "max_position_embeddings", int),
+        rms_eps=_opt(d, "rms_eps", float),
+        norm_before_residual=bool(d.get("norm_before_residual", False)),
+        norm_before_fc=bool(d.get("norm_before_fc", False)),
+        fc_norm=bool(d.get("fc_norm", False)),
+        norm_output=bool(d.get("norm_output", False)),
     )
     return ModelSpec(target, head)
+
+
+def _opt(section, key: str, kind):
+    """``kind(section[key])``, or None when the key is absent or unset (configs older than the key)."""
+    v = section.get(key, None)
+    return None if v is None else kind(v)

@@ -31,6 +31,7 @@ from jax.experimental import multihost_utils
 from etils import epath
 
 from confu_jax.sharding import path_str
+from confu_jax.weights.eagle3_formats import detect_format, head_settings_diff, load_head
 
 _BYTES_KEY = "__bytes_b64__"
 
@@ -250,7 +251,8 @@ def _remap_lm_head(src_kernel: np.ndarray, src_d2t: np.ndarray, dst_d2t: np.ndar
 
 
 def init_params_from(directory: str, params, step: int = -1,
-                     draft_vocab_d2t: Optional[np.ndarray] = None) -> tuple[Any, InitReport]:
+                     draft_vocab_d2t: Optional[np.ndarray] = None,
+                     model_spec=None) -> tuple[Any, InitReport]:
     """Copy the params of another run's checkpoint into ``params`` where paths and shapes agree.
 
     ``params`` is the freshly initialised (sharded) trainable tree; copied leaves are restored
@@ -259,7 +261,14 @@ def init_params_from(directory: str, params, step: int = -1,
     With ``draft_vocab_d2t`` (this run's draft vocabulary), the draft LM head is matched by
     target id, not by column: if the source run's vocabulary differs, its columns are remapped
     (draft ids the source lacks keep their fresh init) instead of being copied onto other tokens.
+
+    ``directory`` may also be an EAGLE-3 head in the official (SGLang / SpecForge) or speculators
+    (vLLM) format (``weights.eagle3_formats``): the paper initialises ConFu from a published
+    EAGLE-3 head. ``model_spec`` (this run's ``ModelSpec``) is then checked against the head's
+    RoPE and norm settings, which change what the copied weights compute.
     """
+    if detect_format(directory) is not None:
+        return _init_from_head(directory, params, draft_vocab_d2t, model_spec)
     ckpt = Checkpointer(directory, read_only=True)
     try:
         src_step = ckpt.latest_step() if step is None or step < 0 else int(step)
@@ -308,3 +317,43 @@ def init_params_from(directory: str, params, step: int = -1,
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), leaves), report
     finally:
         ckpt.close()
+
+
+def _init_from_head(directory: str, params, draft_vocab_d2t, model_spec) -> tuple[Any, InitReport]:
+    """``init_params_from`` for an EAGLE-3 head on disk (official or speculators format): same
+    path-and-shape rule, the LM head remapped by target id when the draft vocabularies differ."""
+    imp = load_head(directory)
+    if model_spec is not None:
+        bad = [(f"draft.{k}", a, b) for k, a, b in head_settings_diff(imp.head, model_spec)]
+        if bad:
+            lines = "; ".join(f"{k}: head has {a!r}, this run {b!r}" for k, a, b in bad)
+            raise ValueError(f"init_from {directory}: the run's draft settings differ from the head's, so the "
+                             f"copied weights would compute something else: {lines}. Set those config keys "
+                             "to the head's values")
+    src = {f"draft/{k}": v for k, v in _flat(imp.draft).items()}
+    dst = _flat(params)
+    copy, mismatch = {}, []
+    for p, leaf in dst.items():
+        if p in src:
+            if tuple(src[p].shape) == tuple(leaf.shape):
+                copy[p] = src[p]
+            else:
+                mismatch.append((p, tuple(src[p].shape), tuple(leaf.shape)))
+    report = InitReport(source=str(directory), step=0, copied=sorted(copy),
+                        kept_init=sorted(p for p in dst if p not in src), shape_mismatch=mismatch,
+                        ignored=sorted(p for p in src if p not in dst))
+    if (draft_vocab_d2t is not None and LM_HEAD in dst and LM_HEAD in src
+            and not np.array_equal(imp.d2t, np.asarray(draft_vocab_d2t))):
+        leaf = dst[LM_HEAD]
+        init = (jax.device_get(leaf) if leaf.is_fully_addressable
+                else multihost_utils.process_allgather(leaf, tiled=True))
+        kernel, matched = _remap_lm_head(src[LM_HEAD], imp.d2t, np.asarray(draft_vocab_d2t), np.asarray(init))
+        copy[LM_HEAD] = kernel
+        report.copied = sorted(copy)
+        report.shape_mismatch = [m for m in mismatch if m[0] != LM_HEAD]
+        report.lm_head_remap = {"matched": matched, "fresh": int(kernel.shape[1]) - matched}
+    merged = {p: (jax.device_put(np.asarray(copy[p]).astype(leaf.dtype), leaf.sharding)
+                  if p in copy and hasattr(leaf, "sharding") else copy.get(p, leaf))
+              for p, leaf in dst.items()}
+    leaves = [merged[path_str(p)] for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), leaves), report

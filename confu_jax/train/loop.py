@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from confu_jax import sharding as shd
 from confu_jax.train import distributed
+from confu_jax.models.spec import model_spec_from_config
 from confu_jax.runs.checkpoint import Checkpointer, init_params_from
 from confu_jax.runs.heads import write_target_record
 from confu_jax.train.metric_writers import make_writers
@@ -37,6 +38,7 @@ from confu_jax.train.optim import make_optimizer
 from confu_jax.train.state import param_count, state_builder
 from confu_jax.train.step import CompiledStep, make_eval_step, make_train_step
 from confu_jax.train.task import TrainTask, load_task
+from confu_jax.weights.eagle3_formats import detect_format
 
 Hook = Callable[[int, Any, dict], None]  # (step, state, device metrics) after each step
 
@@ -239,8 +241,11 @@ def _restore_or_init(config, workdir: str, run: RunSetup, ckpt: Checkpointer, it
         return r.state, r.step, None
     state, init_report = run.init_state(), None
     if tc.checkpoint.init_from:
+        # an EAGLE-3 head in another framework's format: its RoPE / norm settings must be this run's
+        model_spec = model_spec_from_config(config) if detect_format(tc.checkpoint.init_from) else None
         params, init_report = init_params_from(tc.checkpoint.init_from, state.params, tc.checkpoint.init_from_step,
-                                               draft_vocab_d2t=task.extra_arrays.get("draft_vocab_d2t"))
+                                               draft_vocab_d2t=task.extra_arrays.get("draft_vocab_d2t"),
+                                               model_spec=model_spec)
         state = state.replace(params=params)
         if main:
             logging.info("%s", init_report.summary())

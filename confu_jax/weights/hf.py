@@ -42,7 +42,7 @@ def _ids(v) -> tuple:
     return tuple(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
 
 
-def _rope(c: dict, where: str) -> tuple:
+def rope_from_config(c: dict, where: str) -> tuple:
     """(rope_theta, rope_scaling tuple or None) from either transformers config form."""
     params = c.get("rope_parameters")
     if isinstance(params, dict) and "rope_type" in params:  # transformers 5.x
@@ -85,7 +85,7 @@ def config_from_dict(c: dict, where: str = "config.json", dtype: Optional[str] =
         raise CheckpointError(f"dtype {dtype!r} not supported; expected one of {list(FLOAT_DTYPES)}")
     try:
         d, n_heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-        theta, scaling = _rope(c, where)
+        theta, scaling = rope_from_config(c, where)
         return LlamaConfig(
             vocab_size=int(c["vocab_size"]),
             d_model=d,

@@ -1,0 +1,79 @@
+"""Export a trained head to the formats serving engines load: ``python -m launch.export_head``.
+
+    python -m launch.export_head --workdir runs/smollm2_eagle3 --format eagle3 --out exports/e3_sglang
+    python -m launch.export_head --workdir runs/smollm2_eagle3 --format speculators --out exports/e3_vllm \
+        --embed_from smollm2-135m-instruct
+
+``--format eagle3`` writes the official EAGLE-3 layout (config.json + model.safetensors, tensors
+``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` as offsets, ``t2d``), which SGLang and SpecForge
+load; ``--format speculators`` writes vLLM's format (``speculators_config``, ``layers.0.*``). Layouts
+and their conventions: README "EAGLE-3 heads from and to other frameworks". Heads in either format
+also load here: ``launch.generate --draft_ckpt DIR``, ``launch.decode_bench --heads``, and
+``train.checkpoint.init_from=DIR``.
+
+A ConFu head exports its EAGLE-3 part only (fc, the draft layer, LM head): serving engines have no
+contemplate tokens, so its future path (soft prompts, MoE_con, MoE_f) is dropped, with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string("workdir", None, "a launch.train workdir (config.json + checkpoints/) holding the head",
+                    required=True)
+flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
+flags.DEFINE_enum("format", "eagle3", ["eagle3", "speculators"],
+                  "eagle3: official EAGLE-3 layout (SGLang, SpecForge); speculators: vLLM's format")
+flags.DEFINE_string("out", None, "output directory (created; existing config.json / model.safetensors are "
+                    "overwritten)", required=True)
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
+                  "stored float dtype (default: the head's parameter dtype, float32 for our runs)")
+flags.DEFINE_string("verifier", None, "speculators format: the target's Hugging Face id or path, recorded as "
+                    "speculators_config.verifier.name_or_path (default: the source in the workdir's target.json)")
+flags.DEFINE_string("embed_from", None, "speculators format: also store this target's embedding as "
+                    "embed_tokens.weight (asset name, .gguf or HF directory; speculators' own loader needs "
+                    "it, vLLM shares the target's when absent). Checked against the head's target fingerprint.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
+    import numpy as np
+
+    from confu_jax.runs.heads import check_head_target, load_trained_head, read_target_record
+    from confu_jax.weights.eagle3_formats import eagle3_part, export_head
+
+    workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+    if FLAGS.embed_from and FLAGS.format != "speculators":
+        raise app.UsageError("--embed_from is for --format speculators (the official format has no embedding)")
+    head = load_trained_head(workdir, FLAGS.step)
+    spec, trainable = head.spec, head.trainable
+    if spec.head.has_future:
+        print(f"WARNING: {workdir} holds a {spec.head.variant!r} head; exporting its EAGLE-3 part only. Serving "
+              "engines (SGLang, vLLM) have no contemplate tokens, so the future path (soft prompts, MoE_con, "
+              "MoE_f) is dropped and the exported draft runs without the future entry it was trained with: "
+              "expect a lower acceptance length there than ConFu has here.", file=sys.stderr)
+    spec, draft = eagle3_part(spec, trainable)
+    record = read_target_record(workdir) or {}
+    embed = None
+    if FLAGS.embed_from:
+        from confu_jax.weights import load_model
+
+        cfg, params = load_model(FLAGS.embed_from)
+        check_head_target(head, workdir, cfg, params, FLAGS.embed_from)
+        embed = np.asarray(params["embed"]["embedding"])
+    out = export_head(FLAGS.out, FLAGS.format, spec, draft, head.draft_vocab["d2t"], head.draft_vocab["t2d"],
+                      dtype=FLAGS.dtype, verifier=FLAGS.verifier or record.get("source"), embed=embed)
+    with open(os.path.join(out, "config.json")) as f:
+        n_keys = len(json.load(f))
+    print(f"exported {workdir} (step {head.step}, {spec.head.variant} part) to {out} in the {FLAGS.format} format "
+          f"({n_keys} config keys, taps {list(spec.taps)}, draft vocab {spec.head.draft_vocab_size})")
+
+
+if __name__ == "__main__":
+    app.run(main)
