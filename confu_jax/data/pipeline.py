@@ -10,8 +10,14 @@ Pipeline (one ``grain`` graph, so its iterator state can be checkpointed and res
 * Sharding slices the *global* shuffled stream: host ``i`` of ``n`` takes elements ``i, i+n, ...``,
   so the hosts read disjoint records, the union of one step's per-host batches is one global batch,
   and per-host batch = global batch / process_count.
-* Padding, not packing: every row is one conversation truncated/padded to ``max_length`` (static
-  shapes for jit, and the anchor-based ConFu loss never has to reason about document boundaries).
+* Padding by default: every row is one conversation truncated/padded to ``max_length`` (static
+  shapes for jit). ``pack=True`` (``data.pack``) instead packs several conversations into each row
+  with grain's first-fit packer (``grain.experimental.FirstFitPackIterDataset``) and adds
+  ``segment_ids`` int32 [B, N] (1, 2, ... per conversation in the row, 0 on padding) and
+  ``positions`` int32 [B, N] (restarting at 0 per conversation); the objective keeps attention,
+  anchors, windows, lags and TTT targets inside each conversation (docs/DESIGN.md §4), so packed
+  rows train exactly what the same conversations padded would, with less padding computed.
+  Packed rows carry no ``record_index``.
 * A row whose truncation leaves fewer than ``min_loss_tokens`` assistant tokens is dropped; with a
   finite ``num_epochs`` hosts may therefore run out one batch apart: drive training by step count.
 
@@ -58,6 +64,14 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.max_records = 0  # read at most this many good conversations (0 = all)
     c.max_length = 2048  # tokens per row after the chat template; longer rows are truncated
     c.min_loss_tokens = 1  # rows with fewer assistant tokens left after truncation are dropped
+    # Pack several conversations per row (segment ids + per-conversation positions; the loss never
+    # crosses a boundary, docs/DESIGN.md §4). Off by default: its speed-up was not yet measured on an
+    # idle machine (python -m launch.train_bench --layouts=padded,packed measures it side by side).
+    c.pack = False
+    c.pack_bins = 0  # first-fit packing bins in flight (0 = the per-host batch size); more = fuller rows
+    # A launch.target_features directory: EAGLE-3 reads the stored taps + teacher instead of running
+    # the target (rows, order and draft vocabulary come from the store; '' = online).
+    c.target_features = ""
     c.global_batch_size = 16  # rows per step over all hosts; must divide by process_count
     c.shuffle = True
     c.num_epochs = 0  # 0 = repeat forever (train by step count)
@@ -97,17 +111,21 @@ def encode_example(
     tokenizer: ChatEncoder,
     max_length: int,
     min_loss_tokens: int = 1,
+    pad: bool = True,
 ) -> dict | None:
-    """One conversation -> padded row arrays, or None if truncation leaves too few answer tokens."""
+    """One conversation -> padded row arrays, or None if truncation leaves too few answer tokens.
+
+    ``pad=False``: the truncated conversation's own length (the packer lays it into a row)."""
     ids, mask = tokenizer.encode_chat(messages, add_generation_prompt=False)
     if len(ids) != len(mask):
         raise ValueError(
             f"encode_chat returned {len(ids)} ids but {len(mask)} assistant-mask entries"
         )
     n = min(len(ids), max_length)
-    tokens_n = np.full((max_length,), tokenizer.pad_id, np.int32)
-    loss_mask_n = np.zeros((max_length,), bool)
-    attention_mask_n = np.zeros((max_length,), bool)
+    width = max_length if pad else n
+    tokens_n = np.full((width,), tokenizer.pad_id, np.int32)
+    loss_mask_n = np.zeros((width,), bool)
+    attention_mask_n = np.zeros((width,), bool)
     tokens_n[:n] = ids[:n]
     loss_mask_n[:n] = mask[:n]
     attention_mask_n[:n] = True
@@ -131,11 +149,12 @@ class _Reload:
 class _Encode(grain.transforms.Map):
     """The per-record map; picklable so grain can run it in worker processes."""
 
-    def __init__(self, conversations, tokenizer, max_length, min_loss_tokens):
+    def __init__(self, conversations, tokenizer, max_length, min_loss_tokens, pad=True):
         self._conversations = conversations
         self._tokenizer = tokenizer
         self._max_length = max_length
         self._min_loss_tokens = min_loss_tokens
+        self._pad = pad
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -164,10 +183,39 @@ class _Encode(grain.transforms.Map):
             self._tokenizer,
             self._max_length,
             self._min_loss_tokens,
+            self._pad,
         )
-        if row is not None:
+        if row is not None and self._pad:
             row["record_index"] = np.int32(index)
+        elif row is not None:
+            del row["attention_mask"]  # rebuilt from the packer's segment ids
         return row
+
+
+PACKED_KEYS = ("tokens", "loss_mask", "attention_mask", "segment_ids", "positions")
+
+
+class _PackedRow(grain.transforms.Map):
+    """The packer's output -> the batch contract (``segment_ids``, ``positions``, ``attention_mask``)."""
+
+    def map(self, row):
+        seg = np.asarray(row["tokens_segment_ids"], np.int32)
+        return {"tokens": np.asarray(row["tokens"], np.int32), "loss_mask": np.asarray(row["loss_mask"], bool),
+                "attention_mask": seg > 0, "segment_ids": seg,
+                "positions": np.asarray(row["tokens_positions"], np.int32)}
+
+
+def pack_rows(ds: grain.IterDataset, max_length: int, num_bins: int) -> grain.IterDataset:
+    """Unpadded conversations -> rows of ``max_length`` holding several, first fit (see module doc).
+
+    grain's packer fills ``num_bins`` rows in flight, placing each conversation in the first row
+    with room, and pads (token 0, segment 0) what is left; its iterator state is checkpointable."""
+    from grain import experimental
+
+    packed = experimental.FirstFitPackIterDataset(
+        ds, length_struct={"tokens": max_length, "loss_mask": max_length}, num_packing_bins=int(num_bins),
+        shuffle_bins=False)
+    return packed.map(_PackedRow())
 
 
 def check_some_row_usable(conversations: Sequence[dict], tokenizer: ChatEncoder, max_length: int,
@@ -211,6 +259,8 @@ def make_dataset(
     num_threads: int = 2,
     prefetch_buffer_size: int = 16,
     num_workers: int = 0,
+    pack: bool = False,
+    pack_bins: int = 0,
 ) -> grain.IterDataset:
     """The grain graph over an in-memory list of normalised conversations (see module doc)."""
     if not conversations:
@@ -225,9 +275,11 @@ def make_dataset(
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs if num_epochs else None)
     ds = ds[process_index::process_count]
-    ds = ds.map(_Encode(conversations, tokenizer, max_length, min_loss_tokens))
+    ds = ds.map(_Encode(conversations, tokenizer, max_length, min_loss_tokens, pad=not pack))
     read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     it_ds = ds.to_iter_dataset(read)  # drops the None rows
+    if pack:
+        it_ds = pack_rows(it_ds, max_length, pack_bins or per_host_batch_size)
     it_ds = it_ds.batch(per_host_batch_size, drop_remainder=True)
     if num_workers > 0:
         from absl import flags
@@ -280,5 +332,7 @@ def make_train_iterator(
         num_threads=cfg.num_threads,
         prefetch_buffer_size=cfg.prefetch_buffer_size,
         num_workers=cfg.num_workers,
+        pack=bool(cfg.get("pack", False)),
+        pack_bins=int(cfg.get("pack_bins", 0)),
     )
     return iter(ds)

@@ -34,12 +34,14 @@ def masked_attention_reference(
     k_prefix_phd: Optional[jax.Array] = None,
     v_prefix_phd: Optional[jax.Array] = None,
     prefix_visible_bt: Optional[jax.Array] = None,
+    cache_start_bt: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Softmax attention over [cache | prefix | block] keys; GQA by head grouping.
 
     Shapes: q [B,T,Hq,D]; block K/V [B,T,Hkv,D]; block_mask [B,T,T] (True = visible);
     cache K/V [B,Hkv,S,D] (head-major, ``models.kv_cache``); cache_len [B,T] or [B] (number of
-    visible cache slots);
+    visible cache slots); cache_start [B,T] or [B] (optional: the first visible slot, 0 if None —
+    packed training rows, where a contemplate query sees only its own segment's slots);
     prefix K/V [P,Hkv,D] (shared over the batch); prefix_visible [B,T].
     Scores and softmax are computed in float32; the output has q's dtype.
     A query that sees no key at all returns zeros (never NaN).
@@ -63,6 +65,10 @@ def masked_attention_reference(
         if lens.ndim == 1:
             lens = jnp.broadcast_to(lens[:, None], (b, t))
         vis = jnp.arange(s_len)[None, None, :] < lens[:, :, None]  # [B,T,S]
+        if cache_start_bt is not None:
+            start = jnp.asarray(cache_start_bt)
+            start = jnp.broadcast_to(start[:, None], (b, t)) if start.ndim == 1 else start
+            vis = vis & (jnp.arange(s_len)[None, None, :] >= start[:, :, None])
         parts_s.append(jnp.where(vis[:, None, None], scores(k_cache_bshd), NEG_INF))
         parts_v.append(jnp.swapaxes(v_cache_bhsd, 1, 2))
     if k_prefix_phd is not None and k_prefix_phd.shape[0] > 0:

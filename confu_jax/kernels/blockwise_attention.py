@@ -56,7 +56,7 @@ def merge_block_states(parts):
 
 
 def _attend(q_bkgtd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cache_bhsd, v_cache_bhsd,
-            cache_len_bt, k_prefix_phd, v_prefix_phd, prefix_visible_bt, scale):
+            cache_len_bt, k_prefix_phd, v_prefix_phd, prefix_visible_bt, scale, cache_start_bt=None):
     """One query chunk against all key blocks -> [B,Hkv,G,T,D] float32."""
     f32 = jnp.float32
     parts = []
@@ -65,6 +65,8 @@ def _attend(q_bkgtd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cache_bhsd, v_cac
         s = jnp.einsum("bkgtd,bksd->bkgts", q_bkgtd, k_cache_bhsd.astype(q_bkgtd.dtype),
                        preferred_element_type=f32) * scale
         vis = jnp.arange(s_len)[None, None, :] < cache_len_bt[:, :, None]  # [B,T,S]
+        if cache_start_bt is not None:  # packed rows: a query's own segment only
+            vis = vis & (jnp.arange(s_len)[None, None, :] >= cache_start_bt[:, :, None])
         parts.append(softmax_block_state(s, vis[:, None, None], v_cache_bhsd, "bksd"))
     if k_prefix_phd is not None:
         s = jnp.einsum("bkgtd,pkd->bkgtp", q_bkgtd, k_prefix_phd.astype(q_bkgtd.dtype),
@@ -87,6 +89,7 @@ def masked_attention_blockwise(
     k_prefix_phd: Optional[jax.Array] = None,
     v_prefix_phd: Optional[jax.Array] = None,
     prefix_visible_bt: Optional[jax.Array] = None,
+    cache_start_bt: Optional[jax.Array] = None,
     *,
     q_chunk: int = Q_CHUNK,
 ) -> jax.Array:
@@ -106,6 +109,11 @@ def masked_attention_blockwise(
         lens_bt = jnp.asarray(cache_len_bt, jnp.int32)
         if lens_bt.ndim == 1:
             lens_bt = jnp.broadcast_to(lens_bt[:, None], (b, t))
+    start_bt = None
+    if has_cache and cache_start_bt is not None:
+        start_bt = jnp.asarray(cache_start_bt, jnp.int32)
+        if start_bt.ndim == 1:
+            start_bt = jnp.broadcast_to(start_bt[:, None], (b, t))
     if has_prefix and prefix_visible_bt is None:
         raise ValueError("prefix_visible_bt is required when prefix K/V are given")
     q = q_bthd.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B,Hkv,G,T,D]
@@ -114,7 +122,7 @@ def masked_attention_blockwise(
 
     if t <= q_chunk:
         out = _attend(q, k_blk_bthd, v_blk_bthd, block_mask_btt, *cache, lens_bt, *prefix,
-                      prefix_visible_bt if has_prefix else None, scale)
+                      prefix_visible_bt if has_prefix else None, scale, start_bt)
     else:
         # Query chunks: per-query inputs (q, mask rows, lengths, prefix visibility) are split,
         # keys are shared. Padded query rows see nothing and are dropped.
@@ -131,10 +139,12 @@ def masked_attention_blockwise(
             xs["lens"] = chunks(lens_bt, 1)
         if has_prefix:
             xs["pvis"] = chunks(prefix_visible_bt, 1)
+        if start_bt is not None:
+            xs["start"] = chunks(start_bt, 1)
 
         def one(c):
             return _attend(c["q"], k_blk_bthd, v_blk_bthd, c["mask"], *cache, c.get("lens"), *prefix,
-                           c.get("pvis"), scale)
+                           c.get("pvis"), scale, c.get("start"))
 
         out = jax.lax.map(one, xs)  # [n, B,Hkv,G,C,D]
         out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, n * q_chunk, d)[:, :, :, :t]

@@ -24,6 +24,10 @@ def masked_attention(*args, impl: str = "xla", **kwargs) -> jax.Array:
     if impl in ("pallas", "pallas_interpret"):
         from confu_jax.kernels import tree_attention
 
+        if kwargs.pop("cache_start_bt", None) is not None:  # only packed training rows set it
+            raise ValueError(f"attention_impl={impl!r}: the Pallas kernel has no cache_start_bt (a lower bound "
+                             "on visible cache slots, used by packed training rows); train with 'xla'")
+
         return tree_attention.masked_attention_pallas(
             *args, interpret=(impl == "pallas_interpret"), **kwargs
         )

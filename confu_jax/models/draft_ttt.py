@@ -50,15 +50,22 @@ class DraftTTTOutput(NamedTuple):
 
 def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_bn: jax.Array,
               h_cat_bnc: jax.Array, n_steps: int, *, positions_bn: Optional[jax.Array] = None,
-              future: Optional[TTTFuture] = None, return_logits: bool = True) -> DraftTTTOutput:
+              future: Optional[TTTFuture] = None, return_logits: bool = True,
+              segment_ids_bn: Optional[jax.Array] = None) -> DraftTTTOutput:
     """EAGLE-3 training-time test over a sequence, ``n_steps`` (L_ttt) unrolled steps.
 
     ``tokens_bn`` [B,N]: the sequence x (unshifted); ``h_cat_bnc`` [B,N,3d]: target taps at each
     position. Step r, index j: input (embed(x[j+1+r]), g[j] if r == 0 else h_out[r-1, j]), RoPE
     position positions[j]+r, predicts x[j+2+r]; it attends step-0 keys at indices <= j and the
     diagonal entries (j, 1..r), plus j's future entry (every step). Token indices past N read
-    token 0: those outputs have no target and must be masked by the loss. Right padding only
-    (no packing): step-0 attention is plain causal.
+    token 0: those outputs have no target and must be masked by the loss.
+
+    Packed rows (several conversations per row): ``segment_ids_bn`` makes step-0 attention
+    block-diagonal causal (a query sees only its own segment) and ``positions_bn`` restart at 0 per
+    segment (the future entry's key sits at the anchor's in-segment position + 1). A step whose
+    input token x[j+1+r] lies in the next segment computes garbage that no trained query reads:
+    the loss masks (j, r) unless x[j+2+r] is in j's segment, and query (j, r) only sees step-0
+    keys of its own segment at indices <= j and its own index's diagonal.
     """
     if future is not None and not spec.head.has_future:
         raise ValueError("draft_ttt: variant 'eagle3' takes no future entries")
@@ -67,13 +74,16 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
         positions_bn = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
     g_bnd = _rows(draft_features(spec, draft_params, h_cat_bnc))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
+    if segment_ids_bn is not None:
+        causal = causal & (segment_ids_bn[:, :, None] == segment_ids_bn[:, None, :])
     tok_pad = jnp.concatenate([tokens_bn, jnp.zeros((b, n_steps + 1), tokens_bn.dtype)], axis=1)
 
     extra_k, extra_v, extra_m = [], [], []
     if future is not None:
         rows = jnp.arange(b)[:, None]
         anchor_bk = future.anchor_bk.astype(jnp.int32)
-        fut = draft_future_entry(spec, draft_params, future.f_bkd, g_bnd[rows, anchor_bk], anchor_bk)
+        fut = draft_future_entry(spec, draft_params, future.f_bkd, g_bnd[rows, anchor_bk],
+                                 positions_bn[rows, anchor_bk])  # key at the anchor's position + 1
         idx = jnp.maximum(future.index_bn, 0)
         extra_k.append(fut.k_bnhd[rows, idx])
         extra_v.append(fut.v_bnhd[rows, idx])

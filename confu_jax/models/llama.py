@@ -109,7 +109,7 @@ def apply_rope(x_bthd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax
 
 
 def layer_context(cfg: LlamaConfig, bt: tuple, positions_bt, block_mask_btt, cache_len_bt, has_cache: bool,
-                  prefix_visible_bt, has_prefix: bool, tap_layers: Sequence[int]):
+                  prefix_visible_bt, has_prefix: bool, tap_layers: Sequence[int], cache_start_bt=None):
     """What every layer of one forward shares (RoPE, masks, visible lengths, tap indices), with the
     argument checks; used by the scanned (``Llama``) and unrolled (``models.unrolled``) forwards.
     Returns (ctx dict, validated tap layer tuple)."""
@@ -122,6 +122,8 @@ def layer_context(cfg: LlamaConfig, bt: tuple, positions_bt, block_mask_btt, cac
         if cache_len_bt is None:
             raise ValueError("cache_len_bt is required when a cache is given")
         ctx["cache_len"] = jnp.asarray(cache_len_bt, jnp.int32)
+        if cache_start_bt is not None:  # packed rows: first visible slot (the query's segment start)
+            ctx["cache_start"] = jnp.asarray(cache_start_bt, jnp.int32)
     if has_prefix:
         if prefix_visible_bt is None:
             raise ValueError("prefix_visible_bt is required when prefix K/V are given")
@@ -194,6 +196,7 @@ class DecoderLayer(nn.Module):
             k_cache_bhsd=xs.get("k_cache"),
             v_cache_bhsd=xs.get("v_cache"),
             cache_len_bt=ctx.get("cache_len"),
+            cache_start_bt=ctx.get("cache_start"),
             k_prefix_phd=xs.get("k_prefix"),
             v_prefix_phd=xs.get("v_prefix"),
             prefix_visible_bt=ctx.get("prefix_visible"),
@@ -258,18 +261,20 @@ class Llama(nn.Module):
         prefix_visible_bt: Optional[jax.Array] = None,
         tap_layers: Sequence[int] = (),
         return_logits: bool = True,
+        cache_start_bt: Optional[jax.Array] = None,
     ) -> LlamaOutput:
         """Forward over a block of T tokens.
 
         ``embeds_btd`` (if given) replaces the token embeddings (ConFu contemplate tokens);
         ``block_mask_btt`` defaults to causal; cache / prefix arguments as in
-        ``confu_jax.models.attention``. ``cache_len_bt`` may be [B] or [B,T].
+        ``confu_jax.models.attention``. ``cache_len_bt`` may be [B] or [B,T]; ``cache_start_bt`` (same
+        shapes, optional) is the first visible cache slot (packed training rows: the segment start).
         """
         cfg = self.cfg
         x = self.embed_tokens(tokens_bt) if embeds_btd is None else embeds_btd.astype(jnp.dtype(cfg.dtype))
         ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, block_mask_btt, cache_len_bt,
                                         cache_k_lbhsd is not None, prefix_visible_bt,
-                                        prefix_k_lphd is not None, tap_layers)
+                                        prefix_k_lphd is not None, tap_layers, cache_start_bt)
         xs = {"layer": jnp.arange(cfg.n_layers)}
         if cache_k_lbhsd is not None:
             # the scan slices a stacked cache; per-layer buffers (kv_cache.init_cache) are stacked here

@@ -114,21 +114,37 @@ def embedding_table(target_params) -> jax.Array:
     return shared_params(target_params)["embed"]["embedding"]
 
 
+def segment_causal_mask(segment_ids_bn: jax.Array) -> jax.Array:
+    """[B,N,N] bool: causal and within one segment (packed rows: several conversations per row).
+
+    Block-diagonal causal: query n sees key m iff m <= n and both carry the same segment id, so no
+    attention crosses a document boundary (padding, segment 0, sees only padding)."""
+    n = segment_ids_bn.shape[1]
+    same = segment_ids_bn[:, :, None] == segment_ids_bn[:, None, :]
+    return same & jnp.tril(jnp.ones((n, n), bool))[None]
+
+
 def real_forward(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array,
-                 positions_bt: Optional[jax.Array] = None, *, return_logits: bool = True) -> LlamaOutput:
+                 positions_bt: Optional[jax.Array] = None, *, return_logits: bool = True,
+                 segment_ids_bt: Optional[jax.Array] = None) -> LlamaOutput:
     """Plain causal target pass with EAGLE-3 taps (the training form's real-token pass).
 
     Nothing in it is trainable; its K/V (``k_new_lbthd``) are what ``contemplate_queries`` attends.
+    Packed rows pass ``segment_ids_bt`` (attention stays inside a segment) and ``positions_bt``
+    restarting at 0 in each segment, so every conversation sees exactly what it would see alone.
     """
     b, n = tokens_bt.shape
     if positions_bt is None:
         positions_bt = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    return _forward(spec, target_params, tokens_bt, positions_bt,
-                              tap_layers=spec.taps, return_logits=return_logits)
+    mask = None if segment_ids_bt is None else segment_causal_mask(segment_ids_bt)
+    return _forward(spec, target_params, tokens_bt, positions_bt, block_mask_btt=mask,
+                    tap_layers=spec.taps, return_logits=return_logits)
 
 
 def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict, k_lbhsd: jax.Array,
-                        v_lbhsd: jax.Array, anchors_bk: jax.Array, con_src_bkc: jax.Array) -> jax.Array:
+                        v_lbhsd: jax.Array, anchors_bk: jax.Array, con_src_bkc: jax.Array, *,
+                        anchor_positions_bk: Optional[jax.Array] = None,
+                        segment_start_bk: Optional[jax.Array] = None) -> jax.Array:
     """f for K contemplate tokens, each after its anchor, against precomputed real-token K/V.
 
     ``k_lbhsd``/``v_lbhsd`` [L,B,Hkv,S,hd], the cache layout: post-RoPE K/V of real tokens, slot
@@ -137,21 +153,27 @@ def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict
     positions q; contemplate k has position q+1 and sees slots <= q, the soft prompts and itself
     (not the other contemplates). ``con_src_bkc`` [B,K,3d]: the h_cat that MoE_con reads (training:
     h_cat[q - δ]). Returns f [B,K,d]. Differentiable w.r.t. ``confu_params`` only.
+
+    Packed rows: ``anchor_positions_bk`` is the anchor's RoPE position inside its segment (the
+    contemplate sits at that + 1; default: the slot index) and ``segment_start_bk`` the first slot of
+    its segment — the contemplate sees slots ``segment_start..q`` only, as if its conversation were alone.
     """
     _require_future(spec, confu_params, "contemplate_queries")
     b, k = anchors_bk.shape
     anchors_bk = anchors_bk.astype(jnp.int32)
     emb_bkd = con_embedding(spec, confu_params, con_src_bkc)
     eye = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
+    pos_bk = anchors_bk if anchor_positions_bk is None else anchor_positions_bk.astype(jnp.int32)
     out = _forward(
         spec, target_params,
         None,
-        anchors_bk + 1,
+        pos_bk + 1,
         embeds_btd=emb_bkd,
         block_mask_btt=eye,
         cache_k_lbhsd=jax.lax.stop_gradient(k_lbhsd),
         cache_v_lbhsd=jax.lax.stop_gradient(v_lbhsd),
         cache_len_bt=anchors_bk + 1,
+        **({} if segment_start_bk is None else {"cache_start_bt": segment_start_bk.astype(jnp.int32)}),
         prefix_k_lphd=confu_params["soft_prompt_k_lphd"],
         prefix_v_lphd=confu_params["soft_prompt_v_lphd"],
         prefix_visible_bt=jnp.ones((b, k), bool),

@@ -59,6 +59,7 @@ def apply_unrolled(
     prefix_visible_bt: Optional[jax.Array] = None,
     tap_layers: Sequence[int] = (),
     return_logits: bool = True,
+    cache_start_bt: Optional[jax.Array] = None,
 ) -> LlamaOutput:
     """``Llama(cfg).apply({'params': params}, ...)`` with ``split_layers(params)``; same arguments."""
     model = Llama(cfg)
@@ -69,7 +70,7 @@ def apply_unrolled(
         x = embeds_btd.astype(jnp.dtype(cfg.dtype))
     ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, block_mask_btt, cache_len_bt,
                                     cache_k_lbhsd is not None, prefix_visible_bt,
-                                    prefix_k_lphd is not None, tap_layers)
+                                    prefix_k_lphd is not None, tap_layers, cache_start_bt)
     carry = (x, tuple(jnp.zeros_like(x) for _ in tap_layers))
     layer = DecoderLayer(cfg)
     ks, vs = [], []

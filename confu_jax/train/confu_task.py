@@ -12,7 +12,9 @@ Builds a :class:`~confu_jax.train.task.TrainTask` from the full config:
   vocabulary counted on the training conversations (saved with every checkpoint). With
   ``source='random'`` the data are self-distilled instead: random prompts continued greedily by
   the random target (``train.synthetic_data``), which has a learnable structure and needs
-  no tokenizer.
+  no tokenizer. With ``config.data.target_features`` (EAGLE-3 only) the batches come from a store
+  of offline target features (``launch.target_features``) and carry the taps and the teacher, so
+  the loss skips the target pass; the draft vocabulary is the store's.
 """
 
 from __future__ import annotations
@@ -128,8 +130,21 @@ def build_task(config) -> TrainTask:
     train_obj = objective_from_config(config)
     eval_obj = objective_from_config(config, evaluation=True)
     synthetic = config.model.source == "random"
-    vocab, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
-                                           else real_data(config, spec))
+    offline = bool(config.data.get("target_features", ""))
+    if offline:  # stored taps + teacher (launch.target_features): the loss skips the target pass
+        if spec.head.has_future:
+            raise ValueError(f"config.data.target_features is set but variant {spec.head.variant!r} needs the "
+                             "target's per-layer K/V for its contemplates (recomputed, not stored: docs/DESIGN.md "
+                             "§4 'Offline target features'); offline features train eagle3 only")
+        if config.data.get("pack", False):
+            raise ValueError("config.data.pack and config.data.target_features together: stored rows are one "
+                             "conversation each (padded); turn one of them off")
+        from confu_jax.train.target_features import offline_data
+
+        vocab, train_iterator, eval_batches = offline_data(config, spec, target_fingerprint(target_host))
+    else:
+        vocab, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
+                                               else real_data(config, spec))
     if vocab.draft_size != spec.head.draft_vocab_size or vocab.target_size != spec.target.vocab_size:
         raise ValueError(f"draft vocabulary maps {vocab.draft_size} ids onto {vocab.target_size}; the model "
                          f"expects {spec.head.draft_vocab_size} onto {spec.target.vocab_size}")
@@ -157,7 +172,8 @@ def build_task(config) -> TrainTask:
         target_fingerprint=target_fingerprint(target_host),
         target_source=str(config.model.source),
         description=(f"{spec.head.variant} draft head on '{config.model.preset}' "
-                     f"({'self-distilled random data' if synthetic else config.data.train_files}), "
+                     f"({'self-distilled random data' if synthetic else config.data.train_files}"
+                     f"{', offline target features ' + config.data.target_features if offline else ''}), "
                      f"L_ttt={train_obj.ttt_steps}, K_train={train_obj.k_train}, l={train_obj.replication}"),
     )
 

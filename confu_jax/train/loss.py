@@ -30,7 +30,11 @@ Pipeline of one call:
    ConFu trains only on indices inside some window (eq. 3 sums over anchor windows only).
 4. **TTT** (``draft_ttt``, L_ttt steps). Step r at index j is trained with KL(P_target ‖ P_draft)
    where x[j+2+r] is an answer token inside the sequence and the target argmax at j+1+r is in the
-   draft vocabulary. Loss = Σ_r decay^r · (mean over valid (b, j) of the KL). The head + KL of each
+   draft vocabulary. Loss = Σ_r decay^r · (mean over valid (b, j) of the KL): the mean runs over
+   every trained (conversation, index) of the batch however conversations are laid into rows, so
+   packed rows (several conversations per row, attention block-diagonal, positions restarting per
+   conversation, masks never crossing a boundary) give the loss and gradient of the same
+   conversations padded one per row (tests/test_packing.py). The head + KL of each
    step is rematerialised in the backward pass, so the [B, N, V_draft] draft logits of the L_ttt
    steps are never all alive together. ConFu evaluates the draft's LM head only at the (at most
    K·(l+1) per row) indices inside windows, gathered to a static [B, M] set: the head is the
@@ -44,7 +48,7 @@ and top-1 agreement with the target, the number of trained positions, teacher di
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -182,9 +186,18 @@ def full_vocab_argmax_lse(hidden_bnd: jax.Array, w: jax.Array, vocab_axis: int, 
     return arg, m + jnp.log(s)
 
 
-def teacher_from_hidden(spec: ModelSpec, target_params: dict, draft_vocab: dict, hidden_bnd: jax.Array,
-                        vocab_chunk: int) -> Teacher:
-    """The EAGLE-3 teacher from the target's final-normed hidden states (no gradient)."""
+class TeacherStats(NamedTuple):
+    """What the teacher is made of (and what ``launch.target_features`` stores per token)."""
+
+    logits_bnv: jax.Array  # [B,N,V_draft] float32 target logits at the d2t columns
+    lse_draft_bn: jax.Array  # [B,N] float32 log-sum-exp of those
+    argmax_bn: jax.Array  # [B,N] int32 full-vocabulary argmax (target ids)
+    lse_full_bn: jax.Array  # [B,N] float32 full-vocabulary log-sum-exp
+
+
+def teacher_stats(spec: ModelSpec, target_params: dict, draft_vocab: dict, hidden_bnd: jax.Array,
+                  vocab_chunk: int) -> TeacherStats:
+    """Draft-vocabulary logits and the full-vocabulary argmax / log-sum-exp (no gradient)."""
     hidden_bnd = jax.lax.stop_gradient(hidden_bnd)
     w, axis = lm_head_layout(spec, jax.lax.stop_gradient(target_params))
     d2t = draft_vocab["d2t"]
@@ -195,12 +208,43 @@ def teacher_from_hidden(spec: ModelSpec, target_params: dict, draft_vocab: dict,
         raise ValueError(f"draft_vocab['t2d'] covers {draft_vocab['t2d'].shape[0]} target ids; the target "
                          f"LM head has {w.shape[axis]}")
     logits_bnv = _scores(hidden_bnd, jnp.take(w, d2t, axis=axis), axis)  # [B,N,V_draft]
-    lse_draft = jax.nn.logsumexp(logits_bnv, axis=-1)
     arg, lse_full = full_vocab_argmax_lse(hidden_bnd, w, axis, vocab_chunk)
-    return Teacher(logp_bnv=logits_bnv - lse_draft[..., None],
-                   in_draft_bn=jnp.take(draft_vocab["t2d"], arg, axis=0),
-                   argmax_bn=arg,
-                   draft_mass_bn=jnp.exp(lse_draft - lse_full))
+    return TeacherStats(logits_bnv, jax.nn.logsumexp(logits_bnv, axis=-1), arg, lse_full)
+
+
+def teacher_from_hidden(spec: ModelSpec, target_params: dict, draft_vocab: dict, hidden_bnd: jax.Array,
+                        vocab_chunk: int) -> Teacher:
+    """The EAGLE-3 teacher from the target's final-normed hidden states (no gradient)."""
+    st = teacher_stats(spec, target_params, draft_vocab, hidden_bnd, vocab_chunk)
+    return Teacher(logp_bnv=st.logits_bnv - st.lse_draft_bn[..., None],
+                   in_draft_bn=jnp.take(draft_vocab["t2d"], st.argmax_bn, axis=0),
+                   argmax_bn=st.argmax_bn,
+                   draft_mass_bn=jnp.exp(st.lse_draft_bn - st.lse_full_bn))
+
+
+OFFLINE_KEYS = ("h_cat", "teacher_topk_logp", "teacher_topk_ids", "teacher_argmax", "teacher_lse_draft",
+                "teacher_lse_full")
+_ABSENT = -1e30  # log-probability of a draft id outside the stored top-k (exp -> exactly 0, finite)
+
+
+def teacher_from_offline(batch: dict, draft_vocab: dict, v_draft: int) -> Teacher:
+    """The teacher from stored target features (``launch.target_features``) instead of a target pass.
+
+    The stored top-k log-probabilities (of the target renormalised over the draft vocabulary) are
+    scattered into [B,N,V_draft]; ids outside the top-k get probability 0 and the k kept are
+    renormalised (``logsumexp`` over them), so with k = V_draft the teacher is the online one (up to
+    the stored dtype) and with k < V_draft it is the online teacher truncated to its top-k.
+    """
+    ids_bnk = batch["teacher_topk_ids"].astype(jnp.int32)
+    lp_bnk = batch["teacher_topk_logp"].astype(jnp.float32)
+    lp_bnk = lp_bnk - jax.nn.logsumexp(lp_bnk, axis=-1, keepdims=True)
+    b, n, _ = ids_bnk.shape
+    dense = jnp.full((b, n, v_draft), _ABSENT, jnp.float32)
+    dense = dense.at[jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None], ids_bnk].set(lp_bnk)
+    arg = batch["teacher_argmax"].astype(jnp.int32)
+    lse_d, lse_f = batch["teacher_lse_draft"].astype(jnp.float32), batch["teacher_lse_full"].astype(jnp.float32)
+    return Teacher(logp_bnv=jax.lax.stop_gradient(dense), in_draft_bn=jnp.take(draft_vocab["t2d"], arg, axis=0),
+                   argmax_bn=arg, draft_mass_bn=jnp.exp(lse_d - lse_f))
 
 
 # ----------------------------------------------------------------------------- anchors and windows
@@ -213,14 +257,27 @@ class AnchorPlan(NamedTuple):
     index_bn: jax.Array  # [B,N] int32 anchor whose future entry draft index j uses (-1: none)
 
 
-def anchor_candidates(loss_mask_bn: jax.Array) -> jax.Array:
-    """[B,N] bool: t may be an anchor iff x[t+1] and x[t+2] are answer tokens (see module doc)."""
-    b, n = loss_mask_bn.shape
+def _ahead(x_bn: jax.Array, s: int, fill) -> jax.Array:
+    """[B,N]: x[:, n + s] at n (``fill`` past the end)."""
+    b, n = x_bn.shape
+    return jnp.concatenate([x_bn[:, s:], jnp.full((b, min(s, n)), fill, x_bn.dtype)], axis=1)[:, :n]
+
+
+def same_segment_ahead(segment_ids_bn, s: int):
+    """[B,N] bool: position n + s lies in n's segment (None: unpacked rows, always True)."""
+    if segment_ids_bn is None:
+        return None
+    return _ahead(segment_ids_bn, s, -1) == segment_ids_bn
+
+
+def anchor_candidates(loss_mask_bn: jax.Array, segment_ids_bn=None) -> jax.Array:
+    """[B,N] bool: t may be an anchor iff x[t+1] and x[t+2] are answer tokens (see module doc) of
+    t's own conversation (packed rows: ``segment_ids_bn``)."""
     m = loss_mask_bn.astype(bool)
-    pad = jnp.zeros((b, 2), bool)
-    nxt = jnp.concatenate([m[:, 1:], pad[:, :1]], axis=1)
-    nxt2 = jnp.concatenate([m[:, 2:], pad], axis=1)
-    return nxt & nxt2
+    cand = _ahead(m, 1, False) & _ahead(m, 2, False)
+    if segment_ids_bn is not None:
+        cand = cand & same_segment_ahead(segment_ids_bn, 2)
+    return cand
 
 
 def sample_anchors(rng: jax.Array, candidates_bn: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -243,11 +300,16 @@ def sample_anchors(rng: jax.Array, candidates_bn: jax.Array, k: int) -> tuple[ja
     return jnp.where(valid, idx, 0).astype(jnp.int32), valid
 
 
-def window_index(anchor_bk: jax.Array, valid_bk: jax.Array, n: int, replication: int) -> jax.Array:
-    """[B,N] int32: for index j the slot k of the latest valid anchor t with t <= j <= t + l, or -1."""
+def window_index(anchor_bk: jax.Array, valid_bk: jax.Array, n: int, replication: int,
+                 segment_ids_bn=None) -> jax.Array:
+    """[B,N] int32: for index j the slot k of the latest valid anchor t with t <= j <= t + l, or -1.
+    Packed rows: only anchors of j's own segment (a window never crosses a document boundary)."""
     j = jnp.arange(n, dtype=jnp.int32)[None, None, :]
     a = anchor_bk[:, :, None]
     covers = valid_bk[:, :, None] & (a <= j) & (j <= a + replication)  # [B,K,N]
+    if segment_ids_bn is not None:
+        seg_a = jnp.take_along_axis(segment_ids_bn, anchor_bk, axis=1)
+        covers = covers & (seg_a[:, :, None] == segment_ids_bn[:, None, :])
     score = jnp.where(covers, a, -1)
     best = jnp.argmax(score, axis=1).astype(jnp.int32)  # the latest covering anchor (anchors distinct)
     return jnp.where(jnp.any(covers, axis=1), best, -1)
@@ -261,13 +323,18 @@ def sample_lags(rng: jax.Array, shape: tuple, cfg: ObjectiveConfig) -> jax.Array
     return jax.random.categorical(rng, logits, shape=shape).astype(jnp.int32) + 1
 
 
-def plan_anchors(rng: jax.Array, loss_mask_bn: jax.Array, cfg: ObjectiveConfig) -> AnchorPlan:
+def plan_anchors(rng: jax.Array, loss_mask_bn: jax.Array, cfg: ObjectiveConfig, rows=None) -> AnchorPlan:
+    """Anchors, lags and windows of a batch. Packed rows (``rows``: a :class:`RowLayout` with segment
+    ids): candidates, windows and the lag's source h_cat[max(t - δ, segment start)] stay inside t's
+    conversation. K_train counts anchors per *row*, so a packed row spreads its K over its segments."""
     a_rng, l_rng = jax.random.split(rng)
     b, n = loss_mask_bn.shape
-    anchor_bk, valid_bk = sample_anchors(a_rng, anchor_candidates(loss_mask_bn), cfg.k_train)
+    seg = None if rows is None else rows.segment_ids_bn
+    anchor_bk, valid_bk = sample_anchors(a_rng, anchor_candidates(loss_mask_bn, seg), cfg.k_train)
     lag_bk = sample_lags(l_rng, anchor_bk.shape, cfg)
-    con_src_bk = jnp.maximum(anchor_bk - lag_bk, 0)
-    return AnchorPlan(anchor_bk, valid_bk, con_src_bk, window_index(anchor_bk, valid_bk, n, cfg.replication))
+    floor_bk = 0 if seg is None else jnp.take_along_axis(rows.segment_start_bn, anchor_bk, axis=1)
+    con_src_bk = jnp.maximum(anchor_bk - lag_bk, floor_bk)
+    return AnchorPlan(anchor_bk, valid_bk, con_src_bk, window_index(anchor_bk, valid_bk, n, cfg.replication, seg))
 
 
 # ----------------------------------------------------------------------------- TTT targets
@@ -279,13 +346,16 @@ class TTTMasks(NamedTuple):
     valid_rbn: jax.Array  # [R,B,N] bool: both — (s, j) is trained
 
 
-def ttt_masks(loss_mask_bn: jax.Array, in_draft_bn: jax.Array, n_steps: int) -> TTTMasks:
-    """Which (TTT step s, draft index j) are trained; the teacher of (s, j) is teacher row j+1+s."""
+def ttt_masks(loss_mask_bn: jax.Array, in_draft_bn: jax.Array, n_steps: int, segment_ids_bn=None) -> TTTMasks:
+    """Which (TTT step s, draft index j) are trained; the teacher of (s, j) is teacher row j+1+s.
+    Packed rows: x[j+2+s] must also lie in j's segment (never train across a document boundary)."""
     b, n = loss_mask_bn.shape
     pad = jnp.zeros((b, n_steps + 2), bool)
     lm = jnp.concatenate([loss_mask_bn.astype(bool), pad], axis=1)
     ind = jnp.concatenate([in_draft_bn.astype(bool), pad], axis=1)
     answer = jnp.stack([lm[:, 2 + s:2 + s + n] for s in range(n_steps)])
+    if segment_ids_bn is not None:
+        answer = answer & jnp.stack([same_segment_ahead(segment_ids_bn, 2 + s) for s in range(n_steps)])
     in_draft = jnp.stack([ind[:, 1 + s:1 + s + n] for s in range(n_steps)])
     return TTTMasks(answer, in_draft, answer & in_draft)
 
@@ -305,6 +375,33 @@ def _step_kl(spec: ModelSpec, draft_params: dict, hidden_bnd: jax.Array, teacher
     p = jnp.exp(teacher_logp_bnv)
     kl = jnp.sum(p * (teacher_logp_bnv - logq), axis=-1)
     return kl, jnp.argmax(logq, axis=-1)
+
+
+class RowLayout(NamedTuple):
+    """How conversations sit in the rows. All None: one right-padded conversation per row (the
+    default). Packed rows (``data.pack``): several conversations per row, told apart by
+    ``segment_ids`` (1, 2, ... per row; 0 = padding) with RoPE ``positions`` restarting at 0."""
+
+    segment_ids_bn: Optional[jax.Array] = None  # [B,N] int32
+    positions_bn: Optional[jax.Array] = None  # [B,N] int32 position inside the segment
+    segment_start_bn: Optional[jax.Array] = None  # [B,N] int32 row index of the segment's first token
+
+
+def row_layout(batch: dict) -> RowLayout:
+    """The batch's :class:`RowLayout`; ``positions`` default to index − segment start."""
+    if "segment_ids" not in batch:
+        if "positions" in batch:
+            raise ValueError("batch has 'positions' but no 'segment_ids'; packed batches carry both")
+        return RowLayout()
+    seg = batch["segment_ids"].astype(jnp.int32)
+    if seg.shape != batch["tokens"].shape:
+        raise ValueError(f"batch['segment_ids'] {seg.shape} and batch['tokens'] {batch['tokens'].shape} differ")
+    b, n = seg.shape
+    idx = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    boundary = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(boundary, idx, 0), axis=1)
+    pos = batch["positions"].astype(jnp.int32) if "positions" in batch else idx - start
+    return RowLayout(seg, pos, start)
 
 
 def _batch_arrays(batch: dict):
@@ -386,32 +483,53 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     """(loss, metrics) of ``trainable = {'draft', 'confu'}`` on a batch (see module doc).
 
     ``batch``: 'tokens' int [B,N], 'loss_mask' bool [B,N] (the token at that position is an answer
-    token to predict), optional 'attention_mask' bool [B,N] (right padding). ``draft_vocab``:
+    token to predict), optional 'attention_mask' bool [B,N] (right padding); packed rows add
+    'segment_ids' int [B,N] (1, 2, ... per conversation, 0 = padding) and optionally 'positions'
+    (default: index − segment start), see :class:`RowLayout`. Offline target features
+    (``launch.target_features``, EAGLE-3 only) add the :data:`OFFLINE_KEYS` ('h_cat' [B,N,3d] and
+    the stored teacher), and the target pass is skipped. ``draft_vocab``:
     ``{'d2t', 't2d'}``. ``rng`` draws the anchors and lags (unused by EAGLE-3). Gradients reach
     only ``trainable``: the target and its embedding enter under ``stop_gradient``.
     """
     tokens_bn, loss_mask_bn = _batch_arrays(batch)
+    rows = row_layout(batch)
     b, n = tokens_bn.shape
     target_params = jax.lax.stop_gradient(target_params)
 
-    out = real_forward(spec, target_params, tokens_bn, return_logits=False)
-    h_cat_bnc = _rows(jax.lax.stop_gradient(out.taps_btc))
-    teacher = teacher_from_hidden(spec, target_params, draft_vocab, _rows(out.hidden_btd), cfg.vocab_chunk)
+    if "h_cat" in batch:  # offline target features: no target forward (EAGLE-3 only)
+        if spec.head.has_future:
+            raise ValueError(f"confu_loss: the batch carries offline target features ('h_cat'), which only "
+                             f"EAGLE-3 can use; {spec.head.variant} needs the target's per-layer K/V for its "
+                             "contemplates and recomputes them (docs/DESIGN.md §4 'Offline target features')")
+        missing = [k for k in OFFLINE_KEYS if k not in batch]
+        if missing:
+            raise ValueError(f"confu_loss: offline batch lacks {missing} (has {sorted(batch)})")
+        h_cat_bnc = _rows(batch["h_cat"].astype(jnp.dtype(spec.target.dtype)))
+        teacher = teacher_from_offline(batch, draft_vocab, spec.head.draft_vocab_size)
+    else:
+        out = real_forward(spec, target_params, tokens_bn, rows.positions_bn, return_logits=False,
+                           segment_ids_bt=rows.segment_ids_bn)
+        h_cat_bnc = _rows(jax.lax.stop_gradient(out.taps_btc))
+        teacher = teacher_from_hidden(spec, target_params, draft_vocab, _rows(out.hidden_btd), cfg.vocab_chunk)
 
     future, plan = None, None
     if spec.head.has_future:
-        plan = plan_anchors(rng, loss_mask_bn, cfg)
-        rows = jnp.arange(b)[:, None]
+        plan = plan_anchors(rng, loss_mask_bn, cfg, rows if rows.segment_ids_bn is not None else None)
+        b_idx = jnp.arange(b)[:, None]
+        packed = {} if rows.segment_ids_bn is None else dict(
+            anchor_positions_bk=rows.positions_bn[b_idx, plan.anchor_bk],
+            segment_start_bk=rows.segment_start_bn[b_idx, plan.anchor_bk])
         f_bkd = contemplate_queries(spec, target_params, trainable["confu"], to_cache_layout(out.k_new_lbthd),
                                     to_cache_layout(out.v_new_lbthd),
-                                    plan.anchor_bk, h_cat_bnc[rows, plan.con_src_bk])
+                                    plan.anchor_bk, h_cat_bnc[b_idx, plan.con_src_bk], **packed)
         future = TTTFuture(_rows(f_bkd), plan.anchor_bk, plan.index_bn)
     ttt = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc,
-                    cfg.ttt_steps, future=future, return_logits=False)
-    masks = ttt_masks(loss_mask_bn, teacher.in_draft_bn, cfg.ttt_steps)
+                    cfg.ttt_steps, positions_bn=rows.positions_bn, future=future, return_logits=False,
+                    segment_ids_bn=rows.segment_ids_bn)
+    masks = ttt_masks(loss_mask_bn, teacher.in_draft_bn, cfg.ttt_steps, rows.segment_ids_bn)
     # verification starting points for the simulated τ: the bonus x[j+1] and the first drafted
     # token x[j+2] are answer tokens (the anchor candidates), for every variant alike
-    sel_bm, ok_bm, base_bn = _trained_positions(plan, anchor_candidates(loss_mask_bn), n, cfg)
+    sel_bm, ok_bm, base_bn = _trained_positions(plan, anchor_candidates(loss_mask_bn, rows.segment_ids_bn), n, cfg)
     loss, metrics, correct, answer, in_draft = _ttt_losses(spec, trainable["draft"], ttt, teacher, masks,
                                                            sel_bm, ok_bm, n, cfg)
     metrics["acceptance_length"] = simulated_acceptance_length(

@@ -60,11 +60,12 @@ def real_data(config, spec: ModelSpec):
     eval_convs = conversations[len(conversations) - n_eval:]
     vocab = draft_vocab_for_training(data, tokenizer, spec.target.vocab_size, conversations=train_convs)
 
-    def train_iterator(pidx, pcount):
+    def train_iterator(pidx, pcount):  # packed rows (data.pack) also carry segment_ids and positions
+        keys = pipeline.PACKED_KEYS if data.get("pack", False) else BATCH_KEYS
         return KeepKeys(pipeline.make_train_iterator(config, tokenizer, pidx, pcount, seed=int(config.train.seed),
-                                                      conversations=train_convs))
+                                                      conversations=train_convs), keys)
 
-    def eval_batches(pidx, pcount):
+    def eval_batches(pidx, pcount):  # always padded: the loss is the same packed or padded
         rows = [r for r in (pipeline.encode_example(c["messages"], tokenizer, int(data.max_length),
                                                     int(data.min_loss_tokens)) for c in eval_convs) if r is not None]
         g = int(data.global_batch_size)
