@@ -88,6 +88,47 @@ def bytes_moved(b: int, t2: int, hq: int, hkv: int, d: int, s_valid: int, p: int
     return cache + tree + q_out + prompts + mask
 
 
+def kernel_bytes(b: int, t2: int, hq: int, hkv: int, d: int, s_valid: int, p: int, itemsize: int,
+                 **tiling) -> dict:
+    """What the Pallas kernel really reads and writes in one pass, from its tiling
+    (``tree_attention.kernel_plan``, the same resolution the wrapper launches), per category:
+
+    * ``cache_hbm``: the valid K/V slots, once per (batch row, KV head) — each split's program loads
+      its tiles once for all the rows of a row group; ``cache_l2``: the reloads of the same slots by
+      the program's further row groups (issued right after the first group finished with them, a
+      range of ``split_len`` slots: L2-resident unless evicted), counted apart;
+    * ``q``: every program of a (batch row, KV head) reads the padded query rows (``m_pad``);
+    * ``tree`` / ``prompts``: the block's and the soft prompts' K/V, read by the one extra program
+      once per row group; ``masks``: lengths (cache programs), prefix visibility and the int8 block
+      mask (extra program), per padded row;
+    * ``partials``: every program writes a normalised [m_pad, d] partial (input dtype) and an f32
+      log-sum-exp; the epilogue reads them all back and writes the output (``epilogue``);
+    * ``glue``: XLA work around the kernel: q transposed and padded to [B, Hkv, m_pad, d], the mask
+      and per-row arrays repeated to m_pad rows, the tree K/V padded.
+    Returns the categories, ``total_hbm`` (everything except ``cache_l2``) and the plan."""
+    from confu_jax.kernels.tree_attention import kernel_plan
+
+    pl_ = kernel_plan(b, t2, hq, hkv, d, s_valid, has_prefix=p > 0, p_len=p, **tiling)
+    heads = b * hkv
+    n_j = pl_.k_splits + 1
+    kv_slot = 2 * d * itemsize
+    out = dict(
+        cache_hbm=heads * s_valid * kv_slot,
+        cache_l2=heads * s_valid * kv_slot * (pl_.n_groups - 1),
+        q=heads * n_j * pl_.m_pad * d * itemsize,
+        tree=heads * pl_.n_groups * pl_.t_pad * kv_slot,
+        prompts=heads * pl_.n_groups * pl_.p_pad * kv_slot,
+        masks=heads * (pl_.k_splits * pl_.m_pad * 4 + pl_.m_pad * (4 + pl_.t_pad)),
+        partials=heads * n_j * pl_.m_pad * (d * itemsize + 4),
+        epilogue=heads * n_j * pl_.m_pad * (d * itemsize + 4) + b * t2 * hq * d * itemsize,
+        glue=2 * b * t2 * hq * d * itemsize + heads * pl_.m_pad * d * itemsize
+        + b * pl_.m_pad * (pl_.t_pad + 8) + 2 * 2 * b * pl_.t_pad * hkv * d * itemsize,
+    )
+    out["total_hbm"] = sum(v for k, v in out.items() if k != "cache_l2")
+    out["plan"] = pl_
+    return out
+
+
 def flops(b: int, t2: int, hq: int, d: int, s_valid: int, p: int) -> int:
     """QK^T and PV over every visible-or-not key of the three blocks (what the kernel computes)."""
     return 4 * b * hq * t2 * (s_valid + p + t2) * d
@@ -224,8 +265,53 @@ def run(model: str, seq_lens, tree_sizes, batch: int, soft_prompts: int, dtype_n
                 pct = f"{row['pct_peak']:6.1f}" if row["pct_peak"] is not None else f"{'n/a':>6}"
                 print(f"{row['S']:>6} {row['T']:>3} {row['impl']:>7} {row['us']:9.1f} {row['gbps']:8.1f} "
                       f"{pct} {row['tflops']:8.1f} {vs:6.2f}x {row['max_abs_err']:9.2e}")
-            print(f"       (S={s_len}, T={t_nodes}: {nbytes / 1e6:.1f} MB moved, "
+            kb = kernel_bytes(batch, t2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, s_len, soft_prompts,
+                              dtype.itemsize, **{k: v for k, v in tiling.items()
+                                                 if k in ("block_m", "block_k", "k_splits") and v})
+            kp = kb["plan"]
+            for row in rows[-len(impl_names):]:
+                if row["impl"] == "pallas":
+                    row.update(kernel_mb=kb["total_hbm"] / 1e6, kernel_l2_mb=kb["cache_l2"] / 1e6,
+                               kernel_bytes_ratio=kb["total_hbm"] / nbytes)
+            print(f"       (S={s_len}, T={t_nodes}: {nbytes / 1e6:.1f} MB moved at least, "
                   f"{nflops / nbytes:.0f} flop/B, {g * t2} query rows per KV head)")
+            print(f"       kernel: {kb['total_hbm'] / 1e6:.1f} MB from HBM = {kb['total_hbm'] / nbytes:.2f}x the minimum "
+                  f"(cache {kb['cache_hbm'] / 1e6:.1f}, q {kb['q'] / 1e6:.2f}, partials+epilogue "
+                  f"{(kb['partials'] + kb['epilogue']) / 1e6:.2f}, glue {kb['glue'] / 1e6:.2f}) + "
+                  f"{kb['cache_l2'] / 1e6:.1f} MB of L2 reloads; {kp.k_splits} splits of {kp.split_len} slots, "
+                  f"{kp.n_groups} row group(s) of {kp.group_rows} rows")
+    return rows
+
+
+def bytes_table(model: str, seq_lens, tree_sizes, batch: int, soft_prompts: int, dtype_name: str,
+                tiling: dict) -> list:
+    """The bytes model for every (S, T) of the grid (no device needed): the kernel's HBM bytes
+    against the minimum, and its L2 reloads."""
+    import jax.numpy as jnp
+
+    from confu_jax.models.presets import get_preset
+
+    cfg = get_preset(model)
+    item = jnp.dtype(dtype_name or cfg.dtype).itemsize
+    g = cfg.n_heads // cfg.n_kv_heads
+    rows = []
+    print(f"bytes model ({model}, batch {batch}, s={soft_prompts}, {item}-byte elements): what the kernel reads "
+          f"and writes vs the minimum")
+    print(f"{'S':>6} {'T':>3} {'2T':>4} {'rows/KVh':>8} {'groups':>6} {'splits':>6} {'min MB':>8} {'kernel MB':>9} "
+          f"{'ratio':>6} {'L2 MB':>7}")
+    for s_len in seq_lens:
+        for t_nodes in tree_sizes:
+            for t2 in (t_nodes, 2 * t_nodes):  # EAGLE-3 verifies T queries, ConFu 2T
+                need = bytes_moved(batch, t2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, s_len, soft_prompts, item)
+                kb = kernel_bytes(batch, t2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, s_len, soft_prompts, item,
+                                  **{k: v for k, v in tiling.items() if k in ("block_m", "block_k", "k_splits") and v})
+                kp = kb["plan"]
+                rows.append(dict(S=s_len, T=t_nodes, queries=t2, rows_per_kv_head=g * t2, row_groups=kp.n_groups,
+                                 k_splits=kp.k_splits, min_mb=need / 1e6, kernel_mb=kb["total_hbm"] / 1e6,
+                                 ratio=kb["total_hbm"] / need, l2_mb=kb["cache_l2"] / 1e6))
+                r = rows[-1]
+                print(f"{s_len:>6} {t_nodes:>3} {t2:>4} {g * t2:>8} {kp.n_groups:>6} {kp.k_splits:>6} "
+                      f"{r['min_mb']:8.2f} {r['kernel_mb']:9.2f} {r['ratio']:6.2f} {r['l2_mb']:7.2f}")
     return rows
 
 
@@ -234,6 +320,10 @@ def main(argv):
     import jax
 
     backend = jax.default_backend()
+    tiling = dict(block_m=FLAGS.block_m, block_k=FLAGS.block_k, k_splits=FLAGS.k_splits,
+                  num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
+    bytes_table(FLAGS.model, [int(s) for s in FLAGS.seq_lens], [int(t) for t in FLAGS.tree_sizes], FLAGS.batch,
+                FLAGS.soft_prompts, FLAGS.dtype, tiling)
     if backend != "gpu":
         print(f"kernel_bench: backend is {backend!r}, not a CUDA GPU. The Pallas kernel compiles "
               f"only for CUDA (Triton lowering), and interpret-mode timings on a CPU mean nothing; "
@@ -244,8 +334,6 @@ def main(argv):
             if not err < 1e-4:
                 raise SystemExit(f"smoke check failed: max error {err} >= 1e-4")
         return
-    tiling = dict(block_m=FLAGS.block_m, block_k=FLAGS.block_k, k_splits=FLAGS.k_splits,
-                  num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
     rows = run(FLAGS.model, [int(s) for s in FLAGS.seq_lens], [int(t) for t in FLAGS.tree_sizes],
                FLAGS.batch, FLAGS.soft_prompts, FLAGS.dtype, FLAGS.impls, FLAGS.warmup,
                FLAGS.iters, FLAGS.repeats, tiling, FLAGS.peak_gbps)

@@ -35,3 +35,24 @@ def test_harness_runs_on_cpu_with_interpreted_kernel(capsys):
         # Bandwidth is bytes / time with the documented bytes model.
         assert r["gbps"] * r["us"] * 1e3 == pytest.approx(kb.bytes_moved(2, 6, 4, 2, 16, 40, 2, 4))
     assert "max|err|" in capsys.readouterr().out
+
+
+def test_bytes_model_counts_the_cache_once_and_the_reloads_apart():
+    """At 8B heads (G = 4, d = 128): 240 rows per KV head are one row group (cache read once, no
+    reloads); 480 rows are two (one L2 reload of the same slots). Everything else the kernel moves
+    is on top of the minimum, never below it."""
+    from confu_jax.models.presets import get_preset
+
+    cfg = get_preset("llama-3.1-8b")
+    s, p = 4096, 16
+    for t2, groups in ((60, 1), (120, 2)):
+        need = kb.bytes_moved(1, t2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, s, p, 2)
+        got = kb.kernel_bytes(1, t2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, s, p, 2)
+        assert got["plan"].n_groups == groups
+        assert got["cache_hbm"] == 2 * s * cfg.n_kv_heads * cfg.head_dim * 2  # K and V, once
+        assert got["cache_l2"] == (groups - 1) * got["cache_hbm"]
+        n_j = got["plan"].k_splits + 1
+        assert got["partials"] == cfg.n_kv_heads * n_j * got["plan"].m_pad * (cfg.head_dim * 2 + 4)
+        assert need < got["total_hbm"] == sum(v for k, v in got.items() if k not in ("cache_l2", "total_hbm", "plan"))
+    rows = kb.bytes_table("llama-3.1-8b", [1024], [30], 1, p, "", {})
+    assert [(r["queries"], r["row_groups"]) for r in rows] == [(30, 1), (60, 1)]

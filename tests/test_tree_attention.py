@@ -56,6 +56,10 @@ CASES = [
          lens=((48, 3, 9, 27, 40, 0, 12, 12, 5, 39, 1, 48, 17, 30, 30, 30, 8, 8, 2, 44),
                (21,) * 20),
          tiling=(("block_k", 32), ("k_splits", 2), ("block_m", 16), ("block_kt", 16))),
+    # The same rows (60 per KV head) in two row groups of two 16-row sub-tiles: each K/V tile is
+    # loaded once per group and applied to both sub-tiles' states.
+    Case("two_row_groups", t=20, hq=6, hkv=2, d=32, s=48, p=4, tree=True, lens=(48, 17),
+         tiling=(("block_k", 16), ("k_splits", 2), ("block_m", 16), ("group_rows", 32), ("block_kt", 16))),
     Case("bf16", dtype="bfloat16", s=100, lens=(100, 61), tiling=(("block_k", 32), ("k_splits", 3))),
 ]
 
@@ -192,7 +196,7 @@ def _verification_avals(cfg, b: int, t_nodes: int, s: int, p: int):
     t = 2 * t_nodes
     hq, hkv, d, dt = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dtype
     return (_sds((b, t, hq, d), dt), _sds((b, t, hkv, d), dt), _sds((b, t, hkv, d), dt),
-            _sds((b, t, t), bool), _sds((b, s, hkv, d), dt), _sds((b, s, hkv, d), dt),
+            _sds((b, t, t), bool), _sds((b, hkv, s, d), dt), _sds((b, hkv, s, d), dt),
             _sds((b,), jnp.int32), _sds((p, hkv, d), dt), _sds((p, hkv, d), dt),
             _sds((b, t), bool))
 
@@ -427,3 +431,66 @@ def _config_attention_impl_selects_the_kernel_in_target_verification():
             for impl, s in specs.items()}
     for a, x in zip(outs["pallas_interpret"], outs["xla"]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(x), atol=2e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def _count_in_loops(jaxpr, prim: str, inside_while: bool = False) -> tuple[int, int]:
+    """(while loops, ``prim`` equations inside while loops) anywhere in a jaxpr tree."""
+    loops = hits = 0
+    for e in jaxpr.eqns:
+        if e.primitive.name == prim and inside_while:
+            hits += 1
+        is_while = e.primitive.name == "while"
+        loops += is_while
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", sub)
+                inner = getattr(inner, "jaxpr", inner) if not hasattr(inner, "eqns") else inner
+                if hasattr(inner, "eqns"):
+                    l, h = _count_in_loops(inner, prim, inside_while or is_while)
+                    loops, hits = loops + l, hits + h
+    return loops, hits
+
+
+@pytest.mark.parametrize("group_rows, n_groups", [(64, 1), (32, 2)])
+def test_each_cache_tile_is_loaded_once_per_row_group(group_rows, n_groups):
+    """The kernel's cache loop (one per row group) loads K and V once per tile, for all the
+    group's sub-tiles: 60 rows per KV head in 16-row sub-tiles, one group of 4 or two of 2."""
+    c = dataclasses.replace(CASES[5], tiling=(("block_k", 16), ("k_splits", 2), ("block_m", 16),
+                                              ("group_rows", group_rows), ("block_kt", 16)))
+    args = make_inputs(c)
+    jaxpr = jax.make_jaxpr(lambda *a: ta.masked_attention_pallas(*a, interpret=True, **dict(c.tiling)))(*args)
+    loops, loads = _count_in_loops(jaxpr.jaxpr, "masked_load")
+    assert (loops, loads) == (n_groups, 2 * n_groups)
+    plan = ta.kernel_plan(c.b, c.t, c.hq, c.hkv, c.d, c.s, has_prefix=True, p_len=c.p, **dict(c.tiling))
+    assert (plan.n_groups, plan.n_sub) == (n_groups, 4 // n_groups)
+
+
+def test_paper_budgets_read_the_cache_once_per_row_group():
+    """Llama-3.1-8B heads (G = 4, head_dim 128): ConFu at T = 30 (2T = 60 queries, 240 rows per KV
+    head) is one row group — each K/V tile read once per (row, KV head); T = 60 (480 rows) is two."""
+    cfg = get_preset("llama-3.1-8b")
+    g = cfg.n_heads // cfg.n_kv_heads
+    for t2, groups in ((30, 1), (60, 1), (120, 2)):
+        plan = ta.kernel_plan(1, t2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 4096, has_prefix=True, p_len=16)
+        assert plan.n_rows == g * t2 and plan.n_groups == groups
+        assert plan.m_pad * cfg.head_dim <= groups * ta.ACC_BUDGET
+
+
+def test_prefill_blocks_take_the_xla_path():
+    """Blocks longer than MAX_QUERIES never reach the kernel (its tree tiles are a static loop):
+    the dispatcher sends them to the blockwise path, and the kernel refuses them itself."""
+    from confu_jax.kernels.blockwise_attention import masked_attention_blockwise
+    from confu_jax.models.attention import masked_attention
+
+    t = ta.MAX_QUERIES + 8
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, t, 2, 16), np.float32))
+    k = jnp.asarray(rng.standard_normal((1, t, 1, 16), np.float32))
+    mask = jnp.tril(jnp.ones((t, t), bool))[None]
+    out = masked_attention(q, k, k, mask, impl="pallas_interpret")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(masked_attention_blockwise(q, k, k, mask)))
+    with pytest.raises(ValueError, match="at most 256 queries per row"):
+        ta.masked_attention_pallas(q, k, k, mask, interpret=True)

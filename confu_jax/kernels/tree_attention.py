@@ -4,23 +4,33 @@ One verification pass scores 2T queries per row (T tree nodes, one contemplate t
 against three key blocks: the committed cache (thousands of slots, a valid length per row), the
 soft prompts (a handful of keys, visible to contemplate rows only) and the 2T tree tokens
 themselves under the tree mask. The cache dominates the bytes, so the kernel is a flash-decoding
-(split-K) kernel over the cache whose query tile is *all* queries of a row that share one KV head:
-rows ``r = t * G + g`` (tree position t, head g of the GQA group), so a K/V tile is loaded once
-per row tile of ``block_m`` (<= 128) rows instead of once per head: once per GQA group while
-G·2T <= 128, ceil(G·2T / block_m) times beyond (4x at 2T = 122 with G = 4).
+(split-K) kernel over the cache in which one program owns *all* queries of a row that share one KV
+head — rows ``r = t * G + g`` (tree position t, head g of the GQA group), G·2T of them: 240 at
+T = 30 and 480 at T = 60 for Llama-3.1-8B (G = 4).
 
-Grid ``(n_m, J, B * Hkv)``: ``n_m`` row tiles of ``block_m`` rows; ``J = k_splits + 1`` column
-programs, the first ``k_splits`` each owning a contiguous range of cache slots and the last one
-owning the soft prompts and the tree block. Every program keeps an online-softmax state
-``(o, m, l)`` in float32 and writes its normalised output (input dtype) with its log-sum-exp; a
-small jnp epilogue merges the J partials by softmax mass (flash-decoding's final reduction). Skipping:
+Grid ``(J, B * Hkv)``: ``J = k_splits + 1`` column programs per (batch row, KV head), the first
+``k_splits`` each owning a contiguous range of cache slots and the last one owning the soft prompts
+and the tree block. Inside a program the rows form ``n_groups`` row groups of ``n_sub`` sub-tiles of
+``block_m`` (<= 128) rows; every K/V tile is **loaded once per row group** and applied to each
+sub-tile's online-softmax state ``(o, m, l)`` (float32). A group holds as many rows as
+:data:`ACC_BUDGET` (128 KiB of float32 accumulators, half an H100 SM's registers) allows: 256 rows
+at head_dim 128, so at T = 30 (240 rows) each K/V tile is read once per (row, KV head), and at
+T = 60 (480 rows) the program's second group reloads its key range right after the first finished
+with it — an L2 hit unless evicted; holding all 480 rows' accumulators (240 KiB) on one SM is not
+possible. ``launch.kernel_bench`` prints what this reads and writes (its bytes model counts the
+cache once, the L2 reloads apart, the queries read by each program, the partials and the epilogue).
+Every program writes its normalised output (input dtype) with its log-sum-exp; a small jnp epilogue
+merges the J partials by softmax mass (flash-decoding's final reduction). Skipping:
 
-* cache tiles at or past ``max(len)`` of the row tile are never loaded (the loop bound is
+* cache tiles at or past ``max(len)`` of the row group are never loaded (the loop bound is
   dynamic), so a split beyond every row's length costs one empty program and a cache of length 0
   costs nothing;
-* the soft-prompt block is skipped when no row of the tile is a contemplate row;
-* each tree key tile is skipped when the tree mask is all-false on it (padding rows, early nodes
-  against later keys).
+* the soft-prompt block is skipped for a sub-tile with no contemplate row;
+* a tree key tile is skipped for a sub-tile whose mask is all-false on it (padding rows, early
+  nodes against later keys).
+
+Verification only: blocks of at most :data:`MAX_QUERIES` queries per row (the tree tiles are a
+static loop). Prefill (longer blocks) takes the blockwise XLA path (``models.attention``).
 
 Lengths are per query row (``cache_len_bt`` [B, T] or [B]), which covers both verification (all
 queries of a row see the same length) and ConFu's training form (per-query lengths); there is no
@@ -51,6 +61,7 @@ Inference only: there is no VJP (training runs the XLA path).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional
@@ -68,6 +79,9 @@ __all__ = [
     "tree_attention_reference",
     "dense_masked_attention",
     "default_tiling",
+    "kernel_plan",
+    "KernelPlan",
+    "MAX_QUERIES",
     "resolve_attention_impl",
 ]
 
@@ -90,24 +104,36 @@ def _num_sms(default: int = 132) -> int:
         return default
 
 
+# Float32 accumulator elements one row group keeps on chip (128 KiB: half an H100 SM's register
+# file). 240 query rows x head_dim 128 fit (8B at T = 30, ConFu's 2T); 480 rows need two groups.
+ACC_BUDGET = 32768
+# Longest block (queries per row) the kernel takes: verification (2T <= 120 at the paper's
+# budgets). Longer blocks are prefill and go to the blockwise XLA path (models/attention.py).
+MAX_QUERIES = 256
+
+
 def default_tiling(n_rows: int, cache_len_max: int, head_dim: int, n_programs_per_split: int = 1,
                    n_sms: Optional[int] = None) -> dict:
     """Tile sizes for an H100 (reasoned, not yet tuned on hardware; the benchmark sweeps them).
 
-    ``block_m`` covers up to 128 query rows (a 128 x 128 float32 accumulator over 8 warps is 64
-    registers per thread). ``k_splits`` aims at ~2 waves of cache programs over the SMs
-    (``n_programs_per_split`` = row tiles x B x Hkv), but keeps >= 512 slots per split so the
-    partial each program writes stays small next to the cache it reads.
+    ``n_rows`` = G x T query rows per KV head. ``block_m`` (<= 128) is the row sub-tile of one dot;
+    ``group_rows`` (a multiple of it) the rows whose states share each loaded K/V tile, as many as
+    :data:`ACC_BUDGET` allows. ``k_splits`` aims at ~2 waves of programs over the SMs
+    (``n_programs_per_split`` = B x Hkv), capped so the partials the splits write (each
+    ``m_pad x head_dim``) stay at most ~1/4 of the K/V they read.
     """
     block_m = min(128, max(_MIN_TILE, _next_pow2(n_rows)))
+    m_pad = -(-n_rows // block_m) * block_m
+    group_rows = max(block_m, min(m_pad, (ACC_BUDGET // head_dim) // block_m * block_m))
     block_k = 64 if head_dim >= 128 else 128
     if cache_len_max > 0:
         want = -(-2 * (n_sms or _num_sms()) // max(1, n_programs_per_split))
-        k_splits = max(1, min(want, cache_len_max // 512, 32))
+        cap = cache_len_max // (2 * max(m_pad, 256))
+        k_splits = max(1, min(want, cap, 32))
     else:
         k_splits = 0
-    return dict(block_m=block_m, block_k=block_k, k_splits=k_splits,
-                num_warps=8 if block_m * head_dim >= 128 * 128 else 4, num_stages=2)
+    return dict(block_m=block_m, group_rows=group_rows, block_k=block_k, k_splits=k_splits,
+                num_warps=8 if group_rows * head_dim >= 128 * 128 else 4, num_stages=2)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -133,7 +159,14 @@ def _scores(q_md, k_kd, scale):
 
 def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: int,
                            split_len: int, block_k: int, block_kt: int, n_tree_tiles: int,
-                           prefix_len: int, prefix_pad: int, scale: float):
+                           prefix_len: int, prefix_pad: int, scale: float, block_m: int,
+                           n_sub: int, n_groups: int):
+    """One program = one (column block j, batch row, KV head), *all* its query rows.
+
+    The rows are ``n_groups`` groups of ``n_sub`` sub-tiles of ``block_m`` rows. Within a group
+    every K/V tile is loaded once and applied to each sub-tile's online-softmax state (the states
+    of a group are what stays on chip: ``n_sub * block_m * head_dim`` float32). A second group
+    reloads the program's key range right after the first finished with it (L2-resident)."""
     refs = list(refs)
     q_ref, kb_ref, vb_ref, mask_ref = refs[:4]
     rest = refs[4:]
@@ -143,61 +176,136 @@ def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: i
         pvis_ref, kp_ref, vp_ref, *rest = rest
     o_ref, lse_ref = rest
 
-    j = pl.program_id(1)
-    q_md = q_ref[...]
-    block_m, head_dim = q_md.shape
-    init = (jnp.zeros((block_m, head_dim), jnp.float32),
-            jnp.full((block_m,), NEG_INF, jnp.float32),
-            jnp.zeros((block_m,), jnp.float32))
+    j = pl.program_id(0)
+    head_dim = q_ref.shape[-1]
 
-    def cache_part():
-        lens_m = lens_ref[...]
-        start = j * split_len
-        hi = jnp.minimum(start + split_len, jnp.max(lens_m))
-        n_tiles = jnp.maximum(hi - start + block_k - 1, 0) // block_k
+    def fresh():
+        return (jnp.zeros((block_m, head_dim), jnp.float32),
+                jnp.full((block_m,), NEG_INF, jnp.float32),
+                jnp.zeros((block_m,), jnp.float32))
 
-        def body(it, carry):
-            k0 = start + it * block_k
-            cols_k = k0 + jnp.arange(block_k, dtype=jnp.int32)
-            load_kd = jnp.broadcast_to((cols_k < hi)[:, None], (block_k, head_dim))
-            k_kd = pltriton.load(kc_ref.at[pl.ds(k0, block_k), :], mask=load_kd, other=0.0)
-            v_kd = pltriton.load(vc_ref.at[pl.ds(k0, block_k), :], mask=load_kd, other=0.0)
-            visible = cols_k[None, :] < lens_m[:, None]
-            return _online_update(carry, _scores(q_md, k_kd, scale), visible, v_kd)
+    for grp in range(n_groups):  # static
+        rows = [pl.ds((grp * n_sub + i) * block_m, block_m) for i in range(n_sub)]
+        q_s = [q_ref[r, :] for r in rows]
+        init = tuple(fresh() for _ in rows)
 
-        return lax.fori_loop(0, n_tiles, body, init)
+        def cache_part(rows=rows, q_s=q_s, init=init):
+            lens_s = [lens_ref[r] for r in rows]
+            max_len = functools.reduce(jnp.maximum, [jnp.max(x) for x in lens_s])
+            start = j * split_len
+            hi = jnp.minimum(start + split_len, max_len)
+            n_tiles = jnp.maximum(hi - start + block_k - 1, 0) // block_k
 
-    def extra_part():
-        carry = init
-        if has_prefix:
-            pvis_m = pvis_ref[...]
-            cols_p = jnp.arange(prefix_pad, dtype=jnp.int32)
-            visible = (pvis_m[:, None] > 0) & (cols_p[None, :] < prefix_len)
+            def body(it, carry):
+                k0 = start + it * block_k
+                cols_k = k0 + jnp.arange(block_k, dtype=jnp.int32)
+                load_kd = jnp.broadcast_to((cols_k < hi)[:, None], (block_k, head_dim))
+                # the tile is loaded once and serves every sub-tile of the group
+                k_kd = pltriton.load(kc_ref.at[pl.ds(k0, block_k), :], mask=load_kd, other=0.0)
+                v_kd = pltriton.load(vc_ref.at[pl.ds(k0, block_k), :], mask=load_kd, other=0.0)
+                return tuple(_online_update(c, _scores(q, k_kd, scale), cols_k[None, :] < ln[:, None], v_kd)
+                             for c, q, ln in zip(carry, q_s, lens_s))
 
-            def with_prefix(c):
-                return _online_update(c, _scores(q_md, kp_ref[...], scale), visible, vp_ref[...])
+            return lax.fori_loop(0, n_tiles, body, init)
 
-            carry = lax.cond(jnp.max(pvis_m) > 0, with_prefix, lambda c: c, carry)
-        for kt in range(n_tree_tiles):  # static: 2T is small
-            tile = pl.ds(kt * block_kt, block_kt)
-            mask_mk = mask_ref[:, tile].astype(jnp.int32)
+        def extra_part(rows=rows, q_s=q_s, init=init):
+            carry = list(init)
+            if has_prefix:
+                kp, vp = kp_ref[...], vp_ref[...]
+                cols_p = jnp.arange(prefix_pad, dtype=jnp.int32)
+                for i, r in enumerate(rows):
+                    pvis_m = pvis_ref[r]
+                    visible = (pvis_m[:, None] > 0) & (cols_p[None, :] < prefix_len)
 
-            def with_tile(c, tile=tile, mask_mk=mask_mk):
-                s = _scores(q_md, kb_ref[tile, :], scale)
-                return _online_update(c, s, mask_mk > 0, vb_ref[tile, :])
+                    def with_prefix(c, q=q_s[i], visible=visible):
+                        return _online_update(c, _scores(q, kp, scale), visible, vp)
 
-            carry = lax.cond(jnp.max(mask_mk) > 0, with_tile, lambda c: c, carry)
-        return carry
+                    carry[i] = lax.cond(jnp.max(pvis_m) > 0, with_prefix, lambda c: c, carry[i])
+            for kt in range(n_tree_tiles):  # static: the kernel takes at most MAX_QUERIES tokens
+                tile = pl.ds(kt * block_kt, block_kt)
+                kb, vb = kb_ref[tile, :], vb_ref[tile, :]
+                for i, r in enumerate(rows):
+                    mask_mk = mask_ref[r, tile].astype(jnp.int32)
 
-    if has_cache:
-        o_md, m_m, l_m = lax.cond(j < k_splits, cache_part, extra_part)
-    else:
-        o_md, m_m, l_m = extra_part()
-    # Normalised partial in the input dtype (half the bytes of a float32 partial for bf16) and
-    # its log-sum-exp; a program that saw no key writes zeros and NEG_INF.
-    l_safe = jnp.where(l_m > 0, l_m, 1.0)
-    o_ref[...] = (o_md / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(l_m > 0, m_m + jnp.log(l_safe), NEG_INF)
+                    def with_tile(c, q=q_s[i], mask_mk=mask_mk, kb=kb, vb=vb):
+                        return _online_update(c, _scores(q, kb, scale), mask_mk > 0, vb)
+
+                    carry[i] = lax.cond(jnp.max(mask_mk) > 0, with_tile, lambda c: c, carry[i])
+            return tuple(carry)
+
+        if has_cache:
+            states = lax.cond(j < k_splits, cache_part, extra_part)
+        else:
+            states = extra_part()
+        # Normalised partial in the input dtype (half the bytes of a float32 partial for bf16) and
+        # its log-sum-exp; rows that saw no key write zeros and NEG_INF.
+        for r, (o_md, m_m, l_m) in zip(rows, states):
+            l_safe = jnp.where(l_m > 0, l_m, 1.0)
+            o_ref[r, :] = (o_md / l_safe[:, None]).astype(o_ref.dtype)
+            lse_ref[r] = jnp.where(l_m > 0, m_m + jnp.log(l_safe), NEG_INF)
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """How one call is tiled (``kernel_plan``): what the wrapper launches and what
+    ``launch.kernel_bench``'s bytes model counts."""
+
+    n_rows: int  # G x T query rows per (batch row, KV head)
+    block_m: int  # rows per dot (sub-tile)
+    group_rows: int  # rows sharing each loaded K/V tile (n_sub sub-tiles)
+    m_pad: int  # n_groups x group_rows >= n_rows
+    n_groups: int
+    n_sub: int
+    block_k: int  # cache slots per loaded tile
+    k_splits: int  # cache programs per (batch row, KV head); one more program takes prompts + tree
+    split_len: int  # cache slots per split (a multiple of block_k)
+    t_pad: int  # the block's keys, padded to a power of two
+    block_kt: int  # tree keys per loaded tile
+    p_len: int
+    p_pad: int
+
+    @property
+    def n_programs_per_head(self) -> int:
+        return self.k_splits + 1
+
+
+def kernel_plan(b: int, t: int, hq: int, hkv: int, d: int, s_len: int, *, has_prefix: bool = False,
+                p_len: int = 0, block_m: Optional[int] = None, group_rows: Optional[int] = None,
+                block_k: Optional[int] = None, k_splits: Optional[int] = None,
+                block_kt: Optional[int] = None) -> KernelPlan:
+    """Resolve the tiling of one call (arguments left None take :func:`default_tiling`'s)."""
+    if t > MAX_QUERIES:
+        raise ValueError(f"the Pallas kernel verifies blocks of at most {MAX_QUERIES} queries per row, got {t}: "
+                         "longer blocks are prefill, which models.attention.masked_attention sends to the "
+                         "blockwise XLA path")
+    g = hq // hkv
+    n_rows = t * g
+    tiling = default_tiling(n_rows, s_len, d, b * hkv)
+    block_m = block_m or tiling["block_m"]
+    group_rows = group_rows or max(block_m, tiling["group_rows"] // block_m * block_m)
+    block_k = block_k or tiling["block_k"]
+    k_splits = (k_splits or tiling["k_splits"]) if s_len > 0 else 0
+    for name, v in (("block_m", block_m), ("block_k", block_k), ("block_kt", block_kt or 64)):
+        if v < _MIN_TILE or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= {_MIN_TILE}, got {v}")
+    if group_rows % block_m:
+        raise ValueError(f"group_rows must be a multiple of block_m={block_m}, got {group_rows}")
+    group_rows = min(group_rows, -(-n_rows // block_m) * block_m)
+    m_pad = -(-n_rows // group_rows) * group_rows
+    t_pad = max(_MIN_TILE, _next_pow2(t))
+    split_len = 0
+    if s_len > 0:
+        split_len = -(-s_len // k_splits)
+        split_len = -(-split_len // block_k) * block_k
+        k_splits = -(-s_len // split_len)
+    return KernelPlan(n_rows=n_rows, block_m=block_m, group_rows=group_rows, m_pad=m_pad,
+                      n_groups=m_pad // group_rows, n_sub=group_rows // block_m, block_k=block_k,
+                      k_splits=k_splits, split_len=split_len, t_pad=t_pad, block_kt=min(t_pad, block_kt or 64),
+                      p_len=p_len if has_prefix else 0,
+                      p_pad=max(_MIN_TILE, _next_pow2(p_len)) if has_prefix and p_len else 0)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -225,6 +333,7 @@ def masked_attention_pallas(
     *,
     interpret: bool = False,
     block_m: Optional[int] = None,
+    group_rows: Optional[int] = None,
     block_k: Optional[int] = None,
     k_splits: Optional[int] = None,
     block_kt: Optional[int] = None,
@@ -246,18 +355,12 @@ def masked_attention_pallas(
     has_prefix = k_prefix_phd is not None and k_prefix_phd.shape[0] > 0
     s_len = k_cache_bhsd.shape[2] if has_cache else 0
 
-    n_rows = t * g
-    block_m = block_m or default_tiling(n_rows, 0, d)["block_m"]
-    tiling = default_tiling(n_rows, s_len, d, -(-n_rows // block_m) * b * hkv)
-    block_k = block_k or tiling["block_k"]
-    k_splits = (k_splits or tiling["k_splits"]) if has_cache else 0
-    for name, v in (("block_m", block_m), ("block_k", block_k), ("block_kt", block_kt or 64)):
-        if v < _MIN_TILE or v & (v - 1):
-            raise ValueError(f"{name} must be a power of two >= {_MIN_TILE}, got {v}")
-    m_pad = -(-n_rows // block_m) * block_m
-    n_m = m_pad // block_m
-    t_pad = max(_MIN_TILE, _next_pow2(t))
-    block_kt = min(t_pad, block_kt or 64)
+    pl_ = kernel_plan(b, t, hq, hkv, d, s_len, has_prefix=has_prefix,
+                      p_len=k_prefix_phd.shape[0] if has_prefix else 0, block_m=block_m,
+                      group_rows=group_rows, block_k=block_k, k_splits=k_splits, block_kt=block_kt)
+    n_rows, m_pad, t_pad = pl_.n_rows, pl_.m_pad, pl_.t_pad
+    block_k, k_splits, split_len, block_kt = pl_.block_k, pl_.k_splits, pl_.split_len, pl_.block_kt
+    tiling = default_tiling(n_rows, s_len, d, b * hkv)
 
     # Query rows r = t*G + g for each KV head: [B, Hkv, M_pad, D]. q is tiny next to the cache.
     q_bkmd = q_bthd.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d)
@@ -268,27 +371,24 @@ def masked_attention_pallas(
     kb = jnp.pad(k_blk_bthd.astype(dtype), tree_pad)
     vb = jnp.pad(v_blk_bthd.astype(dtype), tree_pad)
 
-    bh_split = lambda bh: (bh // hkv, bh % hkv)  # noqa: E731
-    def q_map(i, j, bh):
-        bb, h = bh_split(bh)
-        return (bb, h, i, 0)
-    def tree_kv_map(i, j, bh):
-        bb, h = bh_split(bh)
-        return (bb, 0, h, 0)
-    def cache_map(i, j, bh):  # the cache is head-major [B, Hkv, S, D]
-        bb, h = bh_split(bh)
-        return (bb, h, 0, 0)
-    def row_map(i, j, bh):
-        return (bh // hkv, i)
+    # Grid (J, B * Hkv): program (j, bh) owns column block j (a cache split, or the soft prompts +
+    # tree block for j = k_splits) for every query row of batch row b = bh // Hkv, KV head bh % Hkv.
+    def q_map(j, bh):
+        return (bh // hkv, bh % hkv, 0, 0)
+    def tree_kv_map(j, bh):
+        return (bh // hkv, 0, bh % hkv, 0)
+    def cache_map(j, bh):  # the cache is head-major [B, Hkv, S, D]
+        return (bh // hkv, bh % hkv, 0, 0)
+    def row_map(j, bh):
+        return (bh // hkv, 0)
 
     args = [q_bkmd, kb, vb, mask_bmt]
     in_specs = [
-        pl.BlockSpec((None, None, block_m, d), q_map),
+        pl.BlockSpec((None, None, m_pad, d), q_map),
         pl.BlockSpec((None, t_pad, None, d), tree_kv_map),
         pl.BlockSpec((None, t_pad, None, d), tree_kv_map),
-        pl.BlockSpec((None, block_m, t_pad), lambda i, j, bh: (bh // hkv, i, 0)),
+        pl.BlockSpec((None, m_pad, t_pad), lambda j, bh: (bh // hkv, 0, 0)),
     ]
-    split_len = 0
     if has_cache:
         if cache_len_bt is None:
             raise ValueError("cache_len_bt is required when a cache is given")
@@ -298,18 +398,14 @@ def masked_attention_pallas(
         if lens.shape != (b, t):
             raise ValueError(f"cache_len_bt must be [B] or [B,T]={(b, t)}, got {lens.shape}")
         lens = jnp.clip(lens, 0, s_len)
-        split_len = -(-s_len // k_splits)
-        split_len = -(-split_len // block_k) * block_k
-        k_splits = -(-s_len // split_len)
         # The cache is passed whole and unpadded (no copy): tail tiles are masked loads.
         args += [_rows(lens, g, m_pad), k_cache_bhsd.astype(dtype), v_cache_bhsd.astype(dtype)]
         in_specs += [
-            pl.BlockSpec((None, block_m), row_map),
+            pl.BlockSpec((None, m_pad), row_map),
             pl.BlockSpec((None, None, s_len, d), cache_map),
             pl.BlockSpec((None, None, s_len, d), cache_map),
         ]
-    p_len = k_prefix_phd.shape[0] if has_prefix else 0
-    p_pad = max(_MIN_TILE, _next_pow2(p_len)) if has_prefix else 0
+    p_len, p_pad = pl_.p_len, pl_.p_pad
     if has_prefix:
         if prefix_visible_bt is None:
             raise ValueError("prefix_visible_bt is required when prefix K/V are given")
@@ -317,25 +413,26 @@ def masked_attention_pallas(
         args += [_rows(prefix_visible_bt.astype(jnp.int32), g, m_pad),
                  jnp.pad(k_prefix_phd.astype(dtype), ppad), jnp.pad(v_prefix_phd.astype(dtype), ppad)]
         in_specs += [
-            pl.BlockSpec((None, block_m), row_map),
-            pl.BlockSpec((p_pad, None, d), lambda i, j, bh: (0, bh % hkv, 0)),
-            pl.BlockSpec((p_pad, None, d), lambda i, j, bh: (0, bh % hkv, 0)),
+            pl.BlockSpec((None, m_pad), row_map),
+            pl.BlockSpec((p_pad, None, d), lambda j, bh: (0, bh % hkv, 0)),
+            pl.BlockSpec((p_pad, None, d), lambda j, bh: (0, bh % hkv, 0)),
         ]
 
     n_j = k_splits + 1
     kernel = functools.partial(
         _tree_attention_kernel, has_cache=has_cache, has_prefix=has_prefix, k_splits=k_splits,
         split_len=split_len, block_k=block_k, block_kt=block_kt, n_tree_tiles=t_pad // block_kt,
-        prefix_len=p_len, prefix_pad=p_pad, scale=1.0 / math.sqrt(d))
-    part_map = lambda i, j, bh: (bh // hkv, bh % hkv, j, i, 0)  # noqa: E731
-    stat_map = lambda i, j, bh: (bh // hkv, bh % hkv, j, i)  # noqa: E731
+        prefix_len=p_len, prefix_pad=p_pad, scale=1.0 / math.sqrt(d), block_m=pl_.block_m, n_sub=pl_.n_sub,
+        n_groups=pl_.n_groups)
+    part_map = lambda j, bh: (bh // hkv, bh % hkv, j, 0, 0)  # noqa: E731
+    stat_map = lambda j, bh: (bh // hkv, bh % hkv, j, 0)  # noqa: E731
     o_part, lse_part = pl.pallas_call(
         kernel,
-        grid=(n_m, n_j, b * hkv),
+        grid=(n_j, b * hkv),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, None, None, block_m, d), part_map),
-            pl.BlockSpec((None, None, None, block_m), stat_map),
+            pl.BlockSpec((None, None, None, m_pad, d), part_map),
+            pl.BlockSpec((None, None, None, m_pad), stat_map),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, hkv, n_j, m_pad, d), dtype),

@@ -4,7 +4,8 @@ The attention every target forward computes (cache | soft-prompt prefix | block,
 ``confu_jax.kernels.attention_reference``) has two implementations: the blockwise jnp version
 (``kernels.blockwise_attention``: no concatenated scores or V, native-dtype operands, chunked
 prefill), which XLA compiles on every backend and which training differentiates, and the Pallas
-tree-attention kernel for CUDA GPUs (inference only). ``LlamaConfig.attention_impl`` names one; it is validated
+tree-attention kernel for CUDA GPUs (inference only; it verifies blocks of up to
+``tree_attention.MAX_QUERIES`` queries per row, and longer blocks — prefill — take the blockwise path). ``LlamaConfig.attention_impl`` names one; it is validated
 against the backend once, when a config becomes a ``ModelSpec`` (``resolve_attention_impl``), and
 refused in training (docs/DESIGN.md §6).
 """
@@ -28,6 +29,8 @@ def masked_attention(*args, impl: str = "xla", **kwargs) -> jax.Array:
             raise ValueError(f"attention_impl={impl!r}: the Pallas kernel has no cache_start_bt (a lower bound "
                              "on visible cache slots, used by packed training rows); train with 'xla'")
 
+        if args[0].shape[1] > tree_attention.MAX_QUERIES:  # prefill: the chunked XLA path
+            return masked_attention_blockwise(*args, **kwargs)
         return tree_attention.masked_attention_pallas(
             *args, interpret=(impl == "pallas_interpret"), **kwargs
         )
