@@ -216,6 +216,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    from confu_jax.runs.quiet_logs import quiet_orbax_logs
+
+    quiet_orbax_logs()  # no save-phase chatter or read-only warnings from orbax
     _limit_cores(FLAGS.threads)
     if FLAGS.methods:
         return main_speculative()

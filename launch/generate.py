@@ -166,6 +166,9 @@ def main(argv):
 
         fake_host_devices(FLAGS.mesh)  # before JAX starts its backends
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU backend" noise
+    from confu_jax.runs.quiet_logs import quiet_orbax_logs
+
+    quiet_orbax_logs()  # no save-phase chatter or read-only warnings from orbax
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}; pass the text with --prompt")
     from confu_jax.data.chat import ChatTokenizer

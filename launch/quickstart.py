@@ -161,6 +161,9 @@ def main(argv):
 
     enable_compilation_cache()  # a second run loads the compiled programs (CONFU_JAX_COMPILE_CACHE)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    from confu_jax.runs.quiet_logs import quiet_orbax_logs
+
+    quiet_orbax_logs()  # no save-phase chatter or read-only warnings from orbax
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint operation at INFO
     from tqdm import tqdm
 

@@ -61,8 +61,12 @@ def main(argv):
         raise app.UsageError("--workdir is required (checkpoints and metrics go there)")
 
     # orbax logs every save phase at INFO; keep its warnings, drop its chatter.
-    logging.get_absl_logger().addFilter(
-        lambda r: r.levelno >= logging.WARNING or "/orbax/" not in r.pathname)
+    from confu_jax.runs.quiet_logs import quiet_orbax_logs
+
+    quiet_orbax_logs()
+    import logging as pylog
+
+    pylog.getLogger("jax._src.xla_bridge").setLevel(pylog.WARNING)  # "no TPU backend" noise
 
     # Order matters: CPU device count and collectives must be set before JAX starts a backend,
     # and jax.distributed.initialize must run before the first device query.

@@ -24,6 +24,7 @@ never sees at inference.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -31,7 +32,7 @@ import os
 import re
 from typing import Iterator, Sequence
 
-from confu_jax import assets
+from confu_jax import assets, progress
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +86,15 @@ class LoadReport:
     bad_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     bad_examples: list = dataclasses.field(default_factory=list)
     truncated: list = dataclasses.field(default_factory=list)  # (path, line) of cut-off tails
+    sink: object = dataclasses.field(default=None, repr=False)  # open file receiving every bad record
 
     @property
     def n_bad(self) -> int:
         return sum(self.bad_counts.values())
 
     def add_bad(self, bad: BadRecord) -> None:
+        if self.sink is not None:
+            self.sink.write(f"{bad}\n")
         self.bad_counts[bad.reason] += 1
         if self.bad_counts[bad.reason] <= _MAX_EXAMPLES_PER_REASON:
             self.bad_examples.append(bad)
@@ -336,31 +340,74 @@ def iter_conversations(
         yield conv
 
 
+_BAD_RECORDS_LOG: list = []  # the innermost bad_records_log_to() destination
+
+
+@contextlib.contextmanager
+def bad_records_log_to(path: str | None):
+    """Within the block, :func:`load_conversations` writes every bad record (file:line: reason:
+    detail) to ``path`` (emptied on entry, appended to by each load inside) and logs only one
+    summary line per reason (None: no file). The CLIs wrap their data loading in it with their run directory."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path, "w").close()  # this attempt's list (a resumed run reads the same records again)
+    _BAD_RECORDS_LOG.append(path)
+    try:
+        yield path
+    finally:
+        _BAD_RECORDS_LOG.pop()
+
+
+def log_bad_records(report: LoadReport, sources: Sequence[str], log_path: str | None) -> None:
+    """One warning line for the load, then one per reason (count and the first file:line); the
+    full per-record list is in ``log_path`` when given, else the examples kept are listed (≤ 3)."""
+    if report.n_bad:
+        names = ", ".join(os.path.basename(str(s)) for s in sources)
+        where = f"every one in {log_path}" if log_path else "first 3 below"
+        log.warning("%s: %d bad records skipped (%s)", names, report.n_bad, where)
+        for reason, count in sorted(report.bad_counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            first = next((b for b in report.bad_examples if b.reason == reason), None)
+            log.warning("  %6d %s%s", count, reason, f" (first: {first.path}:{first.line})" if first else "")
+        if not log_path:
+            for bad in report.bad_examples[:3]:
+                log.warning("  %s", bad)
+
+
 def load_conversations(
     sources: str | Sequence[str],
     *,
     on_bad_record: str = "skip",
     max_records: int | None = None,
+    bad_records_log: str | None = None,
 ) -> tuple[list[dict], LoadReport]:
     """All good conversations of one or more files, in file order, and the report of what was seen.
 
     ``max_records`` stops reading early (files are streamed, so a quick run stays quick).
+    ``bad_records_log`` (default: the enclosing :func:`bad_records_log_to`, if any) receives every
+    bad record, one per line; the log gets one summary line per reason (:func:`log_bad_records`).
     """
     if isinstance(sources, str):
         sources = [sources]
     if not sources:
         raise ValueError("load_conversations: no data files given")
-    report = LoadReport()
+    log_path = bad_records_log or (_BAD_RECORDS_LOG[-1] if _BAD_RECORDS_LOG else None)
+    report = LoadReport(sink=open(log_path, "a") if log_path else None)
     out: list[dict] = []
-    for src in sources:
-        if max_records is not None and len(out) >= max_records:
-            break
-        for conv in iter_conversations(src, on_bad_record=on_bad_record, report=report):
-            out.append(conv)
+    try:
+        for src in sources:
             if max_records is not None and len(out) >= max_records:
                 break
+            with progress.bar(max_records, desc=f"reading {os.path.basename(str(src))}", unit=" records",
+                              leave=False) as shown:
+                for conv in iter_conversations(src, on_bad_record=on_bad_record, report=report):
+                    out.append(conv)
+                    shown.update(1)
+                    if max_records is not None and len(out) >= max_records:
+                        break
+    finally:
+        if report.sink is not None:
+            report.sink.close()
+            report.sink = None
     if report.n_bad or report.truncated:
-        log.warning("loaded %s", report.summary())
-        for bad in report.bad_examples[:10]:
-            log.warning("  %s", bad)
+        log_bad_records(report, sources, log_path if report.n_bad else None)
     return out, report

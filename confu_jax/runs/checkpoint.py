@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from etils import epath
 
+from confu_jax.runs.quiet_logs import quiet_read_only_warning
 from confu_jax.sharding import path_str
 from confu_jax.weights.eagle3_formats import detect_format, head_settings_diff, load_head
 
@@ -121,6 +122,7 @@ class Checkpointer:
         if read_only:
             options = ocp.CheckpointManagerOptions(read_only=True, create=False,
                                                    save_interval_steps=0)
+            quiet_read_only_warning()  # read-only is what was asked for
         else:
             # The save policy is ours (save(): every N steps, or forced); orbax's own would also
             # save the very first step of a run and react to preemption behind the loop's back.

@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import numpy as np
 from absl import logging
-from tqdm import tqdm
 
+from confu_jax import progress
 from confu_jax import sharding as shd
 from confu_jax.train import distributed
 from confu_jax.models.spec import model_spec_from_config
@@ -262,6 +262,9 @@ def _eval_setup(run: RunSetup, eval_every: int, pidx: int, pcount: int):
     return (run.compile_eval_step(batches[0]) if batches else None), batches
 
 
+BAD_RECORDS_LOG = "bad_records.log"  # every skipped training record, file:line: reason: detail
+
+
 def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[TrainTask] = None,
           mesh=None) -> TrainResult:
     """Train until ``config.train.steps`` (resuming the workdir's latest checkpoint), evaluating,
@@ -278,7 +281,10 @@ def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[Train
         except ValueError:
             ckpt.close()
             raise
-    run = setup_run(config, task, mesh)
+    from confu_jax.data.formats import bad_records_log_to
+
+    with bad_records_log_to(os.path.join(workdir, BAD_RECORDS_LOG) if main else None):
+        run = setup_run(config, task, mesh)
     task = run.task
     if main:
         _write_run_files(config, workdir, run)
@@ -290,8 +296,7 @@ def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[Train
     eval_step, eval_batches = _eval_setup(run, tc.eval_every, pidx, pcount)
 
     watcher = PreemptionWatcher()
-    pbar = tqdm(total=tc.steps, initial=start, disable=not (main and tc.progress_bar),
-                dynamic_ncols=True, desc="train")
+    pbar = progress.bar(tc.steps, initial=start, desc="train", enabled=main and bool(tc.progress_bar))
     step, preempted, last, last_eval = start, False, {}, {}
     train_step = None
     try:
@@ -299,7 +304,8 @@ def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[Train
             batch = shd.global_batch(next(iterator), run.mesh)
             if train_step is None:
                 t0 = time.time()
-                train_step = run.compile_train_step(batch)
+                with progress.phase("compiling the train step", enabled=main and bool(tc.progress_bar)):
+                    train_step = run.compile_train_step(batch)
                 if main:
                     logging.info("compiled train step in %.1fs", time.time() - t0)
             state, metrics = train_step(state, batch)
