@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from confu_jax import progress
 from confu_jax.bench import metrics
 from confu_jax.bench.prompts import BenchPrompt, run_conversation
 
@@ -36,7 +37,9 @@ class _Programs:
         key = (id(jitted), tuple(getattr(a, "shape", ()) for a in args), tuple(sorted(static.items())))
         if key not in self.cache:
             t0 = time.perf_counter()
-            self.cache[key] = jitted.lower(params, *args, **static).compile()
+            with progress.phase(f"compiling {getattr(jitted, '__name__', 'a decode program')} "
+                                f"({', '.join(f'{k}={v}' for k, v in sorted(static.items()))})"[:100]):
+                self.cache[key] = jitted.lower(params, *args, **static).compile()
             self.compile_s += time.perf_counter() - t0
         return self.cache[key]
 
