@@ -25,12 +25,17 @@ import time
 import numpy as np
 from absl import app, flags
 
-flags.DEFINE_string("model", "smollm2-135m", "preset whose projection shapes to use (confu_jax.models.presets)")
-flags.DEFINE_list("tokens", ["1", "2", "4", "8", "16"], "rows T per step")
-flags.DEFINE_integer("layers", 0, "layers to chain (0 = the preset's)")
-flags.DEFINE_integer("repeats", 7, "timed calls per formulation per round (the best is kept)")
-flags.DEFINE_integer("rounds", 2, "round-robin rounds over the formulations")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """Flags are defined only when run as a program: tests import this module beside other launch
+    modules that define some of the same names (``--model``)."""
+    flags.DEFINE_string("model", "smollm2-135m", "preset whose projection shapes to use (confu_jax.models.presets)")
+    flags.DEFINE_list("tokens", ["1", "2", "4", "8", "16"], "rows T per step")
+    flags.DEFINE_integer("layers", 0, "layers to chain (0 = the preset's)")
+    flags.DEFINE_integer("repeats", 7, "timed calls per formulation per round (the best is kept)")
+    flags.DEFINE_integer("rounds", 2, "round-robin rounds over the formulations")
 
 
 def _best(fn, n: int) -> float:
@@ -139,4 +144,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
