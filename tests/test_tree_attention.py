@@ -205,14 +205,16 @@ def _verification_avals(cfg, b: int, t_nodes: int, s: int, p: int):
 def test_kernel_lowers_for_cuda_at_llama8b_shapes(t_nodes):
     cfg = get_preset("llama-3.1-8b")
     avals = _verification_avals(cfg, b=2, t_nodes=t_nodes, s=4096, p=4)
-    lowered = jax.jit(ta.masked_attention_pallas).trace(*avals).lower(lowering_platforms=("cuda",))
+    with ta.cuda_target():  # which GPU to compile for (JAX 0.11 asks; 0.10 assumed an H100)
+        lowered = jax.jit(ta.masked_attention_pallas).trace(*avals).lower(lowering_platforms=("cuda",))
     hlo = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in hlo  # the Triton kernel, not an XLA fallback
     assert "confu_tree_attention" in hlo
     # jax.export for CUDA too (Triton custom calls are not on export's
     # stability list, hence the explicit opt-out).
-    exp = export.export(jax.jit(ta.masked_attention_pallas), platforms=["cuda"],
-                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*avals)
+    with ta.cuda_target():
+        exp = export.export(jax.jit(ta.masked_attention_pallas), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*avals)
     assert exp.platforms == ("cuda",)
     assert exp.out_avals[0].shape == avals[0].shape and exp.out_avals[0].dtype == jnp.bfloat16
     assert len(exp.mlir_module_serialized) > 0
@@ -231,9 +233,10 @@ def test_llama_verification_forward_lowers_for_cuda_with_pallas():
                                 cache_k_lbhsd=ck, cache_v_lbhsd=cv, cache_len_bt=lens,
                                 prefix_k_lphd=pk_, prefix_v_lphd=pv_, prefix_visible_bt=pvis).logits_btv
 
-    hlo = jax.jit(fwd).trace(params, _sds((b, t), jnp.int32), _sds((b, t), jnp.int32),
-                             _sds((b, t, t), bool), kv, kv, _sds((b,), jnp.int32), pk, pk,
-                             _sds((b, t), bool)).lower(lowering_platforms=("cuda",)).as_text()
+    with ta.cuda_target():
+        hlo = jax.jit(fwd).trace(params, _sds((b, t), jnp.int32), _sds((b, t), jnp.int32),
+                                 _sds((b, t, t), bool), kv, kv, _sds((b,), jnp.int32), pk, pk,
+                                 _sds((b, t), bool)).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo
 
 

@@ -61,6 +61,7 @@ Inference only: there is no VJP (training runs the XLA path).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -83,6 +84,7 @@ __all__ = [
     "KernelPlan",
     "MAX_QUERIES",
     "resolve_attention_impl",
+    "cuda_target",
 ]
 
 # The jnp reference with the kernel's signature (the issue's "jnp reference"): it is the XLA path
@@ -243,6 +245,31 @@ def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: i
             l_safe = jnp.where(l_m > 0, l_m, 1.0)
             o_ref[r, :] = (o_md / l_safe[:, None]).astype(o_ref.dtype)
             lse_ref[r] = jnp.where(l_m > 0, m_m + jnp.log(l_safe), NEG_INF)
+
+
+# ----------------------------------------------------------------------------- lowering without a GPU
+
+H100_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
+
+
+@contextlib.contextmanager
+def cuda_target(device_kind: str = H100_DEVICE_KIND, num_cores: int = 132):
+    """Lower the kernel for a CUDA GPU on a machine without one:
+    ``with cuda_target(): jax.jit(f).trace(...).lower(lowering_platforms=('cuda',))``.
+
+    JAX 0.10 lowered Pallas' Triton kernels for compute capability 9.0 when no GPU was attached;
+    JAX 0.11 asks which GPU to compile for ("No supported GPU devices found, please specify an
+    abstract GPU device") through an abstract mesh carrying an abstract device. This sets one
+    (one device, the training mesh's axis names) on both versions."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")
+    # Auto axes: the lowered program is the one a plain jit gives (Explicit axes would turn on
+    # sharding-in-types checks for every op of the traced function).
+    mesh = AbstractMesh((1, 1, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,
+                        abstract_device=device)
+    with use_abstract_mesh(mesh):
+        yield mesh
 
 
 # ----------------------------------------------------------------------------- plan
