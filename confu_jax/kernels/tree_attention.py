@@ -52,7 +52,8 @@ with ``compiler_params=pallas.triton.CompilerParams``.
   numeric tests, and its CUDA lowering (jaxpr → Triton IR, compute capability 9.0 = H100 when no
   GPU is attached) runs at JAX lowering time, so CPU CI catches lowering breakage too.
 * The Pallas changelog ("Released with JAX 0.11.0", July 2026) deprecates the Triton backend for
-  later removal; 0.11 also needs Python >= 3.12, so this project cannot take it yet. The port to
+  later removal. The kernel runs on 0.11 (Python 3.12, ``requirements-jax011.txt``; lowering it
+  warns with a DeprecationWarning, and lowering without a GPU needs :func:`cuda_target`). The port to
   ``plgpu.kernel`` (template: ``ops/gpu/attention_mgpu.py``) belongs with that upgrade;
   :func:`masked_attention_reference` and ``tests/test_tree_attention.py`` are the spec it must meet.
 
