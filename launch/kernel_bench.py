@@ -89,7 +89,7 @@ def bytes_moved(b: int, t2: int, hq: int, hkv: int, d: int, s_valid: int, p: int
 
 
 def kernel_bytes(b: int, t2: int, hq: int, hkv: int, d: int, s_valid: int, p: int, itemsize: int,
-                 **tiling) -> dict:
+                 s_capacity: int = 0, **tiling) -> dict:
     """What the Pallas kernel really reads and writes in one pass, from its tiling
     (``tree_attention.kernel_plan``, the same resolution the wrapper launches), per category:
 
@@ -105,10 +105,16 @@ def kernel_bytes(b: int, t2: int, hq: int, hkv: int, d: int, s_valid: int, p: in
       log-sum-exp; the epilogue reads them all back and writes the output (``epilogue``);
     * ``glue``: XLA work around the kernel: q transposed and padded to [B, Hkv, m_pad, d], the mask
       and per-row arrays repeated to m_pad rows, the tree K/V padded.
+    ``s_capacity``: the cache's slots (the splits divide it; default ``s_valid``). Also returned:
+    ``cache_tile_loads`` / ``tree_tile_loads``, the K/V tiles one (batch row, KV head) loads over all
+    its programs — what the interpreted kernel counts (``count_tiles``, tests/test_kernel_bench.py).
     Returns the categories, ``total_hbm`` (everything except ``cache_l2``) and the plan."""
     from confu_jax.kernels.tree_attention import kernel_plan
 
-    pl_ = kernel_plan(b, t2, hq, hkv, d, s_valid, has_prefix=p > 0, p_len=p, **tiling)
+    pl_ = kernel_plan(b, t2, hq, hkv, d, s_capacity or s_valid, has_prefix=p > 0, p_len=p, **tiling)
+    per_split = [min(pl_.split_len, max(0, s_valid - j * pl_.split_len)) for j in range(pl_.k_splits)]
+    tile_loads = dict(cache_tile_loads=pl_.n_groups * sum(-(-n // pl_.block_k) for n in per_split),
+                      tree_tile_loads=pl_.n_groups * (pl_.t_pad // pl_.block_kt))
     heads = b * hkv
     n_j = pl_.k_splits + 1
     kv_slot = 2 * d * itemsize
@@ -125,7 +131,7 @@ def kernel_bytes(b: int, t2: int, hq: int, hkv: int, d: int, s_valid: int, p: in
         + b * pl_.m_pad * (pl_.t_pad + 8) + 2 * 2 * b * pl_.t_pad * hkv * d * itemsize,
     )
     out["total_hbm"] = sum(v for k, v in out.items() if k != "cache_l2")
-    out["plan"] = pl_
+    out.update(tile_loads, plan=pl_)
     return out
 
 

@@ -53,6 +53,34 @@ def test_bytes_model_counts_the_cache_once_and_the_reloads_apart():
         assert got["cache_l2"] == (groups - 1) * got["cache_hbm"]
         n_j = got["plan"].k_splits + 1
         assert got["partials"] == cfg.n_kv_heads * n_j * got["plan"].m_pad * (cfg.head_dim * 2 + 4)
-        assert need < got["total_hbm"] == sum(v for k, v in got.items() if k not in ("cache_l2", "total_hbm", "plan"))
+        assert need < got["total_hbm"] == sum(v for k, v in got.items() if k not in (
+            "cache_l2", "total_hbm", "plan", "cache_tile_loads", "tree_tile_loads"))
     rows = kb.bytes_table("llama-3.1-8b", [1024], [30], 1, p, "", {})
     assert [(r["queries"], r["row_groups"]) for r in rows] == [(30, 1), (60, 1)]
+
+
+@pytest.mark.parametrize("tiling", [dict(block_k=16, k_splits=2, block_m=16, block_kt=16),
+                                    dict(block_k=16, k_splits=3, block_m=16, group_rows=32, block_kt=16)],
+                         ids=["one_row_group", "two_row_groups"])
+def test_bytes_model_counts_the_tiles_the_kernel_loads(tiling):
+    """The interpreted kernel counts the K/V tiles each program loads; per (batch row, KV head)
+    their sum is the model's count for that row's valid length (ragged rows, a length-0 row, splits
+    past the length, one and two row groups)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from confu_jax.kernels import tree_attention as ta
+    from tests.test_tree_attention import CASES, make_inputs
+
+    c = CASES[5]  # 20 queries x G 3 = 60 rows per KV head, cache of 48 slots, 4 soft prompts
+    for lens in ((48, 17), (0, 30)):
+        args = list(make_inputs(c))
+        args[6] = jnp.asarray(lens, jnp.int32)
+        _, tiles = ta.masked_attention_pallas(*args, interpret=True, count_tiles=True, **tiling)
+        tiles = np.asarray(tiles)  # [B, Hkv, J, 2]
+        for b, n in enumerate(lens):
+            model = kb.kernel_bytes(1, c.t, c.hq, c.hkv, c.d, n, c.p, 4, s_capacity=c.s, **tiling)
+            assert tiles.shape[2] == model["plan"].k_splits + 1
+            for h in range(c.hkv):
+                assert tiles[b, h, :, 0].sum() == model["cache_tile_loads"], (lens, b, h)
+                assert tiles[b, h, :, 1].sum() == model["tree_tile_loads"]

@@ -163,7 +163,7 @@ def _scores(q_md, k_kd, scale):
 def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: int,
                            split_len: int, block_k: int, block_kt: int, n_tree_tiles: int,
                            prefix_len: int, prefix_pad: int, scale: float, block_m: int,
-                           n_sub: int, n_groups: int):
+                           n_sub: int, n_groups: int, count_tiles: bool = False):
     """One program = one (column block j, batch row, KV head), *all* its query rows.
 
     The rows are ``n_groups`` groups of ``n_sub`` sub-tiles of ``block_m`` rows. Within a group
@@ -177,7 +177,8 @@ def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: i
         lens_ref, kc_ref, vc_ref, *rest = rest
     if has_prefix:
         pvis_ref, kp_ref, vp_ref, *rest = rest
-    o_ref, lse_ref = rest
+    o_ref, lse_ref, *tiles_ref = rest  # tiles_ref: [cache tiles, tree tiles] loaded (count_tiles)
+    cache_loads = tree_loads = jnp.int32(0)
 
     j = pl.program_id(0)
     head_dim = q_ref.shape[-1]
@@ -206,10 +207,11 @@ def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: i
                 # the tile is loaded once and serves every sub-tile of the group
                 k_kd = pltriton.load(kc_ref.at[pl.ds(k0, block_k), :], mask=load_kd, other=0.0)
                 v_kd = pltriton.load(vc_ref.at[pl.ds(k0, block_k), :], mask=load_kd, other=0.0)
+                states, loads = carry
                 return tuple(_online_update(c, _scores(q, k_kd, scale), cols_k[None, :] < ln[:, None], v_kd)
-                             for c, q, ln in zip(carry, q_s, lens_s))
+                             for c, q, ln in zip(states, q_s, lens_s)), loads + 1
 
-            return lax.fori_loop(0, n_tiles, body, init)
+            return (*lax.fori_loop(0, n_tiles, body, (init, jnp.int32(0))), jnp.int32(0))
 
         def extra_part(rows=rows, q_s=q_s, init=init):
             carry = list(init)
@@ -226,7 +228,7 @@ def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: i
                     carry[i] = lax.cond(jnp.max(pvis_m) > 0, with_prefix, lambda c: c, carry[i])
             for kt in range(n_tree_tiles):  # static: the kernel takes at most MAX_QUERIES tokens
                 tile = pl.ds(kt * block_kt, block_kt)
-                kb, vb = kb_ref[tile, :], vb_ref[tile, :]
+                kb, vb = kb_ref[tile, :], vb_ref[tile, :]  # loaded once for the group's sub-tiles
                 for i, r in enumerate(rows):
                     mask_mk = mask_ref[r, tile].astype(jnp.int32)
 
@@ -234,18 +236,21 @@ def _tree_attention_kernel(*refs, has_cache: bool, has_prefix: bool, k_splits: i
                         return _online_update(c, _scores(q, kb, scale), mask_mk > 0, vb)
 
                     carry[i] = lax.cond(jnp.max(mask_mk) > 0, with_tile, lambda c: c, carry[i])
-            return tuple(carry)
+            return tuple(carry), jnp.int32(0), jnp.int32(n_tree_tiles)
 
         if has_cache:
-            states = lax.cond(j < k_splits, cache_part, extra_part)
+            states, n_cache, n_tree = lax.cond(j < k_splits, cache_part, extra_part)
         else:
-            states = extra_part()
+            states, n_cache, n_tree = extra_part()
+        cache_loads, tree_loads = cache_loads + n_cache, tree_loads + n_tree
         # Normalised partial in the input dtype (half the bytes of a float32 partial for bf16) and
         # its log-sum-exp; rows that saw no key write zeros and NEG_INF.
         for r, (o_md, m_m, l_m) in zip(rows, states):
             l_safe = jnp.where(l_m > 0, l_m, 1.0)
             o_ref[r, :] = (o_md / l_safe[:, None]).astype(o_ref.dtype)
             lse_ref[r] = jnp.where(l_m > 0, m_m + jnp.log(l_safe), NEG_INF)
+    if count_tiles:
+        tiles_ref[0][...] = jnp.stack([cache_loads, tree_loads])
 
 
 # ----------------------------------------------------------------------------- lowering without a GPU
@@ -367,12 +372,15 @@ def masked_attention_pallas(
     block_kt: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
-) -> jax.Array:
+    count_tiles: bool = False,
+):
     """Same contract as :func:`masked_attention_reference`, computed by the Pallas kernel.
 
     ``interpret=True`` runs the kernel body with Pallas' interpreter (CPU tests); otherwise it
     lowers through Triton for CUDA. Tiling arguments default to :func:`default_tiling`;
     ``block_kt`` is the key tile over the 2T tree tokens (default 64, capped at padded 2T).
+    ``count_tiles=True`` (interpret mode, for tests of ``launch.kernel_bench``'s bytes model) also
+    returns an int32 [B, Hkv, J, 2] array: the cache and tree K/V tiles each program loaded.
     """
     b, t, hq, d = q_bthd.shape
     hkv = k_blk_bthd.shape[2]
@@ -451,21 +459,24 @@ def masked_attention_pallas(
         _tree_attention_kernel, has_cache=has_cache, has_prefix=has_prefix, k_splits=k_splits,
         split_len=split_len, block_k=block_k, block_kt=block_kt, n_tree_tiles=t_pad // block_kt,
         prefix_len=p_len, prefix_pad=p_pad, scale=1.0 / math.sqrt(d), block_m=pl_.block_m, n_sub=pl_.n_sub,
-        n_groups=pl_.n_groups)
+        n_groups=pl_.n_groups, count_tiles=count_tiles)
     part_map = lambda j, bh: (bh // hkv, bh % hkv, j, 0, 0)  # noqa: E731
     stat_map = lambda j, bh: (bh // hkv, bh % hkv, j, 0)  # noqa: E731
-    o_part, lse_part = pl.pallas_call(
+    if count_tiles and not interpret:
+        raise ValueError("count_tiles is a test instrument of the interpreted kernel (interpret=True)")
+    out_specs = [pl.BlockSpec((None, None, None, m_pad, d), part_map),
+                 pl.BlockSpec((None, None, None, m_pad), stat_map)]
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, n_j, m_pad, d), dtype),
+                 jax.ShapeDtypeStruct((b, hkv, n_j, m_pad), jnp.float32)]
+    if count_tiles:
+        out_specs.append(pl.BlockSpec((None, None, None, 2), lambda j, bh: (bh // hkv, bh % hkv, j, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, hkv, n_j, 2), jnp.int32))
+    o_part, lse_part, *tiles = pl.pallas_call(
         kernel,
         grid=(n_j, b * hkv),
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, None, m_pad, d), part_map),
-            pl.BlockSpec((None, None, None, m_pad), stat_map),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, n_j, m_pad, d), dtype),
-            jax.ShapeDtypeStruct((b, hkv, n_j, m_pad), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(
             num_warps=num_warps or tiling["num_warps"],
             num_stages=num_stages or tiling["num_stages"]),
@@ -475,7 +486,9 @@ def masked_attention_pallas(
 
     o = _merge_splits(o_part, lse_part)[:, :, :n_rows]  # [B,Hkv,T*G,D]
     o = o.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
-    return o.reshape(b, t, hq, d).astype(dtype)
+    o = o.reshape(b, t, hq, d).astype(dtype)
+    # count_tiles: also [B, Hkv, J, 2] int32, the (cache, tree) K/V tiles each program loaded
+    return (o, tiles[0]) if count_tiles else o
 
 
 def _check_block_shapes(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt) -> None:
