@@ -93,6 +93,13 @@ def test_sharded_ar_equals_single_device(reference, unroll_layers):
     assert _rows(out, 4) == ref
 
 
+# jaxlib 0.11.2's XLA:CPU aborts the process compiling this loop under the Shardy partitioner
+# (hlo_sharding.h: "Check failed: !UseNamedShardingLeaf() ReplicateOnLastTileDim should not be called
+# for HloShardingV3"), an upstream bug; GSPMD (jax_use_shardy_partitioner=False, or the env var
+# JAX_USE_SHARDY_PARTITIONER=false) compiles it and gives the same tokens. jax 0.10.2 is unaffected.
+SHARDY_ABORTS_ON_JAX_011 = {("confu", "chain:3", "data=2,tensor=4")}
+
+
 # (variant, plan, mesh): chain and EAGLE-2 tree for both methods; meshes that split rows over
 # data (and fsdp), heads / MLP / vocab over tensor (tensor=4 > the tiny target's 2 KV heads: its
 # caches and k/v projections fall back to replicated heads, query heads still split).
@@ -105,9 +112,16 @@ def test_sharded_ar_equals_single_device(reference, unroll_layers):
 def test_sharded_speculative_equals_single_device(reference, variant, plan, mesh):
     _, ref = reference
     spec, _, params = make(variant, VOCAB)
+    shardy_aborts = (variant, plan, mesh) in SHARDY_ABORTS_ON_JAX_011 and jax.__version_info__ >= (0, 11)
     mesh = sharded.parse_mesh(mesh)
-    out = loop.generate_speculative(spec, params, plans.parse_plan(plan), prompts_for(VOCAB),
-                                    max_new_tokens=N_NEW, eos_ids=(), mesh=mesh)
+    shardy = jax.config.jax_use_shardy_partitioner
+    if shardy_aborts:
+        jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        out = loop.generate_speculative(spec, params, plans.parse_plan(plan), prompts_for(VOCAB),
+                                        max_new_tokens=N_NEW, eos_ids=(), mesh=mesh)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", shardy)
     assert _rows(out, 4) == ref
     assert np.all(np.asarray(out.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
     assert np.array_equal(np.asarray(out.accept_log_bi).sum(1) + 1, np.asarray(out.n_generated_b))
