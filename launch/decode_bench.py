@@ -67,12 +67,14 @@ flags.DEFINE_list("temperatures", ["0"], "speculative mode: sampling temperature
 flags.DEFINE_string("budgets", "chain:4,dynamic:6,8,30", "speculative mode: draft plans, chain:K | "
                     "sampled_chain:K | dynamic:DEPTH,TOPK,NODES | auto (measured choice, bench/budget.py)")
 flags.DEFINE_string("prompts", "mtbench", "speculative mode: mtbench | humaneval | a Spec-Bench question.jsonl "
-                    "(several joined with '+')")
+                    "(several joined with '+'; a named set takes :N for its first N, e.g. mtbench+humaneval:20)")
 flags.DEFINE_string("calibration", "", "speculative mode, budget auto: prompt source to calibrate on "
                     "(same syntax as --prompts); its questions that are also measured are left out. Empty: "
                     "the questions of --prompts that this run does not measure")
+flags.DEFINE_bool("resume", True, "speculative mode: keep every finished row in <out>.parts/ and, when the "
+                  "same command is rerun after a kill, skip the rows found there (other settings are refused)")
 flags.DEFINE_integer("n_calibration", 4, "speculative mode, budget auto: calibration prompts")
-flags.DEFINE_integer("n_per_category", 2, "speculative mode: questions sampled per category (seeded)")
+flags.DEFINE_integer("n_per_category", 2, "speculative mode: questions sampled per category (seeded; 0 = all)")
 flags.DEFINE_integer("turns", 1, "speculative mode: conversation turns per question (MT-Bench has 2)")
 flags.DEFINE_string("heads", "", "speculative mode: trained heads as METHOD=WORKDIR,... (launch.train "
                     "workdirs, or for eagle3 an EAGLE-3 head in the official / SGLang / SpecForge or "
@@ -203,9 +205,20 @@ def main_speculative():
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=FLAGS.turns,
                                   top_p=FLAGS.top_p, seed=FLAGS.seed, min_bucket=FLAGS.min_bucket,
                                   calibration=calibration)
+    parts = None
+    if FLAGS.resume:
+        settings = {"model": FLAGS.model, "questions": [[p.category, p.question_id] for p in prompts],
+                    "max_new_tokens": FLAGS.max_new_tokens, "turns": FLAGS.turns, "top_p": FLAGS.top_p,
+                    "seed": FLAGS.seed, "min_bucket": FLAGS.min_bucket, "heads": heads,
+                    "calibration": [list(c) for c in calibration or ()]}
+        try:
+            parts = spec_bench.Parts(os.path.splitext(FLAGS.out)[0] + ".parts", settings)
+        except ValueError as e:
+            raise app.UsageError(str(e))
     rows = spec_bench.run_benchmark(setup, prompts, methods=methods, temperatures=temperatures, budgets=budgets,
                                     heads=heads, log=lambda m: print(m, flush=True),
-                                    progress_factory=lambda **kw: tqdm(leave=False, dynamic_ncols=True, **kw))
+                                    progress_factory=lambda **kw: tqdm(leave=False, dynamic_ncols=True, **kw),
+                                    parts=parts)
     report.write_outputs(FLAGS.out, rows)
     print(open(os.path.splitext(FLAGS.out)[0] + ".md").read())
     print(f"wrote {FLAGS.out} (+ .md, .png)")

@@ -32,7 +32,7 @@ def test_mtbench_wheel_file_is_the_80_question_set():
 def test_humaneval_wheel_file_has_164_instruction_wrapped_prompts():
     qs = P.load_humaneval()
     assert len(qs) == 164
-    assert {q.category for q in qs} == {"coding"}
+    assert {q.category for q in qs} == {"humaneval"}  # its own category, not MT-Bench's coding
     assert qs[0].question_id == "HumanEval/0" and qs[-1].question_id == "HumanEval/163"
     with gzip.open(assets.resolve("humaneval"), "rt") as f:
         raw = [json.loads(line) for line in f if line.strip()]
@@ -59,6 +59,13 @@ def test_load_prompts_combines_sources_and_rejects_unknown():
     with pytest.raises(P.QuestionFileError, match="neither a named set"):
         P.load_prompts("no_such_set")
     assert len(P.load_prompts("mtbench+humaneval")) == 244
+    # the headline set: all 80 MT-Bench questions + HumanEval's first 20, everything kept with n = 0
+    head = P.sample_prompts(P.load_prompts("mtbench+humaneval:20"), 0)
+    assert len(head) == 100 and [q.question_id for q in head[80:]] == [f"HumanEval/{i}" for i in range(20)]
+    assert P.categories(head)[-1] == "humaneval"
+    for bad in ("humaneval:0", "humaneval:x"):
+        with pytest.raises(P.QuestionFileError, match="positive integer"):
+            P.load_prompts(bad)
 
 
 GOOD = '{"question_id": 1, "category": "qa", "turns": ["Why?"]}'
@@ -112,8 +119,9 @@ def test_sample_prompts_is_seeded_per_category_subset():
     assert P.sample_prompts(fx, 5, seed=3) == fx
     one = P.sample_prompts(fx, 1, seed=3)
     assert [p.category for p in one] == P.categories(fx)
+    assert P.sample_prompts(fx, 0) == fx  # 0 = every question
     with pytest.raises(ValueError):
-        P.sample_prompts(fx, 0)
+        P.sample_prompts(fx, -1)
 
 
 def test_prompt_to_messages_replays_earlier_answers():

@@ -134,3 +134,35 @@ def test_budget_auto_calibrates_on_the_given_prompts(tmp_path, monkeypatch):
     assert seen == [calib]
     assert rows[1]["setting"]["plan"] == "ar" and rows[1]["tokens_per_s"] == rows[0]["tokens_per_s"]
     assert not any("no held-out calibration prompts" in m for m in messages)
+
+
+def test_benchmark_resumes_from_finished_rows(tmp_path):
+    """A killed benchmark rerun with the same settings keeps the rows it finished (AR's logs
+    included, so later rows still compare against the same AR run) and redoes only the rest."""
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    gguf = tiny_chat_gguf(tmp_path)
+    cfg, params = load_model(gguf)
+    prompts = load_question_file(FIXTURE)[:2]
+    setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=10, min_bucket=64)
+    settings = {"questions": [p.question_id for p in prompts], "max_new_tokens": 10}
+    kw = dict(methods=["ar", "eagle3"], temperatures=[0.0], budgets=["chain:2"], heads={})
+    parts = spec_bench.Parts(str(tmp_path / "b.parts"), settings)
+    first = spec_bench.run_benchmark(setup, prompts, **kw, log=lambda m: None, parts=parts)
+    unit = [f for f in os.listdir(tmp_path / "b.parts") if f.startswith("eagle3")]
+    assert len(unit) == 1
+    os.remove(tmp_path / "b.parts" / unit[0])  # as if killed during the eagle3 row
+    messages = []
+    again = spec_bench.run_benchmark(setup, prompts, **kw, log=messages.append,
+                                     parts=spec_bench.Parts(str(tmp_path / "b.parts"), settings))
+    assert sum("finished in an earlier run" in m for m in messages) == 1  # AR kept, eagle3 redone
+    assert json.dumps(report.result_to_json(again[0])) == json.dumps(report.result_to_json(first[0]))
+    assert again[1]["lossless_greedy"] is True and again[1]["tau"] == pytest.approx(first[1]["tau"])
+    messages.clear()
+    third = spec_bench.run_benchmark(setup, prompts, **kw, log=messages.append,
+                                     parts=spec_bench.Parts(str(tmp_path / "b.parts"), settings))
+    assert sum("finished in an earlier run" in m for m in messages) == 2
+    assert [report.result_to_json(r) for r in third] == [report.result_to_json(r) for r in again]
+    with pytest.raises(ValueError, match="other settings.*max_new_tokens"):
+        spec_bench.Parts(str(tmp_path / "b.parts"), dict(settings, max_new_tokens=12))

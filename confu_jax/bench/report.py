@@ -9,6 +9,10 @@
                   "accept_length_histogram", "acceptance_rate_per_depth"}, ...]}
 
 One entry per (method, setting). Metric definitions are in :mod:`confu_jax.bench.metrics`.
+Rows from ``spec_bench`` also carry ``questions`` (per-question counts) and 95% bootstrap intervals
+over questions (``tau_ci``, ``speedup_ci``, ``tokens_per_s_ci``, overall and per category), and the
+document a top-level ``tau_ratios`` list (ConFu-like methods over EAGLE-3 at the same temperature and
+budget, with paired intervals): :mod:`confu_jax.bench.intervals`.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ REQUIRED_ENV_FIELDS = ("jax_version", "devices", "cpu_count", "git_commit", "dat
 CATEGORY_ABBREV = {
     "writing": "WRIT", "roleplay": "RP", "coding": "CODE", "extraction": "EXT", "stem": "STEM",
     "humanities": "HUM", "summarization": "SUMM", "translation": "TRAN", "qa": "QA", "rag": "RAG",
-    "math_reasoning": "M/R", "math": "MATH", "reasoning": "REAS",
+    "math_reasoning": "M/R", "math": "MATH", "reasoning": "REAS", "humaneval": "HE",
 }
 # Column order of the paper, then MT-Bench's math and reasoning (which Spec-Bench merges into M/R).
 CATEGORY_ORDER = ("writing", "roleplay", "coding", "extraction", "stem", "humanities",
-                  "summarization", "translation", "qa", "rag", "math_reasoning", "math", "reasoning")
+                  "summarization", "translation", "qa", "rag", "math_reasoning", "math", "reasoning",
+                  "humaneval")
 
 
 def result_to_json(result: MethodResult | Mapping) -> dict:
@@ -114,10 +119,11 @@ def collect_environment(argv: Sequence[str] | None = None) -> dict:
 
 
 def write_results(out_path: str | os.PathLike, results: Sequence[MethodResult | Mapping],
-                  env: Mapping | None = None) -> dict:
+                  env: Mapping | None = None, extra: Mapping | None = None) -> dict:
     """Write ``results.json`` (layout in the module docstring) and return what was written.
 
-    ``env=None`` collects the environment now (:func:`collect_environment`).
+    ``env=None`` collects the environment now (:func:`collect_environment`); ``extra`` adds
+    top-level keys (``tau_ratios``).
     """
     env = collect_environment() if env is None else dict(env)
     missing = [k for k in REQUIRED_ENV_FIELDS if k not in env]
@@ -126,7 +132,7 @@ def write_results(out_path: str | os.PathLike, results: Sequence[MethodResult | 
     rows = [result_to_json(r) for r in results]
     for i, row in enumerate(rows):
         _check_result(row, i)
-    doc = {"environment": _json_clean(env), "results": rows}
+    doc = {"environment": _json_clean(env), "results": rows, **_json_clean(dict(extra or {}))}
     out_path = os.fspath(out_path)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = out_path + ".tmp"
@@ -182,6 +188,98 @@ def markdown_table(results: Sequence[MethodResult | Mapping], digits: int = 2) -
     return "\n".join(lines) + "\n"
 
 
+def _ci_cell(value, ci, digits: int) -> str:
+    if not ci or ci[0] is None or (isinstance(ci[0], float) and math.isnan(ci[0])):
+        return _fmt(value, digits)
+    return f"{_fmt(value, digits)} [{_fmt(ci[0], digits)}, {_fmt(ci[1], digits)}]"
+
+
+def interval_table(results, digits: int = 2) -> str:
+    """τ and speed-up per category with their bootstrap intervals: one line per (row, category)."""
+    rows = [r for r in _rows(results) if "tau_ci" in r]
+    if not rows:
+        return ""
+    cats = ordered_categories(rows)
+    lines = ["| Method | T | Budget | Category | questions | τ [95% CI] | speed-up [95% CI] |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for c in cats + ["AVG"]:
+            cat = r if c == "AVG" else r["per_category"].get(c)
+            if cat is None:
+                continue
+            n = r["n_questions"] if c == "AVG" else cat.get("n_questions")
+            lines.append(f"| {r['method']} | {r['temperature']:g} | {r.get('budget') or '–'} | "
+                         f"{CATEGORY_ABBREV.get(c, c.upper()) if c != 'AVG' else 'AVG'} | {n} | "
+                         f"{_ci_cell(cat['tau'], cat.get('tau_ci'), digits)} | "
+                         f"{_ci_cell(cat['speedup'], cat.get('speedup_ci'), digits)} |")
+    return "\n".join(lines) + "\n"
+
+
+def ratio_table(ratios: Sequence[Mapping], digits: int = 3) -> str:
+    """The τ ratios of ``intervals.ratio_rows`` (overall, then per category), with intervals."""
+    if not ratios:
+        return ""
+    cats = list(dict.fromkeys(c for r in ratios for c in r["per_category"]))
+    header = ["Ratio", "T", "Budget", "AVG"] + [CATEGORY_ABBREV.get(c, c.upper()) for c in cats]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for r in ratios:
+        cells = [f"τ {r['method']} / τ {r['reference']}", f"{r['temperature']:g}", str(r.get("budget") or "–"),
+                 _ci_cell(r["overall"]["ratio"], r["overall"]["ci"], digits)]
+        for c in cats:
+            x = r["per_category"].get(c)
+            cells.append(_ci_cell(x["ratio"], x["ci"], digits) if x else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _errorbars(values, cis):
+    """yerr rows for matplotlib from [low, high] intervals (0 where a row has none)."""
+    lo, hi = [], []
+    for v, ci in zip(values, cis):
+        ok = ci and ci[0] is not None and not math.isnan(v) and not math.isnan(ci[0])
+        lo.append(max(v - ci[0], 0.0) if ok else 0.0)
+        hi.append(max(ci[1] - v, 0.0) if ok else 0.0)
+    return [lo, hi]
+
+
+def plot_tau_speedup(results: Sequence[MethodResult | Mapping], png_path: str | os.PathLike):
+    """Two panels, τ and speed-up per category (and AVG), one bar per method/setting, with the rows'
+    bootstrap intervals as error bars where they have them; saved as PNG. Returns the Figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = _rows(results)
+    if not rows:
+        raise ValueError("plot_tau_speedup: no results to plot")
+    cats = ordered_categories(rows)
+    groups = cats + ["AVG"]
+    width = 0.8 / len(rows)
+    fig = Figure(figsize=(max(6.0, 1.1 * len(groups) + 2), 7.0))
+    FigureCanvasAgg(fig)
+    for k, (key, ylabel) in enumerate((("tau", "τ (tokens per target pass)"),
+                                       ("speedup", "speed-up over AR (same run)"))):
+        ax = fig.add_subplot(2, 1, k + 1)
+        for j, r in enumerate(rows):
+            cells = [r["per_category"].get(c, {}) for c in cats] + [r]
+            values = [math.nan if x.get(key) is None else x[key] for x in cells]
+            cis = [x.get(f"{key}_ci") for x in cells]
+            nodes = "" if r["nodes"] is None else f", {r['nodes']} nodes"
+            xs = [i + (j - (len(rows) - 1) / 2) * width for i in range(len(groups))]
+            ax.bar(xs, values, width=width, yerr=_errorbars(values, cis), capsize=2,
+                   label=f"{r['method']}{nodes}, T={r['temperature']:g}")
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([CATEGORY_ABBREV.get(c, c.upper()) for c in cats] + ["AVG"])
+        ax.set_ylabel(ylabel)
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")  # AR: 1 token per pass, speed-up 1
+        if k == 0:
+            ax.set_title("per category, 95% bootstrap intervals over questions")
+            ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    png_path = os.fspath(png_path)
+    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+    fig.savefig(png_path, format="png", dpi=100, bbox_inches="tight")
+    return fig
+
+
 def plot_tau(results: Sequence[MethodResult | Mapping], png_path: str | os.PathLike,
              title: str = "Mean accepted length τ per category"):
     """Grouped bars of τ per category (and AVG), one bar per method/setting; saved as PNG.
@@ -220,8 +318,12 @@ def plot_tau(results: Sequence[MethodResult | Mapping], png_path: str | os.PathL
 
 
 def write_outputs(out: str, rows: list) -> dict:
-    """results.json + .md (paper table and per-row settings) + .png (τ per category)."""
-    doc = write_results(out, rows)
+    """results.json + .md (paper table, per-row settings, intervals and τ ratios) + .png (τ and
+    speed-up per category with intervals)."""
+    from confu_jax.bench.intervals import ratio_rows
+
+    ratios = ratio_rows(rows)
+    doc = write_results(out, rows, extra={"tau_ratios": ratios})
     base = os.path.splitext(out)[0]
     lines = [markdown_table(rows), "", "| Method | T | Budget | Plan | Head | Lossless (T=0) | tokens/s | "
              "compile s |", "|---|---|---|---|---|---|---|---|"]
@@ -233,7 +335,13 @@ def write_outputs(out: str, rows: list) -> dict:
             lossless += f" ({r['n_numerical_ties']} numerical ties)"
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r.get('budget') or '–'} | {plan} | {head} | "
                      f"{lossless} | {r['tokens_per_s']:.2f} | {r.get('compile_s', float('nan')):.1f} |")
+    ci = interval_table(rows)
+    if ci:
+        lines += ["", "95% bootstrap intervals over questions (stratified by category for AVG; speed-up "
+                  "paired with AR on the same questions):", "", ci]
+    if ratios:
+        lines += ["", "τ ratios, paired by question:", "", ratio_table(ratios)]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot_tau(rows, base + ".png")
+    plot_tau_speedup(rows, base + ".png")
     return doc

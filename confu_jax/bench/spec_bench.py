@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from confu_jax import progress
-from confu_jax.bench import metrics
+from confu_jax.bench import intervals, metrics
 from confu_jax.bench.prompts import BenchPrompt, run_conversation
 
 
@@ -127,6 +127,66 @@ def _run_all(prompts, setup, programs, decode_one, progress):
     return logs, tokens
 
 
+class Parts:
+    """Finished benchmark units (one row: AR at a temperature, or a method x budget x temperature)
+    kept on disk so that a killed benchmark resumes without redoing them.
+
+    ``directory/settings.json`` holds what the units depend on (questions, lengths, heads, ...); a
+    rerun with other settings is refused rather than mixing two benchmarks in one table. Each unit
+    is ``<key>.json`` = {row, logs, tokens}, written atomically once the unit is complete. Timings
+    of resumed units come from the run that measured them: resume on the same idle machine.
+    """
+
+    def __init__(self, directory: str, settings: dict):
+        import json
+        import os
+
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, "settings.json")
+        settings = json.loads(json.dumps(settings, default=str))
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if saved != settings:
+                diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+                raise ValueError(f"{directory} holds units of a benchmark with other settings (differing: "
+                                 f"{diff}); delete it or write the results elsewhere (--out)")
+        else:
+            with open(path, "w") as f:
+                json.dump(settings, f, indent=1)
+
+    def _path(self, key: str) -> str:
+        import os
+
+        return os.path.join(self.directory, key.replace("/", "_").replace(":", "-") + ".json")
+
+    def load(self, key: str):
+        """-> (row, logs, tokens) of a finished unit, or None."""
+        import json
+        import os
+
+        path = self._path(key)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            obj = json.load(f)
+        logs = [metrics.GenerationLog.from_json(g) for g in obj["logs"]]
+        return obj["row"], logs, [(list(a), list(b)) for a, b in obj["tokens"]]
+
+    def save(self, key: str, row: dict, logs, tokens) -> None:
+        import json
+        import os
+
+        from confu_jax.bench.report import result_to_json
+
+        path = self._path(key)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"row": result_to_json(row), "logs": [g.to_json() for g in logs],
+                       "tokens": [[list(map(int, a)), list(map(int, b))] for a, b in tokens]}, f)
+        os.replace(path + ".tmp", path)
+
+
 def _compare(setup: BenchSetup, ar_turns, sp_turns, turns_index) -> dict:
     """Greedy losslessness: token-for-token equality, a divergence within the target's numerical
     tie tolerance excepted (``bench.lossless``: the first divergence with both programs' margins)."""
@@ -137,8 +197,12 @@ def _compare(setup: BenchSetup, ar_turns, sp_turns, turns_index) -> dict:
 
 def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods: Sequence[str],
                   temperatures: Sequence[float], budgets: Sequence[str], heads: dict,
-                  log: Callable[[str], None] = print, progress_factory=None) -> list[dict]:
-    """-> result rows (report.write_results layout) for AR and every (method, budget, temperature)."""
+                  log: Callable[[str], None] = print, progress_factory=None,
+                  parts: Optional[Parts] = None) -> list[dict]:
+    """-> result rows (report.write_results layout) for AR and every (method, budget, temperature).
+
+    With ``parts``, every finished row is kept on disk and a rerun skips the rows it finds there.
+    """
     import jax
 
     from confu_jax.bench import budget as budget_lib
@@ -162,20 +226,36 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
         b = progress_factory(total=len(prompts), desc=desc)
         return b, b.update
 
+    def resumed(key):
+        got = parts.load(key) if parts is not None else None
+        if got is not None:
+            rows.append(got[0])
+            log(f"[{key}] finished in an earlier run: {got[0]['tokens_per_s']:.2f} tokens/s (kept)")
+        return got
+
     for temp in temperatures:
-        programs = _Programs()
-        b, tick = bar(f"ar T={temp}")
-        ar_logs, ar_tokens = _run_all(prompts, setup, programs, _ar_decoder(setup, programs, temp), tick)
-        if b is not None:
-            b.close()
-        row = metrics.summarize("ar", ar_logs, ar_logs, temperature=temp)
-        row = dict(dataclasses.asdict(row), compile_s=programs.compile_s, budget=None, head=None,
-                   trained=None, lossless_greedy=None)
-        rows.append(row)
-        log(f"[ar] T={temp}: {row['tokens_per_s']:.2f} tokens/s (compile {programs.compile_s:.1f} s)")
+        got = resumed(f"ar__T{temp:g}")
+        if got is not None:
+            _, ar_logs, ar_tokens = got
+        else:
+            programs = _Programs()
+            b, tick = bar(f"ar T={temp}")
+            ar_logs, ar_tokens = _run_all(prompts, setup, programs, _ar_decoder(setup, programs, temp), tick)
+            if b is not None:
+                b.close()
+            row = metrics.summarize("ar", ar_logs, ar_logs, temperature=temp)
+            row = dict(dataclasses.asdict(row), compile_s=programs.compile_s, budget=None, head=None,
+                       trained=None, lossless_greedy=None)
+            rows.append(intervals.annotate(row, ar_logs, ar_logs, seed=setup.seed))
+            if parts is not None:
+                parts.save(f"ar__T{temp:g}", rows[-1], ar_logs, ar_tokens)
+            log(f"[ar] T={temp}: {row['tokens_per_s']:.2f} tokens/s (compile {programs.compile_s:.1f} s)")
         for m in spec_methods:
             head = loaded[m]
             for bud in budgets:
+                key = f"{m}__{bud}__T{temp:g}"
+                if resumed(key) is not None:
+                    continue
                 plan_text = bud
                 if bud == "auto":
                     calib = setup.calibration
@@ -195,10 +275,14 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                     if plan_text == budget_lib.AR:  # speculation does not pay: decode as AR does
                         res = metrics.summarize(m, ar_logs, ar_logs, nodes=1, temperature=temp, depth=None,
                                                 setting={"plan": plan_text, "budget": bud})
-                        rows.append(dict(dataclasses.asdict(res), compile_s=0.0, budget=bud, head=head.source,
-                                         trained=head.trained, lossless_greedy=True if temp == 0 else None,
-                                         n_mismatched_turns=0 if temp == 0 else None,
-                                         n_numerical_ties=0 if temp == 0 else None, first_mismatch=None))
+                        rows.append(intervals.annotate(
+                            dict(dataclasses.asdict(res), compile_s=0.0, budget=bud, head=head.source,
+                                 trained=head.trained, lossless_greedy=True if temp == 0 else None,
+                                 n_mismatched_turns=0 if temp == 0 else None,
+                                 n_numerical_ties=0 if temp == 0 else None, first_mismatch=None),
+                            ar_logs, ar_logs, seed=setup.seed))
+                        if parts is not None:
+                            parts.save(key, rows[-1], ar_logs, ar_tokens)
                         log(f"[{m}] {bud} (ar: speculation off) T={temp}: {rows[-1]['tokens_per_s']:.2f} tokens/s")
                         continue
                 plan = parse_plan(plan_text)
@@ -215,7 +299,9 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                     "first_mismatch": None}
                 row = dict(dataclasses.asdict(res), compile_s=programs.compile_s, budget=bud,
                            head=head.source, trained=head.trained, **check)
-                rows.append(row)
+                rows.append(intervals.annotate(row, sp_logs, ar_logs, seed=setup.seed))
+                if parts is not None:
+                    parts.save(key, rows[-1], sp_logs, sp_tokens)
                 log(f"[{m}] {bud} ({plan_text}) T={temp}: tau {row['tau']:.3f}, {row['tokens_per_s']:.2f} "
                     f"tokens/s, speed-up {row['speedup']:.3f}, compile {programs.compile_s:.1f} s"
                     + ("" if temp != 0 else f", lossless={row['lossless_greedy']}"))
