@@ -2,7 +2,7 @@
 
     python -m launch.generate_data --output data/regen.jsonl \
         [--model smollm2-135m-instruct] [--input sharegpt,more.jsonl] [--max_records 1000] \
-        [--batch_size 16] [--max_new_tokens 512] [--temperature 0] [--top_p 1] [--seed 0]
+        [--batch_size 16] [--max_new_tokens 512] [--max_turns 0] [--temperature 0] [--top_p 1]
 
 Why: a draft head is trained to imitate the *target's* next-token distribution, so training on the
 target's own answers (instead of ShareGPT's ChatGPT answers) removes a distribution shift; EAGLE
@@ -184,6 +184,40 @@ def make_generate_fn(params, cfg, *, max_new_tokens: int, temperature: float, to
     return generate_fn
 
 
+def keep_turns(conv: dict, max_turns: int) -> dict:
+    """``conv`` cut after its ``max_turns``-th assistant turn (0: unchanged).
+
+    Why: a training row holds ``data.max_length`` tokens, so answers to later turns (whose prompts
+    already hold the earlier answers) often lie past the row's end; regenerating them costs decode
+    time and trains nothing.
+    """
+    if max_turns <= 0:
+        return conv
+    seen = 0
+    for i, m in enumerate(conv["messages"]):
+        if m["role"] == "assistant":
+            seen += 1
+            if seen == max_turns:
+                return {**conv, "messages": list(conv["messages"][: i + 1])}
+    return conv
+
+
+def first_questions(conversations, tokenizer, max_prompt_len: int, n: int) -> list[dict]:
+    """The first ``n`` conversations cut to their first question (the turns before the first
+    assistant answer, which the target regenerates) whose chat-template prompt fits ``max_prompt_len``."""
+    out = []
+    for c in conversations:
+        msgs = keep_turns(c, 1)["messages"]
+        if not msgs or msgs[-1]["role"] != "assistant":
+            continue
+        ids, _ = tokenizer.encode_chat(msgs[:-1], add_generation_prompt=True)
+        if len(ids) <= max_prompt_len:
+            out.append({"id": c["id"], "messages": msgs})
+            if len(out) == n:
+                break
+    return out
+
+
 def pending_conversations(conversations: Sequence[dict], output: str):
     """What ``output`` still lacks -> (conversations to do, in input order; run counts). Ids
     already written are skipped (resume); a repeated id is skipped after its first occurrence."""
@@ -349,6 +383,30 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
     return stats
 
 
+def regenerate_continuous(conversations: Sequence[dict], output: str, tokenizer, cfg, params, *,
+                          batch_size: int, max_new_tokens: int, max_prompt_len: int,
+                          temperature: float = 0.0, top_p: float = 1.0, steps_per_sync: int = 16,
+                          progress: bool = True) -> dict:
+    """Build the continuous-batching engine for ``params`` and regenerate what ``output`` lacks.
+
+    The CLI's default path, and what ``launch.quickstart`` calls to self-distil its training data.
+    Returns the run's counts plus ``tokens_generated`` and ``seconds`` (compilation included).
+    """
+    import time
+
+    from confu_jax.decode.continuous import ContinuousGenerator
+
+    t0 = time.perf_counter()
+    engine = ContinuousGenerator(params, cfg, batch=batch_size, max_len=max_prompt_len + max_new_tokens,
+                                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                 eos_ids=tokenizer.eos_ids, steps_per_sync=steps_per_sync)
+    stats = generate_dataset_continuous(conversations, output, tokenizer, engine,
+                                        max_prompt_len=max_prompt_len, progress=progress)
+    stats["tokens_generated"] = engine.tokens_generated
+    stats["seconds"] = round(time.perf_counter() - t0, 1)
+    return stats
+
+
 # ----------------------------------------------------------------------------------------------
 # CLI
 
@@ -361,6 +419,8 @@ def _define_flags():
     flags.DEFINE_list("input", ["sharegpt"], "conversation files or asset names (ShareGPT/SpecForge/UltraChat)")
     flags.DEFINE_string("output", None, "JSONL to write (appended to; rerun to resume)", required=True)
     flags.DEFINE_integer("max_records", 0, "use only the first N good input conversations (0 = all)")
+    flags.DEFINE_integer("max_turns", 0, "regenerate at most this many assistant turns per conversation (0 = "
+                         "all); later turns are dropped. 1 suits training rows too short to reach later turns")
     flags.DEFINE_enum("engine", "continuous", ["continuous", "static"],
                       "continuous: B slots refilled as rows finish (confu_jax.decode.continuous); "
                       "static: batches of --batch_size conversations, turn by turn (generate_ar)")
@@ -407,19 +467,15 @@ def main(argv):
         f.input, on_bad_record=f.on_bad_record, max_records=f.max_records or None
     )
     log.info("input: %s", report.summary())
-    convs = [c for c in convs if shard_of(c["id"], f.num_shards) == f.shard_index]
+    convs = [keep_turns(c, f.max_turns) for c in convs if shard_of(c["id"], f.num_shards) == f.shard_index]
     output = shard_output(f.output, f.shard_index, f.num_shards)
     tokenizer = ChatTokenizer.load(f.tokenizer or f.model)
     cfg, params = load_model(f.model, f.dtype or None)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     if f.engine == "continuous":
-        from confu_jax.decode.continuous import ContinuousGenerator
-
-        engine = ContinuousGenerator(params, cfg, batch=f.batch_size, max_len=f.max_prompt_len + f.max_new_tokens,
-                                     max_new_tokens=f.max_new_tokens, temperature=f.temperature, top_p=f.top_p,
-                                     eos_ids=tokenizer.eos_ids, steps_per_sync=f.steps_per_sync)
-        stats = generate_dataset_continuous(convs, output, tokenizer, engine, max_prompt_len=f.max_prompt_len)
-        stats["tokens_generated"] = engine.tokens_generated
+        stats = regenerate_continuous(convs, output, tokenizer, cfg, params, batch_size=f.batch_size,
+                                      max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,
+                                      temperature=f.temperature, top_p=f.top_p, steps_per_sync=f.steps_per_sync)
     else:
         generate_fn = make_generate_fn(params, cfg, max_new_tokens=f.max_new_tokens, temperature=f.temperature,
                                        top_p=f.top_p, eos_ids=tokenizer.eos_ids)

@@ -220,3 +220,31 @@ def test_continuous_engine_resumes_after_kill_and_matches_the_static_engine(tmp_
     assert out.read_text() == ref.read_text()
     assert gd.shard_output("d/x.jsonl", 2, 4) == "d/x.shard-00002-of-00004.jsonl"
     assert sorted({gd.shard_of(c["id"], 3) for c in convs}) == [0, 1, 2]
+
+
+def test_first_questions_keeps_the_first_question_that_fits():
+    """What the quickstart self-distils: each conversation cut to the turns before its first answer
+    (plus that answer, which the target replaces), long prompts and answerless records skipped."""
+    tok = FakeChatTokenizer()
+    convs = [_conv(i, turns=2) for i in range(6)]
+    convs[1]["messages"][0]["content"] = "a very long question " * 40
+    convs.insert(2, {"id": "no-answer", "messages": [{"role": "user", "content": "hi"}]})
+    limit = max(len(tok.encode_chat(c["messages"][:2 if i % 3 else 3], add_generation_prompt=True)[0])
+                for i, c in enumerate(convs) if c["id"] in ("r0", "r2"))
+    got = gd.first_questions(convs, tok, limit, n=3)
+    assert [c["id"] for c in got] == ["r0", "r2", "r3"]
+    for c in got:
+        src = next(s for s in convs if s["id"] == c["id"])["messages"]
+        k = next(i for i, m in enumerate(src) if m["role"] == "assistant")
+        assert c["messages"] == src[: k + 1]  # question, its context and the first answer only
+        assert len(tok.encode_chat(src[:k], add_generation_prompt=True)[0]) <= limit
+    assert [c["id"] for c in gd.first_questions(convs, tok, limit, n=10)][-1] == "r5"
+
+
+def test_keep_turns_cuts_after_the_nth_answer():
+    c = _conv(3, turns=3)  # system + 3 x (user, assistant)
+    assert gd.keep_turns(c, 0) is c and gd.keep_turns(c, 5) is c
+    one = gd.keep_turns(c, 1)["messages"]
+    assert [m["role"] for m in one] == ["system", "user", "assistant"]
+    two = gd.keep_turns(c, 2)["messages"]
+    assert two == c["messages"][:5] and len(c["messages"]) == 7  # the input is not modified

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The headline experiment of docs/RESULTS.md ("Headline experiment, self-distilled"), as one
+# resumable pipeline: rerun the script after an interruption and every stage continues where it
+# stopped (generate_data appends and skips finished conversations; launch.train resumes from its
+# last checkpoint; a benchmark stage whose JSON exists is skipped).
+#
+#   bash experiments/headline.sh                 # all stages, defaults below
+#   STAGES=data bash experiments/headline.sh     # one stage: data | eagle3 | confu | bench
+#   RECORDS=3000 E3_STEPS=900 bash experiments/headline.sh
+#
+# Protocol (the paper's, §4): EAGLE-3 trains E3_STEPS + PLUS_STEPS steps; ConFu and its two ablations
+# start from EAGLE-3's checkpoint at E3_STEPS and train PLUS_STEPS, so every head sees the same number
+# of optimizer steps. All heads train on SmolLM2's own answers to ShareGPT (self-distillation).
+# Benchmark: all 80 MT-Bench questions + HumanEval's first 20, T = 0 and T = 1, chain:3 and budget
+# auto (with held-out calibration prompts), 95% bootstrap intervals over questions.
+# Runs take hours on a 2-core CPU: start it with nohup, never beside timed work.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python}
+OUT=${OUT:-runs/headline}
+DATA=${DATA:-$OUT/data/regen_sharegpt_t1.jsonl}
+RECORDS=${RECORDS:-6000}          # ShareGPT conversations read (input order); first turns that fit are regenerated
+E3_STEPS=${E3_STEPS:-600}         # EAGLE-3 steps before ConFu branches off
+PLUS_STEPS=${PLUS_STEPS:-300}     # steps every head trains after the branch point
+MAX_NEW=${MAX_NEW:-128}           # tokens per benchmark answer
+STAGES=${STAGES:-data,eagle3,confu,bench}
+mkdir -p "$OUT"
+
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+if has data; then
+  # first turns only: a 256-token training row rarely reaches a second answer; a prompt of <= 192
+  # tokens leaves >= 64 answer tokens in the row, and no answer token past the row is generated
+  $PY -m launch.generate_data --output "$DATA" --max_records "$RECORDS" --max_turns 1 --batch_size 32 \
+    --max_new_tokens 224 --max_prompt_len 192
+fi
+
+COMMON=(--config.train.checkpoint.async_save=False --config.train.eval_every=50 --config.train.log_every=10
+  --config.train.optim.lr=1e-3 --config.train.optim.warmup_steps=10 --config.train.progress_bar=False
+  --config.data.train_files="$DATA" --config.data.global_batch_size=4 --config.data.max_length=256
+  --config.data.draft_vocab_max_records=3000 --config.draft.draft_vocab_size=4096 --config.draft.ttt_steps=4
+  --config.train.checkpoint.every=50 --config.train.checkpoint.keep=100)
+TOTAL=$((E3_STEPS + PLUS_STEPS))
+
+if has eagle3; then
+  $PY -m launch.train --config configs/smollm2_eagle3.py --workdir "$OUT/eagle3" "${COMMON[@]}" \
+    --config.train.steps=$TOTAL
+fi
+
+if has confu; then
+  for v in confu confu_nomoe confu_nomoe_norep; do
+    $PY -m launch.train --config configs/smollm2_$v.py --workdir "$OUT/$v" "${COMMON[@]}" \
+      --config.train.steps=$PLUS_STEPS --config.objective.k_train=64 --config.confu.max_lag=4 \
+      --config.train.checkpoint.init_from="$OUT/eagle3/checkpoints" \
+      --config.train.checkpoint.init_from_step=$E3_STEPS
+  done
+fi
+
+if has bench; then
+  HEADS="eagle3=$OUT/eagle3,confu=$OUT/confu,confu_nomoe=$OUT/confu_nomoe,confu_nomoe_norep=$OUT/confu_nomoe_norep"
+  # one run for the headline table (AR timed beside every method, so speed-ups are same-run ratios)
+  [[ -f "$OUT/bench/headline.json" ]] || $PY -m launch.decode_bench --methods ar,eagle3,confu --heads "$HEADS" \
+    --prompts mtbench+humaneval:20 --n_per_category 0 --turns 1 --max_new_tokens "$MAX_NEW" \
+    --temperatures 0,1 --budgets chain:3,auto --calibration humaneval --n_calibration 4 \
+    --out "$OUT/bench/headline.json"
+  # the ablations at the headline's greedy chain setting
+  [[ -f "$OUT/bench/ablations.json" ]] || $PY -m launch.decode_bench --methods ar,eagle3,confu,confu_nomoe,confu_nomoe_norep \
+    --heads "$HEADS" --prompts mtbench+humaneval:20 --n_per_category 0 --turns 1 --max_new_tokens "$MAX_NEW" \
+    --temperatures 0 --budgets chain:3 --out "$OUT/bench/ablations.json"
+  echo "copy $OUT/bench/headline.json to docs/results/headline.json once it is final"
+fi
