@@ -303,3 +303,51 @@ def test_shape_errors_name_the_tensors():
     tree = tr.build_tree(jnp.zeros((1, 3), jnp.int32), jnp.array([[-1, 0, 1]]), 2)
     with pytest.raises(ValueError, match=r"logits_btv must be \[B,T,V\]"):
         vf.verify_greedy(tree, jnp.zeros((1, 4, 5)))
+
+
+def verify_sampled_tree_reference(tree, logits_btv, key, temperature, top_p=1.0):
+    """The residual rule with r materialised as a [B, V] array at every step (the formulation the
+    O(T)-per-step implementation replaced): the two must take the same decisions."""
+    p_btv = target_probs(logits_btv, temperature, top_p)
+    b, t, _ = p_btv.shape
+    k_acc, k_bonus = jax.random.split(key)
+    u_bt = jax.random.uniform(k_acc, (b, t), jnp.float32)
+    rows = jnp.arange(b)
+
+    def step(carry, j):
+        cur_b, r_bv = carry
+        tok_b = tree.tokens_bt[:, j]
+        is_child = tree.valid_bt[:, j] & (tree.parents_bt[:, j] == cur_b)
+        r_c = r_bv[rows, tok_b]
+        accept = is_child & (u_bt[:, j] * jnp.sum(r_bv, axis=-1) < r_c)
+        reject = is_child & ~accept
+        r_zeroed = r_bv.at[rows, tok_b].set(jnp.where(reject, 0.0, r_c))
+        r_bv = jnp.where(accept[:, None], p_btv[:, j], r_zeroed)
+        return (jnp.where(accept, j, cur_b), r_bv), None
+
+    (last_b, r_bv), _ = jax.lax.scan(step, (jnp.zeros((b,), jnp.int32), p_btv[:, 0]), jnp.arange(1, t))
+    r_bv = jnp.where(jnp.sum(r_bv, axis=-1, keepdims=True) > 0, r_bv, p_btv[rows, last_b])
+    return vf.make_verification(tree, last_b, sample(k_bonus, r_bv).astype(jnp.int32))
+
+
+def test_sampled_tree_rule_equals_the_materialised_residual_reference():
+    """Random trees over a 40-token vocabulary whose siblings often share a token (duplicates) and
+    include padding: same accepted node and bonus token as the [B, V]-residual formulation."""
+    rng = np.random.default_rng(0)
+    b, t, v = 8, 12, 40
+    parents = np.array([-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7])
+    fast, ref = jax.jit(vf.verify_sampled_tree), jax.jit(verify_sampled_tree_reference)
+    n_diff = 0
+    for trial in range(60):
+        tokens = rng.integers(0, 4, size=(b, t))  # 4 distinct tokens: duplicate siblings are common
+        valid = rng.random((b, t)) > 0.1
+        tree = tr.build_tree(jnp.asarray(tokens), jnp.broadcast_to(jnp.asarray(parents), (b, t)), 4,
+                             jnp.asarray(valid))
+        logits = jnp.asarray(rng.normal(size=(b, t, v)).astype(np.float32) * 2)
+        logits = logits.at[:, :, :4].add(2.0)  # the drafted tokens carry most of the mass
+        key = jax.random.PRNGKey(trial)
+        for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
+            a, r = fast(tree, logits, key, temperature, top_p), ref(tree, logits, key, temperature, top_p)
+            n_diff += int(np.sum(np.asarray(a.last_node_b) != np.asarray(r.last_node_b)))
+            n_diff += int(np.sum(np.asarray(a.bonus_b) != np.asarray(r.bonus_b)))
+    assert n_diff == 0

@@ -96,25 +96,34 @@ def verify_sampled_tree(tree: DraftTree, logits_btv: jax.Array, key: jax.Array, 
     """
     _check_shapes("verify_sampled_tree", tree, logits_btv)
     p_btv = target_probs(logits_btv, temperature, top_p)
-    b, t, _ = p_btv.shape
+    b, t, v = p_btv.shape
     k_acc, k_bonus = jax.random.split(key)
     u_bt = jax.random.uniform(k_acc, (b, t), jnp.float32)
     rows = jnp.arange(b)
+    # The residual r is never materialised during the walk: at the current node it is p(cur) with
+    # the tokens of cur's rejected children zeroed, so the walk needs only sum(r) (a [B] carry, kept
+    # up to date by subtraction) and r(c) = p(cur, c) unless an earlier sibling with the same token
+    # was rejected. Each step costs O(T), not a [B, V] sum and select; r is built once for the bonus.
+    psum_bt = jnp.sum(p_btv, axis=-1)
 
     def step(carry, j):
-        cur_b, r_bv = carry
+        cur_b, rsum_b, rejected_bt = carry
         tok_b = tree.tokens_bt[:, j]
         is_child = tree.valid_bt[:, j] & (tree.parents_bt[:, j] == cur_b)
-        r_c = r_bv[rows, tok_b]
-        accept = is_child & (u_bt[:, j] * jnp.sum(r_bv, axis=-1) < r_c)
+        dup_b = jnp.any(rejected_bt & (tree.parents_bt == cur_b[:, None]) & (tree.tokens_bt == tok_b[:, None]),
+                        axis=1)
+        r_c = jnp.where(dup_b, 0.0, p_btv[rows, cur_b, tok_b])
+        accept = is_child & (u_bt[:, j] * rsum_b < r_c)
         reject = is_child & ~accept
-        r_zeroed = r_bv.at[rows, tok_b].set(jnp.where(reject, 0.0, r_c))
-        r_bv = jnp.where(accept[:, None], p_btv[:, j], r_zeroed)
-        return (jnp.where(accept, j, cur_b), r_bv), None
+        rejected_bt = rejected_bt.at[:, j].set(reject)
+        rsum_b = jnp.where(accept, psum_bt[:, j], jnp.where(reject, rsum_b - r_c, rsum_b))
+        return (jnp.where(accept, j, cur_b), rsum_b, rejected_bt), None
 
-    init = (jnp.zeros((b,), jnp.int32), p_btv[:, 0])
-    (last_b, r_bv), _ = jax.lax.scan(step, init, jnp.arange(1, t, dtype=jnp.int32))
+    init = (jnp.zeros((b,), jnp.int32), psum_bt[:, 0], jnp.zeros((b, t), bool))
+    (last_b, _, rejected_bt), _ = jax.lax.scan(step, init, jnp.arange(1, t, dtype=jnp.int32))
     p_last = p_btv[rows, last_b]
+    zero_bt = rejected_bt & (tree.parents_bt == last_b[:, None])
+    r_bv = p_last.at[rows[:, None], jnp.where(zero_bt, tree.tokens_bt, v)].set(0.0, mode="drop")
     r_bv = jnp.where(jnp.sum(r_bv, axis=-1, keepdims=True) > 0, r_bv, p_last)
     bonus_b = sample(k_bonus, r_bv).astype(jnp.int32)
     return make_verification(tree, last_b, bonus_b)
