@@ -329,3 +329,21 @@ def test_sampled_chain_scatters_q_into_the_target_vocab():
     assert np.all(np.delete(q, np.asarray(d2t), axis=-1) == 0)
     toks = np.asarray(tree.tokens_bt[0, 1:])
     assert np.all(q[np.arange(3), toks] > 0)
+
+
+def test_static_tree_is_build_tree_computed_at_trace_time():
+    """Static shapes: the tree equals build_tree's, and the traced program holds no tree building
+    (only broadcasts of constants), so iterations do not rebuild it."""
+    import numpy as np
+
+    from confu_jax.decode import tree as tr
+
+    for structure in (tr.chain_structure(4), tr.static_structure([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])):
+        t = structure.n_nodes
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 100, size=(3, t)), jnp.int32)
+        got = tr.static_tree(tokens, structure)
+        want = tr.build_tree(tokens, jnp.broadcast_to(jnp.asarray(structure.parents_t), (3, t)), structure.max_depth)
+        for a, b, name in zip(got, want, tr.DraftTree._fields):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+        prims = {e.primitive.name for e in jax.make_jaxpr(lambda x: tr.static_tree(x, structure))(tokens).jaxpr.eqns}
+        assert prims <= {"broadcast_in_dim", "convert_element_type"}, prims

@@ -174,6 +174,28 @@ class StaticStructure(NamedTuple):
         return int(self.depth_t.max())
 
 
+def static_tree(tokens_bt: jax.Array, structure: StaticStructure) -> DraftTree:
+    """The DraftTree of a static shape filled with ``tokens_bt``: depths, validity, ancestor mask
+    and paths depend on the shape only, so they are computed once at trace time (compile-time
+    constants broadcast over rows) instead of rebuilt by :func:`build_tree` in every iteration."""
+    b, t = tokens_bt.shape
+    if t != structure.n_nodes:
+        raise ValueError(f"static_tree: tokens_bt has {t} nodes; the structure has {structure.n_nodes}")
+    parents = np.asarray(structure.parents_t, np.int32)
+    depth = np.asarray(structure.depth_t, np.int32)
+    ancestor = np.zeros((t, t), bool)
+    path = np.full((t, structure.max_depth + 1), -1, np.int32)
+    for i in range(t):
+        node = i
+        while node >= 0:  # parents point backwards (static_structure checks it)
+            ancestor[i, node] = True
+            path[i, depth[node]] = node
+            node = parents[node]
+    rows = lambda x: jnp.broadcast_to(x, (b,) + x.shape)  # noqa: E731
+    return DraftTree(jnp.asarray(tokens_bt, jnp.int32), rows(parents), rows(depth), rows(np.ones(t, bool)),
+                     rows(ancestor), rows(path))
+
+
 def static_structure(paths: Sequence[Sequence[int]]) -> StaticStructure:
     """Tree shape from EAGLE/Medusa "choices": each path lists child ranks from the root.
 
@@ -279,8 +301,7 @@ def draft_static_tree(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array,
         top_bkr = _map_tokens(top_bkr, d2t_v)
         pos = np.array([list(nodes).index(parents[c]) for c in children])
         tokens_bt = tokens_bt.at[:, children].set(top_bkr[:, pos, rank[children]])
-    parents_bt = jnp.broadcast_to(jnp.asarray(parents), (b, t))
-    return build_tree(tokens_bt, parents_bt, structure.max_depth), state
+    return static_tree(tokens_bt, structure), state
 
 
 def _check_logp(logp_bkv, b, k, depth):
@@ -321,9 +342,7 @@ def draft_sampled_chain(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array
         tokens.append(_map_tokens(tok_b, d2t_v))
         qs.append(q_bv)
     q_btv = jnp.stack([jnp.zeros_like(qs[0])] + qs, axis=1)
-    parents_bt = jnp.broadcast_to(jnp.asarray(structure.parents_t), (b, k + 1))
-    tree = build_tree(jnp.stack(tokens, axis=1), parents_bt, k)
-    return tree, q_btv, state
+    return static_tree(jnp.stack(tokens, axis=1), structure), q_btv, state
 
 
 # --------------------------------------------------------------------------------------------
