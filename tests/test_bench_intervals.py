@@ -127,3 +127,18 @@ def test_annotated_rows_write_intervals_ratios_table_and_figure(tmp_path):
     assert len(fig.axes) == 2
     heights = [p.get_height() for p in fig.axes[1].patches]
     assert heights[-1] == pytest.approx(confu_row["speedup"])
+
+
+def test_single_question_groups_get_no_interval_and_no_degenerate_stratification():
+    """One question per category (the quickstart's 8 questions): per-category intervals are nan, and
+    the overall interval resamples the questions freely (strata of one would never vary)."""
+    rng = np.random.default_rng(5)
+    logs, ar = _logs(rng, n_per_cat=1, cats=("a", "b", "c", "d", "e", "f"))
+    table, base = intervals.question_table(logs), intervals.question_table(ar)
+    assert all(np.isnan(intervals.tau_interval(table, c)).all() for c in "abcdef")
+    lo, hi = intervals.tau_interval(table, None)
+    assert lo < hi
+    sr, _ = intervals.speedup_interval(table, base, "a")
+    assert np.isnan(sr).all()
+    r = intervals.tau_ratio(table, table, "a")
+    assert r["ratio"] == pytest.approx(1.0) and np.isnan(r["ci"]).all()

@@ -8,7 +8,9 @@ figure would move on another draw of them.
 
 * A category's interval resamples that category's questions.
 * The overall ("AVG") interval resamples *within each category* (stratified): the benchmark fixes how
-  many questions each category has (MT-Bench: 10), so that proportion is not random.
+  many questions each category has (MT-Bench: 10), so that proportion is not random. With a category
+  of a single question it resamples all questions freely instead (a stratum of one never varies).
+* A group of fewer than two questions gets no interval (nan, shown as "–").
 * Ratios are *paired*: the speed-up resamples one set of question ids and evaluates the method and
   the AR baseline on the same ids; the ConFu / EAGLE-3 τ ratio likewise. Pairing removes the
   per-question difficulty that both sides share, which is what makes small differences resolvable.
@@ -49,11 +51,18 @@ def question_table(logs: Iterable) -> dict:
     return table
 
 
+MIN_QUESTIONS = 2  # fewer questions in a group: no interval (a resample of one question never varies)
+
+
 def resample_indices(categories: Sequence[str], n_boot: int, seed: int, stratified: bool) -> np.ndarray:
-    """[n_boot, n] indices into the questions: uniform with replacement, or within each category."""
+    """[n_boot, n] indices into the questions: uniform with replacement, or within each category.
+
+    Stratifying needs at least two questions in every category (a category of one would be
+    resampled as itself, hiding its variance): otherwise the questions are resampled freely."""
     rng = np.random.default_rng(seed)
     n = len(categories)
-    if not stratified:
+    counts = {c: list(categories).count(c) for c in dict.fromkeys(categories)}
+    if not stratified or min(counts.values(), default=0) < MIN_QUESTIONS:
         return rng.integers(0, n, size=(n_boot, n))
     cats = np.asarray(categories)
     out = np.empty((n_boot, n), dtype=np.int64)
@@ -83,7 +92,7 @@ def tau_interval(table: Mapping, category: str | None = None, *, n_boot: int = D
                  seed: int = 0, level: float = DEFAULT_LEVEL) -> list[float]:
     """Percentile interval of pooled τ over the questions of ``category`` (None: all, stratified)."""
     ids = _ids(table, category)
-    if not ids:
+    if len(ids) < MIN_QUESTIONS:
         return [float("nan"), float("nan")]
     emitted, passes = _columns(table, ids, "emitted", "passes")
     idx = resample_indices([table[q]["category"] for q in ids], n_boot, seed, stratified=category is None)
@@ -99,7 +108,7 @@ def speedup_interval(table: Mapping, baseline: Mapping, category: str | None = N
     missing = [q for q in ids if q not in baseline]
     if missing:
         raise ValueError(f"speedup_interval: the baseline lacks questions {missing[:5]} of the method")
-    if not ids:
+    if len(ids) < MIN_QUESTIONS:
         nan = [float("nan"), float("nan")]
         return nan, nan
     tokens, seconds = _columns(table, ids, "tokens", "seconds")
@@ -118,6 +127,9 @@ def tau_ratio(table: Mapping, reference: Mapping, category: str | None = None, *
         return {"ratio": float("nan"), "ci": [float("nan"), float("nan")], "n_questions": 0}
     e, p = _columns(table, ids, "emitted", "passes")
     re, rp = _columns(reference, ids, "emitted", "passes")
+    if len(ids) < MIN_QUESTIONS:
+        return {"ratio": float((e.sum() / p.sum()) / (re.sum() / rp.sum())), "ci": [float("nan"), float("nan")],
+                "n_questions": len(ids)}
     idx = resample_indices([table[q]["category"] for q in ids], n_boot, seed, stratified=category is None)
     with np.errstate(invalid="ignore", divide="ignore"):
         boot = (e[idx].sum(1) / p[idx].sum(1)) / (re[idx].sum(1) / rp[idx].sum(1))
