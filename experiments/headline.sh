@@ -5,9 +5,11 @@
 # last checkpoint; a benchmark stage whose JSON exists is skipped).
 #
 #   bash experiments/headline.sh                 # all stages, defaults below
-#   STAGES=data bash experiments/headline.sh     # one stage: data | eagle3 | confu | bench
+#   STAGES=data bash experiments/headline.sh     # one stage: data | eagle3 | confu | lag | bench
 #   RECORDS=3000 E3_STEPS=900 bash experiments/headline.sh
 #
+# Rows: 2 x 512 tokens per step, packed (first-turn conversations are <= 416 tokens: a row holds one
+# whole or several; packing doubles the real tokens per step on this data, docs/RESULTS.md).
 # Protocol (the paper's, §4): EAGLE-3 trains E3_STEPS + PLUS_STEPS steps; ConFu and its two ablations
 # start from EAGLE-3's checkpoint at E3_STEPS and train PLUS_STEPS, so every head sees the same number
 # of optimizer steps. All heads train on SmolLM2's own answers to ShareGPT (self-distillation).
@@ -23,21 +25,22 @@ RECORDS=${RECORDS:-6000}          # ShareGPT conversations read (input order); f
 E3_STEPS=${E3_STEPS:-600}         # EAGLE-3 steps before ConFu branches off
 PLUS_STEPS=${PLUS_STEPS:-300}     # steps every head trains after the branch point
 MAX_NEW=${MAX_NEW:-128}           # tokens per benchmark answer
-STAGES=${STAGES:-data,eagle3,confu,bench}
+STAGES=${STAGES:-data,eagle3,confu,lag,bench}
 mkdir -p "$OUT"
 
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 
 if has data; then
-  # first turns only: a 256-token training row rarely reaches a second answer; a prompt of <= 192
-  # tokens leaves >= 64 answer tokens in the row, and no answer token past the row is generated
+  # first turns only: later answers rarely fit a training row beside the earlier ones; prompts of
+  # <= 192 tokens and answers of <= 224 keep every conversation inside one 512-token row
   $PY -m launch.generate_data --output "$DATA" --max_records "$RECORDS" --max_turns 1 --batch_size 32 \
     --max_new_tokens 224 --max_prompt_len 192
 fi
 
 COMMON=(--config.train.checkpoint.async_save=False --config.train.eval_every=50 --config.train.log_every=10
   --config.train.optim.lr=1e-3 --config.train.optim.warmup_steps=10 --config.train.progress_bar=False
-  --config.data.train_files="$DATA" --config.data.global_batch_size=4 --config.data.max_length=256
+  --config.data.train_files="$DATA" --config.data.global_batch_size=2 --config.data.max_length=512
+  --config.data.pack=True --config.data.min_loss_tokens=1
   --config.data.draft_vocab_max_records=3000 --config.draft.draft_vocab_size=4096 --config.draft.ttt_steps=4
   --config.train.checkpoint.every=50 --config.train.checkpoint.keep=100)
 TOTAL=$((E3_STEPS + PLUS_STEPS))
@@ -54,6 +57,18 @@ if has confu; then
       --config.train.checkpoint.init_from="$OUT/eagle3/checkpoints" \
       --config.train.checkpoint.init_from_step=$E3_STEPS
   done
+fi
+
+# Lag distribution (issue 11 item 4): ConFu with the contemplate lag drawn from the accepted-length
+# histogram measured at decode time (docs/RESULTS.md: 491/170/43/9 passes accepting 0/1/2/3 drafts,
+# so lag 1..4 with weights 0.69/0.24/0.06/0.01) instead of uniform on 1..4; compared with ConFu on
+# held-out tau_sim at the same step and in the ablation benchmark.
+if has lag; then
+  $PY -m launch.train --config configs/smollm2_confu.py --workdir "$OUT/confu_lagw" "${COMMON[@]}" \
+    --config.train.steps=$PLUS_STEPS --config.objective.k_train=64 --config.confu.max_lag=4 \
+    --config.confu.lag_weights="(0.69,0.24,0.06,0.01)" \
+    --config.train.checkpoint.init_from="$OUT/eagle3/checkpoints" \
+    --config.train.checkpoint.init_from_step=$E3_STEPS
 fi
 
 if has bench; then

@@ -247,11 +247,11 @@ def generate_dataset(
     progress: bool = True,
 ) -> dict:
     """Regenerate what ``output`` lacks, batch by batch; returns counts for the run."""
-    from tqdm import tqdm
+    from confu_jax import progress as progress_lib
 
     todo, stats = pending_conversations(conversations, output)
-    bar = tqdm(total=stats["already_done"] + len(todo), initial=stats["already_done"], unit="conv",
-               disable=not progress, desc="regenerating")
+    bar = progress_lib.bar(stats["already_done"] + len(todo), initial=stats["already_done"], unit="conv",
+                           enabled=progress, desc="regenerating")
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         records = regenerate_batch(batch, tokenizer, generate_fn, batch_size=batch_size,
@@ -320,19 +320,20 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
     """
     import time
 
-    from tqdm import tqdm
+    from confu_jax import progress as progress_lib
 
     from confu_jax.decode.stopping import StopReason
 
     todo, stats = pending_conversations(conversations, output)
-    bar = tqdm(total=stats["already_done"] + len(todo), initial=stats["already_done"], unit="conv",
-               disable=not progress, desc="regenerating")
+    bar = progress_lib.bar(stats["already_done"] + len(todo), initial=stats["already_done"], unit="conv",
+                           enabled=progress, desc="regenerating")
     pending = iter(todo)
     active: dict[str, _Conversation] = {}
     follow_ups: list[tuple] = []
     width = getattr(engine, "batch", 1)
     t0, tok0 = time.perf_counter(), getattr(engine, "tokens_generated", 0)
 
+    last_log = [t0]  # a log line a minute when no bar is shown
     started: collections.deque = collections.deque()  # ids in input order, written in that order
     complete: set[str] = set()
 
@@ -378,7 +379,11 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
             follow_ups.append((conv.id, ids, turn_seed(conv.id, conv.turn)))
         dt = time.perf_counter() - t0
         if dt > 0:
-            bar.set_postfix(tok_s=f"{(getattr(engine, 'tokens_generated', 0) - tok0) / dt:.1f}", refresh=False)
+            tok_s = (getattr(engine, 'tokens_generated', 0) - tok0) / dt
+            bar.set_postfix(tok_s=f"{tok_s:.1f}", refresh=False)
+            if bar.disable and progress and time.perf_counter() - last_log[0] > 60:  # no bar (not a terminal)
+                last_log[0] = time.perf_counter()
+                log.info("regenerating: %d/%d conversations written, %.1f tokens/s", bar.n, bar.total, tok_s)
     bar.close()
     return stats
 

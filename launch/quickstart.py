@@ -32,9 +32,9 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 flags.DEFINE_string("model", "smollm2-135m-instruct", "target: asset name or .gguf (must match the configs' preset)")
-flags.DEFINE_integer("train_steps", 60, "training budget per head (optimizer steps) when heads must be trained: "
+flags.DEFINE_integer("train_steps", 120, "training budget per head (optimizer steps) when heads must be trained: "
                      "EAGLE-3 trains this many; ConFu starts from EAGLE-3 at half of them and trains the rest")
-flags.DEFINE_integer("distill_records", 192, "ShareGPT questions whose answers the target regenerates for "
+flags.DEFINE_integer("distill_records", 384, "ShareGPT questions whose answers the target regenerates for "
                      "training (self-distillation, cached); 0 = train on ShareGPT's original answers")
 flags.DEFINE_integer("train_records", 600, "with --distill_records=0: ShareGPT conversations read for training")
 flags.DEFINE_integer("train_batch", 4, "rows per training step")
@@ -117,13 +117,14 @@ def ensure_distilled_data(tok, cfg, params) -> str | None:
     ``--distill_records=0``."""
     if FLAGS.distill_records <= 0:
         return None
-    from confu_jax.data.formats import load_conversations
+    from confu_jax.data.formats import bad_records_log_to, load_conversations
     from launch import generate_data
 
     path = distilled_data_path()
     max_prompt_len, max_new_tokens = distill_limits()
     # read a few times more records than needed: long first questions are skipped
-    convs, _ = load_conversations(["sharegpt"], on_bad_record="skip", max_records=8 * FLAGS.distill_records)
+    with bad_records_log_to(os.path.join(os.path.dirname(path), "bad_records.log")):
+        convs, _ = load_conversations(["sharegpt"], on_bad_record="skip", max_records=8 * FLAGS.distill_records)
     wanted = generate_data.first_questions(convs, tok, max_prompt_len, FLAGS.distill_records)
     todo, _ = generate_data.pending_conversations(wanted, path)
     if not todo:

@@ -3,7 +3,7 @@
     python -m launch.train_bench --max_length 512 --batch 2 --steps 3
 
 Both variants run the same jitted training step the loop runs (``train_step_fn``: value_and_grad
-of ``confu_loss`` + clipped AdamW) on the same real ShareGPT batches (the grain pipeline, chat
+of ``confu_loss`` + clipped AdamW) on the same real batches (ShareGPT, or ``--data``) (the grain pipeline, chat
 template, assistant masks) against the same frozen target, after compilation. Prints per variant:
 compile time, seconds per step, tokens/s (B·N sequence tokens per second) and the compiled step's
 own memory (arguments + outputs + temporaries, from XLA's memory analysis); then the ConFu/EAGLE-3
@@ -41,7 +41,9 @@ flags.DEFINE_list("variants", ["eagle3", "confu", "confu:128"],
 flags.DEFINE_integer("max_length", 512, "tokens per row (N)")
 flags.DEFINE_integer("batch", 2, "rows per step (B)")
 flags.DEFINE_integer("steps", 3, "timed steps per variant (after one warm-up step), interleaved")
-flags.DEFINE_integer("records", 300, "ShareGPT conversations read (batches and draft-vocab counts)")
+flags.DEFINE_list("data", ["sharegpt"], "conversation files or asset names (as data.train_files), e.g. the "
+                  "self-distilled JSONL of launch.generate_data")
+flags.DEFINE_integer("records", 300, "conversations read (batches and draft-vocab counts)")
 flags.DEFINE_integer("k_train", 64, "ConFu anchors per row (unless the variant says 'confu:K')")
 flags.DEFINE_integer("ttt_steps", 7, "L_ttt")
 flags.DEFINE_integer("vocab_chunk", 8192, "full-vocabulary argmax chunk")
@@ -83,7 +85,7 @@ def main(argv):
     cfg, target = load_model(FLAGS.model)
     target = jax.device_put(target)
     tokenizer = ChatTokenizer.load(FLAGS.model)
-    convs, _ = formats.load_conversations(["sharegpt"], max_records=FLAGS.records)
+    convs, _ = formats.load_conversations(FLAGS.data, max_records=FLAGS.records)
     n, b = FLAGS.max_length, FLAGS.batch
     min_loss = FLAGS.min_loss_tokens if FLAGS.min_loss_tokens >= 0 else n // 4
     keys = {"padded": ("tokens", "loss_mask", "attention_mask"), "packed": pipeline.PACKED_KEYS}
