@@ -45,3 +45,19 @@ def test_split_layers_checks_depth():
     params = init_params(CFG, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="stacks 8 layers; cfg.n_layers is 4"):
         split_layers(params, CFG.replace(n_layers=4))
+
+
+def test_tap_rows_keeps_the_first_rows_taps_on_both_layouts():
+    """``tap_rows=k``: the taps of the first k rows, equal to the full taps' first k rows (ConFu's
+    verification keeps no contemplate taps); everything else unchanged."""
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    b, t = 2, 6
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (b, t), 0, CFG.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    full = Llama(CFG).apply({"params": params}, tokens, pos, tap_layers=CFG.default_taps)
+    for fwd in (lambda **kw: Llama(CFG).apply({"params": params}, tokens, pos, **kw),
+                lambda **kw: apply_unrolled(split_layers(params, CFG), CFG, tokens, pos, **kw)):
+        got = fwd(tap_layers=CFG.default_taps, tap_rows=4)
+        assert got.taps_btc.shape == (b, 4, 3 * CFG.d_model)
+        np.testing.assert_allclose(np.asarray(got.taps_btc), np.asarray(full.taps_btc[:, :4]), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.hidden_btd), np.asarray(full.hidden_btd), atol=1e-5, rtol=1e-5)

@@ -179,7 +179,7 @@ class DecoderLayer(nn.Module):
         x_btd, taps = carry
         layer_idx = xs["layer"]
         taps = tuple(
-            jnp.where(layer_idx == ctx["tap_layers"][i], x_btd, tp) for i, tp in enumerate(taps)
+            jnp.where(layer_idx == ctx["tap_layers"][i], x_btd[:, : tp.shape[1]], tp) for i, tp in enumerate(taps)
         )
         b, t, _ = x_btd.shape
         h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="attn_norm")(x_btd)
@@ -262,6 +262,7 @@ class Llama(nn.Module):
         tap_layers: Sequence[int] = (),
         return_logits: bool = True,
         cache_start_bt: Optional[jax.Array] = None,
+        tap_rows: Optional[int] = None,
     ) -> LlamaOutput:
         """Forward over a block of T tokens.
 
@@ -269,6 +270,8 @@ class Llama(nn.Module):
         ``block_mask_btt`` defaults to causal; cache / prefix arguments as in
         ``confu_jax.models.attention``. ``cache_len_bt`` may be [B] or [B,T]; ``cache_start_bt`` (same
         shapes, optional) is the first visible cache slot (packed training rows: the segment start).
+        ``tap_rows`` (static): keep taps for the first rows only (ConFu verification: the nodes, not
+        their contemplates, whose taps nothing reads); ``taps_btc`` is then [B, tap_rows, C].
         """
         cfg = self.cfg
         x = self.embed_tokens(tokens_bt) if embeds_btd is None else embeds_btd.astype(jnp.dtype(cfg.dtype))
@@ -281,7 +284,8 @@ class Llama(nn.Module):
             xs["k_cache"], xs["v_cache"] = stacked(cache_k_lbhsd), stacked(cache_v_lbhsd)
         if prefix_k_lphd is not None:
             xs["k_prefix"], xs["v_prefix"] = prefix_k_lphd, prefix_v_lphd
-        taps0 = tuple(jnp.zeros_like(x) for _ in tap_layers)
+        tap_shape = x.shape if tap_rows is None else (x.shape[0], int(tap_rows)) + x.shape[2:]
+        taps0 = tuple(jnp.zeros(tap_shape, x.dtype) for _ in tap_layers)
         (x, taps), (k_new, v_new) = self.layers((x, taps0), xs, ctx)
         hidden = self.final_norm(x)
         logits = self.logits(hidden) if return_logits else None

@@ -254,10 +254,10 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
     out = _forward(
         spec, tp, None, positions, embeds_btd=embeds, block_mask_btt=mask,
         prefix_k_lphd=confu_params["soft_prompt_k_lphd"], prefix_v_lphd=confu_params["soft_prompt_v_lphd"],
-        prefix_visible_bt=prefix_visible, **common)
+        prefix_visible_bt=prefix_visible, tap_rows=t, **common)
     return VerifyOutput(
         lm_logits(spec, tp, out.hidden_btd[:, :t]),
-        out.taps_btc[:, :t],
+        out.taps_btc,  # the nodes' taps only (tap_rows=t): no contemplate's taps are kept
         out.hidden_btd[:, t:],
         out.k_new_lbthd[:, :, :t],
         out.v_new_lbthd[:, :, :t],

@@ -60,6 +60,7 @@ def apply_unrolled(
     tap_layers: Sequence[int] = (),
     return_logits: bool = True,
     cache_start_bt: Optional[jax.Array] = None,
+    tap_rows: Optional[int] = None,
 ) -> LlamaOutput:
     """``Llama(cfg).apply({'params': params}, ...)`` with ``split_layers(params)``; same arguments."""
     model = Llama(cfg)
@@ -71,7 +72,8 @@ def apply_unrolled(
     ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, block_mask_btt, cache_len_bt,
                                     cache_k_lbhsd is not None, prefix_visible_bt,
                                     prefix_k_lphd is not None, tap_layers, cache_start_bt)
-    carry = (x, tuple(jnp.zeros_like(x) for _ in tap_layers))
+    tap_shape = x.shape if tap_rows is None else (x.shape[0], int(tap_rows)) + x.shape[2:]
+    carry = (x, tuple(jnp.zeros(tap_shape, x.dtype) for _ in tap_layers))
     layer = DecoderLayer(cfg)
     ks, vs = [], []
     for i, lp in enumerate(sp.layers):
