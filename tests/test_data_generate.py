@@ -248,3 +248,38 @@ def test_keep_turns_cuts_after_the_nth_answer():
     assert [m["role"] for m in one] == ["system", "user", "assistant"]
     two = gd.keep_turns(c, 2)["messages"]
     assert two == c["messages"][:5] and len(c["messages"]) == 7  # the input is not modified
+
+
+def test_continuous_progress_log_counts_finished_conversations(tmp_path, monkeypatch, caplog):
+    """Without a terminal (no bar) the once-a-minute log line says how many conversations are done
+    (a disabled tqdm bar counts nothing: the line said 0 for a whole run)."""
+    import logging
+    import time
+
+    from confu_jax.decode.continuous import Finished
+    from confu_jax.decode.stopping import StopReason
+
+    class Instant:
+        """An engine that answers every request at once with [7, END]."""
+        batch, tokens_generated = 2, 0
+
+        def run(self, requests, more=None):
+            queue = list(requests)
+            while True:
+                queue += more() if more else []
+                if not queue:
+                    return
+                rid, _, _ = queue.pop(0)
+                self.tokens_generated += 2
+                yield Finished(rid, [7, END], StopReason.EOS)
+
+    clock = iter(range(0, 10_000, 61))  # every reading a minute after the last: a log line each time
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    convs = [_conv(i, 1) for i in range(4)]
+    with caplog.at_level(logging.INFO, logger="generate_data"):
+        stats = gd.generate_dataset_continuous(convs, str(tmp_path / "o.jsonl"), FakeChatTokenizer(), Instant(),
+                                               max_prompt_len=200, progress=True)
+    assert stats["written"] == 4
+    counts = [r.args[0] for r in caplog.records if "conversations done" in r.getMessage()]
+    assert counts and counts == sorted(counts) and counts[-1] == 4
+    assert all(r.args[1] == 4 for r in caplog.records if "conversations done" in r.getMessage())
