@@ -7,6 +7,7 @@
 #   bash experiments/headline.sh                 # all stages, defaults below
 #   STAGES=data bash experiments/headline.sh     # one stage: data | eagle3 | confu | lag | bench
 #   RECORDS=3000 E3_STEPS=900 bash experiments/headline.sh
+#   VARIANTS=confu TEMPS=0 BUDGETS=chain:3 bash experiments/headline.sh   # a shorter run: no ablations
 #
 # Rows: 2 x 512 tokens per step, packed (first-turn conversations are <= 416 tokens: a row holds one
 # whole or several; packing doubles the real tokens per step on this data, docs/RESULTS.md).
@@ -26,6 +27,10 @@ E3_STEPS=${E3_STEPS:-600}         # EAGLE-3 steps before ConFu branches off
 PLUS_STEPS=${PLUS_STEPS:-300}     # steps every head trains after the branch point
 MAX_NEW=${MAX_NEW:-128}           # tokens per benchmark answer
 STAGES=${STAGES:-data,eagle3,confu,lag,bench}
+VARIANTS=${VARIANTS:-confu confu_nomoe confu_nomoe_norep}  # the confu stage's runs (ablations last)
+TEMPS=${TEMPS:-0,1}               # headline benchmark temperatures
+BUDGETS=${BUDGETS:-chain:3,auto}  # headline benchmark draft plans
+PROMPTS=${PROMPTS:-mtbench+humaneval:20}
 mkdir -p "$OUT"
 
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -51,7 +56,7 @@ if has eagle3; then
 fi
 
 if has confu; then
-  for v in confu confu_nomoe confu_nomoe_norep; do
+  for v in $VARIANTS; do
     $PY -m launch.train --config configs/smollm2_$v.py --workdir "$OUT/$v" "${COMMON[@]}" \
       --config.train.steps=$PLUS_STEPS --config.objective.k_train=64 --config.confu.max_lag=4 \
       --config.train.checkpoint.init_from="$OUT/eagle3/checkpoints" \
@@ -72,15 +77,16 @@ if has lag; then
 fi
 
 if has bench; then
-  HEADS="eagle3=$OUT/eagle3,confu=$OUT/confu,confu_nomoe=$OUT/confu_nomoe,confu_nomoe_norep=$OUT/confu_nomoe_norep"
+  HEADS="eagle3=$OUT/eagle3,confu=$OUT/confu"  # --heads may name only the run's --methods
   # one run for the headline table (AR timed beside every method, so speed-ups are same-run ratios)
   [[ -f "$OUT/bench/headline.json" ]] || $PY -m launch.decode_bench --methods ar,eagle3,confu --heads "$HEADS" \
-    --prompts mtbench+humaneval:20 --n_per_category 0 --turns 1 --max_new_tokens "$MAX_NEW" \
-    --temperatures 0,1 --budgets chain:3,auto --calibration humaneval --n_calibration 4 \
+    --prompts "$PROMPTS" --n_per_category 0 --turns 1 --max_new_tokens "$MAX_NEW" \
+    --temperatures "$TEMPS" --budgets "$BUDGETS" --calibration humaneval --n_calibration 4 \
     --out "$OUT/bench/headline.json"
-  # the ablations at the headline's greedy chain setting
-  [[ -f "$OUT/bench/ablations.json" ]] || $PY -m launch.decode_bench --methods ar,eagle3,confu,confu_nomoe,confu_nomoe_norep \
-    --heads "$HEADS" --prompts mtbench+humaneval:20 --n_per_category 0 --turns 1 --max_new_tokens "$MAX_NEW" \
+  # the ablations at the headline's greedy chain setting (when the confu stage trained them)
+  [[ -f "$OUT/bench/ablations.json" || ! -d "$OUT/confu_nomoe_norep" ]] || $PY -m launch.decode_bench --methods ar,eagle3,confu,confu_nomoe,confu_nomoe_norep \
+    --heads "$HEADS,confu_nomoe=$OUT/confu_nomoe,confu_nomoe_norep=$OUT/confu_nomoe_norep" \
+    --prompts "$PROMPTS" --n_per_category 0 --turns 1 --max_new_tokens "$MAX_NEW" \
     --temperatures 0 --budgets chain:3 --out "$OUT/bench/ablations.json"
   echo "copy $OUT/bench/headline.json to docs/results/headline.json once it is final"
 fi
