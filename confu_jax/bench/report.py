@@ -242,20 +242,26 @@ def _errorbars(values, cis):
     return [lo, hi]
 
 
-def plot_tau_speedup(results: Sequence[MethodResult | Mapping], png_path: str | os.PathLike):
-    """Two panels, τ and speed-up per category (and AVG), one bar per method/setting, with the rows'
-    bootstrap intervals as error bars where they have them; saved as PNG. Returns the Figure."""
+def _bar_figure(results, caller: str, height: float):
+    """The rows, their categories, the bar groups (categories + AVG), one bar's width and an empty
+    Agg-backed Figure sized for them: what both per-category bar plots start from."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     rows = _rows(results)
     if not rows:
-        raise ValueError("plot_tau_speedup: no results to plot")
+        raise ValueError(f"{caller}: no results to plot")
     cats = ordered_categories(rows)
     groups = cats + ["AVG"]
-    width = 0.8 / len(rows)
-    fig = Figure(figsize=(max(6.0, 1.1 * len(groups) + 2), 7.0))
+    fig = Figure(figsize=(max(6.0, 1.1 * len(groups) + 2), height))
     FigureCanvasAgg(fig)
+    return rows, cats, groups, 0.8 / len(rows), fig
+
+
+def plot_tau_speedup(results: Sequence[MethodResult | Mapping], png_path: str | os.PathLike):
+    """Two panels, τ and speed-up per category (and AVG), one bar per method/setting, with the rows'
+    bootstrap intervals as error bars where they have them; saved as PNG. Returns the Figure."""
+    rows, cats, groups, width, fig = _bar_figure(results, "plot_tau_speedup", height=7.0)
     for k, (key, ylabel) in enumerate((("tau", "τ (tokens per target pass)"),
                                        ("speedup", "speed-up over AR (same run)"))):
         ax = fig.add_subplot(2, 1, k + 1)
@@ -287,17 +293,7 @@ def plot_tau(results: Sequence[MethodResult | Mapping], png_path: str | os.PathL
     Uses the Agg canvas directly instead of ``matplotlib.use`` so importing this module never
     changes the backend of a caller's interactive session. Returns the Figure (tests read the bars).
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    rows = _rows(results)
-    if not rows:
-        raise ValueError("plot_tau: no results to plot")
-    cats = ordered_categories(rows)
-    groups = cats + ["AVG"]
-    width = 0.8 / len(rows)
-    fig = Figure(figsize=(max(6.0, 1.1 * len(groups) + 2), 4.0))
-    FigureCanvasAgg(fig)
+    rows, cats, groups, width, fig = _bar_figure(results, "plot_tau", height=4.0)
     ax = fig.add_subplot(1, 1, 1)
     for j, r in enumerate(rows):
         values = [r["per_category"].get(c, {}).get("tau") for c in cats] + [r["tau"]]
