@@ -334,7 +334,6 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
     t0, tok0 = time.perf_counter(), getattr(engine, "tokens_generated", 0)
 
     last_log = [t0]  # a log line a minute when no bar is shown
-    n_done = [stats["already_done"]]  # a disabled tqdm bar counts nothing, so the log line counts here
     started: collections.deque = collections.deque()  # ids in input order, written in that order
     complete: set[str] = set()
 
@@ -350,7 +349,6 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
             else:
                 ready.append(rec)
             bar.update(1)
-            n_done[0] += 1
         if ready:
             stats["written"] += append_records(output, ready)
 
@@ -385,8 +383,9 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
             bar.set_postfix(tok_s=f"{tok_s:.1f}", refresh=False)
             if bar.disable and progress and time.perf_counter() - last_log[0] > 60:  # no bar (not a terminal)
                 last_log[0] = time.perf_counter()
-                log.info("regenerating: %d/%d conversations done, %.1f tokens/s", n_done[0],
-                         stats["already_done"] + len(todo), tok_s)
+                # a disabled tqdm bar counts nothing (bar.n stays 0): count from the run's stats
+                done = stats["already_done"] + stats["written"] + stats["no_answer"]
+                log.info("regenerating: %d/%d conversations done, %.1f tokens/s", done, bar.total, tok_s)
     bar.close()
     return stats
 
