@@ -31,6 +31,8 @@ VARIANTS=${VARIANTS:-confu confu_nomoe confu_nomoe_norep}  # the confu stage's r
 TEMPS=${TEMPS:-0,1}               # headline benchmark temperatures
 BUDGETS=${BUDGETS:-chain:3,auto}  # headline benchmark draft plans
 PROMPTS=${PROMPTS:-mtbench+humaneval:20}
+N_PER_CATEGORY=${N_PER_CATEGORY:-0}  # questions per category (seeded sample; 0 = all)
+EVAL_BATCHES=${EVAL_BATCHES:-16}  # held-out batches of 2 conversations for eval/acceptance_length (tau_sim)
 mkdir -p "$OUT"
 
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -47,7 +49,7 @@ COMMON=(--config.train.checkpoint.async_save=False --config.train.eval_every=50 
   --config.data.train_files="$DATA" --config.data.global_batch_size=2 --config.data.max_length=512
   --config.data.pack=True --config.data.min_loss_tokens=1
   --config.data.draft_vocab_max_records=3000 --config.draft.draft_vocab_size=4096 --config.draft.ttt_steps=4
-  --config.train.checkpoint.every=50 --config.train.checkpoint.keep=100)
+  --config.train.checkpoint.every=50 --config.train.checkpoint.keep=100 --config.objective.eval_batches=$EVAL_BATCHES)
 TOTAL=$((E3_STEPS + PLUS_STEPS))
 
 if has eagle3; then
@@ -78,15 +80,19 @@ fi
 
 if has bench; then
   HEADS="eagle3=$OUT/eagle3,confu=$OUT/confu"  # --heads may name only the run's --methods
+  BENCH=(--prompts "$PROMPTS" --n_per_category "$N_PER_CATEGORY" --turns 1 --max_new_tokens "$MAX_NEW")
   # one run for the headline table (AR timed beside every method, so speed-ups are same-run ratios)
   [[ -f "$OUT/bench/headline.json" ]] || $PY -m launch.decode_bench --methods ar,eagle3,confu --heads "$HEADS" \
-    --prompts "$PROMPTS" --n_per_category 0 --turns 1 --max_new_tokens "$MAX_NEW" \
-    --temperatures "$TEMPS" --budgets "$BUDGETS" --calibration humaneval --n_calibration 4 \
+    "${BENCH[@]}" --temperatures "$TEMPS" --budgets "$BUDGETS" --calibration humaneval --n_calibration 4 \
     --out "$OUT/bench/headline.json"
-  # the ablations at the headline's greedy chain setting (when the confu stage trained them)
-  [[ -f "$OUT/bench/ablations.json" || ! -d "$OUT/confu_nomoe_norep" ]] || $PY -m launch.decode_bench --methods ar,eagle3,confu,confu_nomoe,confu_nomoe_norep \
-    --heads "$HEADS,confu_nomoe=$OUT/confu_nomoe,confu_nomoe_norep=$OUT/confu_nomoe_norep" \
-    --prompts "$PROMPTS" --n_per_category 0 --turns 1 --max_new_tokens "$MAX_NEW" \
-    --temperatures 0 --budgets chain:3 --out "$OUT/bench/ablations.json"
+  # the ablations at the headline's greedy chain setting (when the confu stage trained them); tau is
+  # deterministic, so their tau compares with headline.json's on the same questions
+  [[ -f "$OUT/bench/ablations.json" || ! -d "$OUT/confu_nomoe_norep" ]] || $PY -m launch.decode_bench \
+    --methods ar,confu_nomoe,confu_nomoe_norep \
+    --heads "confu_nomoe=$OUT/confu_nomoe,confu_nomoe_norep=$OUT/confu_nomoe_norep" \
+    "${BENCH[@]}" --temperatures 0 --budgets chain:3 --out "$OUT/bench/ablations.json"
+  # ConFu trained with the lag drawn from the acceptance histogram (the lag stage), same setting
+  [[ -f "$OUT/bench/lag.json" || ! -d "$OUT/confu_lagw" ]] || $PY -m launch.decode_bench --methods ar,confu \
+    --heads "confu=$OUT/confu_lagw" "${BENCH[@]}" --temperatures 0 --budgets chain:3 --out "$OUT/bench/lag.json"
   echo "copy $OUT/bench/headline.json to docs/results/headline.json once it is final"
 fi

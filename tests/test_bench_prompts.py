@@ -11,6 +11,7 @@ from confu_jax import assets
 from confu_jax.bench import prompts as P
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "specbench_sample.jsonl")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_mtbench_wheel_file_is_the_80_question_set():
@@ -174,3 +175,35 @@ def test_second_turn_renders_after_first_answer_with_smollm2_template():
     ids1, _ = tok.encode_chat(P.prompt_to_messages(q, 0), add_generation_prompt=True)
     ids2, _ = tok.encode_chat(P.prompt_to_messages(q, 1, [answer]), add_generation_prompt=True)
     assert ids2[:len(ids1)] == ids1  # turn 2's prompt extends turn 1's token for token
+
+
+def test_heldout_questions_are_the_conversations_training_holds_out(tmp_path):
+    # launch.heldout_questions and training's evaluation (train.real_data) split with the same
+    # function: the questions are the prompts of exactly the last eval_records conversations.
+    import json as _json
+    import subprocess
+    import sys
+
+    from confu_jax.data import formats
+
+    path = tmp_path / "data.jsonl"
+    with open(path, "w") as f:
+        for i in range(7):
+            msgs = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+            if i == 6:
+                msgs = [{"role": "system", "content": "be brief"}] + msgs + [
+                    {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}]
+            f.write(_json.dumps({"id": f"c{i}", "conversations": msgs}) + "\n")
+    convs, _ = formats.load_conversations(str(path))
+    train, held = formats.split_held_out(convs, 3)
+    assert [c["id"] for c in train] == ["c0", "c1", "c2", "c3"] and [c["id"] for c in held] == ["c4", "c5", "c6"]
+    assert formats.split_held_out(convs, 100)[1] == convs[4:]  # at most half is held out
+
+    out = tmp_path / "q.jsonl"
+    res = subprocess.run([sys.executable, "-m", "launch.heldout_questions", "--data", str(path), "--out", str(out),
+                          "--eval_records", "3"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert "wrote 3 held-out questions" in res.stdout and "1 system turns dropped" in res.stdout
+    got = P.load_prompts(str(out))
+    assert [(p.question_id, p.category, p.turns) for p in got] == [
+        ("c4", "heldout", ("question 4",)), ("c5", "heldout", ("question 5",)), ("c6", "heldout", ("question 6",))]

@@ -373,6 +373,15 @@ def log_bad_records(report: LoadReport, sources: Sequence[str], log_path: str | 
                 log.warning("  %s", bad)
 
 
+def split_held_out(conversations: Sequence[dict], eval_records: int) -> tuple[list[dict], list[dict]]:
+    """(training conversations, held-out conversations): the last ``eval_records`` are held out,
+    at most half of them. Training's evaluation (``train.real_data``) and the benchmark's held-out
+    prompts (``launch.heldout_questions``) both split with this, so they name the same conversations."""
+    n_eval = min(int(eval_records), len(conversations) // 2)
+    cut = len(conversations) - n_eval
+    return list(conversations[:cut]), list(conversations[cut:])
+
+
 def load_conversations(
     sources: str | Sequence[str],
     *,

@@ -55,9 +55,7 @@ def real_data(config, spec: ModelSpec):
     conversations, report = formats.load_conversations(
         pipeline.train_files(data), on_bad_record=data.on_bad_record, max_records=data.max_records or None)
     log.info("training data: %s", report.summary())
-    n_eval = min(int(config.objective.eval_records), len(conversations) // 2)
-    train_convs = conversations[:len(conversations) - n_eval]
-    eval_convs = conversations[len(conversations) - n_eval:]
+    train_convs, eval_convs = formats.split_held_out(conversations, int(config.objective.eval_records))
     vocab = draft_vocab_for_training(data, tokenizer, spec.target.vocab_size, conversations=train_convs)
 
     def train_iterator(pidx, pcount):  # packed rows (data.pack) also carry segment_ids and positions
