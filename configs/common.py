@@ -56,6 +56,9 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     config.confu.max_lag = 7
     # Weights of δ = 1..max_lag (e.g. a measured acceptance-length histogram); () = uniform.
     config.confu.lag_weights = ()
+    # The lag distribution of held-out evaluation (eval/acceptance_length); () = lag_weights. Set it
+    # to compare runs trained with different lag distributions under the same one.
+    config.confu.eval_lag_weights = ()
     config.confu.soft_prompt_init_std = 0.02
 
     config.draft = ml_collections.ConfigDict()

@@ -32,6 +32,7 @@ TEMPS=${TEMPS:-0,1}               # headline benchmark temperatures
 BUDGETS=${BUDGETS:-chain:3,auto}  # headline benchmark draft plans
 PROMPTS=${PROMPTS:-mtbench+humaneval:20}
 N_PER_CATEGORY=${N_PER_CATEGORY:-0}  # questions per category (seeded sample; 0 = all)
+LAG_WEIGHTS=${LAG_WEIGHTS:-(0.69,0.24,0.06,0.01)}  # decode's lag histogram (see the lag stage)
 EVAL_BATCHES=${EVAL_BATCHES:-16}  # held-out batches of 2 conversations for eval/acceptance_length (tau_sim)
 mkdir -p "$OUT"
 
@@ -61,7 +62,7 @@ if has confu; then
   for v in $VARIANTS; do
     $PY -m launch.train --config configs/smollm2_$v.py --workdir "$OUT/$v" "${COMMON[@]}" \
       --config.train.steps=$PLUS_STEPS --config.objective.k_train=64 --config.confu.max_lag=4 \
-      --config.train.checkpoint.init_from="$OUT/eagle3/checkpoints" \
+      --config.confu.eval_lag_weights="$LAG_WEIGHTS" --config.train.checkpoint.init_from="$OUT/eagle3/checkpoints" \
       --config.train.checkpoint.init_from_step=$E3_STEPS
   done
 fi
@@ -69,11 +70,12 @@ fi
 # Lag distribution (issue 11 item 4): ConFu with the contemplate lag drawn from the accepted-length
 # histogram measured at decode time (docs/RESULTS.md: 491/170/43/9 passes accepting 0/1/2/3 drafts,
 # so lag 1..4 with weights 0.69/0.24/0.06/0.01) instead of uniform on 1..4; compared with ConFu on
-# held-out tau_sim at the same step and in the ablation benchmark.
+# held-out tau_sim at the same step (every ConFu run is evaluated with the lag drawn from that
+# histogram: confu.eval_lag_weights) and in its own benchmark (bench/lag.json).
 if has lag; then
   $PY -m launch.train --config configs/smollm2_confu.py --workdir "$OUT/confu_lagw" "${COMMON[@]}" \
     --config.train.steps=$PLUS_STEPS --config.objective.k_train=64 --config.confu.max_lag=4 \
-    --config.confu.lag_weights="(0.69,0.24,0.06,0.01)" \
+    --config.confu.lag_weights="$LAG_WEIGHTS" --config.confu.eval_lag_weights="$LAG_WEIGHTS" \
     --config.train.checkpoint.init_from="$OUT/eagle3/checkpoints" \
     --config.train.checkpoint.init_from_step=$E3_STEPS
 fi

@@ -202,3 +202,17 @@ def test_lag_weights_draw_lags_with_the_configured_distribution():
     assert uniform.min() == 1 and uniform.max() == 4
     with pytest.raises(ValueError, match="lag_weights must be 4"):
         ObjectiveConfig(max_lag=4, lag_weights=(1.0, 1.0))
+
+
+def test_eval_lag_weights_apply_to_evaluation_only():
+    # two runs trained with different lag distributions are compared on held-out tau under one
+    from configs import smollm2_confu
+
+    c = smollm2_confu.get_config()
+    c.confu.max_lag = 4
+    c.confu.lag_weights = (1.0, 1.0, 0.0, 0.0)
+    assert objective_from_config(c).lag_weights == objective_from_config(c, evaluation=True).lag_weights == (
+        1.0, 1.0, 0.0, 0.0)
+    c.confu.eval_lag_weights = (0.7, 0.2, 0.1, 0.0)
+    assert objective_from_config(c).lag_weights == (1.0, 1.0, 0.0, 0.0)
+    assert objective_from_config(c, evaluation=True).lag_weights == (0.7, 0.2, 0.1, 0.0)

@@ -165,7 +165,8 @@ RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "trai
                      "train.progress_bar", "train.checkpoint.every", "train.checkpoint.keep",
                      "train.checkpoint.async_save", "train.checkpoint.init_from",
                      "train.checkpoint.init_from_step", "train.mesh.", "data.num_threads",
-                     "data.prefetch_buffer_size", "data.num_workers", "objective.eval_batches")
+                     "data.prefetch_buffer_size", "data.num_workers", "objective.eval_batches",
+                     "confu.eval_lag_weights")
 
 
 def _flatten(tree, prefix: str = "") -> dict:

@@ -96,6 +96,15 @@ class ObjectiveConfig:
                              f"weights with a positive sum, or empty for uniform; got {self.lag_weights}")
 
 
+def _lag_weights(config, evaluation: bool) -> tuple:
+    """Training's lag weights, or in evaluation ``confu.eval_lag_weights`` when set: runs trained with
+    different lag distributions are compared on held-out τ under one (e.g. the measured) distribution."""
+    weights = config.confu.get("lag_weights", None) or ()
+    if evaluation and config.confu.get("eval_lag_weights", None):
+        weights = config.confu.eval_lag_weights
+    return tuple(float(w) for w in weights)
+
+
 def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfig:
     """From ``config.draft`` / ``config.confu`` / ``config.objective``.
 
@@ -109,7 +118,7 @@ def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfi
         k_train=k if k > 0 else ALL_POSITIONS,
         replication=0 if evaluation else int(config.confu.replication),
         max_lag=int(config.confu.max_lag),
-        lag_weights=tuple(float(w) for w in (config.confu.get("lag_weights", None) or ())),
+        lag_weights=_lag_weights(config, evaluation),
         ttt_decay=float(config.draft.ttt_decay),
         vocab_chunk=int(o.vocab_chunk),
         remat=bool(o.remat),
