@@ -6,7 +6,8 @@
 shifted by ``OFFSET`` steps so that equal budgets line up (ConFu started from EAGLE-3 at step 200
 is drawn from x = 200). Reads ``metrics.csv`` (train) and ``eval.csv`` (held-out) from each
 workdir; plots the loss, the simulated acceptance length τ_sim and the step-0 top-1 accuracy, and
-prints a table of the last logged values per run (``--every`` thins it).
+prints a table of the last logged values per run (``--every`` thins it), with the held-out τ along
+a greedy chain decode's path (``decode_tau/chain<--chain>``), the figure to compare with decoding.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ flags.DEFINE_list("runs", [], "NAME=WORKDIR[@OFFSET],... (launch.train workdirs)
 flags.DEFINE_string("out", "training_curves.png", "figure path (.png)")
 flags.DEFINE_integer("smooth", 5, "moving average over this many logged points (train curves only)")
 flags.DEFINE_integer("every", 50, "table: one row per this many (shifted) steps, plus the last")
+flags.DEFINE_integer("chain", 3, "table: the held-out decode-path τ of a greedy chain of this depth "
+                     "(eval decode_tau/chain<N>; '–' for runs that do not log it)")
 FLAGS = flags.FLAGS
 
 PANELS = (("loss", "loss (0.8^s-weighted TTT KL)"), ("acceptance_length", "τ_sim (train batch)"),
@@ -73,8 +76,9 @@ def main(argv):
     except ValueError as e:
         raise app.UsageError(str(e))
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
-    print("| run | step | loss | τ_sim | acc step 0 | held-out loss | held-out τ_sim |")
-    print("|---|---|---|---|---|---|---|")
+    path_key = f"decode_tau/chain{FLAGS.chain}"
+    print(f"| run | step | loss | τ_sim | acc step 0 | held-out loss | held-out τ_sim | held-out τ chain:{FLAGS.chain} |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, path, offset in runs:
         try:
             train_rows = read_csv(os.path.join(path, "metrics.csv"))
@@ -99,7 +103,7 @@ def main(argv):
                 e = eval_rows.get(s, {})
                 fmt = lambda d, k: f"{d[k]:.3f}" if k in d else "–"  # noqa: E731
                 print(f"| {name} | {s + offset} | {fmt(r, 'loss')} | {fmt(r, 'acceptance_length')} | "
-                      f"{fmt(r, 'acc/step0')} | {fmt(e, 'loss')} | {fmt(e, 'acceptance_length')} |")
+                      f"{fmt(r, 'acc/step0')} | {fmt(e, 'loss')} | {fmt(e, 'acceptance_length')} | {fmt(e, path_key)} |")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)

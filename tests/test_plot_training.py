@@ -20,21 +20,21 @@ def _workdir(path, rows, eval_rows=()):
         f.write(header + "".join(rows))
     if eval_rows:
         with open(os.path.join(path, "eval.csv"), "w") as f:
-            f.write(header + "".join(eval_rows))
+            f.write(header.replace("\n", ",decode_tau/chain3\n") + "".join(eval_rows))
     return str(path)
 
 
 def test_offset_run_lines_up_and_resumed_steps_keep_the_later_row(tmp_path):
-    base = _workdir(tmp_path / "e3", ["5,0.1,1.1,9.0\n", "10,0.2,1.2,8.0\n"], ["10,0.15,1.15,8.5\n"])
+    base = _workdir(tmp_path / "e3", ["5,0.1,1.1,9.0\n", "10,0.2,1.2,8.0\n"], ["10,0.15,1.15,8.5,1.05\n"])
     # a resumed run logged step 5 twice: the second (after resume) is the one kept
     confu = _workdir(tmp_path / "confu", ["5,0.3,1.3,7.0\n", "5,0.35,1.35,6.5\n"])
     out = tmp_path / "curves.png"
     r = _run(f"--runs=eagle3={base},confu={confu}@10", f"--out={out}", "--every=5")
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("| eagle3") or line.startswith("| confu")]
-    assert lines == ["| eagle3 | 5 | 9.000 | 1.100 | 0.100 | – | – |",
-                     "| eagle3 | 10 | 8.000 | 1.200 | 0.200 | 8.500 | 1.150 |",
-                     "| confu | 15 | 6.500 | 1.350 | 0.350 | – | – |"]
+    assert lines == ["| eagle3 | 5 | 9.000 | 1.100 | 0.100 | – | – | – |",
+                     "| eagle3 | 10 | 8.000 | 1.200 | 0.200 | 8.500 | 1.150 | 1.050 |",
+                     "| confu | 15 | 6.500 | 1.350 | 0.350 | – | – | – |"]
     assert out.stat().st_size > 1000
 
 

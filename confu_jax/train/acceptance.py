@@ -49,3 +49,46 @@ def simulated_acceptance_length(correct_rbn: jax.Array, answer_rbn: jax.Array, i
     if base_bn is not None:
         start = start & base_bn[None]
     return chain_acceptance_length(correct_rbn & in_draft_rbn, start)
+
+
+def decode_path_acceptance_length(correct_rbn: jax.Array, answer_rbn: jax.Array, in_draft_rbn: jax.Array,
+                                  start_bn: jax.Array, answer_bn: jax.Array, depth: int) -> jax.Array:
+    """Tokens per verification pass along the path a greedy chain decode of ``depth`` drafts takes
+    through each row — the τ the decode loop reports, where ``simulated_acceptance_length`` is a
+    mean over every starting point.
+
+    Why a second estimator: decoding starts a pass only where the previous one ended, so it visits
+    few points inside easy stretches (one pass covers several of their tokens) and every point of
+    the hard ones. With acceptance that varies along the text (boilerplate, code, free prose) the
+    per-position mean exceeds tokens per pass: half the text at 4 tokens per pass and half at 1
+    gives a mean of 2.5 but 1.6 tokens per pass.
+
+    The walk (docs/DESIGN.md §3): a pass at anchor j (root x[j+1] already emitted) accepts a_j
+    drafts x[j+2..j+1+a_j] (leading steps r < ``depth`` whose draft top-1 was the target's, with a
+    draft id, on answer tokens) and emits them plus the bonus x[j+2+a_j] if the answer goes on;
+    the next anchor is j+1+a_j. Each row's walk starts at its first starting point (the anchor
+    after prefill: j = first answer index − 1) and skips indices that are not starting points
+    (``start_bn``: x[j+1], x[j+2] answer tokens, ConFu: anchored), so a row holding several answers
+    restarts at each. ``correct_rbn``/``answer_rbn``/``in_draft_rbn`` [R,B,N] as in
+    ``simulated_acceptance_length`` (step r at index j predicts x[j+2+r]); ``answer_bn`` [B,N] the
+    loss mask (is the bonus x[j+2+a_j] there to emit). Exact for greedy chain decoding of the target's
+    own greedy text at ``depth`` <= R (the loop regenerates that text); for ConFu the lag of each
+    pass's contemplate is evaluation's draw, not the previous pass's accepted length.
+    """
+    b, n = start_bn.shape
+    idx_n = jnp.arange(n)
+    ok_rbn = correct_rbn[:depth] & in_draft_rbn[:depth] & answer_rbn[:depth] & start_bn[None]
+    run_bn = jnp.sum(jnp.cumprod(ok_rbn.astype(jnp.int32), axis=0), axis=0)
+    bonus_pos = idx_n[None] + 2 + run_bn
+    bonus_bn = jnp.take_along_axis(answer_bn, jnp.minimum(bonus_pos, n - 1), axis=1) & (bonus_pos < n)
+    emitted_bn = run_bn + bonus_bn.astype(jnp.int32)
+
+    def step(carry, j):
+        next_b, tokens_b, passes_b = carry
+        here_b = start_bn[:, j] & (j >= next_b)
+        return (jnp.where(here_b, j + 1 + run_bn[:, j], next_b), tokens_b + jnp.where(here_b, emitted_bn[:, j], 0),
+                passes_b + here_b.astype(jnp.int32)), None
+
+    zeros = jnp.zeros((b,), jnp.int32)
+    (_, tokens_b, passes_b), _ = jax.lax.scan(step, (zeros, zeros, zeros), idx_n)
+    return jnp.sum(tokens_b).astype(jnp.float32) / jnp.maximum(jnp.sum(passes_b), 1).astype(jnp.float32)

@@ -42,7 +42,8 @@ Pipeline of one call:
 
 Metrics (scalars; the training loop's convention ``loss/step{s}``, ``acc/step{s}``): per-step KL
 and top-1 agreement with the target, the number of trained positions, teacher diagnostics, and
-``acceptance_length`` — see ``train.acceptance.simulated_acceptance_length``.
+``acceptance_length`` — see ``train.acceptance.simulated_acceptance_length``; ``decode_tau/chain{D}``
+— τ along the path a greedy chain:D decode takes (``train.acceptance.decode_path_acceptance_length``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.kv_cache import to_cache_layout
 from confu_jax.models.target import contemplate_queries, real_forward
-from confu_jax.train.acceptance import simulated_acceptance_length
+from confu_jax.train.acceptance import decode_path_acceptance_length, simulated_acceptance_length
 
 
 ALL_POSITIONS = 1 << 30  # k_train meaning "every candidate position" (clipped to N)
@@ -543,6 +544,10 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
                                                            sel_bm, ok_bm, n, cfg)
     metrics["acceptance_length"] = simulated_acceptance_length(
         jax.lax.stop_gradient(correct), answer, in_draft, _pick(sel_bm, base_bn) & ok_bm)
+    if sel_bm is None:  # every index drafted (EAGLE-3; ConFu's evaluation form): walk the decode path
+        for depth in range(1, cfg.ttt_steps + 1):
+            metrics[f"decode_tau/chain{depth}"] = decode_path_acceptance_length(
+                jax.lax.stop_gradient(correct), answer, in_draft, base_bn & ok_bm, loss_mask_bn, depth)
     answer_w = loss_mask_bn.astype(jnp.float32)
     n_ans = jnp.maximum(jnp.sum(answer_w), 1.0)
     metrics["teacher/draft_vocab_mass"] = jnp.sum(teacher.draft_mass_bn * answer_w) / n_ans
