@@ -42,8 +42,9 @@ def simulated_acceptance_length(correct_rbn: jax.Array, answer_rbn: jax.Array, i
     points of the number of accepted steps (``chain_acceptance_length``).
     TTT conditions step s on the true tokens x[..j+1+s]; under greedy decoding those equal the
     accepted draft tokens exactly when x is the target's own greedy output (self-distilled data),
-    so τ is exact for such data and an estimate otherwise; answer ends cut chains short, a slight
-    under-estimate for long chains.
+    so the hits are exact for such data. Their mean over *every* starting point is not the loop's τ,
+    though: decoding starts passes only where the previous one ended
+    (``decode_path_acceptance_length``), and the mean exceeds it where acceptance varies.
     """
     start = answer_rbn
     if base_bn is not None:
