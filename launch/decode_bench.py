@@ -192,7 +192,9 @@ def main_speculative():
           f"max_new_tokens={FLAGS.max_new_tokens}, methods {methods}, T {temperatures}, budgets {budgets}",
           flush=True)
     calibration = None
-    if "auto" in budgets:
+    # picked whenever --calibration names a source, auto or not: the prompts are part of the resume
+    # settings, so runs of one benchmark split over several invocations share their parts
+    if "auto" in budgets or FLAGS.calibration:
         measured = {(p.category, p.question_id) for p in prompts}
         pool = [p for p in load_prompts(FLAGS.calibration or FLAGS.prompts)
                 if (p.category, p.question_id) not in measured]

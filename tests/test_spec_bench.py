@@ -86,6 +86,20 @@ def test_decode_bench_cli_speculative_mode(tmp_path):
     assert "RANDOM random" in md and "| True |" in md
     assert "environment" in doc and doc["environment"]["command_line"]
 
+    # --calibration fixes the calibration prompts even without budget auto: they are resume
+    # settings, so a later invocation adding auto to the same --out keeps these parts
+    calib = tmp_path / "calib.jsonl"
+    with open(FIXTURE) as f:
+        calib.write_text("".join(f.readlines()[2:4]))
+    out2 = tmp_path / "res2" / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "launch.decode_bench", "--model", gguf, "--methods", "ar",
+                        "--prompts", str(questions), "--n_per_category", "5", "--budgets", "chain:2",
+                        "--max_new_tokens", "4", "--calibration", str(calib), "--n_calibration", "2",
+                        "--out", str(out2)], cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    settings = json.loads((tmp_path / "res2" / "bench.parts" / "settings.json").read_text())
+    assert len(settings["calibration"]) == 2 and all(settings["calibration"])
+
 
 def test_budget_auto_row(tmp_path):
     """``auto`` resolves to one of its candidates (recorded as the row's plan) and stays lossless."""
