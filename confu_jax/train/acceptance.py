@@ -78,7 +78,7 @@ def decode_path_acceptance_length(correct_rbn: jax.Array, answer_rbn: jax.Array,
     """
     b, n = start_bn.shape
     idx_n = jnp.arange(n)
-    ok_rbn = correct_rbn[:depth] & in_draft_rbn[:depth] & answer_rbn[:depth] & start_bn[None]
+    ok_rbn = correct_rbn[:depth] & in_draft_rbn[:depth] & answer_rbn[:depth]  # read at starting points only
     run_bn = jnp.sum(jnp.cumprod(ok_rbn.astype(jnp.int32), axis=0), axis=0)
     bonus_pos = idx_n[None] + 2 + run_bn
     bonus_bn = jnp.take_along_axis(answer_bn, jnp.minimum(bonus_pos, n - 1), axis=1) & (bonus_pos < n)
