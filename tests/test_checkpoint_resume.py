@@ -269,3 +269,34 @@ def test_init_from_remaps_the_draft_lm_head_by_target_id(tmp_path):
     same, report = init_params_from(os.path.join(src, "checkpoints"), fresh, draft_vocab_d2t=np.asarray(src_d2t))
     assert report.lm_head_remap is None
     np.testing.assert_array_equal(np.asarray(same["draft"]["lm_head"]["kernel"]), src_kernel)
+
+
+_LOCK_HOLDER = """
+import sys, time
+from confu_jax.runs.lock import workdir_lock
+with workdir_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_second_run_on_a_live_workdir_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path):
+    """Two trainers on one workdir would race on its checkpoints and metrics: the second is refused
+    before it writes anything, naming the first one's pid; once that process is gone (even by
+    SIGKILL, which runs no clean-up) the workdir trains again."""
+    from confu_jax.runs.lock import WorkdirLocked
+
+    workdir = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, workdir], env=dict(os.environ, PYTHONPATH=REPO),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkdirLocked, match=rf"pid {holder.pid}\b"):
+            train(_config(**{"train.steps": 2}), workdir)
+        assert not os.path.exists(os.path.join(workdir, "config.json"))
+        assert not os.path.exists(os.path.join(workdir, "checkpoints"))
+    finally:
+        holder.kill()
+        holder.wait()
+    result = train(_config(**{"train.steps": 2}), workdir)
+    assert (result.start_step, result.step) == (0, 2)

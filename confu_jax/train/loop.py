@@ -33,6 +33,7 @@ from confu_jax.train import distributed
 from confu_jax.models.spec import model_spec_from_config
 from confu_jax.runs.checkpoint import Checkpointer, init_params_from
 from confu_jax.runs.heads import write_target_record
+from confu_jax.runs.lock import workdir_lock
 from confu_jax.train.metric_writers import make_writers
 from confu_jax.train.optim import make_optimizer
 from confu_jax.train.state import param_count, state_builder
@@ -269,11 +270,17 @@ BAD_RECORDS_LOG = "bad_records.log"  # every skipped training record, file:line:
 def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[TrainTask] = None,
           mesh=None) -> TrainResult:
     """Train until ``config.train.steps`` (resuming the workdir's latest checkpoint), evaluating,
-    logging and checkpointing as configured; a preemption signal saves and stops cleanly."""
+    logging and checkpointing as configured; a preemption signal saves and stops cleanly.
+    A second process training the same workdir is refused (``runs.lock``)."""
+    with workdir_lock(workdir, jax.process_index()):
+        return _train_locked(config, workdir, hooks, task, mesh)
+
+
+def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[TrainTask],
+                  mesh) -> TrainResult:
     tc = config.train
     pidx, pcount = jax.process_index(), jax.process_count()
     main = pidx == 0
-    os.makedirs(workdir, exist_ok=True)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint.every,
                         keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
     if ckpt.latest_step() is not None:
