@@ -76,3 +76,40 @@ def test_ar_wins_when_speculation_does_not_pay():
     assert budget.choose([slow, ar]).plan == budget.AR
     assert budget.choose([ar, fast]).plan == "chain:3"
     assert budget.plan_nodes(budget.AR) == 1
+
+
+
+def test_calibration_compiles_every_prompt_bucket_before_timing(monkeypatch):
+    """Prompts of several lengths fall in several padded widths, each its own compiled program: every
+    width is warmed up before the first timed call, so no compilation is timed as decoding (warming
+    only the first prompt doubled SmolLM2's measured pass cost)."""
+    from types import SimpleNamespace
+
+    from confu_jax.decode import generate, loop
+    from confu_jax.decode.requests import bucket_length
+
+    prompts = [[1] * 10, [1] * 70, [1] * 100, [1] * 200, [1] * 65]  # widths 64, 128, 128, 256, 128
+    assert [len(p) for p in budget.one_prompt_per_bucket(prompts, 64)] == [10, 70, 200]
+    for module, name in ((loop, "generate_speculative"), (generate, "generate_ar")):
+        clock, calls = [0], []
+
+        def tick():  # odd between a timed call's t0 and t1, even otherwise
+            clock[0] += 1
+            return float(clock[0])
+
+        def fake_decode(*args, **kw):
+            calls.append(("timed" if clock[0] % 2 else "warm", bucket_length(len(args[-1][0]), kw["min_bucket"])))
+            return SimpleNamespace(n_passes_b=np.array([2]), accept_log_bi=np.array([[2, 1]]),
+                                   n_generated_b=np.array([4]))
+
+        monkeypatch.setattr(module, name, fake_decode)
+        monkeypatch.setattr(budget.time, "perf_counter", tick)
+        fakes = SimpleNamespace(target=None)
+        if name == "generate_speculative":
+            budget.measure_plan(fakes, fakes, "chain:1", prompts, min_bucket=64)
+        else:
+            budget.measure_ar(fakes, fakes, prompts, min_bucket=64)
+        monkeypatch.undo()
+        kinds = [kind for kind, _ in calls]
+        assert kinds == ["warm"] * 3 + ["timed"] * len(prompts), (name, calls)
+        assert sorted(b for kind, b in calls if kind == "warm") == [64, 128, 256]
