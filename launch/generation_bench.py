@@ -56,7 +56,7 @@ def main(argv):
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.decode.continuous import ContinuousGenerator
     from confu_jax.decode.generate import compile_ar
-    from confu_jax.decode.requests import bucket_length
+    from confu_jax.decode.requests import one_prompt_per_bucket
     from confu_jax.weights import load_model
 
     tok = ChatTokenizer.load(FLAGS.model)
@@ -76,11 +76,10 @@ def main(argv):
 
     gen = ContinuousGenerator(params, cfg, batch=FLAGS.batch, max_len=max_len, max_new_tokens=FLAGS.max_new_tokens,
                               eos_ids=tok.eos_ids, steps_per_sync=FLAGS.steps_per_sync)
-    warm = {bucket_length(len(p)): p for p in prompts}
     t0 = time.perf_counter()
     warm_gen = ContinuousGenerator(params, cfg, batch=FLAGS.batch, max_len=max_len, max_new_tokens=2,
                                    eos_ids=(), steps_per_sync=FLAGS.steps_per_sync)
-    list(warm_gen.run((i, p, 0) for i, p in enumerate(warm.values())))
+    list(warm_gen.run((i, p, 0) for i, p in enumerate(one_prompt_per_bucket(prompts))))
     gen_compile_s = time.perf_counter() - t0  # fill programs per bucket; the step program compiles below
     list(gen.run([(0, prompts[0], 0)]))
     t0 = time.perf_counter()

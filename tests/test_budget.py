@@ -78,7 +78,6 @@ def test_ar_wins_when_speculation_does_not_pay():
     assert budget.plan_nodes(budget.AR) == 1
 
 
-
 def test_calibration_compiles_every_prompt_bucket_before_timing(monkeypatch):
     """Prompts of several lengths fall in several padded widths, each its own compiled program: every
     width is warmed up before the first timed call, so no compilation is timed as decoding (warming
@@ -86,10 +85,10 @@ def test_calibration_compiles_every_prompt_bucket_before_timing(monkeypatch):
     from types import SimpleNamespace
 
     from confu_jax.decode import generate, loop
-    from confu_jax.decode.requests import bucket_length
+    from confu_jax.decode.requests import bucket_length, one_prompt_per_bucket
 
     prompts = [[1] * 10, [1] * 70, [1] * 100, [1] * 200, [1] * 65]  # widths 64, 128, 128, 256, 128
-    assert [len(p) for p in budget.one_prompt_per_bucket(prompts, 64)] == [10, 70, 200]
+    assert [len(p) for p in one_prompt_per_bucket(prompts, 64)] == [10, 70, 200]
     for module, name in ((loop, "generate_speculative"), (generate, "generate_ar")):
         clock, calls = [0], []
 

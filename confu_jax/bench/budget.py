@@ -90,31 +90,19 @@ def choose(candidates: Sequence[Candidate]) -> Candidate:
     return min(candidates, key=lambda c: (-c.tokens_per_s, plan_nodes(c.plan)))
 
 
-def one_prompt_per_bucket(prompts: Sequence[Sequence[int]], min_bucket: int) -> list:
-    """The first prompt of every padded width (``decode.requests.bucket_length``) among ``prompts``.
-
-    Why: the decode loops compile one program per prompt bucket, so calibration prompts of several
-    lengths need one warm-up call per bucket. Warming only the first prompt put the compilation of
-    the other buckets inside the timed calls: on SmolLM2 with 4 HumanEval prompts (2 buckets) it
-    doubled the measured seconds per pass (112 against 55 ms at chain:3, docs/RESULTS.md)."""
-    from confu_jax.decode.requests import bucket_length
-
-    firsts = {}
-    for prompt in prompts:
-        firsts.setdefault(bucket_length(len(prompt), min_bucket), prompt)
-    return list(firsts.values())
-
-
 def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                  min_bucket: int = 64):
     """(mean τ, accepted-draft counts per pass, seconds per pass) of ``plan``, greedy, EOS off.
 
     One compiled program per plan and prompt bucket: a warm-up call per bucket compiles them all
-    (``one_prompt_per_bucket``), then every prompt is decoded once, batch 1, and timed."""
+    (``decode.requests.one_prompt_per_bucket``; warming only the first prompt put the other buckets'
+    compilation inside the timed calls and doubled SmolLM2's measured pass cost, docs/RESULTS.md),
+    then every prompt is decoded once, batch 1, and timed."""
     import jax
 
     from confu_jax.decode.loop import generate_speculative
     from confu_jax.decode.plans import parse_plan
+    from confu_jax.decode.requests import one_prompt_per_bucket
 
     p = parse_plan(plan)
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
@@ -142,6 +130,7 @@ def measure_ar(spec, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
     import jax
 
     from confu_jax.decode.generate import generate_ar
+    from confu_jax.decode.requests import one_prompt_per_bucket
 
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
     for prompt in one_prompt_per_bucket(prompts, min_bucket):

@@ -34,6 +34,17 @@ def bucket_length(n: int, min_bucket: int = 16) -> int:
     return 1 << (m - 1).bit_length()
 
 
+
+def one_prompt_per_bucket(prompts: Sequence[Sequence[int]], min_bucket: int = 16) -> list:
+    """The first prompt of every padded width (``bucket_length``) among ``prompts``: one warm-up call
+    each compiles every program a timed run over ``prompts`` will use (the loops compile one
+    program per bucket, so warming a single prompt leaves the others' compilation in the timing)."""
+    firsts = {}
+    for prompt in prompts:
+        firsts.setdefault(bucket_length(len(prompt), min_bucket), prompt)
+    return list(firsts.values())
+
+
 def pad_prompts(prompts: Sequence[Sequence[int]], min_bucket: int = 16):
     """Right-pad token lists into one bucket -> (tokens_bt int32 [B, bucket], lengths_b int32 [B])."""
     if len(prompts) == 0:
