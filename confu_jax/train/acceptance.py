@@ -93,3 +93,43 @@ def decode_path_acceptance_length(correct_rbn: jax.Array, answer_rbn: jax.Array,
     zeros = jnp.zeros((b,), jnp.int32)
     (_, tokens_b, passes_b), _ = jax.lax.scan(step, (zeros, zeros, zeros), idx_n)
     return jnp.sum(tokens_b).astype(jnp.float32) / jnp.maximum(jnp.sum(passes_b), 1).astype(jnp.float32)
+
+
+def conditional_step_accuracy(correct_rbn: jax.Array, answer_rbn: jax.Array, in_draft_rbn: jax.Array,
+                              base_bn: Optional[jax.Array] = None) -> jax.Array:
+    """[R] float32: P(step r right | steps 0..r−1 right at the same index j), per TTT step r
+    (speculators' ``prev_correct``: a running AND of the steps' correctness per draft start).
+
+    Over the starting points of ``simulated_acceptance_length`` (``base_bn`` ∧ x[j+2] an answer
+    token); "right" is the same hit that estimator counts: the draft's top-1 equals the target's
+    argmax, which has a draft id, and x[j+2+r] is an answer token. Step r's count is the starting
+    points whose steps 0..r are all right; its denominator those whose steps 0..r−1 are (every
+    starting point for r = 0). So an answer's end counts as a miss (as in the chain, where it stops
+    the run), and the chain's τ is recovered exactly: τ_sim = 1 + Σ_r Π_{s ≤ r} cond_acc[s] whenever
+    no denominator is 0. A step no index reached (denominator 0) reads 0, like ``acc/step{r}``.
+
+    Why: the unconditional ``acc/step{r}`` mixes two things — how often a deep step is right, and
+    whether it is right where the shallower ones were. Only the second is accepted; a head that
+    repeats its previous guess (``step_duplication_rate``) can have a fair unconditional accuracy
+    at step 2 and a conditional one near 0.
+    """
+    start_bn = answer_rbn[0] if base_bn is None else answer_rbn[0] & base_bn
+    ok_rbn = correct_rbn & in_draft_rbn & answer_rbn & start_bn[None]
+    run_rbn = jnp.cumprod(ok_rbn.astype(jnp.int32), axis=0)  # 1 while steps 0..r are all right
+    num_r = jnp.sum(run_rbn, axis=(1, 2)).astype(jnp.float32)
+    den_r = jnp.concatenate([jnp.sum(start_bn.astype(jnp.int32))[None], jnp.sum(run_rbn[:-1], axis=(1, 2))])
+    return num_r / jnp.maximum(den_r.astype(jnp.float32), 1.0)
+
+
+def step_duplication_rate(top1_rbn: jax.Array, valid_rbn: jax.Array) -> jax.Array:
+    """[R−1] float32: for r = 1..R−1, the fraction of valid (r, j) whose step-r top-1 equals step
+    r−1's top-1 at the same index j (0 where step r has no valid index).
+
+    With the draft's top-1 it is the duplication rate — a draft that predicts the token it has just
+    predicted again (undertrained deep steps copy the previous step's guess); with the teacher's
+    argmax on the same (r, j) it is how often the text itself repeats a token, the rate to compare
+    it with. ``valid_rbn``: the (r, j) that ``acc/step{r}`` averages over.
+    """
+    same_rbn = (top1_rbn[1:] == top1_rbn[:-1]) & valid_rbn[1:]
+    cnt_r = jnp.sum(valid_rbn[1:], axis=(1, 2)).astype(jnp.float32)
+    return jnp.sum(same_rbn, axis=(1, 2)).astype(jnp.float32) / jnp.maximum(cnt_r, 1.0)

@@ -43,7 +43,12 @@ Pipeline of one call:
 Metrics (scalars; the training loop's convention ``loss/step{s}``, ``acc/step{s}``): per-step KL
 and top-1 agreement with the target, the number of trained positions, teacher diagnostics, and
 ``acceptance_length`` — see ``train.acceptance.simulated_acceptance_length``; ``decode_tau/chain{D}``
-— τ along the path a greedy chain:D decode takes (``train.acceptance.decode_path_acceptance_length``).
+— τ along the path a greedy chain:D decode takes (``train.acceptance.decode_path_acceptance_length``);
+``cond_acc/step{r}`` — step r right given steps < r right at the same index, over τ_sim's starting
+points (``train.acceptance.conditional_step_accuracy``); ``dup_rate/step{r}`` (r ≥ 1) — the share of
+step r's trained indices whose draft top-1 repeats step r−1's, beside ``dup_rate_teacher/step{r}``,
+the same share for the teacher's argmax (how often the text itself repeats a token;
+``train.acceptance.step_duplication_rate``).
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.kv_cache import to_cache_layout
 from confu_jax.models.target import contemplate_queries, real_forward
-from confu_jax.train.acceptance import decode_path_acceptance_length, simulated_acceptance_length
+from confu_jax.train.acceptance import (conditional_step_accuracy, decode_path_acceptance_length,
+                                        simulated_acceptance_length, step_duplication_rate)
 
 
 ALL_POSITIONS = 1 << 30  # k_train meaning "every candidate position" (clipped to N)
@@ -470,21 +476,32 @@ def _ttt_losses(spec: ModelSpec, draft_params: dict, ttt, teacher, masks, sel_bm
     if cfg.remat:  # saves h and the shared t_pad per step, not [B, M, V_draft] logits
         step_fn = jax.checkpoint(step_fn, static_argnums=(3,))
     metrics, loss = {}, jnp.zeros((), jnp.float32)
-    correct, answer, in_draft = [], [], []
+    correct, answer, in_draft, draft_top1, teacher_top1, trained = [], [], [], [], [], []
     for r in range(r_steps):
         kl_bm, arg_bm = step_fn(draft_params, _rows(_pick(sel_bm, ttt.hidden_rbnd[r])), t_pad, r)
-        w_bm = (_pick(sel_bm, masks.valid_rbn[r]) & ok_bm).astype(jnp.float32)
+        trained_bm = _pick(sel_bm, masks.valid_rbn[r]) & ok_bm
+        w_bm = trained_bm.astype(jnp.float32)
         cnt = jnp.maximum(jnp.sum(w_bm), 1.0)
         kl_r = jnp.sum(kl_bm * w_bm) / cnt
-        hit_bm = arg_bm == (t_arg[:, 1 + r:1 + r + n] if sel_bm is None else
-                            jnp.take_along_axis(t_arg, sel_bm + 1 + r, axis=1))
+        t_arg_bm = t_arg[:, 1 + r:1 + r + n] if sel_bm is None else jnp.take_along_axis(t_arg, sel_bm + 1 + r, axis=1)
+        hit_bm = arg_bm == t_arg_bm
         correct.append(hit_bm)
+        draft_top1.append(arg_bm)
+        teacher_top1.append(t_arg_bm)
+        trained.append(trained_bm)
         answer.append(_pick(sel_bm, masks.answer_rbn[r]))
         in_draft.append(_pick(sel_bm, masks.in_draft_rbn[r]))
         loss = loss + (cfg.ttt_decay ** r) * kl_r
         metrics[f"loss/step{r}"] = kl_r
         metrics[f"acc/step{r}"] = jnp.sum(hit_bm * w_bm) / cnt
         metrics[f"positions/step{r}"] = jnp.sum(w_bm)
+    # does step r repeat step r-1's guess (draft), and how often does the text itself (teacher)?
+    trained_rbm = jnp.stack(trained)
+    dup_r = step_duplication_rate(jax.lax.stop_gradient(jnp.stack(draft_top1)), trained_rbm)
+    text_dup_r = step_duplication_rate(jnp.stack(teacher_top1), trained_rbm)
+    for r in range(1, r_steps):
+        metrics[f"dup_rate/step{r}"] = dup_r[r - 1]
+        metrics[f"dup_rate_teacher/step{r}"] = text_dup_r[r - 1]
     return loss, metrics, jnp.stack(correct), jnp.stack(answer), jnp.stack(in_draft)
 
 
@@ -544,6 +561,10 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
                                                            sel_bm, ok_bm, n, cfg)
     metrics["acceptance_length"] = simulated_acceptance_length(
         jax.lax.stop_gradient(correct), answer, in_draft, _pick(sel_bm, base_bn) & ok_bm)
+    cond_r = conditional_step_accuracy(jax.lax.stop_gradient(correct), answer, in_draft,
+                                       _pick(sel_bm, base_bn) & ok_bm)
+    for r in range(cfg.ttt_steps):
+        metrics[f"cond_acc/step{r}"] = cond_r[r]
     if sel_bm is None:  # every index drafted (EAGLE-3; ConFu's evaluation form): walk the decode path
         for depth in range(1, cfg.ttt_steps + 1):
             metrics[f"decode_tau/chain{depth}"] = decode_path_acceptance_length(
