@@ -8,6 +8,12 @@ is drawn from x = 200). Reads ``metrics.csv`` (train) and ``eval.csv`` (held-out
 workdir; plots the loss, the simulated acceptance length τ_sim and the step-0 top-1 accuracy, and
 prints a table of the last logged values per run (``--every`` thins it), with the held-out τ along
 a greedy chain decode's path (``decode_tau/chain<--chain>``), the figure to compare with decoding.
+
+The held-out per-step diagnostics (docs/DESIGN.md §4, items 10-11) get two more panels and a
+second table: ``cond_acc/step<r>`` (step r right given steps < r right at the same index) and
+``dup_rate/step<r>`` (step r's top-1 repeats step r−1's) beside ``dup_rate_teacher/step<r>`` (the
+text's own repeat rate). A deep step whose conditional accuracy is near 0 while its duplication
+rate is far above the text's is undertrained; one that tracks the text's rate is not.
 """
 
 from __future__ import annotations
@@ -27,6 +33,27 @@ FLAGS = flags.FLAGS
 
 PANELS = (("loss", "loss (0.8^s-weighted TTT KL)"), ("acceptance_length", "τ_sim (train batch)"),
           ("acc/step0", "top-1 accuracy, draft step 0"))
+STEP_PANELS = (("cond_acc", "held-out: step r right | steps < r right"),
+               ("dup_rate", "held-out: step r top-1 = step r−1's (dotted: teacher)"))
+STEP_STYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (1, 1)), (0, (3, 1, 1, 1)))
+
+
+def step_values(row: dict, prefix: str) -> dict:
+    """{r: value} of the ``<prefix>/step<r>`` metrics of one CSV row."""
+    out = {}
+    for k, v in row.items():
+        head, _, tail = k.rpartition("/step")
+        if head == prefix and tail.isdigit():
+            out[int(tail)] = v
+    return dict(sorted(out.items()))
+
+
+def step_cell(row: dict, prefix: str) -> str:
+    """``<prefix>/step<r>`` of one row as 'r=a: x / y / z' ('–' when the row has none)."""
+    vals = step_values(row, prefix)
+    if not vals:
+        return "–"
+    return f"r={min(vals)}: " + " / ".join(f"{v:.3f}" for v in vals.values())
 
 
 def parse_run(text: str) -> tuple[str, str, int]:
@@ -75,7 +102,11 @@ def main(argv):
         runs = [parse_run(r) for r in FLAGS.runs]
     except ValueError as e:
         raise app.UsageError(str(e))
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    fig, grid = plt.subplots(2, len(PANELS), figsize=(5 * len(PANELS), 8))
+    axes, step_axes = grid[0], grid[1]
+    for ax in step_axes[len(STEP_PANELS):]:
+        fig.delaxes(ax)
+    diagnostics = []  # held-out per-step rows of the second table
     path_key = f"decode_tau/chain{FLAGS.chain}"
     print(f"| run | step | loss | τ_sim | acc step 0 | held-out loss | held-out τ_sim | held-out τ chain:{FLAGS.chain} |")
     print("|---|---|---|---|---|---|---|---|")
@@ -96,6 +127,29 @@ def main(argv):
                 ax.plot(*zip(*ev), "o--", color=line.get_color(), label=f"{name} (held-out)")
             ax.set_xlabel("optimizer step (shared axis)")
             ax.set_title(label)
+        color = axes[0].get_lines()[-1].get_color()
+        for ax, (prefix, label) in zip(step_axes, STEP_PANELS):
+            series = {}
+            for s, r in sorted(eval_rows.items()):
+                for step, v in step_values(r, prefix).items():
+                    series.setdefault((prefix, step), []).append((s + offset, v))
+                if prefix == "dup_rate":
+                    for step, v in step_values(r, "dup_rate_teacher").items():
+                        series.setdefault(("dup_rate_teacher", step), []).append((s + offset, v))
+            for (key, step), pts in series.items():
+                ax.plot(*zip(*pts), color=color, marker="o" if key != "dup_rate_teacher" else None,
+                        linestyle=":" if key == "dup_rate_teacher" else STEP_STYLES[step % len(STEP_STYLES)],
+                        alpha=0.5 if key == "dup_rate_teacher" else 1.0,
+                        label=f"{name} r={step}" if key != "dup_rate_teacher" else None)
+            ax.set_xlabel("optimizer step (shared axis)")
+            ax.set_title(label)
+            ax.set_ylim(-0.02, 1.02)
+        if eval_rows:
+            last_eval = max(eval_rows)
+            for s, e in sorted(eval_rows.items()):
+                if (s % FLAGS.every == 0 or s == last_eval) and step_values(e, "cond_acc"):
+                    diagnostics.append(f"| {name} | {s + offset} | {step_cell(e, 'cond_acc')} | "
+                                       f"{step_cell(e, 'dup_rate')} | {step_cell(e, 'dup_rate_teacher')} |")
         last = train_rows[-1]["step"]
         for r in train_rows:
             s = int(r["step"])
@@ -105,6 +159,14 @@ def main(argv):
                 print(f"| {name} | {s + offset} | {fmt(r, 'loss')} | {fmt(r, 'acceptance_length')} | "
                       f"{fmt(r, 'acc/step0')} | {fmt(e, 'loss')} | {fmt(e, 'acceptance_length')} | {fmt(e, path_key)} |")
     axes[0].legend(fontsize=8)
+    if any(ax.get_legend_handles_labels()[0] for ax in step_axes[:len(STEP_PANELS)]):
+        step_axes[0].legend(fontsize=7, ncol=2)
+    if diagnostics:
+        print("\nheld-out per TTT step r (docs/DESIGN.md §4 items 10-11): conditional accuracy, "
+              "duplication rate of the draft's top-1 and of the teacher's argmax (the text's own)")
+        print("| run | step | cond acc by step | dup rate by step | teacher dup by step |")
+        print("|---|---|---|---|---|")
+        print("\n".join(diagnostics))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     fig.savefig(FLAGS.out, dpi=110)

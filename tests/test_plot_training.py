@@ -48,3 +48,23 @@ def test_malformed_metrics_row_names_file_and_line(tmp_path):
 def test_bad_run_spec_is_a_usage_error(tmp_path):
     r = _run("--runs=nonamehere", f"--out={tmp_path / 'c.png'}")
     assert r.returncode != 0 and "NAME=WORKDIR" in r.stderr
+
+
+def test_held_out_step_diagnostics_table(tmp_path):
+    path = tmp_path / "e3"
+    os.makedirs(path)
+    with open(path / "metrics.csv", "w") as f:
+        f.write("step,acc/step0,acceptance_length,loss\n5,0.1,1.1,9.0\n10,0.2,1.2,8.0\n")
+    cols = "cond_acc/step0,cond_acc/step1,cond_acc/step2,dup_rate/step1,dup_rate/step2," \
+           "dup_rate_teacher/step1,dup_rate_teacher/step2"
+    with open(path / "eval.csv", "w") as f:
+        f.write(f"step,loss,{cols}\n5,8.9,0.4,0.3,0.05,0.6,0.9,0.1,0.12\n10,8.4,0.45,0.4,0.2,0.3,0.4,0.1,0.12\n")
+    old = _workdir(tmp_path / "old", ["5,0.1,1.1,9.0\n"], ["5,0.1,1.1,9.0,1.0\n"])  # logs none of them
+    out = tmp_path / "curves.png"
+    r = _run(f"--runs=e3={path},old={old}@100", f"--out={out}", "--every=5")
+    assert r.returncode == 0, r.stderr
+    table = r.stdout.split("held-out per TTT step")[1].splitlines()
+    rows = [line for line in table if line.startswith("| e3") or line.startswith("| old")]
+    assert rows == ["| e3 | 5 | r=0: 0.400 / 0.300 / 0.050 | r=1: 0.600 / 0.900 | r=1: 0.100 / 0.120 |",
+                    "| e3 | 10 | r=0: 0.450 / 0.400 / 0.200 | r=1: 0.300 / 0.400 | r=1: 0.100 / 0.120 |"]
+    assert out.stat().st_size > 1000
