@@ -105,8 +105,9 @@ def conditional_step_accuracy(correct_rbn: jax.Array, answer_rbn: jax.Array, in_
     argmax, which has a draft id, and x[j+2+r] is an answer token. Step r's count is the starting
     points whose steps 0..r are all right; its denominator those whose steps 0..r−1 are (every
     starting point for r = 0). So an answer's end counts as a miss (as in the chain, where it stops
-    the run), and the chain's τ is recovered exactly: τ_sim = 1 + Σ_r Π_{s ≤ r} cond_acc[s] whenever
-    no denominator is 0. A step no index reached (denominator 0) reads 0, like ``acc/step{r}``.
+    the run), and the chain's τ is recovered exactly: τ_sim = 1 + Σ_r Π_{s ≤ r} cond_acc[s]. A step
+    no index reached (denominator 0) reads 0, like ``acc/step{r}``; the product is then 0 from the
+    step before it on, so the identity still holds.
 
     Why: the unconditional ``acc/step{r}`` mixes two things — how often a deep step is right, and
     whether it is right where the shallower ones were. Only the second is accepted; a head that
