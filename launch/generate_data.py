@@ -3,6 +3,7 @@
     python -m launch.generate_data --output data/regen.jsonl \
         [--model smollm2-135m-instruct] [--input sharegpt,more.jsonl] [--max_records 1000] \
         [--batch_size 16] [--max_new_tokens 512] [--max_turns 0] [--temperature 0] [--top_p 1]
+        [--release releases/data/<name>]
 
 Why: a draft head is trained to imitate the *target's* next-token distribution, so training on the
 target's own answers (instead of ShareGPT's ChatGPT answers) removes a distribution shift; EAGLE
@@ -25,6 +26,11 @@ conversations in flight. Rerunning with the same
 is cut off first. Input ids must be unique (duplicates after the first are skipped, with a count).
 A conversation whose prompt would exceed ``--max_prompt_len`` tokens stops at the answers it has;
 one with no regenerated answer at all is not written (and is re-checked, cheaply, on resume).
+
+Every invocation appends its command line to ``<output>.runs.jsonl`` (``launch.release_data``
+records it in the release manifest). ``--release releases/data/<name>`` skips the conversations
+that data release already holds (its parts are hash-checked first), so nothing released is ever
+generated twice; pack the output into it with ``launch.release_data``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import collections
 import json
 import logging
 import os
+import sys
 import zlib
 from typing import Callable, Iterable, Sequence
 
@@ -45,15 +52,17 @@ log = logging.getLogger("generate_data")
 # Output file: resume bookkeeping
 
 
-def read_done_ids(path: str) -> set[str]:
-    """Ids already written to ``path``; a torn last line (no newline / invalid JSON) is cut off.
+def scan_output(path: str) -> tuple[list[dict], int, int]:
+    """``(records, end, size)`` of a generate_data output: every complete record in order, the byte
+    offset just past the last one, and the file's size (``end < size``: a torn last line).
 
     Only the last line can be torn (append-only writes); a bad line elsewhere means the file is not
-    ours, and resuming into it would be unsafe, so that raises.
+    ours, and resuming into (or releasing) it would be unsafe, so that raises. Reads only: a file
+    another run is still appending to can be scanned.
     """
     if not os.path.exists(path):
-        return set()
-    done: set[str] = set()
+        return [], 0, 0
+    records: list[dict] = []
     with open(path, "rb") as f:
         data = f.read()
     good_end = 0
@@ -75,14 +84,28 @@ def read_done_ids(path: str) -> set[str]:
                     "into a file that was not written by generate_data"
                 )
             break
-        done.add(str(rec_id))
+        records.append(rec)
         good_end = nl + 1
         pos = nl + 1
-    if good_end < len(data):
-        log.warning("%s: cutting a torn last line (%d bytes) before resuming", path, len(data) - good_end)
+    return records, good_end, len(data)
+
+
+def read_records(path: str) -> list[dict]:
+    """The complete records of ``path`` (a torn last line is ignored, the file left as it is)."""
+    records, end, size = scan_output(path)
+    if end < size:
+        log.info("%s: ignoring a torn (or still being written) last line of %d bytes", path, size - end)
+    return records
+
+
+def read_done_ids(path: str) -> set[str]:
+    """Ids already written to ``path``; a torn last line (no newline / invalid JSON) is cut off."""
+    records, good_end, size = scan_output(path)
+    if good_end < size:
+        log.warning("%s: cutting a torn last line (%d bytes) before resuming", path, size - good_end)
         with open(path, "r+b") as f:
             f.truncate(good_end)
-    return done
+    return {str(rec["id"]) for rec in records}
 
 
 def append_records(path: str, records: Iterable[dict]) -> int:
@@ -418,8 +441,21 @@ def regenerate_continuous(conversations: Sequence[dict], output: str, tokenizer,
 # CLI
 
 
-def _define_flags():
-    from absl import flags
+def _define_flags(flag_values=None):
+    """The CLI's flags, defined on ``flag_values`` (default: absl's global FLAGS)."""
+    import functools
+
+    from absl import flags as absl_flags
+
+    fv = flag_values if flag_values is not None else absl_flags.FLAGS
+
+    class _Bound:  # absl's DEFINE_* bound to ``fv`` (parse_generation_command defines them on its own)
+        FLAGS = fv
+
+        def __getattr__(self, name):
+            return functools.partial(getattr(absl_flags, name), flag_values=fv)
+
+    flags = _Bound()
 
     flags.DEFINE_string("model", "smollm2-135m-instruct", "target: asset name, .gguf or HF directory")
     flags.DEFINE_string("tokenizer", "", "tokenizer source (default: --model)")
@@ -444,7 +480,63 @@ def _define_flags():
     flags.DEFINE_integer("num_shards", 1, "split the conversations over this many processes/hosts (by id hash)")
     flags.DEFINE_integer("shard_index", 0, "which shard this process generates; its output gets a "
                          "'.shard-IIIII-of-NNNNN' suffix when num_shards > 1")
+    flags.DEFINE_string("release", "", "a data release folder (releases/data/<name>, confu_jax.data.releases): "
+                        "conversations it holds are not generated again")
     return flags.FLAGS
+
+
+# ----------------------------------------------------------------------------------------------
+# What made an output: the command of every run, for launch.release_data's manifest
+
+RUNS_SUFFIX = ".runs.jsonl"  # beside the output: one {"command", "started"} line per invocation
+
+
+def record_run(output: str, argv: Sequence[str]) -> str:
+    """Append this invocation's command line to ``<output>.runs.jsonl``; returns the command."""
+    import datetime
+    import shlex
+
+    command = "python -m launch.generate_data " + shlex.join(list(argv[1:]))
+    started = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    append_records(output + RUNS_SUFFIX, [{"command": command, "started": started}])
+    return command
+
+
+def parse_generation_command(command: str) -> dict:
+    """The generation settings of a ``launch.generate_data`` command line (defaults filled in):
+    ``command`` plus model, tokenizer, dtype, input, max_records, max_turns, temperature, top_p,
+    max_new_tokens, max_prompt_len, engine, batch_size."""
+    import shlex
+
+    from absl import flags as absl_flags
+
+    words = shlex.split(command)
+    at = next((i for i, w in enumerate(words) if w in ("launch.generate_data", "launch/generate_data.py")
+               or w.endswith("/launch/generate_data.py")), None)
+    if at is None:
+        raise ValueError(f"not a launch.generate_data command line: {command!r}")
+    fv = absl_flags.FlagValues()
+    _define_flags(fv)
+    try:
+        fv(["generate_data"] + words[at + 1 :])
+    except absl_flags.Error as e:
+        raise ValueError(f"cannot parse the generate_data command {command!r}: {e}") from e
+    keys = ("model", "tokenizer", "dtype", "input", "max_records", "max_turns", "temperature", "top_p",
+            "max_new_tokens", "max_prompt_len", "engine", "batch_size")
+    settings = {"command": command, **{k: fv[k].value for k in keys}}
+    settings["tokenizer"] = settings["tokenizer"] or settings["model"]
+    settings["input"] = list(settings["input"])
+    return settings
+
+
+def drop_released(conversations: Sequence[dict], release: str) -> tuple[list[dict], int]:
+    """``conversations`` less those whose ids the data release ``release`` holds (its parts are
+    hash-checked first), and how many were dropped."""
+    from confu_jax.data.releases import released_ids
+
+    done = released_ids(release)
+    kept = [c for c in conversations if c["id"] not in done]
+    return kept, len(conversations) - len(kept)
 
 
 def shard_of(conv_id: str, num_shards: int) -> int:
@@ -476,9 +568,14 @@ def main(argv):
     log.info("input: %s", report.summary())
     convs = [keep_turns(c, f.max_turns) for c in convs if shard_of(c["id"], f.num_shards) == f.shard_index]
     output = shard_output(f.output, f.shard_index, f.num_shards)
+    n_released = 0
+    if f.release:
+        convs, n_released = drop_released(convs, f.release)
+        log.info("%s: %d conversations already released, not generated again", f.release, n_released)
     tokenizer = ChatTokenizer.load(f.tokenizer or f.model)
     cfg, params = load_model(f.model, f.dtype or None)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    record_run(output, sys.argv)
     if f.engine == "continuous":
         stats = regenerate_continuous(convs, output, tokenizer, cfg, params, batch_size=f.batch_size,
                                       max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,
@@ -488,7 +585,7 @@ def main(argv):
                                        top_p=f.top_p, eos_ids=tokenizer.eos_ids)
         stats = generate_dataset(convs, output, tokenizer, generate_fn, batch_size=f.batch_size,
                                  max_prompt_len=f.max_prompt_len)
-    print(json.dumps({"output": output, **stats}))
+    print(json.dumps({"output": output, **stats, **({"already_released": n_released} if f.release else {})}))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ Three on-disk formats are read, all normalised to roles ``system | user | assist
   in memory as one string.
 * SpecForge JSONL: one ``{"id", "conversations": [{"role", "content"}]}`` per line.
 * UltraChat JSONL: one ``{"messages": [{"role", "content"}], "prompt_id"?}`` per line.
+* A data release folder (``releases/data/<name>/``, recognised by its ``manifest.json``;
+  ``confu_jax.data.releases``): SpecForge records in zstandard-compressed parts, every part's sha256
+  checked against the manifest before the first record is read.
 
 The record shape is recognised per record (``conversations`` or ``messages``; ``from/value`` or
 ``role/content`` turns), the container (array or lines) by the first non-blank character of the file.
@@ -33,6 +36,7 @@ import re
 from typing import Iterator, Sequence
 
 from confu_jax import assets, progress
+from confu_jax.data import releases
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +116,20 @@ class LoadReport:
 
 
 def resolve_path(source: str) -> str:
-    """A known asset name (``'sharegpt'``) or a file path -> an existing file path."""
+    """A known asset name (``'sharegpt'``), a file path or a data release folder -> an existing path."""
     if source in assets.known_assets():
         return assets.resolve(source)
+    if releases.is_release(source):
+        return source
+    if os.path.isdir(source):
+        raise FileNotFoundError(
+            f"{source!r} is a folder without {releases.MANIFEST}: not a data release (expected a "
+            f".json/.jsonl file, a release folder or one of the assets {assets.known_assets()})"
+        )
     if not os.path.isfile(source):
         raise FileNotFoundError(
-            f"conversation file {source!r} does not exist (expected a .json/.jsonl file or one of "
-            f"the assets {assets.known_assets()})"
+            f"conversation file {source!r} does not exist (expected a .json/.jsonl file, a data release "
+            f"folder or one of the assets {assets.known_assets()})"
         )
     return source
 
@@ -313,25 +324,28 @@ def iter_conversations(
     on_bad_record: str = "skip",
     report: LoadReport | None = None,
 ) -> Iterator[dict]:
-    """Stream normalised conversations from one file (or asset name), reporting bad records."""
+    """Stream normalised conversations from one file, asset name or data release folder, reporting bad records."""
     if on_bad_record not in ON_BAD_RECORD:
         raise ValueError(f"on_bad_record must be one of {ON_BAD_RECORD}, got {on_bad_record!r}")
     path = resolve_path(source)
     report = report if report is not None else LoadReport()
-    items = iter_json_array(path) if _container(path) == "array" else iter_json_lines(path)
-    base = os.path.basename(path)
-    for line, value, error in items:
+    if releases.is_release(path):  # every part's sha256 is checked before the first record
+        items = releases.iter_release_records(path, verify=True)
+    else:
+        lines = iter_json_array(path) if _container(path) == "array" else iter_json_lines(path)
+        items = ((path, line, value, error) for line, value, error in lines)
+    for where, line, value, error in items:
         if error is not None and error.startswith("truncated"):
-            report.truncated.append((path, line))
-            log.warning("%s:%d: %s; the records before it are kept", path, line, error)
+            report.truncated.append((where, line))
+            log.warning("%s:%d: %s; the records before it are kept", where, line, error)
             continue
         if error is not None:
             conv, reason, detail, dropped = None, "invalid_json", error, 0
         else:
-            conv, reason, detail, dropped = normalize_record(value, f"{base}:{line}")
+            conv, reason, detail, dropped = normalize_record(value, f"{os.path.basename(where)}:{line}")
         report.n_leading_assistant_dropped += dropped
         if conv is None:
-            bad = BadRecord(path, line, reason, detail)
+            bad = BadRecord(where, line, reason, detail)
             if on_bad_record == "fail":
                 raise BadRecordError(f"bad record at {bad} (set on_bad_record='skip' to skip it)")
             report.add_bad(bad)
