@@ -12,7 +12,9 @@ One entry per (method, setting). Metric definitions are in :mod:`confu_jax.bench
 Rows from ``spec_bench`` also carry ``questions`` (per-question counts) and 95% bootstrap intervals
 over questions (``tau_ci``, ``speedup_ci``, ``tokens_per_s_ci``, overall and per category), and the
 document a top-level ``tau_ratios`` list (ConFu-like methods over EAGLE-3 at the same temperature and
-budget, with paired intervals): :mod:`confu_jax.bench.intervals`.
+budget, with paired intervals): :mod:`confu_jax.bench.intervals`. When the benchmark kept its units in
+``<out>.parts/``, a top-level ``tau_breakdown`` list holds each speculative row's τ by answer position
+and by prompt source (:mod:`confu_jax.bench.breakdown`).
 """
 
 from __future__ import annotations
@@ -313,14 +315,31 @@ def plot_tau(results: Sequence[MethodResult | Mapping], png_path: str | os.PathL
     return fig
 
 
+def _breakdowns(parts_dir: str, rows: list) -> tuple[list, str]:
+    """(τ breakdowns of the rows' units in ``parts_dir``, a note when they could not be read): the
+    report of a long benchmark is written even if a unit there is unreadable."""
+    from confu_jax.bench import breakdown
+
+    if not os.path.isdir(parts_dir):
+        return [], ""
+    try:
+        return breakdown.breakdown_rows(breakdown.load_units(parts_dir, rows)), ""
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [], f"τ breakdown left out: {parts_dir} could not be read ({e})"
+
+
 def write_outputs(out: str, rows: list) -> dict:
     """results.json + .md (paper table, per-row settings, intervals and τ ratios) + .png (τ and
-    speed-up per category with intervals)."""
+    speed-up per category with intervals). When the benchmark kept its units (``<out>.parts/``,
+    ``spec_bench.Parts``), their per-pass logs add ``tau_breakdown`` to results.json and its tables
+    (τ by answer position and by prompt source, :mod:`confu_jax.bench.breakdown`) to the .md."""
+    from confu_jax.bench.breakdown import markdown_tables
     from confu_jax.bench.intervals import ratio_rows
 
     ratios = ratio_rows(rows)
-    doc = write_results(out, rows, extra={"tau_ratios": ratios})
     base = os.path.splitext(out)[0]
+    breakdowns, note = _breakdowns(base + ".parts", rows)
+    doc = write_results(out, rows, extra={"tau_ratios": ratios, **({"tau_breakdown": breakdowns} if breakdowns else {})})
     lines = [markdown_table(rows), "", "| Method | T | Budget | Plan | Head | Lossless (T=0) | tokens/s | "
              "compile s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -337,6 +356,10 @@ def write_outputs(out: str, rows: list) -> dict:
                   "paired with AR on the same questions):", "", ci]
     if ratios:
         lines += ["", "τ ratios, paired by question:", "", ratio_table(ratios)]
+    if breakdowns:
+        lines += ["", markdown_tables(breakdowns)]
+    if note:
+        lines += ["", note]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     plot_tau_speedup(rows, base + ".png")
