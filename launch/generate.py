@@ -5,6 +5,7 @@
     python -m launch.generate --prompt "Hi" --config.decode.max_new_tokens=64
     python -m launch.generate --prompt "Hi" --method confu --draft_ckpt runs/smollm2_confu --tree dynamic:6,8,30
     python -m launch.generate --prompt "Hi" --method eagle3 --tree chain:4   # random head: smoke/lossless check
+    python -m launch.generate --prompt "Summarize: ..." --method lookup --tree chain:4   # model-free lookup
 
 The prompt is wrapped as one user turn and rendered with the checkpoint's chat template (generation
 prompt appended). The completion goes to stdout; timing (compile time, tokens/s) to stderr, so the
@@ -12,10 +13,12 @@ output pipes cleanly. ``--max_new_tokens/--temperature/--top_p/--seed`` are shor
 matching ``--config.decode.*`` fields and win over them when given.
 
 Decoding methods are looked up in ``METHODS``: ``ar`` (jitted autoregressive), ``eagle3`` and
-``confu`` (the jitted speculative loop, ``confu_jax.decode.loop``). A speculative method reads its
-head from ``--draft_ckpt`` (a ``launch.train`` workdir); without it a randomly initialised head is
+``confu`` (the jitted speculative loop, ``confu_jax.decode.loop``), ``lookup`` (model-free prompt
+lookup) and ``hybrid`` (lookup where it matches, a head elsewhere). A head method reads its head
+from ``--draft_ckpt`` (a ``launch.train`` workdir); without it a randomly initialised head is
 used — τ stays near 1 but the output must still equal ``--method ar``'s (lossless), which makes it
-a smoke test. The speculative methods also print τ (mean tokens per target pass, Spec-Bench).
+a smoke test. ``--tree`` is the method's plan (``decode.drafters``). The speculative methods also
+print τ (mean tokens per target pass, Spec-Bench).
 """
 
 from __future__ import annotations
@@ -82,14 +85,14 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     from confu_jax.decode.stopping import StopReason
     from confu_jax.decode.heads import decode_head
     from confu_jax.decode.loop import compile_speculative
-    from confu_jax.decode.plans import parse_plan
+    from confu_jax.decode.drafters import parse_drafter
     from confu_jax.decode.sharded import place_spec_params
 
-    plan = parse_plan(tree)
+    plan = parse_drafter(method, tree)
     head = decode_head(method, cfg, params, draft_ckpt, seed=seed, target_source=target_source)
     if mesh is not None:
         head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
-    if not head.trained:
+    if not head.trained and REGISTERED_METHODS[method].needs_head:
         print(f"[{method}] no --draft_ckpt: using a RANDOMLY INITIALISED draft head ({head.source}); "
               "output is still the target's, but expect tau ~ 1", file=sys.stderr)
     t0 = time.perf_counter()
@@ -126,7 +129,8 @@ flags.DEFINE_string("draft_ckpt", None, "speculative methods: a launch.train wor
                     "draft head (config.json + checkpoints/), or for eagle3 an EAGLE-3 head directory in the "
                     "official (SGLang / SpecForge) or speculators (vLLM) format; unset = randomly initialised head")
 flags.DEFINE_string("tree", "chain:4", "speculative methods: draft plan, chain:K | sampled_chain:K | "
-                    "dynamic:DEPTH,TOPK,NODES (EAGLE-2 tree; NODES excludes the root)")
+                    "dynamic:DEPTH,TOPK,NODES (EAGLE-2 tree; NODES excludes the root); lookup also "
+                    "lookup:K[,W[,NMIN,NMAX]]")
 flags.DEFINE_integer("max_new_tokens", None, "most tokens to generate (overrides config.decode.max_new_tokens)")
 flags.DEFINE_float("temperature", None, "sampling temperature, 0 = greedy (overrides config.decode.temperature)")
 flags.DEFINE_float("top_p", None, "nucleus sampling mass in (0, 1], 1 = off (overrides config.decode.top_p)")

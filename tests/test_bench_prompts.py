@@ -207,3 +207,19 @@ def test_heldout_questions_are_the_conversations_training_holds_out(tmp_path):
     got = P.load_prompts(str(out))
     assert [(p.question_id, p.category, p.turns) for p in got] == [
         ("c4", "heldout", ("question 4",)), ("c5", "heldout", ("question 5",)), ("c6", "heldout", ("question 6",))]
+
+
+def test_grounded_set_is_deterministic_and_copies_its_input():
+    from confu_jax.bench.grounded import GROUNDED_CATEGORIES, humaneval_solutions, sharegpt_passages
+
+    ps = P.load_prompts("grounded")
+    again = P.load_prompts("grounded:8")
+    assert [p.question_id for p in ps[:8]] == [p.question_id for p in again]
+    assert len(ps) == 40 and [p.category for p in ps] == [c for c in GROUNDED_CATEGORIES for _ in range(10)]
+    passages = sharegpt_passages(30)
+    assert len(set(passages)) == 30 and all(500 <= len(t) <= 1500 and "```" not in t for t in passages)
+    # each prompt holds its passage verbatim (what lookup can copy from)
+    for p, text in zip(ps[:30], passages):
+        assert text in p.turns[0] and p.question_id.startswith(f"grounded/{p.category}/")
+    for p, code in zip(ps[30:], humaneval_solutions(10)):
+        assert code in p.turns[0] and code.startswith(("def ", "from ", "import "))

@@ -24,8 +24,8 @@ from test_spec_loop import make
 def _loop_depth0_logprobs(spec, params, s):
     """What ``drafting.draft_tree`` scores the root's children with: ingest at the anchor p."""
     anchor_b = s.cache.length_b - 1
-    future = drafting.future_entry(spec, params, s)
-    logits, _, _ = drafting.ingest(spec, params, s, future, s.draft_cache)
+    future = drafting.future_entry(spec, params, s.drafter, anchor_b)
+    logits, _, _ = drafting.ingest(spec, params, s.drafter, s.done_b, future, s.drafter.draft_cache)
     return np.asarray(jax.nn.log_softmax(logits[:, 0], axis=-1)), np.asarray(anchor_b)
 
 
@@ -69,7 +69,7 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text):
 
     n = len(prompt)
     emitted = np.asarray(s1.tokens_bn)[0, : int(s1.n_generated_b[0])].tolist()
-    n_acc = int(s1.ingest_count_b[0])
+    n_acc = int(s1.drafter.ingest_count_b[0])
     assert n_acc >= 2 and len(emitted) == 1 + n_acc  # first token + accepted drafts + bonus
 
     # after prefill: anchor n-1, the prefill contemplate read h_cat[n-2] (lag 1), bonus = first token
@@ -82,7 +82,7 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text):
     # sparse (+c1): anchor n (the root's position), lag 1, draft index n-1+n_acc in its window
     got, anchor = _loop_depth0_logprobs(spec, params, s1)
     assert int(anchor[0]) == n - 1 + n_acc
-    assert int(s1.future_anchor_b[0]) == (n if sparse else n - 1 + n_acc)
+    assert int(s1.drafter.future_anchor_b[0]) == (n if sparse else n - 1 + n_acc)
     if sparse:
         want = _training_form_logprobs(spec, params, prompt + emitted, n, 1, index=n - 1 + n_acc)
         np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)

@@ -76,10 +76,10 @@ def test_future_source_is_the_deepest_contemplated_node_on_the_accepted_path():
     tree = build_tree(jnp.zeros((4, 7), jnp.int32), parents, 3)
     con = jnp.asarray([[0, 1, 5]] * 4, jnp.int32)  # contemplates after nodes 0, 1 and 5
     last = jnp.asarray([6, 4, 2, 5], jnp.int32)
-    got = np.asarray(loop._future_source(tree, last, con))
+    got = np.asarray(drafting._future_source(tree, last, con))
     # 6 -> 3 -> 1 (contemplated: index 1); 4 -> 1 (1); 2 -> 0 (root: 0); 5 itself (2)
     np.testing.assert_array_equal(got, [1, 1, 0, 2])
-    np.testing.assert_array_equal(np.asarray(loop._future_source(tree, last, None)), np.asarray(last))
+    np.testing.assert_array_equal(np.asarray(drafting._future_source(tree, last, None)), np.asarray(last))
 
 
 def test_contemplate_nodes_rule():

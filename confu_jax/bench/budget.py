@@ -43,13 +43,28 @@ AR = "ar"  # the no-speculation candidate: plain autoregressive decoding
 DEFAULT_CHAINS = tuple(f"chain:{k}" for k in range(1, 8))
 # EAGLE-2-style dynamic trees with T-1 = 4, 8, 16, 30, 60 non-root nodes
 DEFAULT_TREES = ("dynamic:3,2,4", "dynamic:4,4,8", "dynamic:5,6,16", "dynamic:6,8,30", "dynamic:6,10,60")
+# prompt lookup: chains of 2..8 and tries of 2 / 4 continuations (decode.drafters forms)
+DEFAULT_LOOKUP_TREES = ("lookup:4,2", "lookup:6,2", "lookup:4,4")
+
+
+def default_candidates(method: str) -> tuple:
+    """Budget auto's default candidate plans for a method's drafter family (chains, then trees)."""
+    from confu_jax.models.registry import get_method
+
+    family = get_method(method).family
+    if family == "lookup":
+        return tuple(f"chain:{k}" for k in (2, 3, 4, 6, 8)), DEFAULT_LOOKUP_TREES
+    if family == "hybrid":
+        return DEFAULT_CHAINS, ()
+    return DEFAULT_CHAINS, DEFAULT_TREES
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    plan: str  # loop.parse_plan text
+    plan: str  # plan text (decode.drafters.parse_drafter of ``method``)
     expected_tau: float  # tokens per pass
     pass_s: float  # seconds per pass
+    method: str = "eagle3"  # whose drafter the plan configures (budget auto may compare families)
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,25 +89,27 @@ def tau_chain_from_accepts(accepted_n: Sequence[int], k: int, k_calibrated: int)
     return float(1.0 + sum(np.mean(n >= i) for i in range(1, k + 1)))
 
 
-def plan_nodes(plan: str) -> int:
-    """Target positions one pass verifies (AR: the one token it decodes)."""
+def plan_nodes(plan: str, method: str = "eagle3") -> int:
+    """Target positions a full pass of ``method``'s ``plan`` verifies (AR: the one token it decodes)."""
     if plan == AR:
         return 1
-    from confu_jax.decode.plans import parse_plan
+    from confu_jax.decode.drafters import parse_drafter
 
-    return parse_plan(plan).n_nodes_total
+    return parse_drafter(method, plan).n_nodes
 
 
 def choose(candidates: Sequence[Candidate]) -> Candidate:
     """The candidate with the highest expected tokens/s (ties: fewer tree nodes)."""
     if not candidates:
         raise ValueError("budget auto: no candidate plans")
-    return min(candidates, key=lambda c: (-c.tokens_per_s, plan_nodes(c.plan)))
+    return min(candidates, key=lambda c: (-c.tokens_per_s, plan_nodes(c.plan, c.method)))
 
 
 def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
-                 min_bucket: int = 64):
-    """(mean τ, accepted-draft counts per pass, seconds per pass) of ``plan``, greedy, EOS off.
+                 min_bucket: int = 64, method: str = "eagle3"):
+    """(mean τ, accepted-draft counts per pass, seconds per pass) of ``method``'s ``plan``, greedy,
+    EOS off. A drafter with several pass widths (prompt lookup) averages its narrow and full
+    passes: seconds per pass x passes = the wall time, so τ / seconds per pass is its tokens/s.
 
     One compiled program per plan and prompt bucket: a warm-up call per bucket compiles them all
     (``decode.requests.one_prompt_per_bucket``; warming only the first prompt put the other buckets'
@@ -100,11 +117,11 @@ def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, m
     then every prompt is decoded once, batch 1, and timed."""
     import jax
 
+    from confu_jax.decode.drafters import parse_drafter
     from confu_jax.decode.loop import generate_speculative
-    from confu_jax.decode.plans import parse_plan
     from confu_jax.decode.requests import one_prompt_per_bucket
 
-    p = parse_plan(plan)
+    p = parse_drafter(method, plan)
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
     for prompt in one_prompt_per_bucket(prompts, min_bucket):
         jax.block_until_ready(generate_speculative(spec, params, p, [list(prompt)], **kw))
@@ -146,19 +163,19 @@ def measure_ar(spec, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
 
 def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequence[str] = DEFAULT_CHAINS,
               trees: Sequence[str] = DEFAULT_TREES, max_new_tokens: int = 64, include_ar: bool = True,
-              log: Optional[Callable[[str], None]] = None):
-    """Measure every candidate on the calibration prompts and choose -> (best, all Candidates).
-    One compile per candidate; E[τ] is the candidate's own measured τ. With ``include_ar`` plain
-    AR (``AR``, τ = 1) competes too, so the choice may be to not speculate."""
+              log: Optional[Callable[[str], None]] = None, method: str = "eagle3"):
+    """Measure every candidate plan of ``method`` on the calibration prompts and choose -> (best,
+    all Candidates). One compile per candidate; E[τ] is the candidate's own measured τ. With
+    ``include_ar`` plain AR (``AR``, τ = 1) competes too, so the choice may be to not speculate."""
     cands = []
     if include_ar:
         step_s = measure_ar(spec, params, prompts, max_new_tokens=max_new_tokens)
-        cands.append(Candidate(AR, 1.0, step_s))
+        cands.append(Candidate(AR, 1.0, step_s, method))
         if log:
             log(f"budget auto: ar: {step_s * 1e3:.1f} ms/token, {cands[-1].tokens_per_s:.1f} tokens/s")
     for plan in (*chains, *trees):
-        tau, _, pass_s = measure_plan(spec, params, plan, prompts, max_new_tokens=max_new_tokens)
-        cands.append(Candidate(plan, tau, pass_s))
+        tau, _, pass_s = measure_plan(spec, params, plan, prompts, max_new_tokens=max_new_tokens, method=method)
+        cands.append(Candidate(plan, tau, pass_s, method))
         if log:
             log(f"budget auto: {plan}: E[tau]={tau:.3f}, {pass_s * 1e3:.1f} ms/pass, "
                 f"{cands[-1].tokens_per_s:.1f} tokens/s expected")

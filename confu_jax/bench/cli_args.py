@@ -6,7 +6,8 @@ from __future__ import annotations
 
 def parse_budgets(text: str) -> list[str]:
     """``chain:4,dynamic:6,8,30,auto`` -> ['chain:4', 'dynamic:6,8,30', 'auto'] (a plan's numbers
-    continue it; a part with ':' or 'auto' starts the next one)."""
+    continue it; a part with ':' or 'auto' starts the next one). Each plan must be one that some
+    drafter family reads (``decode.drafters``: ``lookup:4,2`` is a lookup plan only)."""
     out: list[str] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if ":" in part or part == "auto":
@@ -16,12 +17,27 @@ def parse_budgets(text: str) -> list[str]:
         else:
             raise ValueError(f"--budgets {text!r}: {part!r} does not continue a plan; expected e.g. "
                              "chain:4,dynamic:6,8,30,auto")
-    from confu_jax.decode.plans import parse_plan
-
     for b in out:
-        if b != "auto":
+        if b != "auto" and not plan_families(b):
+            from confu_jax.decode.plans import parse_plan
+
             parse_plan(b)  # raises with the accepted forms
     return out
+
+
+def plan_families(plan: str) -> tuple:
+    """The drafter families whose plan text ``plan`` is (``head``, ``lookup``, ``hybrid``); a
+    benchmark runs each method only under the budgets its family reads."""
+    from confu_jax.decode.drafters import parse_drafter
+
+    fams = []
+    for family, method in (("head", "eagle3"), ("lookup", "lookup"), ("hybrid", "hybrid")):
+        try:
+            parse_drafter(method, plan)
+            fams.append(family)
+        except ValueError:
+            pass
+    return tuple(fams)
 
 
 def parse_heads(text: str) -> dict:

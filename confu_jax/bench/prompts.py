@@ -174,11 +174,18 @@ def load_humaneval(category: str = "humaneval") -> list[BenchPrompt]:
     return prompts
 
 
-_NAMED_SOURCES = {"mtbench": load_mtbench, "humaneval": load_humaneval}
+def _load_grounded() -> list[BenchPrompt]:
+    from confu_jax.bench.grounded import load_grounded  # imports this module
+
+    return load_grounded()
+
+
+_NAMED_SOURCES = {"mtbench": load_mtbench, "humaneval": load_humaneval, "grounded": _load_grounded}
 
 
 def load_prompts(source: str) -> list[BenchPrompt]:
-    """``'mtbench'``, ``'humaneval'``, a path to a question file, or several joined by ``'+'``; a
+    """``'mtbench'``, ``'humaneval'``, ``'grounded'`` (``bench.grounded``: summarize / answer from /
+    rewrite a passage, edit code), a path to a question file, or several joined by ``'+'``; a
     named set may take ``:N`` for its first N questions.
 
     This is what a ``--prompts`` flag takes (e.g. ``mtbench+humaneval:20``: MT-Bench's 80 questions

@@ -206,8 +206,10 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
     import jax
 
     from confu_jax.bench import budget as budget_lib
+    from confu_jax.decode.drafters import parse_drafter
     from confu_jax.decode.heads import decode_head
-    from confu_jax.decode.plans import parse_plan
+    from confu_jax.bench.cli_args import plan_families
+    from confu_jax.models.registry import get_method
 
     spec_methods = [m for m in methods if m != "ar"]
     loaded = {}
@@ -215,7 +217,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
         head = decode_head(m, setup.target_cfg, setup.target_params, heads.get(m), seed=setup.seed)
         # to the device once: host arrays passed to every timed call would be copied on every call
         loaded[m] = head._replace(params=jax.device_put(head.params))
-        if not loaded[m].trained:
+        if not loaded[m].trained and get_method(m).needs_head:
             log(f"[{m}] no trained head given (--heads {m}=WORKDIR): RANDOMLY INITIALISED head, tau ~ 1")
     turns_index = [(p.question_id, t) for p in prompts for t in range(min(setup.turns, len(p.turns)))]
     rows = []
@@ -257,6 +259,9 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                 if resumed(key) is not None:
                     continue
                 plan_text = bud
+                if bud != "auto" and get_method(m).family not in plan_families(bud):
+                    log(f"[{m}] budget {bud} is not a {get_method(m).family} plan: skipped")
+                    continue
                 if bud == "auto":
                     calib = setup.calibration
                     if calib is None:
@@ -265,10 +270,11 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                         calib = [setup.tokenizer.encode(setup.tokenizer.render(
                             [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True))
                             for p in prompts[:2]]
+                    chains, trees = budget_lib.default_candidates(m)
                     best, _ = budget_lib.auto_plan(
                         head.spec, head.params, calib, max_new_tokens=min(setup.max_new_tokens, 64), log=log,
-                        chains=budget_lib.DEFAULT_CHAINS if setup.auto_chains is None else setup.auto_chains,
-                        trees=budget_lib.DEFAULT_TREES if setup.auto_trees is None else setup.auto_trees)
+                        chains=chains if setup.auto_chains is None else setup.auto_chains,
+                        trees=trees if setup.auto_trees is None else setup.auto_trees, method=m)
                     plan_text = best.plan
                     log(f"[{m}] budget auto -> {plan_text} (expected tau {best.expected_tau:.2f}, "
                         f"{best.tokens_per_s:.1f} tokens/s)")
@@ -285,14 +291,14 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                             parts.save(key, rows[-1], ar_logs, ar_tokens)
                         log(f"[{m}] {bud} (ar: speculation off) T={temp}: {rows[-1]['tokens_per_s']:.2f} tokens/s")
                         continue
-                plan = parse_plan(plan_text)
+                plan = parse_drafter(m, plan_text)
                 programs = _Programs()
                 b, tick = bar(f"{m} {bud} T={temp}")
                 sp_logs, sp_tokens = _run_all(prompts, setup, programs,
                                               _spec_decoder(setup, programs, head, plan, temp), tick)
                 if b is not None:
                     b.close()
-                res = metrics.summarize(m, sp_logs, ar_logs, nodes=plan.n_nodes_total, temperature=temp,
+                res = metrics.summarize(m, sp_logs, ar_logs, nodes=plan.n_nodes, temperature=temp,
                                         depth=plan.max_depth, setting={"plan": plan_text, "budget": bud})
                 check = _compare(setup, ar_tokens, sp_tokens, turns_index) if temp == 0 else {
                     "lossless_greedy": None, "n_mismatched_turns": None, "n_numerical_ties": None,

@@ -1,8 +1,8 @@
-"""One iteration's draft: ingest the accepted entries, then grow the tree level by level.
+"""The EAGLE-3 / ConFu head as a ``Drafter``: ingest the accepted entries, then grow the tree level by level.
 
 The tree drafters in ``decode.tree`` talk to the draft model through one callable,
 ``expand_fn(state, frontier) -> (logp_bkv, state)``; this module builds it for the EAGLE-3 /
-ConFu draft head (docs/DESIGN.md §5):
+ConFu draft head (docs/DESIGN.md §5) and wraps it as ``HeadDrafter`` (docs/DESIGN.md §11):
 
 * depth 0 (**ingest**): the pending entries of the ingestion buffer run as one causal block
   against the draft cache and are committed to it; the output at the last one (the anchor p)
@@ -16,19 +16,41 @@ For ConFu every draft query also sees the transient future entry built from f[p]
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.plans import DraftPlan
+from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.plans import DraftPlan, verification_rule
 from confu_jax.decode.spec_params import SpecParams
-from confu_jax.decode.spec_state import SpecState
 from confu_jax.models import draft as draft_lib
-from confu_jax.models.draft_decode import draft_block
+from confu_jax.models.draft_decode import draft_block, init_draft_cache
 from confu_jax.models.kv_cache import KVCache, commit
 from confu_jax.models.spec import ModelSpec
+
+
+@flax.struct.dataclass(kw_only=True)
+class HeadDraftState:
+    """What an EAGLE-3 / ConFu head keeps between iterations (docs/DESIGN.md §3, §5).
+
+    Per row, p is the last accepted position. The n draft entries whose h_cat the last
+    verification produced (j = p-n+1..p, n = ``ingest_count_b`` <= A = D+1) wait in the
+    **ingestion buffer**; the draft cache holds entries 0..p-n, and the next draft pass commits
+    the buffer to it.
+    """
+
+    draft_cache: KVCache  # draft cache (one layer) [1, B, Hkv, S, hd], length p-n+1
+    ingest_tokens_ba: jax.Array  # [B, A] int32 token slot x[j+1] of pending draft entries j = p-n+1..p
+    ingest_h_cat_bac: jax.Array  # [B, A, 3d] their target features h_cat[j]
+    ingest_count_b: jax.Array  # [B] int32 n, the number of valid pending entries (>= 1)
+    future_bd: jax.Array  # [B, d] ConFu's future vector f[a] (zeros, unused, for EAGLE-3)
+    # [B] int32 a: the position whose contemplate made future_bd — p, or with sparse contemplates
+    # the deepest contemplated node on the accepted path (p-n+1 <= a <= p); the future entry's anchor
+    future_anchor_b: jax.Array
 
 
 class DraftScratch(NamedTuple):
@@ -40,41 +62,41 @@ class DraftScratch(NamedTuple):
     h_out_bkd: jax.Array  # [B, K, d] draft state of the last frontier (its children's hidden input)
 
 
-def future_entry(spec: ModelSpec, params: SpecParams, s: SpecState,
+def future_entry(spec: ModelSpec, params: SpecParams, hs: HeadDraftState, anchor_b: jax.Array,
                  g_bad: Optional[jax.Array] = None) -> Optional[draft_lib.DraftFuture]:
     """ConFu's future entry for this iteration (token [f] = MoE_f(g[a]), hidden f[a], key at a+1,
-    a = ``s.future_anchor_b``: p, or with sparse contemplates the deepest contemplated accepted
-    node); None for EAGLE-3. ``g_bad``: fc of the ingestion buffer when the caller has it
-    (``draft_tree`` computes it once for ingestion); a is one of the buffer's entries."""
+    a = ``hs.future_anchor_b``: p, or with sparse contemplates the deepest contemplated accepted
+    node); None for EAGLE-3. ``anchor_b`` = p. ``g_bad``: fc of the ingestion buffer when the
+    caller has it (``draft_tree`` computes it once for ingestion); a is one of the buffer's entries."""
     if not spec.head.has_future:
         return None
-    rows = jnp.arange(s.future_anchor_b.shape[0])
-    # the buffer holds entries p-n+1..p (n = ingest_count_b) and the cache length is p+1
-    idx = s.future_anchor_b - (s.cache.length_b - s.ingest_count_b)
+    rows = jnp.arange(hs.future_anchor_b.shape[0])
+    # the buffer holds entries p-n+1..p (n = ingest_count_b)
+    idx = hs.future_anchor_b - (anchor_b + 1 - hs.ingest_count_b)
     if g_bad is None:
-        g_anchor = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac[rows, idx])
+        g_anchor = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac[rows, idx])
     else:
         g_anchor = g_bad[rows, idx]
-    return draft_lib.draft_future_entry(spec, params.draft, s.future_bd[:, None], g_anchor[:, None],
-                                        s.future_anchor_b[:, None])
+    return draft_lib.draft_future_entry(spec, params.draft, hs.future_bd[:, None], g_anchor[:, None],
+                                        hs.future_anchor_b[:, None])
 
 
-def ingest(spec: ModelSpec, params: SpecParams, s: SpecState, future, draft_cache: KVCache,
-           g_bad: Optional[jax.Array] = None):
+def ingest(spec: ModelSpec, params: SpecParams, hs: HeadDraftState, done_b: jax.Array, future,
+           draft_cache: KVCache, g_bad: Optional[jax.Array] = None):
     """Depth 0: commit the pending entries to the draft cache -> (logits at the anchor [B,1,V_d],
     draft state at the anchor [B,1,d], updated draft cache). ``g_bad``: fc of the pending entries'
     h_cat when the caller computed it already. The LM head runs at the anchor row only."""
-    b, a = s.ingest_tokens_ba.shape
+    b, a = hs.ingest_tokens_ba.shape
     rows = jnp.arange(b)
     if g_bad is None:
-        g_bad = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac)
+        g_bad = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac)
     pos = draft_cache.length_b[:, None] + jnp.arange(a, dtype=jnp.int32)[None]
-    last = s.ingest_count_b - 1
-    out = draft_block(spec, params.draft, params.embed_vd, s.ingest_tokens_ba, g_bad, pos,
+    last = hs.ingest_count_b - 1
+    out = draft_block(spec, params.draft, params.embed_vd, hs.ingest_tokens_ba, g_bad, pos,
                       cache=draft_cache, future=future, logits_index_b=last)
-    active = (~s.done_b).astype(jnp.int32)
+    active = (~done_b).astype(jnp.int32)
     draft_cache = commit(draft_cache, out.k_new_bthd[None], out.v_new_bthd[None],
-                         s.ingest_count_b * active)
+                         hs.ingest_count_b * active)
     return out.logits_btv, out.h_out_btd[rows, last][:, None], draft_cache
 
 
@@ -99,42 +121,41 @@ def expand(spec: ModelSpec, params: SpecParams, st: DraftScratch, fr: tree_lib.F
     return out.logits_btv, DraftScratch(st.draft_cache, sk, sv, out.h_out_btd)
 
 
-def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, s: SpecState, anchor_b: jax.Array,
-               key: jax.Array, temperature, top_p):
+def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDraftState, inp: DraftInput):
     """Run the draft for one iteration -> (DraftTree, q_btv or None, updated draft cache,
     con_nodes_bm or None).
 
     ``q_btv`` (sampled chains only) holds the draft distributions the nodes were drawn from;
     ``con_nodes_bm`` [B,M] (ConFu with sparse contemplates only) the nodes that get one.
     """
-    b = s.ingest_tokens_ba.shape[0]
+    b = hs.ingest_tokens_ba.shape[0]
     t = spec.target
     # fc(h_cat) of the pending entries, once: the future anchor's g also builds the future entry
-    g_bad = draft_lib.draft_features(spec, params.draft, s.ingest_h_cat_bac)
-    future = future_entry(spec, params, s, g_bad)
+    g_bad = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac)
+    future = future_entry(spec, params, hs, inp.anchor_b, g_bad)
     scratch0 = jnp.zeros((b, plan.n_scratch, t.n_kv_heads, t.head_dim), jnp.dtype(spec.head.dtype))
 
     def expand_fn(st: DraftScratch, fr: tree_lib.Frontier):
         if fr.depth == 0:
-            logits, h_out, draft_cache = ingest(spec, params, s, future, st.draft_cache, g_bad)
+            logits, h_out, draft_cache = ingest(spec, params, hs, inp.done_b, future, st.draft_cache, g_bad)
             st = st._replace(draft_cache=draft_cache, h_out_bkd=h_out)
         else:
-            logits, st = expand(spec, params, st, fr, anchor_b, future)
+            logits, st = expand(spec, params, st, fr, inp.anchor_b, future)
         return jax.nn.log_softmax(logits, axis=-1), st
 
-    st0 = DraftScratch(s.draft_cache, scratch0, scratch0,
+    st0 = DraftScratch(hs.draft_cache, scratch0, scratch0,
                        jnp.zeros((b, 1, t.d_model), jnp.dtype(spec.head.dtype)))
     d2t = params.draft_vocab["d2t"]
     q = None
     score_bt = None
     if plan.kind == "dynamic":
-        tree, score_bt, st = tree_lib.draft_dynamic_tree(expand_fn, st0, s.root_b, depth=plan.depth,
+        tree, score_bt, st = tree_lib.draft_dynamic_tree(expand_fn, st0, inp.root_b, depth=plan.depth,
                                                          top_k=plan.top_k, n_nodes=plan.n_nodes, d2t_v=d2t)
     elif plan.kind == "sampled_chain":
-        tree, q, st = tree_lib.draft_sampled_chain(expand_fn, st0, s.root_b, plan.k, key, temperature,
-                                                   top_p, d2t_v=d2t, target_vocab=t.vocab_size)
+        tree, q, st = tree_lib.draft_sampled_chain(expand_fn, st0, inp.root_b, plan.k, inp.key, inp.temperature,
+                                                   inp.top_p, d2t_v=d2t, target_vocab=t.vocab_size)
     else:
-        tree, st = tree_lib.draft_static_tree(expand_fn, st0, s.root_b, plan.structure(), d2t_v=d2t)
+        tree, st = tree_lib.draft_static_tree(expand_fn, st0, inp.root_b, plan.structure(), d2t_v=d2t)
     con_nodes = contemplate_nodes(spec, plan, tree, score_bt)
     return tree, q, st.draft_cache, con_nodes
 
@@ -158,3 +179,92 @@ def contemplate_nodes(spec: ModelSpec, plan: DraftPlan, tree: tree_lib.DraftTree
     score = jnp.where(tree.valid_bt, score_bt, -jnp.inf).at[:, 0].set(0.0)
     _, idx = tree_lib.stable_top_k(score, m)
     return jnp.sort(idx, axis=1).astype(jnp.int32)
+
+
+def _future_source(tree, last_node_b: jax.Array, con_nodes_bm) -> jax.Array:
+    """Index of the contemplate whose f the next iteration uses: the last accepted node's own, or
+    with sparse contemplates that of its deepest contemplated ancestor-or-self (the root always
+    has one) -> [B] index into the verification's contemplates."""
+    if con_nodes_bm is None:
+        return last_node_b
+    rows = jnp.arange(last_node_b.shape[0])
+    on_path_bm = jnp.take_along_axis(tree.ancestor_btt[rows, last_node_b], con_nodes_bm, axis=1)
+    depth_bm = jnp.take_along_axis(tree.depth_bt, con_nodes_bm, axis=1)
+    return jnp.argmax(jnp.where(on_path_bm, depth_bm, -1), axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDrafter(Drafter):
+    """A trained (or random) EAGLE-3 / ConFu head drafting the trees of ``plan`` (chain, sampled
+    chain, static or EAGLE-2 dynamic tree; ``+cM`` sparse contemplates for ConFu). The variant —
+    and so whether verification runs contemplates — is the loop's ``spec.head``."""
+
+    plan: DraftPlan
+
+    @property
+    def max_depth(self) -> int:
+        return self.plan.max_depth
+
+    @property
+    def n_nodes(self) -> int:
+        return self.plan.n_nodes_total
+
+    def rule(self, greedy: bool) -> str:
+        return verification_rule(self.plan, greedy)
+
+    def init(self, spec: ModelSpec, params: SpecParams, view: PrefillView) -> HeadDraftState:
+        """Draft prefill: entries j = 0..n-2 (token x[j+1], g[j]) as one causal block, committed;
+        entry n-1 (token = the first emitted token, h_cat[n-1]) waits in the ingestion buffer."""
+        b, width = view.tokens_bt.shape
+        a = self.max_depth + 1
+        rows = jnp.arange(b)
+        nxt = jnp.concatenate([view.tokens_bt[:, 1:], jnp.zeros((b, 1), view.tokens_bt.dtype)], axis=1)
+        g_btd = draft_lib.draft_features(spec, params.draft, view.h_cat_btc)
+        out = draft_block(spec, params.draft, params.embed_vd, nxt, g_btd,
+                          jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width)))
+        draft_cache = init_draft_cache(spec, b, view.max_len)
+        draft_cache = commit(draft_cache, out.k_new_bthd[None], out.v_new_bthd[None], view.lengths_b - 1)
+        c = view.h_cat_btc.shape[-1]
+        return HeadDraftState(
+            draft_cache=draft_cache,
+            ingest_tokens_ba=jnp.zeros((b, a), jnp.int32).at[:, 0].set(view.first_b),
+            ingest_h_cat_bac=jnp.zeros((b, a, c), view.h_cat_btc.dtype).at[:, 0].set(
+                view.h_cat_btc[rows, view.lengths_b - 1]),
+            ingest_count_b=jnp.ones((b,), jnp.int32),
+            future_bd=(view.future_bd if spec.head.has_future
+                       else jnp.zeros((b, spec.target.d_model), jnp.float32)),
+            future_anchor_b=view.lengths_b - 1,  # the prefill contemplate follows the last prompt token
+        )
+
+    def propose(self, spec: ModelSpec, params: SpecParams, hs: HeadDraftState, inp: DraftInput) -> Proposal:
+        tree, q, draft_cache, con_nodes = draft_tree(spec, params, self.plan, hs, inp)
+        rows = jnp.arange(inp.root_b.shape[0])
+        con_src = hs.ingest_h_cat_bac[rows, hs.ingest_count_b - 1] if spec.head.has_future else None  # h_cat[p]
+        n = jnp.full(inp.root_b.shape, tree.tokens_bt.shape[1], jnp.int32)
+        return Proposal(tree, q, n, con_src, con_nodes, hs.replace(draft_cache=draft_cache))
+
+    def update(self, spec: ModelSpec, params: SpecParams, hs: HeadDraftState, v: VerifiedPass) -> HeadDraftState:
+        """Refill the ingestion buffer with the accepted path (emitted tokens, the nodes' h_cat); for
+        ConFu, f is that of the contemplate after the last accepted (contemplated) node."""
+        ver, vo, tree, active = v.verification, v.target, v.tree, v.active_b
+        rows = jnp.arange(active.shape[0])
+        keep = active[:, None]
+        path = jnp.maximum(ver.path_bd, 0)
+        hcat_path = jnp.take_along_axis(vo.h_cat_btc, path[..., None], axis=1)
+        future_new, future_anchor = hs.future_bd, hs.future_anchor_b
+        if spec.head.has_future:
+            c = _future_source(tree, ver.last_node_b, v.con_nodes_bm)
+            future_new = vo.future_btd[rows, c]
+            node = ver.last_node_b if v.con_nodes_bm is None else v.con_nodes_bm[rows, c]
+            future_anchor = v.anchor_b + 1 + tree.depth_bt[rows, node]  # that node's position
+        return hs.replace(
+            ingest_tokens_ba=jnp.where(keep, jnp.maximum(ver.emitted_bd, 0), hs.ingest_tokens_ba),
+            ingest_h_cat_bac=jnp.where(keep[..., None], hcat_path.astype(hs.ingest_h_cat_bac.dtype),
+                                       hs.ingest_h_cat_bac),
+            ingest_count_b=jnp.where(active, ver.n_accepted_b, hs.ingest_count_b),
+            future_bd=jnp.where(keep, future_new.astype(hs.future_bd.dtype), hs.future_bd),
+            future_anchor_b=jnp.where(active, future_anchor, hs.future_anchor_b),
+        )
+
+    def describe(self) -> str:
+        return self.plan.text

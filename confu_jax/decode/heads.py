@@ -35,9 +35,17 @@ class DecodeHead(NamedTuple):
 
 def _speculative_method(method: str):
     m = get_method(method)
-    if not m.speculative:
+    if not m.needs_head:
         raise ValueError(f"method {method!r} does not decode with a draft head")
     return m
+
+
+def model_free(target_cfg: LlamaConfig, target_params: dict) -> DecodeHead:
+    """What a model-free drafter (prompt lookup) decodes with: the target alone. The spec's head
+    is a placeholder EAGLE-3 config (no contemplates); the drafter never reads it."""
+    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size))
+    return DecodeHead(spec, SpecParams(target=target_params, draft={}, confu={}, draft_vocab={}), True,
+                      "model-free (no head)")
 
 
 def random_head(method: str, target_cfg: LlamaConfig, target_params: dict, seed: int = 0,
@@ -86,6 +94,13 @@ def imported_head(method: str, directory: str, target_cfg: LlamaConfig, target_p
 
 def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workdir: Optional[str] = None,
                 seed: int = 0, target_source: str = "the loaded target") -> DecodeHead:
+    """The head ``method`` drafts with: trained (``workdir``), random, or none (model-free methods,
+    which refuse a workdir)."""
+    m = get_method(method)
+    if m.speculative and not m.needs_head:
+        if workdir:
+            raise ValueError(f"method {method!r} is model-free: it takes no head (got {workdir})")
+        return model_free(target_cfg, target_params)
     _speculative_method(method)
     if workdir:
         return trained_head(method, workdir, target_cfg, target_params, target_source=target_source)

@@ -23,6 +23,7 @@ token comes from prefill and is not in the log.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -32,17 +33,15 @@ from jax.sharding import Mesh
 from confu_jax import sharding as shd
 
 from confu_jax.decode import verify as verify_lib
-from confu_jax.decode.drafting import draft_tree
-from confu_jax.decode.plans import DraftPlan, verification_rule
+from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.drafters import as_drafter
 from confu_jax.decode.requests import default_unroll_layers, validate_request
 from confu_jax.decode.sampling import choose_token
 from confu_jax.decode.sharded import constrain_tree, place_request, place_spec_params
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.decode.spec_state import SpecResult, SpecState
 from confu_jax.decode.stopping import PAD_OUT, emit, is_eos, update_stop
-from confu_jax.models import draft as draft_lib
 from confu_jax.models import target as target_lib
-from confu_jax.models.draft_decode import draft_block, init_draft_cache
 from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.unrolled import SplitParams, split_layers
@@ -51,20 +50,18 @@ from confu_jax.models.unrolled import SplitParams, split_layers
 # ----------------------------------------------------------------------------- one iteration
 
 
-def _verify(spec: ModelSpec, params: SpecParams, rule: str, s: SpecState, tree, q_btv, key,
-            temperature, top_p, con_nodes_bm=None):
-    """Target pass over the tree and the acceptance rule -> (target outputs, Verification)."""
-    rows = jnp.arange(s.root_b.shape[0])
-    hcat_anchor = s.ingest_h_cat_bac[rows, s.ingest_count_b - 1]  # h_cat[p]: what [con] reads
+def _verify(spec: ModelSpec, params: SpecParams, rule: str, s: SpecState, prop: Proposal, key,
+            temperature, top_p):
+    """Target pass over the proposed tree and the acceptance rule -> (target outputs, Verification)."""
+    tree = prop.tree
     vo = target_lib.verify(spec, params.target, params.confu, s.cache, tree.tokens_bt, tree.ancestor_btt,
-                           con_src_bc=hcat_anchor if spec.head.has_future else None, depth_bt=tree.depth_bt,
-                           con_nodes_bm=con_nodes_bm)
+                           con_src_bc=prop.con_src_bc, depth_bt=tree.depth_bt, con_nodes_bm=prop.con_nodes_bm)
     if rule == "greedy":
         ver = verify_lib.verify_greedy(tree, vo.logits_btv)
     elif rule == "sampled_tree":
         ver = verify_lib.verify_sampled_tree(tree, vo.logits_btv, key, temperature, top_p)
     else:
-        ver = verify_lib.verify_sampled_chain(tree, vo.logits_btv, q_btv, key, temperature, top_p)
+        ver = verify_lib.verify_sampled_chain(tree, vo.logits_btv, prop.q_btv, key, temperature, top_p)
     return vo, ver
 
 
@@ -86,30 +83,32 @@ def _emit_accepted(s: SpecState, ver, active, eos_e, max_new_tokens: int):
     return tokens_bn, s.n_generated_b + n_emit, n_emit, hit_eos
 
 
-def _future_source(tree, last_node_b: jax.Array, con_nodes_bm) -> jax.Array:
-    """Index of the contemplate whose f the next iteration uses: the last accepted node's own, or
-    with sparse contemplates that of its deepest contemplated ancestor-or-self (the root always
-    has one) -> [B] index into the verification's contemplates."""
-    if con_nodes_bm is None:
-        return last_node_b
-    rows = jnp.arange(last_node_b.shape[0])
-    on_path_bm = jnp.take_along_axis(tree.ancestor_btt[rows, last_node_b], con_nodes_bm, axis=1)
-    depth_bm = jnp.take_along_axis(tree.depth_bt, con_nodes_bm, axis=1)
-    return jnp.argmax(jnp.where(on_path_bm, depth_bm, -1), axis=1)
+def truncate_proposal(prop: Proposal, width: int) -> Proposal:
+    """The proposal's first ``width`` nodes (a drafter lists the nodes it wants verified first;
+    paths keep their D+1 columns, so every width yields the same Verification shapes)."""
+    t = prop.tree.tokens_bt.shape[1]
+    if width == t:
+        return prop
+    tr = prop.tree
+    tree = tr._replace(tokens_bt=tr.tokens_bt[:, :width], parents_bt=tr.parents_bt[:, :width],
+                       depth_bt=tr.depth_bt[:, :width], valid_bt=tr.valid_bt[:, :width],
+                       ancestor_btt=tr.ancestor_btt[:, :width, :width], path_btd=tr.path_btd[:, :width])
+    q = None if prop.q_btv is None else prop.q_btv[:, :width]
+    if prop.con_nodes_bm is not None:
+        raise ValueError("truncate_proposal: sparse contemplates need the full tree width")
+    return prop._replace(tree=tree, q_btv=q)
 
 
-def iteration(spec: ModelSpec, params: SpecParams, plan: DraftPlan, rule: str, s: SpecState,
-              temperature, top_p, eos_e, *, max_new_tokens: int, max_len: int) -> SpecState:
-    """Draft, verify, commit and emit once for every row (done rows ride along unchanged)."""
-    b, a = s.ingest_tokens_ba.shape
+def _finish(spec: ModelSpec, params: SpecParams, drafter: Drafter, rule: str, s: SpecState, prop: Proposal,
+            k_verify, temperature, top_p, eos_e, *, width: int, max_new_tokens: int, max_len: int) -> SpecState:
+    """Verify the proposal's first ``width`` nodes, commit, emit, and let the drafter ingest."""
+    b = s.root_b.shape[0]
     rows = jnp.arange(b)
+    a = drafter.max_depth + 1
     active = ~s.done_b
-    k_draft, k_verify = jax.random.split(jax.random.fold_in(jax.random.fold_in(s.key, 1), s.iteration))
-    anchor_b = s.cache.length_b - 1  # p: the last accepted position
-
-    tree, q_btv, draft_cache, con_nodes = draft_tree(spec, params, plan, s, anchor_b, k_draft, temperature, top_p)
-    vo, ver = _verify(spec, params, rule, s, tree, q_btv, k_verify, temperature, top_p, con_nodes)
-
+    anchor_b = s.cache.length_b - 1
+    prop = truncate_proposal(prop, width)
+    vo, ver = _verify(spec, params, rule, s, prop, k_verify, temperature, top_p)
     path = jnp.maximum(ver.path_bd, 0)  # [B, A]
     cache = commit(s.cache, vo.k_new_lbthd, vo.v_new_lbthd, jnp.where(active, ver.n_accepted_b, 0),
                    src_idx_bt=path)
@@ -118,33 +117,47 @@ def iteration(spec: ModelSpec, params: SpecParams, plan: DraftPlan, rule: str, s
     accept_log = s.accept_log_bi.at[rows, log_col].set(n_emit, mode="drop")
     done_b, reason_b = update_stop(active, hit_eos, n_gen, cache.length_b + a, s.done_b, s.reason_b,
                                    max_new_tokens=max_new_tokens, max_len=max_len)
-
-    keep = active[:, None]
-    hcat_path = jnp.take_along_axis(vo.h_cat_btc, path[..., None], axis=1)
-    future_new, future_anchor = s.future_bd, s.future_anchor_b
-    if spec.head.has_future:
-        c = _future_source(tree, ver.last_node_b, con_nodes)
-        future_new = vo.future_btd[rows, c]
-        node = ver.last_node_b if con_nodes is None else con_nodes[rows, c]
-        future_anchor = anchor_b + 1 + tree.depth_bt[rows, node]  # that node's position
+    dstate = drafter.update(spec, params, prop.state,
+                            VerifiedPass(prop.tree, ver, vo, prop.con_nodes_bm, active, anchor_b))
     return s.replace(
         tokens_bn=tokens_bn,
         n_generated_b=n_gen,
         done_b=done_b,
         reason_b=reason_b,
         cache=cache,
-        draft_cache=draft_cache,
         root_b=jnp.where(active, ver.bonus_b, s.root_b),
-        ingest_tokens_ba=jnp.where(keep, jnp.maximum(ver.emitted_bd, 0), s.ingest_tokens_ba),
-        ingest_h_cat_bac=jnp.where(keep[..., None], hcat_path.astype(s.ingest_h_cat_bac.dtype),
-                                   s.ingest_h_cat_bac),
-        ingest_count_b=jnp.where(active, ver.n_accepted_b, s.ingest_count_b),
-        future_bd=jnp.where(keep, future_new.astype(s.future_bd.dtype), s.future_bd),
-        future_anchor_b=jnp.where(active, future_anchor, s.future_anchor_b),
+        drafter=dstate,
         accept_log_bi=accept_log,
         n_passes_b=s.n_passes_b + active.astype(jnp.int32),
         iteration=s.iteration + 1,
     )
+
+
+def pass_width_index(widths: Sequence[int], n_nodes_b: jax.Array, active_b: jax.Array) -> jax.Array:
+    """Index of the smallest compiled width holding every active row's wanted nodes ([] int32)."""
+    need = jnp.max(jnp.where(active_b, n_nodes_b, 1))
+    return jnp.sum(jnp.asarray(widths, jnp.int32) < need).astype(jnp.int32)
+
+
+def iteration(spec: ModelSpec, params: SpecParams, drafter, rule: str, s: SpecState,
+              temperature, top_p, eos_e, *, max_new_tokens: int, max_len: int) -> SpecState:
+    """Draft, verify, commit and emit once for every row (done rows ride along unchanged).
+
+    ``drafter``: a ``Drafter`` (or a ``DraftPlan``, meaning the head drafter of ``spec``). With
+    several compiled widths the pass verifies the narrowest that holds every active row's
+    proposal (``lax.switch``): an iteration where nothing was drafted costs one AR step."""
+    drafter = as_drafter(drafter)
+    k_draft, k_verify = jax.random.split(jax.random.fold_in(jax.random.fold_in(s.key, 1), s.iteration))
+    anchor_b = s.cache.length_b - 1  # p: the last accepted position
+    prop = drafter.propose(spec, params, s.drafter,
+                           DraftInput(s.root_b, anchor_b, s.done_b, k_draft, temperature, top_p))
+    kw = dict(max_new_tokens=max_new_tokens, max_len=max_len)
+    widths = tuple(drafter.widths)
+    operands = (s, prop, k_verify, temperature, top_p, eos_e)
+    if len(widths) == 1:
+        return _finish(spec, params, drafter, rule, *operands, width=widths[0], **kw)
+    branches = [functools.partial(_finish, spec, params, drafter, rule, width=w, **kw) for w in widths]
+    return jax.lax.switch(pass_width_index(widths, prop.n_nodes_b, ~s.done_b), branches, *operands)
 
 
 # ----------------------------------------------------------------------------- prefill + loop
@@ -157,13 +170,13 @@ def trace_count() -> int:
     return _TRACE_COUNT[0]
 
 
-def _prefill(spec: ModelSpec, params: SpecParams, plan: DraftPlan, tokens_bt, lengths_b, temperature,
+def _prefill(spec: ModelSpec, params: SpecParams, drafter, tokens_bt, lengths_b, temperature,
              top_p, eos_e, key, *, max_new_tokens: int, max_len: int) -> SpecState:
-    """Target prefill (+ the first contemplate), the first token, and the draft prefill."""
+    """Target prefill (+ the first contemplate), the first token, and the drafter's ``init``."""
+    drafter = as_drafter(drafter)
     t = spec.target
     b, width = tokens_bt.shape
-    a = plan.max_depth + 1
-    rows = jnp.arange(b)
+    a = drafter.max_depth + 1
     cache = init_cache(t.n_layers, b, max_len, t.n_kv_heads, t.head_dim, jnp.dtype(t.dtype),
                        per_layer=isinstance(params.target, SplitParams))  # layer-unrolled: read in place
     # attend_cache=False: the cache is empty, and attending to a freshly zeroed cache makes XLA
@@ -171,16 +184,8 @@ def _prefill(spec: ModelSpec, params: SpecParams, plan: DraftPlan, tokens_bt, le
     pre, cache = target_lib.prefill(spec, params.target, params.confu, cache, tokens_bt, lengths_b,
                                     attend_cache=False)
     first_b = choose_token(jax.random.fold_in(key, 0), pre.last_logits_bv, temperature, top_p)
-
-    # draft prefill: entries j = 0..n-2 (token x[j+1], g[j]); entry n-1 waits in the ingestion buffer
-    nxt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros((b, 1), tokens_bt.dtype)], axis=1)
-    g_btd = draft_lib.draft_features(spec, params.draft, pre.h_cat_btc)
-    out = draft_block(spec, params.draft, params.embed_vd, nxt, g_btd,
-                      jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width)))
-    draft_cache = init_draft_cache(spec, b, max_len)
-    draft_cache = commit(draft_cache, out.k_new_bthd[None], out.v_new_bthd[None], lengths_b - 1)
-
-    c = pre.h_cat_btc.shape[-1]
+    dstate = drafter.init(spec, params, PrefillView(tokens_bt, lengths_b, first_b, pre.h_cat_btc,
+                                                    pre.future_bd, max_len))
     all_b = jnp.ones((b,), bool)
     tokens_bn, n_gen = emit(jnp.full((b, max_new_tokens), PAD_OUT, jnp.int32), jnp.zeros((b,), jnp.int32),
                             first_b, all_b)
@@ -190,13 +195,7 @@ def _prefill(spec: ModelSpec, params: SpecParams, plan: DraftPlan, tokens_bt, le
                                    max_new_tokens=max_new_tokens, max_len=max_len)
     return SpecState(
         tokens_bn=tokens_bn, n_generated_b=n_gen, done_b=done_b, reason_b=reason_b,
-        cache=cache, draft_cache=draft_cache, root_b=first_b,
-        ingest_tokens_ba=jnp.zeros((b, a), jnp.int32).at[:, 0].set(first_b),
-        ingest_h_cat_bac=jnp.zeros((b, a, c), pre.h_cat_btc.dtype).at[:, 0].set(
-            pre.h_cat_btc[rows, lengths_b - 1]),
-        ingest_count_b=jnp.ones((b,), jnp.int32),
-        future_bd=pre.future_bd if spec.head.has_future else jnp.zeros((b, t.d_model), jnp.float32),
-        future_anchor_b=lengths_b - 1,  # the prefill contemplate follows the last prompt token
+        cache=cache, root_b=first_b, drafter=dstate,
         accept_log_bi=jnp.zeros((b, max_new_tokens), jnp.int32),
         n_passes_b=jnp.zeros((b,), jnp.int32),
         iteration=jnp.int32(0),
@@ -205,7 +204,7 @@ def _prefill(spec: ModelSpec, params: SpecParams, plan: DraftPlan, tokens_bt, le
 
 
 def speculative_padded(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
-                       spec: ModelSpec, plan: DraftPlan, rule: str, max_new_tokens: int,
+                       spec: ModelSpec, drafter: Drafter, rule: str, max_new_tokens: int,
                        max_len: int, unroll_layers: bool, mesh: Optional[Mesh] = None) -> SpecResult:
     """The speculative program on a validated, padded request (``requests.DecodeRequest``).
 
@@ -214,25 +213,25 @@ def speculative_padded(params: SpecParams, tokens_bt, lengths_b, temperature, to
     _TRACE_COUNT[0] += 1
     with shd.activation_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         return _speculative(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key, spec=spec,
-                            plan=plan, rule=rule, max_new_tokens=max_new_tokens, max_len=max_len,
+                            drafter=drafter, rule=rule, max_new_tokens=max_new_tokens, max_len=max_len,
                             unroll_layers=unroll_layers)
 
 
 def _speculative(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
-                 spec: ModelSpec, plan: DraftPlan, rule: str, max_new_tokens: int,
+                 spec: ModelSpec, drafter: Drafter, rule: str, max_new_tokens: int,
                  max_len: int, unroll_layers: bool) -> SpecResult:
     if unroll_layers:  # per-layer weight buffers, split once outside the loop (models.unrolled)
         params = params.replace(target=split_layers(params.target, spec.target))
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
-    state = constrain_tree(_prefill(spec, params, plan, tokens_bt, lengths_b, temperature, top_p, eos_e,
+    state = constrain_tree(_prefill(spec, params, drafter, tokens_bt, lengths_b, temperature, top_p, eos_e,
                                     key, max_new_tokens=max_new_tokens, max_len=max_len))
 
     def cond(s: SpecState):
         return ~jnp.all(s.done_b) & (s.iteration < max_new_tokens)
 
     def body(s: SpecState):
-        return constrain_tree(iteration(spec, params, plan, rule, s, temperature, top_p, eos_e,
+        return constrain_tree(iteration(spec, params, drafter, rule, s, temperature, top_p, eos_e,
                                         max_new_tokens=max_new_tokens, max_len=max_len))
 
     state = jax.lax.while_loop(cond, body, state)
@@ -242,10 +241,10 @@ def _speculative(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, e
 
 speculative_padded_jit = jax.jit(
     speculative_padded,
-    static_argnames=("spec", "plan", "rule", "max_new_tokens", "max_len", "unroll_layers", "mesh"))
+    static_argnames=("spec", "drafter", "rule", "max_new_tokens", "max_len", "unroll_layers", "mesh"))
 
 
-def prepare_spec_inputs(spec: ModelSpec, plan: DraftPlan, prompts, *, max_new_tokens: int = 128,
+def prepare_spec_inputs(spec: ModelSpec, drafter, prompts, *, max_new_tokens: int = 128,
                         temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                         eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
                         min_bucket: int = 16, unroll_layers: Optional[bool] = None,
@@ -256,34 +255,36 @@ def prepare_spec_inputs(spec: ModelSpec, plan: DraftPlan, prompts, *, max_new_to
     The cache must hold the prompt plus one verification (D+1 slots). ``unroll_layers`` (default:
     on for the CPU backend) runs the target layer-unrolled, as the AR baseline does, so speed-ups
     compare like with like."""
-    a = plan.max_depth + 1
+    drafter = as_drafter(drafter)
+    a = drafter.max_depth + 1
     req = validate_request(spec.target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=top_p, seed=seed, eos_ids=eos_ids, max_len=max_len, min_bucket=min_bucket,
                            reserve=a, reserve_what=f"one verification of depth {a - 1}")
-    static = dict(spec=spec, plan=plan, rule=verification_rule(plan, temperature <= 0.0),
+    static = dict(spec=spec, drafter=drafter, rule=drafter.rule(temperature <= 0.0),
                   max_new_tokens=req.max_new_tokens, max_len=req.max_len,
                   unroll_layers=default_unroll_layers(unroll_layers), mesh=mesh)
     args = req.device_args()
     return (args if mesh is None else place_request(args, mesh)), static
 
 
-def generate_speculative(spec: ModelSpec, params: SpecParams, plan: DraftPlan, prompts, **kw) -> SpecResult:
+def generate_speculative(spec: ModelSpec, params: SpecParams, drafter, prompts, **kw) -> SpecResult:
     """Speculative generation for a list of token-id prompts; ``params`` from ``spec_params``.
 
-    Keyword arguments as ``generate_ar`` (max_new_tokens, temperature, top_p, seed, eos_ids,
-    max_len, min_bucket, mesh). The method (EAGLE-3 or ConFu) is ``spec.head.variant``. With
+    ``drafter``: any ``decode.drafter.Drafter`` (head, prompt lookup, hybrid), or a ``DraftPlan``
+    for the head of ``spec`` (EAGLE-3 or ConFu by ``spec.head.variant``). Keyword arguments as
+    ``generate_ar`` (max_new_tokens, temperature, top_p, seed, eos_ids, max_len, min_bucket, mesh). With
     ``mesh`` the params are placed on it by the training table (``decode.sharded``).
     """
-    args, static = prepare_spec_inputs(spec, plan, prompts, **kw)
+    args, static = prepare_spec_inputs(spec, drafter, prompts, **kw)
     if static["mesh"] is not None:
         params = place_spec_params(params, spec, static["mesh"])
     return speculative_padded_jit(params, *args, **static)
 
 
-def compile_speculative(spec: ModelSpec, params: SpecParams, plan: DraftPlan, prompts, **kw):
+def compile_speculative(spec: ModelSpec, params: SpecParams, drafter, prompts, **kw):
     """Ahead-of-time compile -> (run, args): ``run(params, *args)`` neither traces nor compiles.
     With ``mesh=``, ``run`` expects params placed by ``decode.sharded.place_spec_params``."""
-    args, static = prepare_spec_inputs(spec, plan, prompts, **kw)
+    args, static = prepare_spec_inputs(spec, drafter, prompts, **kw)
     if static["mesh"] is not None:
         params = place_spec_params(params, spec, static["mesh"])
     return speculative_padded_jit.lower(params, *args, **static).compile(), args

@@ -85,6 +85,17 @@ class DraftPlan:
         return self.structure().n_nodes
 
     @property
+    def text(self) -> str:
+        """The form ``parse_plan`` reads (static trees, which have no text form, show their paths)."""
+        if self.kind in ("chain", "sampled_chain"):
+            body = f"{self.kind}:{self.k}"
+        elif self.kind == "dynamic":
+            body = f"dynamic:{self.depth},{self.top_k},{self.n_nodes - 1}"
+        else:
+            body = f"static:{list(self.paths)}"
+        return body + (f"+c{self.contemplates}" if self.contemplates else "")
+
+    @property
     def n_scratch(self) -> int:
         """Draft scratch slots one iteration uses (the K/V of the expanded tree nodes)."""
         if self.kind == "dynamic":

@@ -20,14 +20,23 @@ class Variant:
     description: str
 
 
+FAMILIES = ("ar", "head", "lookup", "hybrid")  # drafter families (decode.drafters maps them to classes)
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
     name: str
-    variants: tuple  # head variants it decodes with (the first one for random heads); () = AR
+    variants: tuple  # head variants it decodes with (the first one for random heads); () = no head
     description: str
+    family: str = "head"  # one of FAMILIES: how it drafts (decode.drafters.parse_drafter)
 
     @property
     def speculative(self) -> bool:
+        return self.family != "ar"
+
+    @property
+    def needs_head(self) -> bool:
+        """Whether it drafts with a trained (or random) head: a workdir / imported head to load."""
         return bool(self.variants)
 
 
@@ -40,11 +49,14 @@ VARIANTS: dict = {v.name: v for v in (
 )}
 
 METHODS: dict = {m.name: m for m in (
-    Method("ar", (), "autoregressive decoding: one target pass per token (the baseline)"),
+    Method("ar", (), "autoregressive decoding: one target pass per token (the baseline)", "ar"),
     Method("eagle3", ("eagle3",), "speculative decoding with an EAGLE-3 head"),
     Method("confu", ("confu", "confu_nomoe", "confu_nomoe_norep"), "speculative decoding with a ConFu head"),
     Method("confu_nomoe", ("confu_nomoe", "confu_nomoe_norep"), "ConFu -MoE ablation"),
     Method("confu_nomoe_norep", ("confu_nomoe_norep",), "ConFu -MoE & replicate ablation"),
+    Method("lookup", (), "model-free prompt lookup: n-gram matches in the prompt and the generated text", "lookup"),
+    Method("hybrid", ("eagle3", "confu", "confu_nomoe", "confu_nomoe_norep"),
+           "prompt lookup where it matches, the head (EAGLE-3 or ConFu) elsewhere, per row", "hybrid"),
 )}
 
 SPECULATIVE_METHODS = tuple(name for name, m in METHODS.items() if m.speculative)

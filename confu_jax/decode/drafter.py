@@ -1,0 +1,117 @@
+"""The ``Drafter`` interface: what every drafter family gives the speculative loop (docs/DESIGN.md §11).
+
+The loop (``decode.loop``) owns the target: prefill, the verification pass, the lossless rule, the
+KV-cache commit, emission and stopping. A drafter owns everything else, in three pure functions of
+its own state (a pytree it defines, carried in ``SpecState.drafter``):
+
+* ``init(spec, params, view)`` after the target's prefill (``PrefillView``: the prompt, the first
+  emitted token, the prompt's target features);
+* ``propose(spec, params, state, inp)`` → ``Proposal``: a ``DraftTree`` rooted at the bonus token
+  (``inp.root_b``), the draft distributions q where the sampled-chain rule needs them, how many of
+  the tree's leading nodes are worth verifying per row, and for ConFu the contemplate inputs of the
+  verification pass;
+* ``update(spec, params, state, v)`` after verification (``VerifiedPass``): ingest the accepted
+  tokens and, where the family uses them, the target's hidden states of the accepted nodes.
+
+A drafter is a frozen, hashable dataclass — a static argument of the jitted loop, like gemma's
+sampling methods: its fields are its configuration (depth, branching, match lengths, compiled pass
+widths), never mode strings. Families: ``decode.drafting.HeadDrafter`` (EAGLE-3 / ConFu heads),
+``decode.lookup.PromptLookup`` (model-free n-gram lookup), ``decode.hybrid.Hybrid`` (lookup where it
+matches, a head elsewhere). ``decode.drafters`` maps a method name and a plan text to one.
+
+**Pass widths.** ``widths`` lists the verification widths the loop compiles (ascending, the last =
+the full tree). Each iteration the loop verifies only the smallest width that holds every active
+row's ``n_nodes_b`` leading nodes (``lax.switch`` between compiled branches), so an iteration in
+which a model-free drafter found nothing costs one AR step instead of a full-width pass. Trees
+must list the nodes a row wants verified first (nodes past ``n_nodes_b`` are dropped).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, NamedTuple, Optional
+
+import jax
+
+from confu_jax.decode.tree import DraftTree
+
+
+class PrefillView(NamedTuple):
+    """What a drafter's ``init`` sees after the target's prefill (B rows, prompt bucket width W)."""
+
+    tokens_bt: jax.Array  # [B,W] int32 right-padded prompts
+    lengths_b: jax.Array  # [B] int32 true prompt lengths n (p = n-1 after prefill)
+    first_b: jax.Array  # [B] int32 the first emitted token x[n]: the root of the first tree
+    h_cat_btc: jax.Array  # [B,W,3d] the target's taps at every prompt position
+    future_bd: Optional[jax.Array]  # [B,d] f of the prefill contemplate (ConFu specs), else None
+    max_len: int  # S: target cache slots (positions 0..S-1)
+
+
+class DraftInput(NamedTuple):
+    """Per-iteration inputs of ``propose`` besides the drafter's own state."""
+
+    root_b: jax.Array  # [B] int32 the bonus token x[p+1]: node 0 of the tree
+    anchor_b: jax.Array  # [B] int32 p, the last accepted position (target cache length - 1)
+    done_b: jax.Array  # [B] bool rows that stopped (they ride along; nothing they draft is used)
+    key: jax.Array  # PRNG key of this iteration's drafting
+    temperature: jax.Array  # [] float32 (sampled chains draw from q at this temperature)
+    top_p: jax.Array  # [] float32
+
+
+class Proposal(NamedTuple):
+    tree: DraftTree  # [B,T] nodes, node 0 = the root
+    q_btv: Optional[jax.Array]  # [B,T,V] draft distributions (sampled chains only), else None
+    n_nodes_b: jax.Array  # [B] int32 leading nodes worth verifying (1 = nothing drafted: an AR step)
+    con_src_bc: Optional[jax.Array]  # [B,3d] ConFu: what every contemplate's [con] reads (h_cat[p])
+    con_nodes_bm: Optional[jax.Array]  # [B,M] ConFu sparse contemplates: the nodes that get one
+    state: Any  # the drafter's state after drafting (e.g. its KV cache after ingestion)
+
+
+class VerifiedPass(NamedTuple):
+    """One verification's outcome, as ``update`` sees it (T' = the width actually verified)."""
+
+    tree: DraftTree  # the verified tree, truncated to T' nodes
+    verification: Any  # decode.verify.Verification: path, n_accepted (root incl.), bonus, emitted
+    target: Any  # models.target.VerifyOutput: logits, h_cat [B,T',3d], ConFu futures, node K/V
+    con_nodes_bm: Optional[jax.Array]
+    active_b: jax.Array  # [B] bool rows that were still decoding (only they may change)
+    anchor_b: jax.Array  # [B] int32 p before the pass; the new p is p + n_accepted
+
+
+class Drafter(abc.ABC):
+    """Base of every drafter family (subclasses are frozen dataclasses; see the module docstring)."""
+
+    @property
+    @abc.abstractmethod
+    def max_depth(self) -> int:
+        """D: the deepest node a tree may have (the loop reserves D+1 cache slots per pass)."""
+
+    @property
+    @abc.abstractmethod
+    def n_nodes(self) -> int:
+        """T: nodes of a full tree, root included."""
+
+    @property
+    def widths(self) -> tuple:
+        """Verification widths the loop compiles, ascending; the last is ``n_nodes``."""
+        return (self.n_nodes,)
+
+    def rule(self, greedy: bool) -> str:
+        """The lossless acceptance rule (``decode.verify``) for this drafter's trees."""
+        return "greedy" if greedy else "sampled_tree"
+
+    @abc.abstractmethod
+    def init(self, spec, params, view: PrefillView) -> Any:
+        """The drafter state after the prompt (a pytree of device arrays with shape-lettered names)."""
+
+    @abc.abstractmethod
+    def propose(self, spec, params, state, inp: DraftInput) -> Proposal:
+        """Draft one tree per row."""
+
+    @abc.abstractmethod
+    def update(self, spec, params, state, v: VerifiedPass) -> Any:
+        """Ingest the accepted tokens (rows with ``v.active_b`` false must keep their state)."""
+
+    def describe(self) -> str:
+        """The plan text this drafter parses from (``decode.drafters.parse_drafter``)."""
+        return repr(self)

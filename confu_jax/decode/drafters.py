@@ -1,0 +1,63 @@
+"""Every drafter family by name: a method (``models.registry``) and a plan text -> a ``Drafter``.
+
+The CLIs, the benchmark and budget ``auto`` name drafters by two strings, the method
+(``--method lookup``) and the plan (``--tree chain:3``); this module is the one place that turns
+them into the frozen ``Drafter`` classes the loop takes (docs/DESIGN.md §11). Plan texts:
+
+* head methods (``eagle3``, ``confu``, ...): ``decode.plans.parse_plan`` (``chain:K``,
+  ``sampled_chain:K``, ``dynamic:D,K,N``, ``+cM``);
+* ``lookup``: ``chain:K`` or ``lookup:K[,W[,NMIN,NMAX]]`` — K tokens per branch, W distinct
+  continuations (a trie), matches of NMIN..NMAX tokens (defaults: W = 1, 2..4);
+* ``hybrid`` (lookup where it matches, the head elsewhere): ``chain:K``.
+"""
+
+from __future__ import annotations
+
+from confu_jax.decode.drafter import Drafter
+from confu_jax.decode.drafting import HeadDrafter
+from confu_jax.decode.hybrid import Hybrid
+from confu_jax.decode.lookup import PromptLookup
+from confu_jax.decode.plans import DraftPlan, parse_plan
+from confu_jax.models.registry import get_method
+
+LOOKUP_FORMS = "chain:K or lookup:K[,W[,NMIN,NMAX]] (e.g. chain:3, lookup:4,2, lookup:4,1,3,5)"
+
+
+def as_drafter(drafter) -> Drafter:
+    """A ``Drafter`` as is; a ``DraftPlan`` as the head drafter of the loop's spec."""
+    if isinstance(drafter, Drafter):
+        return drafter
+    if isinstance(drafter, DraftPlan):
+        return HeadDrafter(drafter)
+    raise TypeError(f"expected a decode.drafter.Drafter or a DraftPlan, got {type(drafter).__name__}: {drafter!r}")
+
+
+def parse_lookup(text: str) -> PromptLookup:
+    kind, _, arg = text.partition(":")
+    try:
+        vals = [int(x) for x in arg.split(",")] if arg else []
+        if kind == "chain" and len(vals) == 1:
+            return PromptLookup(k=vals[0])
+        if kind == "lookup" and len(vals) in (1, 2, 4):
+            k, w = vals[0], (vals[1] if len(vals) > 1 else 1)
+            if len(vals) == 4:
+                return PromptLookup(k=k, branches=w, min_match=vals[2], max_match=vals[3])
+            return PromptLookup(k=k, branches=w)
+    except ValueError as e:
+        raise ValueError(f"bad lookup plan {text!r}: {e}. Expected {LOOKUP_FORMS}") from None
+    raise ValueError(f"bad lookup plan {text!r}: expected {LOOKUP_FORMS}")
+
+
+def parse_drafter(method: str, text: str) -> Drafter:
+    """The drafter ``method`` decodes with under the plan ``text`` (errors list the accepted forms)."""
+    family = get_method(method).family
+    if family == "head":
+        return HeadDrafter(parse_plan(text))
+    if family == "lookup":
+        return parse_lookup(text)
+    if family == "hybrid":
+        plan = parse_plan(text)
+        if plan.kind != "chain" or plan.contemplates:
+            raise ValueError(f"hybrid decoding drafts chains (chain:K); got {text!r}")
+        return Hybrid(head=HeadDrafter(plan), lookup=PromptLookup(k=plan.k))
+    raise ValueError(f"method {method!r} does not draft (family {family!r})")

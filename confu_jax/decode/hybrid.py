@@ -1,0 +1,73 @@
+"""Hybrid drafting: prompt lookup where it finds a match, a trained head elsewhere, per row and
+per iteration (docs/DESIGN.md §11).
+
+Lookup is free and, where the text copies, often right for several tokens; a head accepts a little
+everywhere. Both draft a chain of k tokens every iteration (the head must ingest every accepted
+entry anyway, so it runs regardless); each row verifies the lookup chain if its history had a
+match of at least ``lookup.min_match`` tokens, else the head's. Both are deterministic drafts, so the
+greedy and sequential-residual rules stay exact, and ConFu heads keep their contemplates (the
+contemplates read the head's h_cat[p] whatever drafted the nodes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.drafting import HeadDrafter
+from confu_jax.decode.lookup import PromptLookup
+
+
+@flax.struct.dataclass(kw_only=True)
+class HybridState:
+    head: Any  # drafting.HeadDraftState
+    lookup: Any  # lookup.LookupState
+
+
+@dataclasses.dataclass(frozen=True)
+class Hybrid(Drafter):
+    head: HeadDrafter
+    lookup: PromptLookup
+
+    def __post_init__(self):
+        plan = self.head.plan
+        if plan.kind != "chain" or plan.contemplates:
+            raise ValueError(f"Hybrid drafts chains: the head's plan must be chain:K, got {plan.text}")
+        if self.lookup.branches != 1 or self.lookup.k != plan.k:
+            raise ValueError(f"Hybrid needs a one-branch lookup of the head's depth {plan.k}; got "
+                             f"k={self.lookup.k}, branches={self.lookup.branches}")
+
+    @property
+    def max_depth(self) -> int:
+        return self.head.max_depth
+
+    @property
+    def n_nodes(self) -> int:
+        return self.head.n_nodes
+
+    def init(self, spec, params, view: PrefillView) -> HybridState:
+        return HybridState(head=self.head.init(spec, params, view), lookup=self.lookup.init(spec, params, view))
+
+    def propose(self, spec, params, st: HybridState, inp: DraftInput) -> Proposal:
+        hp = self.head.propose(spec, params, st.head, inp)
+        lp = self.lookup.propose(spec, params, st.lookup, inp)
+        use = lp.n_nodes_b > 1  # lookup found a match for this row
+
+        def pick(x_lookup, x_head):
+            return jnp.where(use.reshape((-1,) + (1,) * (x_head.ndim - 1)), x_lookup, x_head)
+
+        tree = jax.tree_util.tree_map(pick, lp.tree, hp.tree)
+        return Proposal(tree, None, jnp.where(use, lp.n_nodes_b, hp.n_nodes_b), hp.con_src_bc, hp.con_nodes_bm,
+                        HybridState(head=hp.state, lookup=lp.state))
+
+    def update(self, spec, params, st: HybridState, v: VerifiedPass) -> HybridState:
+        return HybridState(head=self.head.update(spec, params, st.head, v),
+                           lookup=self.lookup.update(spec, params, st.lookup, v))
+
+    def describe(self) -> str:
+        return f"hybrid({self.head.describe()}, {self.lookup.describe()})"
