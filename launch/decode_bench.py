@@ -61,12 +61,15 @@ flags.DEFINE_bool("batched", True, "also time one batched call of ours over all 
 flags.DEFINE_string("json_out", "", "write the figures to this JSON file as well")
 # --- speculative mode (any --methods given)
 flags.DEFINE_list("methods", [], "speculative benchmark mode: comma list of ar, eagle3, confu, confu_nomoe, "
-                  "confu_nomoe_norep (AR is always run as the baseline); empty = the AR-vs-transformers mode above")
+                  "confu_nomoe_norep, lookup (model-free), hybrid (lookup + a head) (AR is always run as the "
+                  "baseline); empty = the AR-vs-transformers mode above")
 flags.DEFINE_list("temperatures", ["0"], "speculative mode: sampling temperatures (0 = greedy, with the "
                   "losslessness check)")
 flags.DEFINE_string("budgets", "chain:4,dynamic:6,8,30", "speculative mode: draft plans, chain:K | "
-                    "sampled_chain:K | dynamic:DEPTH,TOPK,NODES | auto (measured choice, bench/budget.py)")
-flags.DEFINE_string("prompts", "mtbench", "speculative mode: mtbench | humaneval | a Spec-Bench question.jsonl "
+                    "sampled_chain:K | dynamic:DEPTH,TOPK,NODES | lookup:K[,W[,NMIN,NMAX]] | auto (measured "
+                    "choice, bench/budget.py); each method runs the plans its family reads")
+flags.DEFINE_string("prompts", "mtbench", "speculative mode: mtbench | humaneval | grounded | a Spec-Bench "
+                    "question.jsonl "
                     "(several joined with '+'; a named set takes :N for its first N, e.g. mtbench+humaneval:20)")
 flags.DEFINE_string("calibration", "", "speculative mode, budget auto: prompt source to calibrate on "
                     "(same syntax as --prompts); its questions that are also measured are left out. Empty: "
