@@ -115,7 +115,7 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
 # one entry per method of the registry (confu_jax.models.registry)
 METHODS: dict[str, Callable[..., MethodOutput]] = {
     name: functools.partial(run_speculative, method=name) if m.speculative else run_ar
-    for name, m in REGISTERED_METHODS.items()
+    for name, m in REGISTERED_METHODS.items() if m.family != "auto"
 }
 
 flags.DEFINE_string("prompt", None, "user message; rendered with the model's chat template", required=True)

@@ -17,7 +17,8 @@
    checkpoint at half of them and trains the other half. An interrupted training resumes from its
    last checkpoint on the next run. Heads this short are far from converged: τ reflects minutes of
    CPU training, not the paper's setting. Timings: see docs/RESULTS.md ("The main job").
-3. Decoding: AR, EAGLE-3 and ConFu on ``--n_prompts`` MT-Bench questions (one per category first),
+3. Decoding: AR, EAGLE-3, ConFu, model-free prompt lookup and hybrid (lookup where it matches, the
+   EAGLE-3 head elsewhere) on ``--n_prompts`` MT-Bench questions (one per category first),
    greedy, ``--tree`` draft plan; prints the τ / SR table (``confu_jax.bench``) and whether every
    speculative output equals AR's token for token (the lossless check). Results also go to
    ``--out`` (JSON + .md + .png).
@@ -41,7 +42,8 @@ flags.DEFINE_integer("train_batch", 4, "rows per training step")
 flags.DEFINE_integer("train_max_length", 128, "tokens per training row (chat template applied, truncated)")
 flags.DEFINE_integer("n_prompts", 8, "MT-Bench questions decoded (at most one per category, then more)")
 flags.DEFINE_integer("max_new_tokens", 64, "tokens generated per question")
-flags.DEFINE_string("tree", "chain:3", "draft plan for EAGLE-3 and ConFu (chain:K | dynamic:DEPTH,TOPK,NODES)")
+flags.DEFINE_string("tree", "chain:3", "draft plan of every method (chain:K; dynamic:DEPTH,TOPK,NODES runs the "
+                    "heads only: lookup and hybrid skip it)")
 flags.DEFINE_string("cache", "", "head cache root (default $CONFU_JAX_CACHE or ~/.cache/confu_jax)")
 flags.DEFINE_string("out", "results/quickstart.json", "results JSON (+ .md table, .png figure)")
 FLAGS = flags.FLAGS
@@ -240,8 +242,10 @@ def main(argv):
     rest = [q for q in questions if q not in firsts]
     prompts = (firsts + rest)[: FLAGS.n_prompts]
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=1)
-    rows = spec_bench.run_benchmark(setup, prompts, methods=["ar", *VARIANTS], temperatures=[0.0],
-                                    budgets=[FLAGS.tree], heads=heads, log=lambda m: print(m, flush=True),
+    # beside the trained heads: model-free prompt lookup, and lookup + the EAGLE-3 head (hybrid)
+    heads["hybrid"] = heads["eagle3"]
+    rows = spec_bench.run_benchmark(setup, prompts, methods=["ar", *VARIANTS, "lookup", "hybrid"],
+                                    temperatures=[0.0], budgets=[FLAGS.tree], heads=heads, log=lambda m: print(m, flush=True),
                                     progress_factory=lambda **kw: tqdm(dynamic_ncols=True, **kw))
     report.write_outputs(FLAGS.out, rows)
     print()

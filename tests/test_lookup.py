@@ -247,14 +247,20 @@ def test_benchmark_mixed_families_resume(tmp_path):
                                   auto_chains=("chain:2",), auto_trees=())
     budgets = cli_args.parse_budgets("chain:2,lookup:3,2,auto")
     assert budgets == ["chain:2", "lookup:3,2", "auto"]
-    kw = dict(methods=["ar", "eagle3", "lookup", "hybrid"], temperatures=[0.0], budgets=budgets, heads={})
+    kw = dict(methods=["ar", "eagle3", "lookup", "hybrid", "auto"], temperatures=[0.0], budgets=budgets, heads={})
     parts = spec_bench.Parts(str(tmp_path / "parts"), {"test": 1})
     messages = []
     rows = spec_bench.run_benchmark(setup, prompts, log=messages.append, parts=parts, **kw)
     keys = [(r["method"], r["budget"]) for r in rows]
     assert keys == [("ar", None), ("eagle3", "chain:2"), ("eagle3", "auto"), ("lookup", "chain:2"),
-                    ("lookup", "lookup:3,2"), ("lookup", "auto"), ("hybrid", "chain:2"), ("hybrid", "auto")]
+                    ("lookup", "lookup:3,2"), ("lookup", "auto"), ("hybrid", "chain:2"), ("hybrid", "auto"),
+                    ("auto", "auto")]
     assert any("lookup:3,2 is not a head plan: skipped" in m for m in messages)
+    # method auto: the best (family, plan) among every method's calibrated candidates, each method
+    # calibrated once (its own auto row reused the same measurements)
+    assert sum("budget auto: ar:" in m for m in messages) == 3
+    chosen = rows[-1]
+    assert chosen["setting"]["plan"] == "ar" or chosen["setting"]["method"] in ("eagle3", "lookup", "hybrid")
     for r in rows[1:]:
         assert r["lossless_greedy"] is True, r
         assert 1.0 <= r["tau"] <= r["nodes"]

@@ -161,6 +161,17 @@ def measure_ar(spec, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
     return seconds / steps
 
 
+def release_compiled() -> None:
+    """Drop every compiled XLA program of this process. Each XLA:CPU executable keeps its code in
+    mmapped sections; a calibration or benchmark compiling dozens of programs (a candidate x every
+    prompt bucket) reached Linux's default 65530 mappings per process, and LLVM then aborted
+    ("Unable to allocate section memory") or the compiler crashed (docs/RESULTS.md). Every
+    candidate is measured once, so nothing is lost but the programs' memory."""
+    import jax
+
+    jax.clear_caches()
+
+
 def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequence[str] = DEFAULT_CHAINS,
               trees: Sequence[str] = DEFAULT_TREES, max_new_tokens: int = 64, include_ar: bool = True,
               log: Optional[Callable[[str], None]] = None, method: str = "eagle3"):
@@ -176,6 +187,7 @@ def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequenc
     for plan in (*chains, *trees):
         tau, _, pass_s = measure_plan(spec, params, plan, prompts, max_new_tokens=max_new_tokens, method=method)
         cands.append(Candidate(plan, tau, pass_s, method))
+        release_compiled()
         if log:
             log(f"budget auto: {plan}: E[tau]={tau:.3f}, {pass_s * 1e3:.1f} ms/pass, "
                 f"{cands[-1].tokens_per_s:.1f} tokens/s expected")

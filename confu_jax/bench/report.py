@@ -344,7 +344,14 @@ def write_outputs(out: str, rows: list) -> dict:
              "compile s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         plan = r.get("setting", {}).get("plan", "–")
-        head = "–" if r.get("head") is None else ("trained " if r["trained"] else "RANDOM ") + str(r["head"])
+        if r.get("setting", {}).get("method"):  # method auto: the family it chose, then the plan
+            plan = f"{r['setting']['method']} {plan}"
+        if r.get("head") is None:
+            head = "–"
+        elif str(r["head"]).startswith("model-free"):
+            head = str(r["head"])
+        else:
+            head = ("trained " if r["trained"] else "RANDOM ") + str(r["head"])
         lossless = "–" if r.get("lossless_greedy") is None else str(r["lossless_greedy"])
         if r.get("n_numerical_ties"):
             lossless += f" ({r['n_numerical_ties']} numerical ties)"

@@ -212,8 +212,12 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
     from confu_jax.models.registry import get_method
 
     spec_methods = [m for m in methods if m != "ar"]
+    drafting = [m for m in spec_methods if get_method(m).family != "auto"]
+    if len(drafting) < len(spec_methods) and not drafting:
+        raise ValueError("method 'auto' chooses among the run's other speculative methods; name some "
+                         "(e.g. --methods ar,lookup,eagle3,auto)")
     loaded = {}
-    for m in spec_methods:
+    for m in drafting:
         head = decode_head(m, setup.target_cfg, setup.target_params, heads.get(m), seed=setup.seed)
         # to the device once: host arrays passed to every timed call would be copied on every call
         loaded[m] = head._replace(params=jax.device_put(head.params))
@@ -227,6 +231,27 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             return None, lambda: None
         b = progress_factory(total=len(prompts), desc=desc)
         return b, b.update
+
+    calibrations: dict = {}
+
+    def calibrate(m):
+        """Budget auto's measured candidates of method m (greedy, on the calibration prompts; once
+        per run: a method's auto rows at every temperature and method auto reuse them)."""
+        if m not in calibrations:
+            calib = setup.calibration
+            if calib is None:
+                log(f"[{m}] budget auto: no held-out calibration prompts given; calibrating on "
+                    "the first two measured questions (the choice is fitted to them)")
+                calib = [setup.tokenizer.encode(setup.tokenizer.render(
+                    [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True))
+                    for p in prompts[:2]]
+            chains, trees = budget_lib.default_candidates(m)
+            h = loaded[m]
+            _, calibrations[m] = budget_lib.auto_plan(
+                h.spec, h.params, calib, max_new_tokens=min(setup.max_new_tokens, 64), log=log,
+                chains=chains if setup.auto_chains is None else setup.auto_chains,
+                trees=trees if setup.auto_trees is None else setup.auto_trees, method=m)
+        return calibrations[m]
 
     def resumed(key):
         got = parts.load(key) if parts is not None else None
@@ -253,37 +278,35 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                 parts.save(f"ar__T{temp:g}", rows[-1], ar_logs, ar_tokens)
             log(f"[ar] T={temp}: {row['tokens_per_s']:.2f} tokens/s (compile {programs.compile_s:.1f} s)")
         for m in spec_methods:
-            head = loaded[m]
+            family = get_method(m).family
+            head = loaded.get(m)
             for bud in budgets:
                 key = f"{m}__{bud}__T{temp:g}"
                 if resumed(key) is not None:
                     continue
                 plan_text = bud
-                if bud != "auto" and get_method(m).family not in plan_families(bud):
-                    log(f"[{m}] budget {bud} is not a {get_method(m).family} plan: skipped")
+                if family == "auto" and bud != "auto":
+                    log(f"[{m}] chooses its own plan: budget {bud} skipped (only auto)")
+                    continue
+                if bud != "auto" and family not in plan_families(bud):
+                    log(f"[{m}] budget {bud} is not a {family} plan: skipped")
                     continue
                 if bud == "auto":
-                    calib = setup.calibration
-                    if calib is None:
-                        log(f"[{m}] budget auto: no held-out calibration prompts given; calibrating on "
-                            "the first two measured questions (the choice is fitted to them)")
-                        calib = [setup.tokenizer.encode(setup.tokenizer.render(
-                            [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True))
-                            for p in prompts[:2]]
-                    chains, trees = budget_lib.default_candidates(m)
-                    best, _ = budget_lib.auto_plan(
-                        head.spec, head.params, calib, max_new_tokens=min(setup.max_new_tokens, 64), log=log,
-                        chains=chains if setup.auto_chains is None else setup.auto_chains,
-                        trees=trees if setup.auto_trees is None else setup.auto_trees, method=m)
+                    # across families (method auto): every candidate of every drafting method competes
+                    cands = [c for x in (drafting if family == "auto" else [m]) for c in calibrate(x)]
+                    best = budget_lib.choose(cands)
                     plan_text = best.plan
-                    log(f"[{m}] budget auto -> {plan_text} (expected tau {best.expected_tau:.2f}, "
-                        f"{best.tokens_per_s:.1f} tokens/s)")
+                    if family == "auto" and plan_text != budget_lib.AR:
+                        head = loaded[best.method]
+                    log(f"[{m}] budget auto -> {best.method if family == 'auto' else m} {plan_text} (expected "
+                        f"tau {best.expected_tau:.2f}, {best.tokens_per_s:.1f} tokens/s)")
                     if plan_text == budget_lib.AR:  # speculation does not pay: decode as AR does
                         res = metrics.summarize(m, ar_logs, ar_logs, nodes=1, temperature=temp, depth=None,
                                                 setting={"plan": plan_text, "budget": bud})
                         rows.append(intervals.annotate(
-                            dict(dataclasses.asdict(res), compile_s=0.0, budget=bud, head=head.source,
-                                 trained=head.trained, lossless_greedy=True if temp == 0 else None,
+                            dict(dataclasses.asdict(res), compile_s=0.0, budget=bud,
+                                 head=None if head is None else head.source,
+                                 trained=None if head is None else head.trained, lossless_greedy=True if temp == 0 else None,
                                  n_mismatched_turns=0 if temp == 0 else None,
                                  n_numerical_ties=0 if temp == 0 else None, first_mismatch=None),
                             ar_logs, ar_logs, seed=setup.seed))
@@ -291,15 +314,18 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                             parts.save(key, rows[-1], ar_logs, ar_tokens)
                         log(f"[{m}] {bud} (ar: speculation off) T={temp}: {rows[-1]['tokens_per_s']:.2f} tokens/s")
                         continue
-                plan = parse_drafter(m, plan_text)
+                plan = parse_drafter(best.method if family == "auto" else m, plan_text)
                 programs = _Programs()
                 b, tick = bar(f"{m} {bud} T={temp}")
                 sp_logs, sp_tokens = _run_all(prompts, setup, programs,
                                               _spec_decoder(setup, programs, head, plan, temp), tick)
                 if b is not None:
                     b.close()
+                setting = {"plan": plan_text, "budget": bud}
+                if family == "auto":
+                    setting["method"] = best.method  # the family budget auto chose
                 res = metrics.summarize(m, sp_logs, ar_logs, nodes=plan.n_nodes, temperature=temp,
-                                        depth=plan.max_depth, setting={"plan": plan_text, "budget": bud})
+                                        depth=plan.max_depth, setting=setting)
                 check = _compare(setup, ar_tokens, sp_tokens, turns_index) if temp == 0 else {
                     "lossless_greedy": None, "n_mismatched_turns": None, "n_numerical_ties": None,
                     "first_mismatch": None}
@@ -311,4 +337,6 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                 log(f"[{m}] {bud} ({plan_text}) T={temp}: tau {row['tau']:.3f}, {row['tokens_per_s']:.2f} "
                     f"tokens/s, speed-up {row['speedup']:.3f}, compile {programs.compile_s:.1f} s"
                     + ("" if temp != 0 else f", lossless={row['lossless_greedy']}"))
+                del programs
+                budget_lib.release_compiled()  # one row's programs are never reused (mmap limit)
     return rows

@@ -5,10 +5,11 @@ The CLIs, the benchmark and budget ``auto`` name drafters by two strings, the me
 them into the frozen ``Drafter`` classes the loop takes (docs/DESIGN.md §11). Plan texts:
 
 * head methods (``eagle3``, ``confu``, ...): ``decode.plans.parse_plan`` (``chain:K``,
-  ``sampled_chain:K``, ``dynamic:D,K,N``, ``+cM``);
+  ``sampled_chain:K``, ``dynamic:D,K,N``, ``+cM``), and ``chain:K@P`` for a confidence-gated width
+  (``HeadDrafter.min_prob``: only drafts of cumulative draft probability >= P are verified);
 * ``lookup``: ``chain:K`` or ``lookup:K[,W[,NMIN,NMAX]]`` — K tokens per branch, W distinct
   continuations (a trie), matches of NMIN..NMAX tokens (defaults: W = 1, 2..4);
-* ``hybrid`` (lookup where it matches, the head elsewhere): ``chain:K``.
+* ``hybrid`` (lookup where it matches, the head elsewhere): ``chain:K`` or ``chain:K@P``.
 """
 
 from __future__ import annotations
@@ -48,16 +49,31 @@ def parse_lookup(text: str) -> PromptLookup:
     raise ValueError(f"bad lookup plan {text!r}: expected {LOOKUP_FORMS}")
 
 
+def parse_head(text: str) -> HeadDrafter:
+    """A head plan, optionally ``@P`` (confidence-gated width, chains only)."""
+    body, at, prob = text.partition("@")
+    plan = parse_plan(body)
+    if not at:
+        return HeadDrafter(plan)
+    try:
+        p = float(prob)
+    except ValueError:
+        raise ValueError(f"bad plan {text!r}: @P needs a probability in (0, 1), e.g. chain:4@0.5") from None
+    if not 0 < p < 1:
+        raise ValueError(f"bad plan {text!r}: @P needs a probability in (0, 1), got {p}")
+    return HeadDrafter(plan, min_prob=p)
+
+
 def parse_drafter(method: str, text: str) -> Drafter:
     """The drafter ``method`` decodes with under the plan ``text`` (errors list the accepted forms)."""
     family = get_method(method).family
     if family == "head":
-        return HeadDrafter(parse_plan(text))
+        return parse_head(text)
     if family == "lookup":
         return parse_lookup(text)
     if family == "hybrid":
-        plan = parse_plan(text)
-        if plan.kind != "chain" or plan.contemplates:
-            raise ValueError(f"hybrid decoding drafts chains (chain:K); got {text!r}")
-        return Hybrid(head=HeadDrafter(plan), lookup=PromptLookup(k=plan.k))
+        head = parse_head(text)
+        if head.plan.kind != "chain" or head.plan.contemplates:
+            raise ValueError(f"hybrid decoding drafts chains (chain:K or chain:K@P); got {text!r}")
+        return Hybrid(head=head, lookup=PromptLookup(k=head.plan.k))
     raise ValueError(f"method {method!r} does not draft (family {family!r})")

@@ -121,9 +121,11 @@ def expand(spec: ModelSpec, params: SpecParams, st: DraftScratch, fr: tree_lib.F
     return out.logits_btv, DraftScratch(st.draft_cache, sk, sv, out.h_out_btd)
 
 
-def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDraftState, inp: DraftInput):
+def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDraftState, inp: DraftInput,
+               with_scores: bool = False):
     """Run the draft for one iteration -> (DraftTree, q_btv or None, updated draft cache,
-    con_nodes_bm or None).
+    con_nodes_bm or None), and with ``with_scores`` (static trees and chains) the nodes'
+    cumulative draft log-probabilities [B,T] last.
 
     ``q_btv`` (sampled chains only) holds the draft distributions the nodes were drawn from;
     ``con_nodes_bm`` [B,M] (ConFu with sparse contemplates only) the nodes that get one.
@@ -147,7 +149,7 @@ def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDra
                        jnp.zeros((b, 1, t.d_model), jnp.dtype(spec.head.dtype)))
     d2t = params.draft_vocab["d2t"]
     q = None
-    score_bt = None
+    score_bt = static_score = None
     if plan.kind == "dynamic":
         tree, score_bt, st = tree_lib.draft_dynamic_tree(expand_fn, st0, inp.root_b, depth=plan.depth,
                                                          top_k=plan.top_k, n_nodes=plan.n_nodes, d2t_v=d2t)
@@ -155,8 +157,11 @@ def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDra
         tree, q, st = tree_lib.draft_sampled_chain(expand_fn, st0, inp.root_b, plan.k, inp.key, inp.temperature,
                                                    inp.top_p, d2t_v=d2t, target_vocab=t.vocab_size)
     else:
-        tree, st = tree_lib.draft_static_tree(expand_fn, st0, inp.root_b, plan.structure(), d2t_v=d2t)
+        tree, static_score, st = tree_lib.draft_static_tree(expand_fn, st0, inp.root_b, plan.structure(), d2t_v=d2t,
+                                                            return_scores=True)
     con_nodes = contemplate_nodes(spec, plan, tree, score_bt)
+    if with_scores:
+        return tree, q, st.draft_cache, con_nodes, static_score
     return tree, q, st.draft_cache, con_nodes
 
 
@@ -197,9 +202,28 @@ def _future_source(tree, last_node_b: jax.Array, con_nodes_bm) -> jax.Array:
 class HeadDrafter(Drafter):
     """A trained (or random) EAGLE-3 / ConFu head drafting the trees of ``plan`` (chain, sampled
     chain, static or EAGLE-2 dynamic tree; ``+cM`` sparse contemplates for ConFu). The variant —
-    and so whether verification runs contemplates — is the loop's ``spec.head``."""
+    and so whether verification runs contemplates — is the loop's ``spec.head``.
+
+    ``min_prob`` (chains only; plan text ``chain:K@P``): **confidence-gated width**. A row wants
+    verified only the leading drafts whose cumulative draft probability is at least P, and the
+    loop compiles every width 1..K+1 and verifies the narrowest that holds every active row's
+    (docs/DESIGN.md §11): on a CPU, where a pass over K+1 tokens costs far more than an AR step,
+    a head then spends verification only where it is confident, and an unconfident iteration
+    costs one AR step. P = 0 (the default) always verifies the full chain.
+    """
 
     plan: DraftPlan
+    min_prob: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"HeadDrafter.min_prob must lie in [0, 1), got {self.min_prob}")
+        if self.min_prob > 0 and self.plan.kind != "chain":
+            raise ValueError(f"confidence-gated width (@P) needs a chain:K plan, got {self.plan.text}")
+
+    @property
+    def widths(self) -> tuple:
+        return tuple(range(1, self.n_nodes + 1)) if self.min_prob > 0 else (self.n_nodes,)
 
     @property
     def max_depth(self) -> int:
@@ -237,10 +261,17 @@ class HeadDrafter(Drafter):
         )
 
     def propose(self, spec: ModelSpec, params: SpecParams, hs: HeadDraftState, inp: DraftInput) -> Proposal:
-        tree, q, draft_cache, con_nodes = draft_tree(spec, params, self.plan, hs, inp)
+        t = self.n_nodes
+        if self.min_prob > 0:
+            tree, q, draft_cache, con_nodes, score_bt = draft_tree(spec, params, self.plan, hs, inp, with_scores=True)
+            # a chain's cumulative score falls with depth: the confident drafts are a prefix
+            confident = (score_bt >= jnp.log(self.min_prob)) & tree.valid_bt
+            n = 1 + jnp.sum(confident[:, 1:], axis=1).astype(jnp.int32)
+        else:
+            tree, q, draft_cache, con_nodes = draft_tree(spec, params, self.plan, hs, inp)
+            n = jnp.full(inp.root_b.shape, t, jnp.int32)
         rows = jnp.arange(inp.root_b.shape[0])
         con_src = hs.ingest_h_cat_bac[rows, hs.ingest_count_b - 1] if spec.head.has_future else None  # h_cat[p]
-        n = jnp.full(inp.root_b.shape, tree.tokens_bt.shape[1], jnp.int32)
         return Proposal(tree, q, n, con_src, con_nodes, hs.replace(draft_cache=draft_cache))
 
     def update(self, spec: ModelSpec, params: SpecParams, hs: HeadDraftState, v: VerifiedPass) -> HeadDraftState:
@@ -267,4 +298,4 @@ class HeadDrafter(Drafter):
         )
 
     def describe(self) -> str:
-        return self.plan.text
+        return self.plan.text + (f"@{self.min_prob:g}" if self.min_prob else "")

@@ -50,6 +50,12 @@ class Hybrid(Drafter):
     def n_nodes(self) -> int:
         return self.head.n_nodes
 
+    @property
+    def widths(self) -> tuple:
+        """The head's widths (1..T with a confidence-gated head: an iteration where lookup found
+        nothing and the head is unsure verifies the root alone)."""
+        return self.head.widths
+
     def init(self, spec, params, view: PrefillView) -> HybridState:
         return HybridState(head=self.head.init(spec, params, view), lookup=self.lookup.init(spec, params, view))
 

@@ -274,18 +274,21 @@ def _static_frontiers(structure: StaticStructure, batch: int):
 
 def draft_static_tree(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array,
                       structure: StaticStructure,
-                      d2t_v: Optional[jax.Array] = None) -> Tuple[DraftTree, Any]:
+                      d2t_v: Optional[jax.Array] = None, return_scores: bool = False):
     """Fill a static tree with the draft's top-k tokens, one ``expand_fn`` call per depth.
 
     A node of rank r is its parent's r-th most probable draft token. At each depth only the nodes
     that have children are expanded (the frontier), so a chain costs one single-node call per
-    drafted token. Returns the tree and the state after the last expansion.
+    drafted token. Returns the tree and the state after the last expansion; with
+    ``return_scores`` also [B,T] each node's cumulative draft log-probability (root 0), as
+    ``(tree, score_bt, state)``.
     """
     root_token_b = jnp.asarray(root_token_b, jnp.int32)
     b = root_token_b.shape[0]
     t = structure.n_nodes
     plans, n_scratch = _static_frontiers(structure, b)
     tokens_bt = jnp.zeros((b, t), jnp.int32).at[:, 0].set(root_token_b)
+    score_bt = jnp.zeros((b, t), jnp.float32)
     parents, rank = structure.parents_t, structure.rank_t
     for d, (nodes, offset, pslot, anc) in enumerate(plans):
         frontier = Frontier(tokens_bt[:, nodes], jnp.asarray(pslot), jnp.asarray(anc), d, offset,
@@ -297,10 +300,14 @@ def draft_static_tree(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array,
         if k_max > logp_bkv.shape[-1]:
             raise ValueError(f"draft_static_tree: a path asks for child rank {k_max - 1} but the "
                              f"draft vocabulary has only {logp_bkv.shape[-1]} tokens")
-        _, top_bkr = jax.lax.top_k(logp_bkv, k_max)
+        top_lp_bkr, top_bkr = jax.lax.top_k(logp_bkv, k_max)
         top_bkr = _map_tokens(top_bkr, d2t_v)
         pos = np.array([list(nodes).index(parents[c]) for c in children])
         tokens_bt = tokens_bt.at[:, children].set(top_bkr[:, pos, rank[children]])
+        score_bt = score_bt.at[:, children].set(score_bt[:, parents[children]]
+                                                + top_lp_bkr[:, pos, rank[children]].astype(jnp.float32))
+    if return_scores:
+        return static_tree(tokens_bt, structure), score_bt, state
     return static_tree(tokens_bt, structure), state
 
 

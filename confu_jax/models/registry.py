@@ -20,7 +20,7 @@ class Variant:
     description: str
 
 
-FAMILIES = ("ar", "head", "lookup", "hybrid")  # drafter families (decode.drafters maps them to classes)
+FAMILIES = ("ar", "head", "lookup", "hybrid", "auto")  # drafter families (decode.drafters maps them to classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,7 @@ METHODS: dict = {m.name: m for m in (
     Method("lookup", (), "model-free prompt lookup: n-gram matches in the prompt and the generated text", "lookup"),
     Method("hybrid", ("eagle3", "confu", "confu_nomoe", "confu_nomoe_norep"),
            "prompt lookup where it matches, the head (EAGLE-3 or ConFu) elsewhere, per row", "hybrid"),
+    Method("auto", (), "benchmark only: budget auto across the run's other methods (family and plan)", "auto"),
 )}
 
 SPECULATIVE_METHODS = tuple(name for name, m in METHODS.items() if m.speculative)
