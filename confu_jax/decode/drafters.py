@@ -9,11 +9,14 @@ them into the frozen ``Drafter`` classes the loop takes (docs/DESIGN.md §11). P
   (``HeadDrafter.min_prob``: only drafts of cumulative draft probability >= P are verified);
 * ``lookup``: ``chain:K`` or ``lookup:K[,W[,NMIN,NMAX]]`` — K tokens per branch, W distinct
   continuations (a trie), matches of NMIN..NMAX tokens (defaults: W = 1, 2..4);
-* ``hybrid`` (lookup where it matches, the head elsewhere): ``chain:K`` or ``chain:K@P``.
+* ``hybrid`` (lookup where it matches, the head elsewhere): ``chain:K`` or ``chain:K@P``;
+* ``draft_model`` (an independent draft model) and ``sd2`` (the same, steered): the head forms
+  without ``+cM`` (``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N``).
 """
 
 from __future__ import annotations
 
+from confu_jax.decode.draft_model import DraftModel
 from confu_jax.decode.drafter import Drafter
 from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.hybrid import Hybrid
@@ -76,4 +79,9 @@ def parse_drafter(method: str, text: str) -> Drafter:
         if head.plan.kind != "chain" or head.plan.contemplates:
             raise ValueError(f"hybrid decoding drafts chains (chain:K or chain:K@P); got {text!r}")
         return Hybrid(head=head, lookup=PromptLookup(k=head.plan.k))
+    if family in ("draft_model", "sd2"):
+        plan = parse_plan(text)
+        if plan.contemplates:
+            raise ValueError(f"a draft model has no contemplates: {text!r} (drop +cM)")
+        return DraftModel(plan, steered=family == "sd2")
     raise ValueError(f"method {method!r} does not draft (family {family!r})")

@@ -92,11 +92,48 @@ def imported_head(method: str, directory: str, target_cfg: LlamaConfig, target_p
     return DecodeHead(spec, spec_params(target_params, trainable, vocab), True, f"{directory} ({imp.fmt} format)")
 
 
+def draft_model_head(method: str, target_cfg: LlamaConfig, target_params: dict, source: Optional[str] = None,
+                     *, target_tokenizer=None, target_source: str = "the loaded target") -> DecodeHead:
+    """What an independent draft model (family ``draft_model``) or SD² (family ``sd2``) decodes with
+    (``decode.draft_model``; sources: ``runs.draft_models``): ``source`` = ``self:N`` (the target's first
+    N layers; default a quarter of them), an asset / GGUF / Hugging Face directory sharing the target's
+    tokenizer (checked against ``target_tokenizer``, default loaded from ``target_source``), or for
+    SD² a trained ``launch.train`` SD² workdir. SD² without a trained run gets the paper's
+    initialisation (W_s = 0): it then drafts exactly as the unsteered model (``trained`` False)."""
+    from confu_jax.models.early_exit import default_self_layers
+    from confu_jax.models.steering import init_steering
+    from confu_jax.runs import draft_models
+
+    steered = get_method(method).family == "sd2"
+    source = source or f"self:{default_self_layers(target_cfg)}"
+    kw = dict(target_tokenizer=target_tokenizer, target_source=target_source)
+    trained = True
+    if steered and draft_models.is_sd2_workdir(source):
+        run = draft_models.load_sd2_run(source, target_cfg, target_params, **kw)
+        d, steering = run.drafter, run.steering
+    else:
+        d = draft_models.load_drafter(source, target_cfg, **kw)
+        steering = None
+        if steered:
+            steering, trained = jax.device_get(init_steering(target_cfg.d_model, 3, d.cfg)), False
+    draft = {} if d.params is None else {"model": d.params}
+    if steering is not None:
+        draft["steering"] = steering
+    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size),
+                     draft_model=d.cfg)
+    desc = d.source + ("" if not steered else " + SD² steering" + ("" if trained else " (untrained: W_s = 0)"))
+    return DecodeHead(spec, SpecParams(target=target_params, draft=draft, confu={}, draft_vocab={}), trained, desc)
+
+
 def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workdir: Optional[str] = None,
-                seed: int = 0, target_source: str = "the loaded target") -> DecodeHead:
-    """The head ``method`` drafts with: trained (``workdir``), random, or none (model-free methods,
-    which refuse a workdir)."""
+                seed: int = 0, target_source: str = "the loaded target", target_tokenizer=None) -> DecodeHead:
+    """The head ``method`` drafts with: trained (``workdir``), random, none (model-free methods,
+    which refuse a workdir), or for draft-model methods the draft model of source ``workdir``
+    (``draft_model_head``; ``target_tokenizer`` checks an external model's tokenizer)."""
     m = get_method(method)
+    if m.family in ("draft_model", "sd2"):
+        return draft_model_head(method, target_cfg, target_params, workdir, target_tokenizer=target_tokenizer,
+                                target_source=target_source)
     if m.speculative and not m.needs_head:
         if workdir:
             raise ValueError(f"method {method!r} is model-free: it takes no head (got {workdir})")

@@ -136,6 +136,16 @@ def layer_context(cfg: LlamaConfig, bt: tuple, positions_bt, block_mask_btt, cac
     return ctx, tap_layers
 
 
+def check_mlp_bias(cfg: LlamaConfig, bias_lbtf: jax.Array, bt: tuple) -> jax.Array:
+    """``mlp_bias_lbtf`` must be [L, B, T or 1, F] for this config and block; returned as is."""
+    want = (cfg.n_layers, bt[0], cfg.ffn_dim)
+    if bias_lbtf.ndim != 4 or (bias_lbtf.shape[0], bias_lbtf.shape[1], bias_lbtf.shape[3]) != want \
+            or bias_lbtf.shape[2] not in (1, bt[1]):
+        raise ValueError(f"mlp_bias_lbtf must be [L={cfg.n_layers}, B={bt[0]}, T={bt[1]} or 1, F={cfg.ffn_dim}]; "
+                         f"got {tuple(bias_lbtf.shape)}")
+    return bias_lbtf
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -206,6 +216,8 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="mlp_norm")(x_btd)
         gate = _dense(cfg.ffn_dim, cfg, "gate_proj")(h)
         up = _dense(cfg.ffn_dim, cfg, "up_proj")(h)
+        if "mlp_bias" in xs:  # SD² steering: W_s^l g added to the up projection (models.steering)
+            up = up + xs["mlp_bias"].astype(up.dtype)
         x_btd = x_btd + _dense(cfg.d_model, cfg, "down_proj")(nn.silu(gate) * up)
         return (x_btd, taps), (k, v)
 
@@ -263,6 +275,7 @@ class Llama(nn.Module):
         return_logits: bool = True,
         cache_start_bt: Optional[jax.Array] = None,
         tap_rows: Optional[int] = None,
+        mlp_bias_lbtf: Optional[jax.Array] = None,
     ) -> LlamaOutput:
         """Forward over a block of T tokens.
 
@@ -272,6 +285,9 @@ class Llama(nn.Module):
         shapes, optional) is the first visible cache slot (packed training rows: the segment start).
         ``tap_rows`` (static): keep taps for the first rows only (ConFu verification: the nodes, not
         their contemplates, whose taps nothing reads); ``taps_btc`` is then [B, tap_rows, C].
+        ``mlp_bias_lbtf`` [L,B,T or 1,F] (optional): added to every layer's up projection before the
+        gate product, down(silu(gate x) * (up x + bias)) — SD²'s steering (``models.steering``);
+        absent, the forward is unchanged.
         """
         cfg = self.cfg
         x = self.embed_tokens(tokens_bt) if embeds_btd is None else embeds_btd.astype(jnp.dtype(cfg.dtype))
@@ -279,6 +295,8 @@ class Llama(nn.Module):
                                         cache_k_lbhsd is not None, prefix_visible_bt,
                                         prefix_k_lphd is not None, tap_layers, cache_start_bt)
         xs = {"layer": jnp.arange(cfg.n_layers)}
+        if mlp_bias_lbtf is not None:
+            xs["mlp_bias"] = check_mlp_bias(cfg, mlp_bias_lbtf, x.shape[:2])
         if cache_k_lbhsd is not None:
             # the scan slices a stacked cache; per-layer buffers (kv_cache.init_cache) are stacked here
             xs["k_cache"], xs["v_cache"] = stacked(cache_k_lbhsd), stacked(cache_v_lbhsd)

@@ -20,7 +20,7 @@ class Variant:
     description: str
 
 
-FAMILIES = ("ar", "head", "lookup", "hybrid", "auto")  # drafter families (decode.drafters maps them to classes)
+FAMILIES = ("ar", "head", "lookup", "hybrid", "auto", "draft_model", "sd2")  # drafter families (decode.drafters maps them to classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,10 @@ METHODS: dict = {m.name: m for m in (
     Method("lookup", (), "model-free prompt lookup: n-gram matches in the prompt and the generated text", "lookup"),
     Method("hybrid", ("eagle3", "confu", "confu_nomoe", "confu_nomoe_norep"),
            "prompt lookup where it matches, the head (EAGLE-3 or ConFu) elsewhere, per row", "hybrid"),
+    Method("draft_model", (), "an independent draft model sharing the target's tokenizer (self:N = the target's "
+           "first N layers, or a GGUF / HF checkpoint), with its own KV cache", "draft_model"),
+    Method("sd2", (), "SD²: a draft model steered by the target's hidden states (trained with configs/*_sd2.py)",
+           "sd2"),
     Method("auto", (), "benchmark only: budget auto across the run's other methods (family and plan)", "auto"),
 )}
 

@@ -76,6 +76,9 @@ class HeadConfig:
 class ModelSpec:
     target: LlamaConfig
     head: HeadConfig
+    # An independent draft model's architecture (drafter family 'draft_model' / SD²,
+    # ``decode.draft_model``); None for heads and model-free drafters.
+    draft_model: Optional[LlamaConfig] = None
 
     def __post_init__(self):
         taps = self.taps

@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from confu_jax.models.llama import DecoderLayer, Llama, LlamaConfig, LlamaOutput, layer_context
+from confu_jax.models.llama import DecoderLayer, Llama, LlamaConfig, LlamaOutput, check_mlp_bias, layer_context
 
 
 class SplitParams(NamedTuple):
@@ -61,6 +61,7 @@ def apply_unrolled(
     return_logits: bool = True,
     cache_start_bt: Optional[jax.Array] = None,
     tap_rows: Optional[int] = None,
+    mlp_bias_lbtf: Optional[jax.Array] = None,
 ) -> LlamaOutput:
     """``Llama(cfg).apply({'params': params}, ...)`` with ``split_layers(params)``; same arguments."""
     model = Llama(cfg)
@@ -72,12 +73,16 @@ def apply_unrolled(
     ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, block_mask_btt, cache_len_bt,
                                     cache_k_lbhsd is not None, prefix_visible_bt,
                                     prefix_k_lphd is not None, tap_layers, cache_start_bt)
+    if mlp_bias_lbtf is not None:
+        check_mlp_bias(cfg, mlp_bias_lbtf, x.shape[:2])
     tap_shape = x.shape if tap_rows is None else (x.shape[0], int(tap_rows)) + x.shape[2:]
     carry = (x, tuple(jnp.zeros(tap_shape, x.dtype) for _ in tap_layers))
     layer = DecoderLayer(cfg)
     ks, vs = [], []
     for i, lp in enumerate(sp.layers):
         xs = {"layer": jnp.int32(i)}
+        if mlp_bias_lbtf is not None:
+            xs["mlp_bias"] = mlp_bias_lbtf[i]
         if cache_k_lbhsd is not None:
             xs["k_cache"], xs["v_cache"] = cache_k_lbhsd[i], cache_v_lbhsd[i]
         if prefix_k_lphd is not None:

@@ -50,3 +50,16 @@ def lm_head_from_target(target_lm_head: jax.Array, vocab_axis: int, d2t) -> jax.
     """
     rows = jnp.take(target_lm_head, jnp.asarray(d2t), axis=vocab_axis)
     return rows.T if vocab_axis == 0 else rows
+
+
+def to_target_vocab(logits_xv: jax.Array, vocab: int) -> jax.Array:
+    """A draft model's logits over the target's ``vocab`` ids (they share the tokenizer): an
+    embedding padded past the tokenizer's size is cut, a shorter one padded with -inf (those ids
+    are never drafted)."""
+    v = logits_xv.shape[-1]
+    if v == vocab:
+        return logits_xv
+    if v > vocab:
+        return logits_xv[..., :vocab]
+    pad = jnp.full(logits_xv.shape[:-1] + (vocab - v,), -jnp.inf, logits_xv.dtype)
+    return jnp.concatenate([logits_xv, pad], axis=-1)

@@ -1,0 +1,275 @@
+"""Independent draft models (Leviathan et al., Chen et al.) and SD² steering as a ``Drafter``.
+
+Any Llama that shares the target's tokenizer drafts with **its own KV cache** inside the same
+jitted loop (docs/DESIGN.md §11 "Independent draft models and SD²"). Its architecture is
+``spec.draft_model`` (a ``LlamaConfig``, static), its weights ``params.draft['model']``; with no
+``'model'`` entry the drafter is the **early-exit self-drafter**: the target's first N layers
+(N = ``spec.draft_model.n_layers``) with the target's final norm and LM head, read from the
+target's own parameters (no copy; on the layer-unrolled CPU path the target's per-layer buffers).
+
+**State** (``DraftModelState``, per row): the draft cache holds the draft's K/V of positions
+0..c-1 (c = its length), and the **pending** tokens x[c..p+1] — the tokens the last verification
+emitted (accepted drafts, then the bonus = the next root), at most A = D+1 — wait to be fed.
+After the prompt (``init``: one causal block over the prompt) the pending token is the first
+emitted token.
+
+**One round** (``propose``): depth 0 feeds the pending block (causal, against the cache) and
+commits it — the cache then holds 0..p+1 — and its output at the root scores the root's children.
+Deeper nodes:
+
+* chains (``chain:K``, ``sampled_chain:K``): the node at depth k (position p+1+k) attends the cache
+  plus its ancestors, whose K/V the previous depths wrote to the cache slots p+2..p+k **beyond**
+  the committed length (slot i = position i; the length does not move, so the next round
+  overwrites them): one token per depth;
+* trees (static, EAGLE-2 ``dynamic``): every depth **recomputes the block of all nodes expanded so
+  far** (scratch slots 1..o+K of ``decode.tree``'s frontier contract) under their ancestor mask,
+  against the cache: a node sees the cache and its ancestors, never its siblings. A depth-k call
+  costs the nodes expanded up to k instead of the frontier alone (documented trade: the Llama
+  forward has no per-row scratch keys).
+
+Accepted drafts are re-fed next round instead of keeping their draft-time K/V (simpler, and the
+pending block is at most D+1 tokens).
+
+**SD²** (``steered=True``, ``models.steering``): the steering vector g is computed from h_cat at the
+last accepted node of the previous verification (``update``) and is fixed for the whole round: every
+layer's MLP gets the bias W_s^l g. The pending tokens before the root were drafted under the
+previous round's g, so the depth-0 block gives them that bias (their K/V are what they were at
+draft time in the paper) and the root the new one. An untrained (zero W_s) steered drafter equals
+the unsteered one exactly.
+
+The draft's vocabulary must be the target's (ids equal: ``runs.draft_models.check_tokenizers``); an embedding padded
+past the tokenizer's size is cut to the target's vocabulary (and a shorter one padded with -inf),
+so q is over target ids and every rule of §4 applies (greedy, sequential residual for top-k
+trees, Leviathan's for ``sampled_chain`` with the q the chain was sampled from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from confu_jax.decode import tree as tree_lib
+from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.plans import DraftPlan, verification_rule
+from confu_jax.models import steering as steer_lib
+from confu_jax.models.early_exit import early_exit_params, is_early_exit_of
+from confu_jax.models.kv_cache import KVCache, commit, init_cache
+from confu_jax.models.llama import LlamaConfig, LlamaOutput
+from confu_jax.models.vocab_map import to_target_vocab
+from confu_jax.models.unrolled import SplitParams, apply_target, split_layers, target_logits
+
+# ----------------------------------------------------------------------------- state
+
+
+@flax.struct.dataclass(kw_only=True)
+class DraftModelState:
+    """What an independent draft model keeps between iterations (module docstring)."""
+
+    draft_cache: KVCache  # [L_d, B, Hkv_d, S, hd_d] (per-layer buffers on the unrolled path); length c
+    pending_tokens_ba: jax.Array  # [B, A] int32 tokens x[c..p+1] not yet fed (the last one = the root)
+    pending_count_b: jax.Array  # [B] int32 valid pending tokens (>= 1)
+    # SD² only (None otherwise): h_cat at the last accepted node, g's source for the next round
+    steer_src_bc: Optional[jax.Array] = None  # [B, 3d]
+    # SD² only: the MLP bias W_s^l g of the last round (the pending non-root tokens were drafted under it)
+    steer_bias_lbf: Optional[jax.Array] = None  # [L_d, B, F_d] float32
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def draft_config(spec) -> LlamaConfig:
+    if spec.draft_model is None:
+        raise ValueError("this spec has no draft model (spec.draft_model is None): build the pair with "
+                         "decode.heads.decode_head('draft_model', ...) or ModelSpec(..., draft_model=cfg)")
+    return spec.draft_model
+
+
+def draft_weights(spec, params):
+    """(draft LlamaConfig, draft weights in the target's layout): ``params.draft['model']``, or the
+    target's first layers (early exit). On the layer-unrolled path (the loop split the target into
+    ``SplitParams``) an independent model's stack is split too (``models.unrolled``)."""
+    cfg = draft_config(spec)
+    model = (params.draft or {}).get("model")
+    if model is None:
+        if not is_early_exit_of(cfg, spec.target):
+            raise ValueError(f"params.draft has no 'model': the early-exit drafter needs spec.draft_model = the "
+                             f"target's config with fewer layers; got {cfg} for target {spec.target}")
+        return cfg, early_exit_params(params.target, cfg.n_layers)
+    if isinstance(params.target, SplitParams):
+        return cfg, split_layers(model, cfg)
+    return cfg, model
+
+
+def forward(cfg: LlamaConfig, weights, tokens_bt, positions_bt, *, cache: Optional[KVCache] = None,
+            cache_len_bt=None, block_mask_btt=None, mlp_bias_lbtf=None) -> LlamaOutput:
+    """The draft model over a block (no logits; ``logits`` on the rows that need them)."""
+    kw = {}
+    if cache is not None:
+        kw = dict(cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd,
+                  cache_len_bt=cache.length_b if cache_len_bt is None else cache_len_bt)
+    return apply_target(weights, cfg, tokens_bt, positions_bt, block_mask_btt=block_mask_btt,
+                        return_logits=False, mlp_bias_lbtf=mlp_bias_lbtf, **kw)
+
+
+def logits(cfg: LlamaConfig, weights, hidden_xd, vocab: int) -> jax.Array:
+    """Float32 logits over the target's vocabulary (``vocab`` ids) from final-normed hidden states."""
+    return to_target_vocab(target_logits(weights, cfg, hidden_xd), vocab)
+
+
+def _steering(spec, params, c: int, cfg: LlamaConfig) -> dict:
+    st = (params.draft or {}).get("steering")
+    if st is None:
+        raise ValueError("an SD² (steered) drafter needs params.draft['steering'] (models.steering.init_steering, "
+                         "or a trained launch.train SD² workdir)")
+    steer_lib.check_steering(st, c, cfg)
+    return st
+
+
+# ----------------------------------------------------------------------------- the drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel(Drafter):
+    """An independent draft model (``spec.draft_model``, weights ``params.draft['model']`` or the
+    target's first layers) drafting the trees of ``plan`` (chain, sampled chain, static or EAGLE-2
+    dynamic tree; no contemplates). ``steered``: SD² steering from the verifier's taps."""
+
+    plan: DraftPlan
+    steered: bool = False
+
+    def __post_init__(self):
+        if self.plan.contemplates:
+            raise ValueError(f"a draft model has no contemplates: plan {self.plan.text!r} (drop +cM)")
+
+    @property
+    def max_depth(self) -> int:
+        return self.plan.max_depth
+
+    @property
+    def n_nodes(self) -> int:
+        return self.plan.n_nodes_total
+
+    def rule(self, greedy: bool) -> str:
+        return verification_rule(self.plan, greedy)
+
+    def describe(self) -> str:
+        return self.plan.text
+
+    # ------------------------------------------------------------------ init
+
+    def init(self, spec, params, view: PrefillView) -> DraftModelState:
+        """The prompt as one causal block (positions 0..n-1 committed); the pending token is the
+        first emitted one. SD²: prompt position j is steered by g[j-1] (offset 1; g[0] at j = 0)."""
+        cfg, w = draft_weights(spec, params)
+        b, width = view.tokens_bt.shape
+        a = self.max_depth + 1
+        pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
+        rows = jnp.arange(b)
+        steer_src = steer_bias = mlp_bias = None
+        if self.steered:
+            st = _steering(spec, params, view.h_cat_btc.shape[-1], cfg)
+            src = jnp.concatenate([view.h_cat_btc[:, :1], view.h_cat_btc[:, :-1]], axis=1)  # h_cat[max(j-1, 0)]
+            mlp_bias = steer_lib.bias_from_taps(st, src)  # [L,B,W,F]
+            steer_src = view.h_cat_btc[rows, view.lengths_b - 1]
+            steer_bias = steer_lib.bias_from_taps(st, view.h_cat_btc[rows, jnp.maximum(view.lengths_b - 2, 0)])
+        out = forward(cfg, w, view.tokens_bt, pos, mlp_bias_lbtf=mlp_bias)
+        cache = init_cache(cfg.n_layers, b, view.max_len, cfg.n_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype),
+                           per_layer=isinstance(w, SplitParams))
+        cache = commit(cache, out.k_new_lbthd, out.v_new_lbthd, view.lengths_b)
+        return DraftModelState(
+            draft_cache=cache,
+            pending_tokens_ba=jnp.zeros((b, a), jnp.int32).at[:, 0].set(view.first_b.astype(jnp.int32)),
+            pending_count_b=jnp.ones((b,), jnp.int32),
+            steer_src_bc=steer_src, steer_bias_lbf=steer_bias)
+
+    # ------------------------------------------------------------------ propose
+
+    def propose(self, spec, params, st: DraftModelState, inp: DraftInput) -> Proposal:
+        cfg, w = draft_weights(spec, params)
+        vocab = spec.target.vocab_size
+        b, a = st.pending_tokens_ba.shape
+        rows = jnp.arange(b)
+        active = ~inp.done_b
+        bias_new = None
+        if self.steered:
+            steering = _steering(spec, params, st.steer_src_bc.shape[-1], cfg)
+            bias_new = steer_lib.bias_from_taps(steering, st.steer_src_bc)  # [L,B,F]: fixed for the round
+        round_bias = None if bias_new is None else bias_new[:, :, None, :]  # [L,B,1,F]
+
+        def ingest(cache: KVCache):
+            """Depth 0: feed and commit the pending tokens; log-probs of the root's children."""
+            pos = cache.length_b[:, None] + jnp.arange(a, dtype=jnp.int32)[None]
+            mlp_bias = None
+            if self.steered:  # drafted last round (under its g) before the root, the root under the new g
+                new = jnp.arange(a)[None] >= (st.pending_count_b - 1)[:, None]
+                mlp_bias = jnp.where(new[None, :, :, None], bias_new[:, :, None, :], st.steer_bias_lbf[:, :, None, :])
+            out = forward(cfg, w, st.pending_tokens_ba, pos, cache=cache, mlp_bias_lbtf=mlp_bias)
+            h_root = out.hidden_btd[rows, st.pending_count_b - 1][:, None]
+            cache = commit(cache, out.k_new_lbthd, out.v_new_lbthd, st.pending_count_b * active.astype(jnp.int32))
+            return jax.nn.log_softmax(logits(cfg, w, h_root, vocab), axis=-1), cache
+
+        chain = self.plan.kind in ("chain", "sampled_chain")
+        m = self.plan.n_scratch
+        slot_depth: list = []  # depth of each scratch slot, in the order the tree drafters fill them
+
+        def expand_fn(s, fr: tree_lib.Frontier):
+            cache, tokens_bm, anc_bmm = s
+            k = fr.tokens_bk.shape[1]
+            slot_depth.extend([fr.depth] * k)
+            if fr.depth == 0:
+                logp, cache = ingest(cache)
+                return logp, (cache, tokens_bm, anc_bmm)
+            if chain:  # ancestors = cache slots p+2..p+k (written by the previous depths, uncommitted)
+                slot_b = cache.length_b + fr.depth - 1  # this node's position p+1+depth
+                out = forward(cfg, w, fr.tokens_bk, slot_b[:, None], cache=cache, cache_len_bt=slot_b,
+                              mlp_bias_lbtf=round_bias)
+                tmp = commit(KVCache(cache.k_lbhsd, cache.v_lbhsd, slot_b), out.k_new_lbthd, out.v_new_lbthd,
+                             jnp.ones((b,), jnp.int32))
+                cache = KVCache(tmp.k_lbhsd, tmp.v_lbhsd, cache.length_b)
+                h = out.hidden_btd
+            else:  # recompute every node expanded so far (slots 1..o+K; slot 0 = the root, cached)
+                o = fr.slot_offset
+                tokens_bm = jax.lax.dynamic_update_slice_in_dim(tokens_bm, fr.tokens_bk, o, axis=1)
+                anc_bmm = jax.lax.dynamic_update_slice_in_dim(anc_bmm, fr.ancestor_bkn, o, axis=1)
+                n = o + k
+                depth_m = jnp.asarray(slot_depth[1:n], jnp.int32)
+                pos = (cache.length_b - 1)[:, None] + depth_m[None]  # root at length-1 = p+1
+                out = forward(cfg, w, tokens_bm[:, 1:n], pos, cache=cache, block_mask_btt=anc_bmm[:, 1:n, 1:n],
+                              mlp_bias_lbtf=round_bias)
+                h = out.hidden_btd[:, o - 1:n - 1]
+            return jax.nn.log_softmax(logits(cfg, w, h, vocab), axis=-1), (cache, tokens_bm, anc_bmm)
+
+        s0 = (st.draft_cache, jnp.zeros((b, m), jnp.int32), jnp.zeros((b, m, m), bool))
+        q = None
+        if self.plan.kind == "dynamic":
+            tree, _, s = tree_lib.draft_dynamic_tree(expand_fn, s0, inp.root_b, depth=self.plan.depth,
+                                                     top_k=self.plan.top_k, n_nodes=self.plan.n_nodes)
+        elif self.plan.kind == "sampled_chain":
+            tree, q, s = tree_lib.draft_sampled_chain(expand_fn, s0, inp.root_b, self.plan.k, inp.key,
+                                                      inp.temperature, inp.top_p)
+        else:
+            tree, s = tree_lib.draft_static_tree(expand_fn, s0, inp.root_b, self.plan.structure())
+        new = st.replace(draft_cache=s[0])
+        if self.steered:
+            new = new.replace(steer_bias_lbf=jnp.where(active[None, :, None], bias_new, st.steer_bias_lbf))
+        n = jnp.full((b,), tree.tokens_bt.shape[1], jnp.int32)
+        return Proposal(tree, q, n, None, None, new)
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, spec, params, st: DraftModelState, v: VerifiedPass) -> DraftModelState:
+        """Pending = the emitted tokens (accepted drafts, then the bonus); SD²: g's source = h_cat
+        at the last accepted node (the one whose logits gave the bonus)."""
+        ver, active = v.verification, v.active_b
+        new = st.replace(
+            pending_tokens_ba=jnp.where(active[:, None], jnp.maximum(ver.emitted_bd, 0), st.pending_tokens_ba),
+            pending_count_b=jnp.where(active, ver.n_accepted_b, st.pending_count_b))
+        if self.steered:
+            rows = jnp.arange(active.shape[0])
+            src = v.target.h_cat_btc[rows, ver.last_node_b].astype(st.steer_src_bc.dtype)
+            new = new.replace(steer_src_bc=jnp.where(active[:, None], src, st.steer_src_bc))
+        return new

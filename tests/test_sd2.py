@@ -1,0 +1,149 @@
+"""SD² training (``train.sd2_task``) on the tiny random target, and decoding with the trained run.
+
+(1) At initialisation the steering is the identity sum with W_s = 0 and the delta is zero, so the
+loss is the unsteered drafter's and does not depend on the offset δ; (2) a short run on
+self-distilled data lowers the KL and moves the steering off zero; decoding with the run's
+drafter (``decode_head('sd2', workdir)``) equals AR, greedy; (3) a run killed mid-training resumes
+from its last checkpoint with the losses of an uninterrupted run (the kill-and-resume pattern of
+tests/test_checkpoint_resume.py).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from confu_jax.train.metric_writers import read_csv
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OVERRIDES = {"train.steps": 12, "train.checkpoint.every": 3, "train.eval_every": 6, "train.progress_bar": False,
+             "train.log_every": 1}
+
+
+def _config(**extra):
+    from configs.tiny_sd2 import get_config
+
+    c = get_config()
+    for key, value in {**OVERRIDES, **extra}.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def test_initial_loss_is_the_unsteered_drafters():
+    from confu_jax.models.llama import Llama
+    from confu_jax.train.loop import setup_run
+    from confu_jax.train import sd2_task
+
+    run = setup_run(_config())
+    state = run.init_state()
+    batch = next(run.task.train_iterator(0, 1))
+    metrics = jax.jit(run.task.eval_fn)(state.params, run.frozen, batch, jax.random.PRNGKey(0))
+    k = int(run.config.sd2.max_offset)
+    kls = [float(metrics[f"kl/delta{d}"]) for d in range(1, k + 1)]
+    assert kls[0] > 0 and all(x == kls[0] for x in kls), kls  # W_s = 0: the offset cannot matter
+    # the same KL by hand: the target's first 2 layers, no bias, against the target
+    from confu_jax.models.early_exit import early_exit_config, early_exit_params
+    from confu_jax.models.spec import model_spec_from_config
+
+    tp = jax.device_get(run.frozen["target"])
+
+    spec = model_spec_from_config(run.config)
+    toks = jnp.asarray(batch["tokens"])
+    pos = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+    dcfg = early_exit_config(spec.target, 2)
+    q = jax.nn.log_softmax(Llama(dcfg).apply({"params": early_exit_params(tp, 2)}, toks, pos).logits_btv[:, :-1], -1)
+    p = jax.nn.log_softmax(Llama(spec.target).apply({"params": tp}, toks, pos).logits_btv[:, :-1], -1)
+    kl = jnp.sum(jnp.exp(p) * (p - q), -1)
+    mask = jnp.asarray(batch["loss_mask"][:, 1:], jnp.float32)
+    np.testing.assert_allclose(kls[0], float(jnp.sum(kl * mask) / mask.sum()), rtol=1e-4)
+    assert sd2_task.default_sd2_config().train_drafter
+
+
+def test_training_lowers_the_kl_and_the_run_decodes(tmp_path):
+    from confu_jax.decode import loop
+    from confu_jax.decode.drafters import parse_drafter
+    from confu_jax.decode.generate import generate_ar
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.runs.draft_models import is_sd2_workdir
+    from confu_jax.train.loop import train
+    from confu_jax.train.target_loading import load_target
+
+    workdir = str(tmp_path / "sd2")
+    config = _config(**{"train.steps": 40, "train.eval_every": 20, "train.checkpoint.every": 20})
+    result = train(config, workdir)
+    assert result.step == 40
+    rows = read_csv(os.path.join(workdir, "metrics.csv"))
+    first, last = np.mean([r["loss"] for r in rows[:3]]), np.mean([r["loss"] for r in rows[-3:]])
+    assert last < 0.7 * first, (first, last)
+    ev = read_csv(os.path.join(workdir, "eval.csv"))
+    assert ev[-1]["loss"] < ev[0]["loss"] and ev[-1]["acceptance_length"] > ev[0]["acceptance_length"]
+    assert is_sd2_workdir(workdir)
+    # decode with the trained drafter: lossless, and steered (W_s moved off zero)
+    spec, tp = load_target(config, model_spec_from_config(config))
+    head = decode_head("sd2", spec.target, tp, workdir)
+    assert head.trained and "SD²" in head.source
+    assert np.abs(np.asarray(head.params.draft["steering"]["w_s"]["kernel"])).max() > 0
+    prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
+    ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
+    sp = loop.generate_speculative(head.spec, head.params, parse_drafter("sd2", "chain:3"), prompts,
+                                   max_new_tokens=16, eos_ids=())
+    n = np.asarray(sp.n_generated_b)
+    assert [np.asarray(sp.tokens_bn)[b, :n[b]].tolist() for b in range(2)] == \
+        [np.asarray(ar.tokens_bn)[b, :np.asarray(ar.n_generated_b)[b]].tolist() for b in range(2)]
+
+
+_KILL_RUNNER = r"""
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_sd2 import _config
+from confu_jax.train.loop import train
+
+kill_at = int(sys.argv[2])
+
+def kill(step, state, metrics):
+    if step == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+train(_config(), sys.argv[1], hooks=[kill] if kill_at else [])
+if kill_at:
+    raise SystemExit("not killed")
+"""
+
+
+def _run(workdir, kill_at, env):
+    return subprocess.run([sys.executable, "-c", _KILL_RUNNER.format(tests=os.path.join(REPO, "tests")),
+                           workdir, str(kill_at)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_identical_losses(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    ref = str(tmp_path / "ref")
+    p = _run(ref, 0, env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    workdir = str(tmp_path / "run")
+    p = _run(workdir, 7, env)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    assert read_csv(os.path.join(workdir, "metrics.csv"))[-1]["step"] == 7
+    p = _run(workdir, 0, env)  # the same command again: resumes from checkpoint 3 or 6
+    assert p.returncode == 0, p.stderr[-3000:]
+    for name in ("metrics.csv", "eval.csv"):
+        rows, want = read_csv(os.path.join(workdir, name)), read_csv(os.path.join(ref, name))
+        assert [r["step"] for r in rows] == [r["step"] for r in want]
+        for r, q in zip(rows, want):
+            for key in q:
+                np.testing.assert_allclose(r[key], q[key], rtol=1e-6, atol=0, err_msg=f"{name} step {q['step']} {key}")
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["sd2"]["drafter"] == "self:2"
