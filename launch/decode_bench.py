@@ -61,7 +61,8 @@ flags.DEFINE_bool("batched", True, "also time one batched call of ours over all 
 flags.DEFINE_string("json_out", "", "write the figures to this JSON file as well")
 # --- speculative mode (any --methods given)
 flags.DEFINE_list("methods", [], "speculative benchmark mode: comma list of ar, eagle3, confu, confu_nomoe, "
-                  "confu_nomoe_norep, lookup (model-free), hybrid (lookup + a head) (AR is always run as the "
+                  "confu_nomoe_norep, lookup (model-free), hybrid (lookup + a head), draft_model (an independent "
+                  "draft model, --heads draft_model=SOURCE), sd2 (the same, steered) (AR is always run as the "
                   "baseline); empty = the AR-vs-transformers mode above")
 flags.DEFINE_list("temperatures", ["0"], "speculative mode: sampling temperatures (0 = greedy, with the "
                   "losslessness check)")
@@ -81,7 +82,9 @@ flags.DEFINE_integer("n_per_category", 2, "speculative mode: questions sampled p
 flags.DEFINE_integer("turns", 1, "speculative mode: conversation turns per question (MT-Bench has 2)")
 flags.DEFINE_string("heads", "", "speculative mode: trained heads as METHOD=WORKDIR,... (launch.train "
                     "workdirs, or for eagle3 an EAGLE-3 head in the official / SGLang / SpecForge or "
-                    "speculators format); a method without one uses a random head (flagged in the output)")
+                    "speculators format); a method without one uses a random head (flagged in the output). "
+                    "draft_model / sd2 take their draft model here: draft_model=self:8 (the target's first 8 layers), "
+                    "a GGUF / HF directory with the target's tokenizer, or sd2=<launch.train SD² workdir>")
 flags.DEFINE_float("top_p", 1.0, "speculative mode: nucleus mass for T > 0")
 flags.DEFINE_integer("seed", 0, "speculative mode: sampling seed, prompt sampling seed and random-head seed")
 flags.DEFINE_string("out", "results/decode_bench.json", "speculative mode: results JSON (+ .md table, .png figure)")

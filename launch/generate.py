@@ -6,6 +6,8 @@
     python -m launch.generate --prompt "Hi" --method confu --draft_ckpt runs/smollm2_confu --tree dynamic:6,8,30
     python -m launch.generate --prompt "Hi" --method eagle3 --tree chain:4   # random head: smoke/lossless check
     python -m launch.generate --prompt "Summarize: ..." --method lookup --tree chain:4   # model-free lookup
+    python -m launch.generate --prompt "Hi" --method draft_model --draft_model self:8 --tree chain:3
+    python -m launch.generate --prompt "Hi" --method sd2 --draft_model runs/smollm2_sd2 --tree chain:3
 
 The prompt is wrapped as one user turn and rendered with the checkpoint's chat template (generation
 prompt appended). The completion goes to stdout; timing (compile time, tokens/s) to stderr, so the
@@ -76,9 +78,11 @@ def run_ar(params, cfg, prompt_ids: list, decode, eos_ids, mesh=None, **_) -> Me
 
 def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: str,
                     draft_ckpt: Optional[str] = None, tree: str = "chain:4", seed: int = 0,
-                    target_source: str = "the loaded target", mesh=None) -> MethodOutput:
-    """The jitted speculative loop with a trained (``draft_ckpt``) or random head; ``mesh``:
-    sharded (``confu_jax.decode.sharded``)."""
+                    target_source: str = "the loaded target", mesh=None,
+                    draft_model: Optional[str] = None) -> MethodOutput:
+    """The jitted speculative loop with a trained (``draft_ckpt``) or random head, or for the
+    draft-model methods the draft model ``draft_model`` (``self:N``, a checkpoint, an SD² run);
+    ``mesh``: sharded (``confu_jax.decode.sharded``)."""
     import jax
     import numpy as np
 
@@ -89,7 +93,11 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     from confu_jax.decode.sharded import place_spec_params
 
     plan = parse_drafter(method, tree)
-    head = decode_head(method, cfg, params, draft_ckpt, seed=seed, target_source=target_source)
+    family = REGISTERED_METHODS[method].family
+    if draft_model and family not in ("draft_model", "sd2"):
+        raise ValueError(f"--draft_model is for --method draft_model / sd2, not {method}")
+    source = (draft_model or draft_ckpt) if family in ("draft_model", "sd2") else draft_ckpt
+    head = decode_head(method, cfg, params, source, seed=seed, target_source=target_source)
     if mesh is not None:
         head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
     if not head.trained and REGISTERED_METHODS[method].needs_head:
@@ -128,6 +136,10 @@ flags.DEFINE_enum("method", "ar", sorted(METHODS),
 flags.DEFINE_string("draft_ckpt", None, "speculative methods: a launch.train workdir holding the trained "
                     "draft head (config.json + checkpoints/), or for eagle3 an EAGLE-3 head directory in the "
                     "official (SGLang / SpecForge) or speculators (vLLM) format; unset = randomly initialised head")
+flags.DEFINE_string("draft_model", None, "--method draft_model / sd2: the draft model, self:N (the target's first "
+                    "N layers + its final norm and LM head; default a quarter of its layers), an asset name, a .gguf "
+                    "file or a Hugging Face directory sharing the target's tokenizer (checked), or for sd2 a "
+                    "launch.train SD² workdir (configs/*_sd2.py)")
 flags.DEFINE_string("tree", "chain:4", "speculative methods: draft plan, chain:K | sampled_chain:K | "
                     "dynamic:DEPTH,TOPK,NODES (EAGLE-2 tree; NODES excludes the root); lookup also "
                     "lookup:K[,W[,NMIN,NMAX]]")
@@ -186,6 +198,8 @@ def main(argv):
     prompt_ids = tok.encode(tok.render(messages, add_generation_prompt=True))
     if FLAGS.method == "ar" and FLAGS.draft_ckpt:
         raise app.UsageError("--draft_ckpt is for the speculative methods (eagle3, confu), not ar")
+    if FLAGS.draft_model and REGISTERED_METHODS[FLAGS.method].family not in ("draft_model", "sd2"):
+        raise app.UsageError(f"--draft_model is for --method draft_model / sd2, not {FLAGS.method}")
     mesh = None
     if FLAGS.mesh:
         from confu_jax.decode.sharded import parse_mesh
@@ -196,7 +210,7 @@ def main(argv):
             raise app.UsageError(str(e))
     out = METHODS[FLAGS.method](params, cfg, prompt_ids, config.decode, tok.eos_ids,
                                 draft_ckpt=FLAGS.draft_ckpt, tree=FLAGS.tree, target_source=FLAGS.model,
-                                mesh=mesh)
+                                mesh=mesh, draft_model=FLAGS.draft_model)
     print(tok.decode(out.tokens, skip_special_tokens=True).strip())
     print(f"[{FLAGS.method}] prompt {len(prompt_ids)} tokens, generated {len(out.tokens)} "
           f"(stop: {out.stop_reason}) in {out.decode_s:.2f} s = {len(out.tokens) / out.decode_s:.1f} "

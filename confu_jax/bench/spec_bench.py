@@ -218,7 +218,8 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                          "(e.g. --methods ar,lookup,eagle3,auto)")
     loaded = {}
     for m in drafting:
-        head = decode_head(m, setup.target_cfg, setup.target_params, heads.get(m), seed=setup.seed)
+        head = decode_head(m, setup.target_cfg, setup.target_params, heads.get(m), seed=setup.seed,
+                           target_tokenizer=setup.tokenizer)  # a draft model's tokenizer is checked against it
         # to the device once: host arrays passed to every timed call would be copied on every call
         loaded[m] = head._replace(params=jax.device_put(head.params))
         if not loaded[m].trained and get_method(m).needs_head:
