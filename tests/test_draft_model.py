@@ -32,13 +32,13 @@ from test_spec_loop import _chi_square, _exact_joint, _rows, make
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 
 
-def pair(vocab, *, n_layers=None, other=None, steered_std=None, seed=0, **target_kw):
+def pair(vocab, *, early=None, other=None, steered_std=None, seed=0, **target_kw):
     """(spec, target params, SpecParams) of the tiny target with a draft model: the early-exit
-    drafter of ``n_layers`` layers, or an independent random Llama ``other`` (a LlamaConfig);
+    drafter of ``early`` layers, or an independent random Llama ``other`` (a LlamaConfig);
     ``steered_std``: add SD² steering params (W_s ~ N(0, std); None = no steering tree)."""
     spec, tp, _ = make("eagle3", vocab, seed=seed, **target_kw)
     if other is None:
-        dcfg, draft = early_exit.early_exit_config(spec.target, n_layers), {}
+        dcfg, draft = early_exit.early_exit_config(spec.target, early), {}
     else:
         dcfg = other.replace(vocab_size=other.vocab_size or vocab)
         draft = {"model": _fill(param_shapes(dcfg), np.random.default_rng(seed + 7), 0.1, {})}
@@ -64,7 +64,7 @@ def other_model(vocab, **kw):
 
 @pytest.mark.parametrize("split", [False, True])
 def test_early_exit_equals_truncated_target(split):
-    spec, tp, params = pair(24, n_layers=3)
+    spec, tp, params = pair(24, early=3)
     toks = jnp.asarray([[3, 5, 7, 2, 9, 1]], jnp.int32)
     pos = jnp.arange(6)[None]
     cfg, w = dm.draft_weights(spec, params if not split else params.replace(target=split_layers(tp, spec.target)))
@@ -80,7 +80,7 @@ def test_early_exit_equals_truncated_target(split):
 
 
 def test_mlp_bias_zero_is_no_bias_and_unrolled_matches():
-    spec, tp, _ = pair(24, n_layers=2)
+    spec, tp, _ = pair(24, early=2)
     cfg = spec.target
     toks = jnp.asarray([[3, 5, 7, 2], [1, 1, 2, 0]], jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(4), (2, 4))
@@ -108,7 +108,7 @@ FULL_TREE = plans.DraftPlan(kind="static", paths=((0,), (1,), (0, 0), (0, 1), (1
 def test_full_depth_self_drafter_is_always_accepted(plan):
     """The self-drafter with all the target's layers drafts the target's own greedy tokens (trees
     that hold the top-1 path: the static tree's (0, 0, 0), EAGLE-2 with top_k 1)."""
-    spec, tp, params = pair(24, n_layers=8)
+    spec, tp, params = pair(24, early=8)
     drafter = dm.DraftModel(plan if isinstance(plan, plans.DraftPlan) else plans.parse_plan(plan))
     sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=25, eos_ids=())
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=25, eos_ids=())
@@ -132,7 +132,7 @@ DRAFTERS = [
 
 def _pair_for(which, vocab, steered, **kw):
     if which.startswith("early"):
-        return pair(vocab, n_layers=int(which[5:]), steered_std=0.5 if steered else None, **kw)
+        return pair(vocab, early=int(which[5:]), steered_std=0.5 if steered else None, **kw)
     return pair(vocab, other=other_model(vocab), steered_std=0.5 if steered else None, **kw)
 
 
@@ -223,7 +223,7 @@ def test_stacked_and_unrolled_loops_agree():
 
 
 def test_drafter_refuses_bad_setups():
-    spec, tp, params = pair(6, n_layers=2)
+    spec, tp, params = pair(6, early=2)
     with pytest.raises(ValueError, match="no contemplates"):
         dm.DraftModel(plans.parse_plan("chain:3+c2"))
     with pytest.raises(ValueError, match="needs params.draft\\['steering'\\]"):
