@@ -78,6 +78,9 @@ flags.DEFINE_string("calibration", "", "speculative mode, budget auto: prompt so
 flags.DEFINE_bool("resume", True, "speculative mode: keep every finished row in <out>.parts/ and, when the "
                   "same command is rerun after a kill, skip the rows found there (other settings are refused)")
 flags.DEFINE_integer("n_calibration", 4, "speculative mode, budget auto: calibration prompts")
+flags.DEFINE_string("auto_candidates", "", "speculative mode, budget auto: the candidate plans (same syntax as "
+                    "--budgets; each method measures those its family reads, plus AR); empty: each family's "
+                    "defaults (bench/budget.py)")
 flags.DEFINE_integer("n_per_category", 2, "speculative mode: questions sampled per category (seeded; 0 = all)")
 flags.DEFINE_integer("turns", 1, "speculative mode: conversation turns per question (MT-Bench has 2)")
 flags.DEFINE_string("heads", "", "speculative mode: trained heads as METHOD=WORKDIR,... (launch.train "
@@ -210,15 +213,19 @@ def main_speculative():
                                                       add_generation_prompt=True)) for p in picked)
             print(f"budget auto calibrates on {len(calibration)} held-out questions "
                   f"({', '.join(str(p.question_id) for p in picked)})", flush=True)
+    auto_candidates = tuple(cli_args.parse_budgets(FLAGS.auto_candidates)) if FLAGS.auto_candidates else None
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=FLAGS.turns,
                                   top_p=FLAGS.top_p, seed=FLAGS.seed, min_bucket=FLAGS.min_bucket,
-                                  calibration=calibration)
+                                  calibration=calibration, auto_chains=auto_candidates,
+                                  auto_trees=() if auto_candidates else None)
     parts = None
     if FLAGS.resume:
         settings = {"model": FLAGS.model, "questions": [[p.category, p.question_id] for p in prompts],
                     "max_new_tokens": FLAGS.max_new_tokens, "turns": FLAGS.turns, "top_p": FLAGS.top_p,
                     "seed": FLAGS.seed, "min_bucket": FLAGS.min_bucket, "heads": heads,
                     "calibration": [list(c) for c in calibration or ()]}
+        if auto_candidates:  # only when given: parts of benchmarks without it stay resumable
+            settings["auto_candidates"] = list(auto_candidates)
         try:
             parts = spec_bench.Parts(os.path.splitext(FLAGS.out)[0] + ".parts", settings)
         except ValueError as e:

@@ -111,3 +111,17 @@ def test_draft_vocab_for_training_counts_or_loads_per_config(tmp_path):
     cfg.draft_vocab_size = 3
     with pytest.raises(ValueError, match="maps 2 draft ids onto 64 target ids; this run expects 3 onto 64"):
         dv.draft_vocab_for_training(cfg, tok, VOCAB)
+
+
+def test_vocab_coverage_by_hand():
+    from confu_jax.data.draft_vocab import vocab_coverage
+
+    train = np.array([0, 10, 5, 3, 2, 0], np.int64)  # keeps 1, then 2, then 3 ...
+    held = np.array([4, 1, 1, 0, 2, 2], np.int64)
+    got = vocab_coverage(train, held, [1, 2, 3], always_include=[5])
+    # size 1: {5} (forced); size 2: {5, 1}; size 3: {5, 1, 2}
+    assert got == [{"size": 1, "train": 0.0, "eval": 0.2},
+                   {"size": 2, "train": 0.5, "eval": 0.3},
+                   {"size": 3, "train": 0.75, "eval": 0.4}]
+    with pytest.raises(ValueError, match="train counts"):
+        vocab_coverage(train, held[:3], [1])

@@ -247,11 +247,15 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                     [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True))
                     for p in prompts[:2]]
             chains, trees = budget_lib.default_candidates(m)
+            chains = chains if setup.auto_chains is None else setup.auto_chains
+            trees = trees if setup.auto_trees is None else setup.auto_trees
+            fam = get_method(m).family  # given candidates: each method measures those its family reads
+            chains = tuple(c for c in chains if fam in plan_families(c))
+            trees = tuple(c for c in trees if fam in plan_families(c))
             h = loaded[m]
             _, calibrations[m] = budget_lib.auto_plan(
                 h.spec, h.params, calib, max_new_tokens=min(setup.max_new_tokens, 64), log=log,
-                chains=chains if setup.auto_chains is None else setup.auto_chains,
-                trees=trees if setup.auto_trees is None else setup.auto_trees, method=m)
+                chains=chains, trees=trees, method=m)
         return calibrations[m]
 
     def resumed(key):

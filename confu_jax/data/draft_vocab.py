@@ -144,6 +144,25 @@ def build_draft_vocab(
     return DraftVocab(d2t=d2t, t2d=t2d, counts=counts_v[d2t])
 
 
+def vocab_coverage(train_counts_v: np.ndarray, eval_counts_v: np.ndarray, sizes: Sequence[int],
+                   always_include: Sequence[int] = ()) -> list[dict]:
+    """How much answer text a draft vocabulary of each size can propose -> one dict per size:
+    ``{'size', 'train', 'eval'}``, the fractions of answer tokens (training counts, held-out
+    counts) whose id is in the vocabulary ``build_draft_vocab`` keeps for that size from the
+    training counts. A token outside the draft vocabulary can never be drafted, so the held-out
+    coverage bounds every draft step's acceptance: it is what the size should be chosen by."""
+    train = np.asarray(train_counts_v, np.int64)
+    held = np.asarray(eval_counts_v, np.int64)
+    if train.shape != held.shape:
+        raise ValueError(f"vocab_coverage: train counts {train.shape} vs eval counts {held.shape}")
+    out = []
+    for size in sizes:
+        t2d = build_draft_vocab(train, int(size), always_include).t2d
+        out.append({"size": int(size), "train": float(train[t2d].sum() / max(train.sum(), 1)),
+                    "eval": float(held[t2d].sum() / max(held.sum(), 1))})
+    return out
+
+
 def draft_vocab_from_conversations(
     conversations: Iterable[dict],
     tokenizer,

@@ -22,7 +22,8 @@ from confu_jax.models.params import init_trainable
 from confu_jax.models.registry import get_method
 from confu_jax.models.spec import HeadConfig, ModelSpec
 from confu_jax.models.vocab_map import identity_draft_vocab
-from confu_jax.runs.heads import check_head_target, load_trained_head
+from confu_jax.runs.head_release import is_head_release, verify_head_release
+from confu_jax.runs.heads import check_head_target, load_trained_head, target_fingerprint
 from confu_jax.weights.eagle3_formats import bind_to_target, detect_format, load_head
 
 
@@ -84,6 +85,12 @@ def imported_head(method: str, directory: str, target_cfg: LlamaConfig, target_p
     """An EAGLE-3 head in the official (SGLang / SpecForge) or speculators (vLLM) format
     (``weights.eagle3_formats``), checked against this target: width, heads, vocabulary, taps."""
     accepted = _speculative_method(method).variants
+    if is_head_release(directory):  # a released head (releases/heads/...): hashes and target checked first
+        manifest = verify_head_release(directory)
+        want = (manifest.get("target") or {}).get("fingerprint")
+        if want and want != target_fingerprint(target_params):
+            raise ValueError(f"{directory} was trained against a target with weights fingerprint {want[:16]}... "
+                             f"({manifest['target'].get('source')}); the loaded target differs")
     imp = load_head(directory)
     if imp.head.variant not in accepted:
         raise ValueError(f"{directory} holds an EAGLE-3 head ({imp.fmt} format); --method {method} needs one of "

@@ -1,0 +1,111 @@
+"""Released heads: a trained head kept in the repo, so no session retrains it (docs/DESIGN.md §8).
+
+A head release is a folder ``releases/heads/<name>/`` with the head in the **official EAGLE-3
+layout** (``config.json`` + ``model.safetensors``, bf16: what SGLang / SpecForge load and
+``weights.eagle3_formats`` reads back, speculators' test path included) and ``manifest.json``:
+format, name, sha256 and bytes of every file, the data release it was trained on (its manifest's
+sha256 and totals), the training run (steps, tokens seen, command, commit), the target's
+fingerprint and the τ it measured (held-out decode τ, MT-Bench τ). ``verify_head_release`` checks
+the hashes; ``decode.heads`` calls it before loading any folder that holds such a manifest.
+
+A release is replaced only when it improves: ``better_than_released`` wants a τ gain of at least
+``MIN_TAU_GAIN`` (0.05) on the same metric.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional
+
+FORMAT = "confu_jax.head_release"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MIN_TAU_GAIN = 0.05
+
+
+class HeadReleaseError(ValueError):
+    """A head release folder that is incomplete, altered or not a head release."""
+
+
+def sha256_file(path: str) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def is_head_release(directory: str) -> bool:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get("format") == FORMAT
+    except (json.JSONDecodeError, OSError, AttributeError):
+        return False
+
+
+def read_head_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise HeadReleaseError(f"{path}: cannot read the head release manifest ({e})") from e
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise HeadReleaseError(f"{path}: expected format {FORMAT!r} version {FORMAT_VERSION}, found "
+                               f"{manifest.get('format')!r} version {manifest.get('format_version')!r}")
+    return manifest
+
+
+def verify_head_release(directory: str) -> dict:
+    """Check every file the manifest lists against its sha256 -> the manifest; raises
+    ``HeadReleaseError`` naming the file, the expected and the found hash."""
+    manifest = read_head_manifest(directory)
+    for entry in manifest["files"]:
+        path = os.path.join(directory, entry["file"])
+        if not os.path.isfile(path):
+            raise HeadReleaseError(f"{path}: missing (the manifest expects sha256 {entry['sha256']})")
+        found, n = sha256_file(path)
+        if found != entry["sha256"]:
+            raise HeadReleaseError(f"{path}: sha256 mismatch: the manifest expects {entry['sha256']}, found "
+                                   f"{found} ({n} bytes, expected {entry['bytes']}); restore it (git checkout -- "
+                                   f"{path})")
+    return manifest
+
+
+def better_than_released(directory: str, tau: dict) -> tuple[bool, str]:
+    """Whether a head with measured ``tau`` ({metric: value}) may replace the release in
+    ``directory``: no release yet, or a gain >= MIN_TAU_GAIN on a metric both report."""
+    if not is_head_release(directory):
+        return True, "no release yet"
+    old = read_head_manifest(directory).get("tau", {})
+    shared = [k for k in tau if k in old and tau[k] is not None and old[k] is not None]
+    if not shared:
+        return False, f"the release reports {sorted(old)}, the new head {sorted(tau)}: no metric to compare"
+    gains = {k: tau[k] - old[k] for k in shared}
+    best = max(gains, key=gains.get)
+    if gains[best] >= MIN_TAU_GAIN:
+        return True, f"{best} {old[best]:.3f} -> {tau[best]:.3f}"
+    return False, f"no metric improves by >= {MIN_TAU_GAIN}: " + ", ".join(
+        f"{k} {old[k]:.3f} -> {tau[k]:.3f}" for k in shared)
+
+
+def write_head_manifest(directory: str, *, name: str, files: list, data: Optional[dict], training: dict,
+                        target: dict, tau: dict, command: str, commit: Optional[str]) -> dict:
+    entries = []
+    for fname in files:
+        digest, n = sha256_file(os.path.join(directory, fname))
+        entries.append({"file": fname, "sha256": digest, "bytes": n})
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "files": entries,
+                "data": data, "training": training, "target": target, "tau": tau, "command": command,
+                "commit": commit}
+    tmp = os.path.join(directory, MANIFEST + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(tmp, os.path.join(directory, MANIFEST))
+    return manifest

@@ -1,0 +1,104 @@
+"""Release a trained EAGLE-3 head into the repo: ``python -m launch.release_head``.
+
+    python -m launch.release_head --workdir ~/.cache/confu_jax/heads/e3 --release releases/heads/smollm2_eagle3 \
+        --data releases/data/sharegpt_smollm2 --tau heldout_decode_chain3=1.62,mtbench_chain3=1.28
+
+Exports the head (bf16, official EAGLE-3 layout: ``launch.export_head``'s path) into the release folder
+and writes its manifest (``confu_jax.runs.head_release``: file hashes, the data release's manifest hash
+and totals, steps, tokens seen, the target fingerprint, τ). An existing release is replaced only if
+some τ metric both report improves by >= 0.05 (``--force`` overrides). Decoding loads the folder like
+any EAGLE-3 head (``--heads eagle3=releases/heads/smollm2_eagle3``) after checking the hashes.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import sys
+import tempfile
+
+from absl import app, flags
+
+flags.DEFINE_string("workdir", None, "the launch.train workdir of an EAGLE-3 head", required=True)
+flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
+flags.DEFINE_string("release", None, "release folder, e.g. releases/heads/smollm2_eagle3", required=True)
+flags.DEFINE_string("data", "", "the data release the head was trained on (its manifest is hashed into ours)")
+flags.DEFINE_list("tau", [], "measured tau as METRIC=VALUE pairs (e.g. heldout_decode_chain3=1.62)")
+flags.DEFINE_bool("force", False, "replace an existing release even without a tau gain of >= 0.05")
+FLAGS = flags.FLAGS
+
+
+def tokens_seen(workdir: str, step: int) -> int | None:
+    """Trained positions (step 0 of TTT: the loss tokens a step sees) per logged step of metrics.csv,
+    averaged and scaled to ``step`` (None without the column)."""
+    path = os.path.join(workdir, "metrics.csv")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("step")]
+    col = next((c for c in ("positions/step0", "loss_tokens") if rows and c in rows[0]), None)
+    if not rows or col is None:
+        return None
+    per_step = sum(float(r[col]) for r in rows) / len(rows)
+    return int(per_step * step)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
+    import hashlib
+    import json
+
+    from confu_jax.data.releases import git_commit
+    from confu_jax.runs.head_release import better_than_released, write_head_manifest
+    from confu_jax.runs.heads import load_trained_head, read_target_record
+    from confu_jax.weights.eagle3_formats import eagle3_part, export_head
+
+    tau = {}
+    for pair in FLAGS.tau:
+        k, eq, v = pair.partition("=")
+        if not eq:
+            raise app.UsageError(f"--tau: {pair!r} is not METRIC=VALUE")
+        tau[k] = float(v)
+    ok, why = better_than_released(FLAGS.release, tau)
+    if not ok and not FLAGS.force:
+        print(f"not released: {why}", file=sys.stderr)
+        return 1
+    workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+    head = load_trained_head(workdir, FLAGS.step)
+    if head.spec.head.has_future:
+        raise app.UsageError(f"{workdir} holds a {head.spec.head.variant!r} head; this releases EAGLE-3 heads")
+    spec, draft = eagle3_part(head.spec, head.trainable)
+    record = read_target_record(workdir) or {}
+    parent = os.path.dirname(os.path.abspath(FLAGS.release))
+    os.makedirs(parent, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        export_head(tmp, "eagle3", spec, draft, head.draft_vocab["d2t"], head.draft_vocab["t2d"],
+                    dtype="bfloat16", verifier=record.get("source"))
+        data = None
+        if FLAGS.data:
+            with open(os.path.join(FLAGS.data, "manifest.json"), "rb") as f:
+                raw = f.read()
+            m = json.loads(raw)
+            data = {"release": FLAGS.data, "manifest_sha256": hashlib.sha256(raw).hexdigest(),
+                    "conversations": m.get("conversations"), "answer_tokens": m.get("answer_tokens")}
+        with open(os.path.join(workdir, "config.json")) as f:
+            run_config = json.load(f)
+        training = {"workdir": workdir, "step": head.step, "tokens_seen": tokens_seen(workdir, head.step),
+                    "draft_vocab_size": spec.head.draft_vocab_size, "ttt_steps": run_config.get("draft", {}).get("ttt_steps")}
+        write_head_manifest(tmp, name=os.path.basename(os.path.normpath(FLAGS.release)),
+                            files=sorted(f for f in os.listdir(tmp) if f != "manifest.json"), data=data,
+                            training=training, target={"source": record.get("source"),
+                                                       "fingerprint": record.get("fingerprint")},
+                            tau=tau, command=" ".join(sys.argv), commit=git_commit())
+        if os.path.isdir(FLAGS.release):
+            shutil.rmtree(FLAGS.release)
+        shutil.copytree(tmp, FLAGS.release)
+    sizes = {f: os.path.getsize(os.path.join(FLAGS.release, f)) for f in os.listdir(FLAGS.release)}
+    print(f"released {workdir} step {head.step} to {FLAGS.release} ({why}): {sizes}")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,102 @@
+"""Released heads (``runs.head_release``, ``launch.release_head``): a trained EAGLE-3 head exported
+bf16 in the official layout with a manifest; decoding loads it only after its hashes and its
+target's fingerprint check out, and greedy decoding with it equals AR; an altered file is named;
+a release is replaced only for a τ gain >= 0.05."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs.tiny import get_config
+from confu_jax.runs import head_release as hr
+from confu_jax.train.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    base = tmp_path_factory.mktemp("rel")
+    workdir = str(base / "eagle3")
+    config = get_config("eagle3")
+    config.train.steps = 2
+    config.train.eval_every = 0
+    config.train.checkpoint.every = 1
+    config.train.checkpoint.async_save = False
+    config.train.progress_bar = False
+    config.train.tensorboard = "off"
+    train(config, workdir)
+    release = str(base / "releases" / "heads" / "tiny_eagle3")
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "launch.release_head", "--workdir", workdir, "--release", release,
+           "--tau", "heldout_decode_chain3=1.30"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return workdir, release, cmd, env
+
+
+def test_release_layout_and_manifest(released):
+    workdir, release, _, _ = released
+    m = hr.verify_head_release(release)
+    files = {e["file"] for e in m["files"]}
+    assert files == {"config.json", "model.safetensors"}
+    assert m["training"]["step"] == 2 and m["tau"] == {"heldout_decode_chain3": 1.30}
+    assert m["target"]["fingerprint"]
+    from safetensors.numpy import load_file
+
+    tensors = load_file(os.path.join(release, "model.safetensors"))
+    floats = [v for v in tensors.values() if v.dtype.kind == "f" or str(v.dtype) == "bfloat16"]
+    assert floats and all(str(v.dtype) == "bfloat16" for v in floats)
+
+
+def test_decoding_loads_a_verified_release(released):
+    from confu_jax.decode.generate import generate_ar
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.loop import generate_speculative
+    from confu_jax.decode.plans import parse_plan
+    from confu_jax.runs.heads import load_trained_head
+    from confu_jax.train.target_loading import load_target
+
+    workdir, release, _, _ = released
+    head = load_trained_head(workdir)
+    spec, target = load_target(head.config, head.spec)
+    dh = decode_head("eagle3", spec.target, target, release)
+    assert dh.trained and "(eagle3 format)" in dh.source
+    prompts = [[3, 5, 7, 2, 9], [4, 4, 1]]
+    ar = generate_ar(target, spec.target, prompts, max_new_tokens=10, eos_ids=())
+    sp = generate_speculative(dh.spec, dh.params, parse_plan("chain:2"), prompts, max_new_tokens=10, eos_ids=())
+    for b in range(2):
+        assert np.asarray(sp.tokens_bn)[b].tolist() == np.asarray(ar.tokens_bn)[b].tolist()
+    # another target's weights: refused by fingerprint
+    other = jax.tree_util.tree_map(lambda x: x * 1.01, target)
+    with pytest.raises(ValueError, match="fingerprint"):
+        decode_head("eagle3", spec.target, other, release)
+
+
+def test_altered_file_is_named_and_replacement_needs_a_gain(released, tmp_path):
+    import shutil
+
+    workdir, release, cmd, env = released
+    copy = str(tmp_path / "copy")
+    shutil.copytree(release, copy)
+    with open(os.path.join(copy, "model.safetensors"), "r+b") as f:
+        f.seek(-8, 2)
+        tail = f.read(8)
+        f.seek(-8, 2)
+        f.write(bytes(b ^ 0xFF for b in tail))
+    with pytest.raises(hr.HeadReleaseError, match="model.safetensors: sha256 mismatch"):
+        hr.verify_head_release(copy)
+    assert hr.better_than_released(release, {"heldout_decode_chain3": 1.34}) [0] is False
+    assert hr.better_than_released(release, {"heldout_decode_chain3": 1.36})[0] is True
+    assert hr.better_than_released(release, {"mtbench_chain3": 2.0})[0] is False  # no shared metric
+    assert hr.better_than_released(str(tmp_path / "none"), {})[0] is True
+    before = json.load(open(os.path.join(release, "manifest.json")))
+    r = subprocess.run(cmd[:-1] + ["heldout_decode_chain3=1.31"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and "not released" in r.stderr
+    assert json.load(open(os.path.join(release, "manifest.json"))) == before
