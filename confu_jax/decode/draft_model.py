@@ -30,6 +30,11 @@ Deeper nodes:
 Accepted drafts are re-fed next round instead of keeping their draft-time K/V (simpler, and the
 pending block is at most D+1 tokens).
 
+On the layer-unrolled CPU path (the loop hands the target in as ``SplitParams``) the early-exit
+drafter reads the target's own per-layer buffers; an independent model's stacked layers are split
+inside ``init`` / ``propose`` (``draft_weights``), i.e. once per iteration in the loop body — the
+loop splits only the target once, outside its ``while_loop``.
+
 **SD²** (``steered=True``, ``models.steering``): the steering vector g is computed from h_cat at the
 last accepted node of the previous verification (``update``) and is fixed for the whole round: every
 layer's MLP gets the bias W_s^l g. The pending tokens before the root were drafted under the
