@@ -3,6 +3,7 @@
     python -m launch.generate_data --output data/regen.jsonl \
         [--model smollm2-135m-instruct] [--input sharegpt,more.jsonl] [--max_records 1000] \
         [--batch_size 16] [--max_new_tokens 512] [--max_turns 0] [--temperature 0] [--top_p 1]
+        [--reuse_prefix] [--fill_rows 1] [--steps_per_sync 16]
         [--release releases/data/<name>]
 
 Why: a draft head is trained to imitate the *target's* next-token distribution, so training on the
@@ -15,7 +16,10 @@ Generation is batched and jitted. The default engine is **continuous batching**
 (``confu_jax.decode.continuous``): ``--batch_size`` slots decode together and a slot whose answer
 finished is refilled at once with the next prompt — the next turn of the same conversation
 (conditioned on the regenerated answer) or a new conversation — without recompiling; a progress
-bar shows conversations and generated tokens/s. ``--engine static`` runs batches of
+bar shows conversations and generated tokens/s. A conversation's next turn stays in its slot and
+prefills only the tokens the turn adds to the cached context (``--reuse_prefix``, default on;
+greedy tokens equal a from-scratch prefill up to float rounding at near-ties), and slots freed
+together are prefilled together (``--fill_rows``). ``--engine static`` runs batches of
 ``--batch_size`` conversations turn by turn through ``generate_ar`` instead. ``--num_shards`` /
 ``--shard_index`` split the conversations by id hash over processes or hosts.
 
@@ -340,6 +344,12 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
     ``output`` (and fsynced) once it and every conversation started before it are done, so the
     file keeps the input order whatever the timing (at most 16x the batch of conversations are in
     flight or waiting for an earlier one). A kill loses only those; rerunning resumes as ``generate_dataset`` does.
+
+    Every request names its conversation as its ``session``: an engine with prefix reuse
+    (``ContinuousGenerator(reuse_prefix=True)``) keeps a conversation in its slot and prefills only
+    the tokens a turn adds to the context it already holds (the previous answer's end of turn, the
+    next user turn and the generation prompt), not the whole context again. The follow-up is
+    queued as soon as the answer is read, so it is in the engine's next ``more()`` poll.
     """
     import time
 
@@ -389,7 +399,7 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
             if ids is None:
                 finish(conv)
                 continue
-            out.append((conv.id, ids, turn_seed(conv.id, conv.turn)))
+            out.append((conv.id, ids, turn_seed(conv.id, conv.turn), conv.id))
         return out
 
     for fin in engine.run([], more=more):
@@ -399,7 +409,7 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
         if ids is None:
             finish(conv)
         else:
-            follow_ups.append((conv.id, ids, turn_seed(conv.id, conv.turn)))
+            follow_ups.append((conv.id, ids, turn_seed(conv.id, conv.turn), conv.id))  # same session: same slot
         dt = time.perf_counter() - t0
         if dt > 0:
             tok_s = (getattr(engine, 'tokens_generated', 0) - tok0) / dt
@@ -416,10 +426,12 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
 def regenerate_continuous(conversations: Sequence[dict], output: str, tokenizer, cfg, params, *,
                           batch_size: int, max_new_tokens: int, max_prompt_len: int,
                           temperature: float = 0.0, top_p: float = 1.0, steps_per_sync: int = 16,
-                          progress: bool = True) -> dict:
+                          reuse_prefix: bool = True, fill_rows: int = 1, progress: bool = True) -> dict:
     """Build the continuous-batching engine for ``params`` and regenerate what ``output`` lacks.
 
     The CLI's default path, and what ``launch.quickstart`` calls to self-distil its training data.
+    ``reuse_prefix``: a conversation's next turn continues in its slot, prefilling only the new
+    tokens (``confu_jax.decode.continuous``); ``fill_rows``: rows prefilled together at most.
     Returns the run's counts plus ``tokens_generated`` and ``seconds`` (compilation included).
     """
     import time
@@ -429,7 +441,8 @@ def regenerate_continuous(conversations: Sequence[dict], output: str, tokenizer,
     t0 = time.perf_counter()
     engine = ContinuousGenerator(params, cfg, batch=batch_size, max_len=max_prompt_len + max_new_tokens,
                                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 eos_ids=tokenizer.eos_ids, steps_per_sync=steps_per_sync)
+                                 eos_ids=tokenizer.eos_ids, steps_per_sync=steps_per_sync,
+                                 reuse_prefix=reuse_prefix, max_fill_rows=fill_rows)
     stats = generate_dataset_continuous(conversations, output, tokenizer, engine,
                                         max_prompt_len=max_prompt_len, progress=progress)
     stats["tokens_generated"] = engine.tokens_generated
@@ -469,6 +482,10 @@ def _define_flags(flag_values=None):
                       "static: batches of --batch_size conversations, turn by turn (generate_ar)")
     flags.DEFINE_integer("batch_size", 32, "rows decoded together (continuous: slots; static: conversations per call)")
     flags.DEFINE_integer("steps_per_sync", 16, "continuous: decode steps between host checks for finished rows")
+    flags.DEFINE_bool("reuse_prefix", True, "continuous: a conversation's next turn continues in its slot and "
+                      "prefills only the tokens the turn adds (off: every turn prefills its whole context)")
+    flags.DEFINE_integer("fill_rows", 1, "continuous: slots refilled at one sync are prefilled together, this "
+                         "many at most per call")
     flags.DEFINE_integer("max_new_tokens", 512, "tokens generated per assistant turn at most")
     flags.DEFINE_integer("max_prompt_len", 512,
                          "longest prompt (tokens) a turn may be generated from; the continuous engine's "
@@ -579,7 +596,8 @@ def main(argv):
     if f.engine == "continuous":
         stats = regenerate_continuous(convs, output, tokenizer, cfg, params, batch_size=f.batch_size,
                                       max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,
-                                      temperature=f.temperature, top_p=f.top_p, steps_per_sync=f.steps_per_sync)
+                                      temperature=f.temperature, top_p=f.top_p, steps_per_sync=f.steps_per_sync,
+                                      reuse_prefix=f.reuse_prefix, fill_rows=f.fill_rows)
     else:
         generate_fn = make_generate_fn(params, cfg, max_new_tokens=f.max_new_tokens, temperature=f.temperature,
                                        top_p=f.top_p, eos_ids=tokenizer.eos_ids)

@@ -69,3 +69,74 @@ def test_follow_up_requests_and_bad_prompts(params):
         list(gen.run([("x", [1] * 48, 0)]))
     with pytest.raises(ValueError, match="outside \\[0, 128\\)"):
         list(gen.run([("x", [1, 500], 0)]))
+
+
+@pytest.mark.parametrize("temperature,fill_rows", [(0.0, 1), (0.0, 4), (0.9, 2)])
+def test_prefix_reuse_continues_sessions_in_their_slots(params, temperature, fill_rows):
+    """Multi-turn sessions: each follow-up (the previous prompt + its answer + a new user turn)
+    continues in its session's parked slot, prefilling only the tokens past the longest common
+    prefix; every turn still equals ``generate_ar`` on its whole prompt alone. One session's
+    follow-up changes a token inside the previous answer (a re-tokenisation that differs from what
+    was fed): only the common prefix is reused. 4 sessions through 2 slots: a session that ended
+    leaves its parked slot to a waiting session, whose fresh prefill ignores the stale cache."""
+    rng = np.random.default_rng(1)
+    users = {s: [rng.integers(2, CFG.vocab_size, n).tolist() for n in (6, 3, 4)] for s in "abcd"}
+    n_turns = {"a": 3, "b": 2, "c": 3, "d": 1}
+    gen = ContinuousGenerator(params, CFG, batch=2, max_len=MAX_LEN, max_new_tokens=N_NEW, eos_ids=(),
+                              temperature=temperature, top_p=0.95, steps_per_sync=3, max_fill_rows=fill_rows)
+    prompts, queued, want_reused = {}, [], [0]
+
+    def request(s, turn, prompt):
+        prompts[(s, turn)] = prompt
+        return ((s, turn), prompt, 7 * turn + ord(s), s)
+
+    def more():
+        out, queued[:] = list(queued), []
+        return out
+
+    got = {}
+    first = [request(s, 0, users[s][0]) for s in "abcd"]
+    for f in gen.run(first, more=more):
+        s, turn = f.request_id
+        got[f.request_id] = f.tokens
+        if turn + 1 < n_turns[s]:
+            answer = list(f.tokens)
+            if s == "c" and turn == 0:
+                answer[4] = (answer[4] + 1) % CFG.vocab_size  # the context differs from what was fed
+            prev = prompts[(s, turn)]
+            prompt = prev + answer + users[s][turn + 1]
+            fed = prev + f.tokens[:-1]
+            want_reused[0] += min(next(i for i in range(len(prompt)) if i == len(fed) or fed[i] != prompt[i]),
+                                  len(prompt) - 1)
+            queued.append(request(s, turn + 1, prompt))
+    assert sorted(got) == sorted(prompts)
+    for key, prompt in prompts.items():
+        want = _alone(params, prompt, (), temperature=temperature, top_p=0.95, seed=7 * key[1] + ord(key[0]))[0]
+        assert got[key] == want, (key, got[key], want)
+    assert gen.stats["reused_tokens"] == want_reused[0] > 0
+    total = sum(len(p) for p in prompts.values())
+    assert gen.stats["prefill_tokens"] == total - want_reused[0]
+    if fill_rows > 1:
+        assert gen.stats["fill_calls"] < gen.stats["fill_rows"]  # some fills prefilled two rows at once
+
+
+def test_reuse_prefix_off_prefills_every_prompt_whole(params):
+    prompts = _prompts()[:3]
+    gen = ContinuousGenerator(params, CFG, batch=2, max_len=MAX_LEN, max_new_tokens=4, eos_ids=(),
+                              reuse_prefix=False)
+    queued = []
+
+    def more():
+        out, queued[:] = list(queued), []
+        return out
+
+    got = {}
+    for f in gen.run([(i, p, 0, i) for i, p in enumerate(prompts)], more=more):
+        got[f.request_id] = f.tokens
+        if isinstance(f.request_id, int):
+            queued.append((("again", f.request_id), prompts[f.request_id] + f.tokens, 0, f.request_id))
+    assert gen.stats["reused_tokens"] == 0
+    assert gen.stats["prefill_tokens"] == sum(2 * len(p) + 4 for p in prompts)
+    for i, p in enumerate(prompts):
+        res = generate_ar(params, CFG, [p + got[i]], max_new_tokens=4, max_len=MAX_LEN, eos_ids=())
+        assert got[("again", i)] == np.asarray(res.tokens_bn)[0].tolist()

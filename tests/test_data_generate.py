@@ -269,7 +269,7 @@ def test_continuous_progress_log_counts_finished_conversations(tmp_path, monkeyp
                 queue += more() if more else []
                 if not queue:
                     return
-                rid, _, _ = queue.pop(0)
+                rid = queue.pop(0)[0]
                 self.tokens_generated += 2
                 yield Finished(rid, [7, END], StopReason.EOS)
 

@@ -38,8 +38,42 @@ def softmax_block_state(s_bkgts, visible, v, v_spec: str):
     # masked scores are NEG_INF, so exp makes them exactly 0 without a second select over the
     # [T, S] scores (one pass fewer); a row with no visible key (m = NEG_INF) shifts by 0 instead
     p = jnp.exp(s - jnp.where(m > NEG_INF / 2, m, 0.0)[..., None])
-    o = jnp.einsum(f"bkgts,{v_spec}->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o, m, jnp.sum(p, axis=-1)
+    b, k, g, t, n = p.shape
+    o = jnp.einsum(f"bkqs,{v_spec}->bkqd", p.astype(v.dtype).reshape(b, k, g * t, n), v,
+                   preferred_element_type=jnp.float32)
+    return o.reshape(b, k, g, t, -1), m, jnp.sum(p, axis=-1)
+
+
+def _scores(q_bkgtd, keys, k_spec: str):
+    """float32 q·k of every query against one key block laid out as ``k_spec`` -> [B,Hkv,G,T,S].
+
+    The dot runs on the queries with G and T merged ([B,Hkv,G*T,D], a free reshape): XLA:CPU ran the
+    5-D form "bkgtd,bksd->bkgts" far slower at T = 1 (a decode step's cache attention: 1.4x at
+    B = 32, 5x at B = 48, S = 768), the 4-D form at the memory-bound speed."""
+    b, k, g, t, d = q_bkgtd.shape
+    s = jnp.einsum(f"bkqd,{k_spec}->bkqs", q_bkgtd.reshape(b, k, g * t, d), keys.astype(q_bkgtd.dtype),
+                   preferred_element_type=jnp.float32)
+    return s.reshape(b, k, g, t, -1)
+
+
+def cache_block_state(q_bkgtd, k_bhsd, v_bhsd, visible_bts, scale):
+    """``softmax_block_state`` of the queries against a head-major cache block [B,Hkv,S,D], computed
+    key-major: scores as K·qᵀ [B,Hkv,S,G*T] (the cache is the dot's left operand, read in its own
+    layout), softmax over S, then pᵀ·V. XLA:CPU's dot library transposed the whole K block into a
+    scratch copy for the query-major q·Kᵀ before every dot (29% of a B = 32, S = 768 decode step);
+    as the left operand K needs no transpose, only the small q and p do."""
+    b, k, g, t, d = q_bkgtd.shape
+    q_bkqd = q_bkgtd.reshape(b, k, g * t, d)
+    s = jax.lax.dot_general(k_bhsd.astype(q_bkgtd.dtype), q_bkqd, (((3,), (3,)), ((0, 1), (0, 1))),
+                            preferred_element_type=jnp.float32) * scale  # [B,Hkv,S,G*T]
+    n = s.shape[2]
+    vis = jnp.broadcast_to(jnp.swapaxes(visible_bts, 1, 2)[:, None, :, None, :], (b, 1, n, g, t))
+    s = jnp.where(vis.reshape(b, 1, n, g * t), s, NEG_INF)
+    m = jnp.max(s, axis=2)  # [B,Hkv,G*T]
+    p = jnp.exp(s - jnp.where(m > NEG_INF / 2, m, 0.0)[:, :, None, :])
+    o = jax.lax.dot_general(p.astype(v_bhsd.dtype), v_bhsd, (((2,), (2,)), ((0, 1), (0, 1))),
+                            preferred_element_type=jnp.float32)  # [B,Hkv,G*T,D]
+    return o.reshape(b, k, g, t, -1), m.reshape(b, k, g, t), jnp.sum(p, axis=2).reshape(b, k, g, t)
 
 
 def merge_block_states(parts):
@@ -58,22 +92,17 @@ def merge_block_states(parts):
 def _attend(q_bkgtd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cache_bhsd, v_cache_bhsd,
             cache_len_bt, k_prefix_phd, v_prefix_phd, prefix_visible_bt, scale, cache_start_bt=None):
     """One query chunk against all key blocks -> [B,Hkv,G,T,D] float32."""
-    f32 = jnp.float32
     parts = []
     if k_cache_bhsd is not None:
         s_len = k_cache_bhsd.shape[2]
-        s = jnp.einsum("bkgtd,bksd->bkgts", q_bkgtd, k_cache_bhsd.astype(q_bkgtd.dtype),
-                       preferred_element_type=f32) * scale
         vis = jnp.arange(s_len)[None, None, :] < cache_len_bt[:, :, None]  # [B,T,S]
         if cache_start_bt is not None:  # packed rows: a query's own segment only
             vis = vis & (jnp.arange(s_len)[None, None, :] >= cache_start_bt[:, :, None])
-        parts.append(softmax_block_state(s, vis[:, None, None], v_cache_bhsd, "bksd"))
+        parts.append(cache_block_state(q_bkgtd, k_cache_bhsd, v_cache_bhsd, vis, scale))
     if k_prefix_phd is not None:
-        s = jnp.einsum("bkgtd,pkd->bkgtp", q_bkgtd, k_prefix_phd.astype(q_bkgtd.dtype),
-                       preferred_element_type=f32) * scale
+        s = _scores(q_bkgtd, k_prefix_phd, "skd") * scale
         parts.append(softmax_block_state(s, prefix_visible_bt[:, None, None, :, None], v_prefix_phd, "skd"))
-    s = jnp.einsum("bkgtd,bskd->bkgts", q_bkgtd, k_blk_bthd.astype(q_bkgtd.dtype),
-                   preferred_element_type=f32) * scale
+    s = _scores(q_bkgtd, k_blk_bthd, "bskd") * scale
     parts.append(softmax_block_state(s, block_mask_btt[:, None, None], v_blk_bthd, "bskd"))
     return merge_block_states(parts)
 
