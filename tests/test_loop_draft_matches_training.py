@@ -29,14 +29,18 @@ def _loop_depth0_logprobs(spec, params, s):
     return np.asarray(jax.nn.log_softmax(logits[:, 0], axis=-1)), np.asarray(anchor_b)
 
 
-def _training_form_logprobs(spec, params, seq, anchor, lag, *, zero_future=False, index=None):
-    """Training's pieces on the decoded sequence ``seq`` (= context + the bonus token): the draft
-    query at index ``index`` (default: the anchor itself) with the future entry of ``anchor``,
-    whose contemplate read h_cat[anchor - lag] — a replication window when index > anchor."""
+def _training_form_logprobs(spec, params, seq, anchor, lag, *, zero_future=False, index=None, steps=1):
+    """Training's pieces on the decoded sequence ``seq`` (= context + the bonus token, + the drafts
+    fed to deeper steps): the draft query at index ``index`` (default: the anchor itself) with the
+    future entry of ``anchor``, whose contemplate read h_cat[anchor - lag] — a replication window
+    when index > anchor. ``steps`` > 1: [steps, V], TTT step r's log-probabilities at that index."""
     j = anchor if index is None else index
     x = jnp.asarray([seq], jnp.int32)
     real = target_lib.real_forward(spec, params.target, x, return_logits=False)
     h_cat = real.taps_btc
+    if not spec.head.has_future:  # EAGLE-3: no contemplate, no future entry
+        out = draft_ttt(spec, params.draft, params.embed_vd, x, h_cat, steps)
+        return np.asarray(jax.nn.log_softmax(out.logits_rbnv[:, 0, j], axis=-1))
     anchors = jnp.asarray([[anchor]], jnp.int32)
     f_bkd = target_lib.contemplate_queries(
         spec, params.target, params.confu, to_cache_layout(real.k_new_lbthd), to_cache_layout(real.v_new_lbthd),
@@ -45,9 +49,10 @@ def _training_form_logprobs(spec, params, seq, anchor, lag, *, zero_future=False
         f_bkd = jnp.zeros_like(f_bkd)
     window = np.full((1, len(seq)), -1, np.int32)
     window[0, j] = 0
-    out = draft_ttt(spec, params.draft, params.embed_vd, x, h_cat, 1,
+    out = draft_ttt(spec, params.draft, params.embed_vd, x, h_cat, steps,
                     future=TTTFuture(f_bkd=f_bkd, anchor_bk=anchors, index_bn=jnp.asarray(window)))
-    return np.asarray(jax.nn.log_softmax(out.logits_rbnv[0, 0, j], axis=-1))
+    logp = np.asarray(jax.nn.log_softmax(out.logits_rbnv[:, 0, j], axis=-1))
+    return logp[0] if steps == 1 else logp
 
 
 @pytest.mark.parametrize("variant,plan_text", [("confu", "dynamic:2,4,20"), ("confu_nomoe", "dynamic:2,4,20"),
@@ -96,3 +101,46 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text):
     if variant == "confu":
         wrong = _training_form_logprobs(spec, params, prompt + emitted, n - 1 + n_acc, 1)
         assert np.abs(wrong - got[0]).max() > 1e-3
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "confu", "confu_nomoe"])
+def test_loop_deep_drafts_equal_training_steps(variant):
+    """Depths 1..3: the loop's chain drafts, each fed the loop's own previous draft, equal TTT steps
+    1..3 of ``draft_ttt`` at the anchor on (context, bonus, those drafts) — after the prefill and after
+    a pass that accepted several tokens (ConFu: lag > 1). A sampled chain at T = 1 exposes every depth's q:
+    q at node d+1 = softmax of the draft at depth d. Together with the depth-0 test above, the
+    loop's whole chain is the function training optimises (issue: deep steps accepted too rarely)."""
+    from confu_jax.decode.drafter import DraftInput
+    from confu_jax.decode.drafting import HeadDrafter
+
+    spec, tp, params = make(variant, 4, seed=1)
+    full = plans.parse_plan("dynamic:3,4,36")  # all of depth 1 and most of depths 2-3 of vocab 4
+    chain = HeadDrafter(plans.parse_plan("sampled_chain:3"))
+    prompt = [2, 0, 3, 1, 1, 2, 0]
+    n = len(prompt)
+    args, static = loop.prepare_spec_inputs(spec, full, [prompt], max_new_tokens=16, eos_ids=())
+    tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
+    kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
+    s0 = loop._prefill(spec, params, full, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
+    s1 = loop.iteration(spec, params, full, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
+    emitted = np.asarray(s1.tokens_bn)[0, : int(s1.n_generated_b[0])].tolist()
+    n_acc = int(s1.drafter.ingest_count_b[0])  # nodes accepted, root included: the next draft's lag
+    assert n_acc >= 2 and len(emitted) == 1 + n_acc, emitted  # first token + accepted drafts + bonus
+
+    for s, context, lag in ((s0, prompt + emitted[:1], 1), (s1, prompt + emitted, n_acc)):
+        anchor = int(s.cache.length_b[0]) - 1
+        assert anchor == len(context) - 2  # the context ends with the bonus token x[p+1]
+        prop = chain.propose(spec, params, s.drafter, DraftInput(s.root_b, s.cache.length_b - 1, s.done_b,
+                                                                 jax.random.PRNGKey(7), jnp.float32(1),
+                                                                 jnp.float32(1)))
+        tokens = np.asarray(prop.tree.tokens_bt)[0].tolist()
+        assert tokens[0] == context[-1]
+        got = np.log(np.maximum(np.asarray(prop.q_btv)[0, 1:], 1e-30))  # [3,V] depths 0..2 of the chain
+        want = _training_form_logprobs(spec, params, context + tokens[1:], anchor, lag, steps=4)  # [4,V]
+        np.testing.assert_allclose(got, want[:3], rtol=1e-4, atol=1e-4)
+        # not vacuous: step r differs from step r-1 and from a step fed another token
+        assert np.abs(want[1] - want[0]).max() > 1e-3 and np.abs(want[2] - want[1]).max() > 1e-3
+        other = list(tokens[1:])
+        other[0] = (other[0] + 1) % 4
+        moved = _training_form_logprobs(spec, params, context + other, anchor, lag, steps=4)
+        assert np.abs(moved[1] - got[1]).max() > 1e-3

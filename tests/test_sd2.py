@@ -147,3 +147,50 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
                 np.testing.assert_allclose(r[key], q[key], rtol=1e-6, atol=0, err_msg=f"{name} step {q['step']} {key}")
     with open(os.path.join(workdir, "config.json")) as f:
         assert json.load(f)["sd2"]["drafter"] == "self:2"
+
+
+def test_distilled_baseline_fine_tunes_the_drafter_alone(tmp_path):
+    """``config.sd2.steer=False`` (the paper's distilled baseline): no steering parameters, the same
+    initial loss as SD² (W_s = 0 makes SD² start unsteered), a lower KL after training, and the run
+    decodes losslessly as ``draft_model`` while ``sd2`` refuses it (it has nothing to steer with)."""
+    from confu_jax.decode import loop
+    from confu_jax.decode.drafters import parse_drafter
+    from confu_jax.decode.generate import generate_ar
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.models.early_exit import early_exit_params
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.train.loop import setup_run, train
+    from confu_jax.train.target_loading import load_target
+
+    steered, distilled = setup_run(_config()), setup_run(_config(**{"sd2.steer": False}))
+    s0, d0 = steered.init_state(), distilled.init_state()
+    assert "steering" not in d0.params["draft"] and set(d0.params["draft"]) == {"model_delta"}
+    batch = next(distilled.task.train_iterator(0, 1))
+    rng = jax.random.PRNGKey(0)
+    ls, _ = jax.jit(steered.task.loss_fn)(s0.params, steered.frozen, batch, rng)
+    ld, _ = jax.jit(distilled.task.loss_fn)(d0.params, distilled.frozen, batch, rng)
+    np.testing.assert_allclose(float(ld), float(ls), rtol=1e-5)
+    with pytest.raises(ValueError, match="trains nothing"):
+        setup_run(_config(**{"sd2.steer": False, "sd2.train_drafter": False}))
+
+    workdir = str(tmp_path / "distill")
+    config = _config(**{"sd2.steer": False, "train.steps": 20, "train.eval_every": 10,
+                        "train.checkpoint.every": 10})
+    assert train(config, workdir).step == 20
+    ev = read_csv(os.path.join(workdir, "eval.csv"))
+    assert ev[-1]["loss"] < ev[0]["loss"]
+    spec, tp = load_target(config, model_spec_from_config(config))
+    with pytest.raises(ValueError, match="distilled run"):
+        decode_head("sd2", spec.target, tp, workdir)
+    head = decode_head("draft_model", spec.target, tp, workdir)
+    assert "steering" not in head.params.draft and "model" in head.params.draft
+    pretrained = early_exit_params(tp, head.spec.draft_model.n_layers)  # the drafter moved off it
+    assert max(float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max()) for a, b in zip(
+        jax.tree_util.tree_leaves(head.params.draft["model"]), jax.tree_util.tree_leaves(pretrained))) > 0
+    prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
+    ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
+    sp = loop.generate_speculative(head.spec, head.params, parse_drafter("draft_model", "chain:3"), prompts,
+                                   max_new_tokens=16, eos_ids=())
+    n = np.asarray(sp.n_generated_b)
+    assert [np.asarray(sp.tokens_bn)[b, :n[b]].tolist() for b in range(2)] == \
+        [np.asarray(ar.tokens_bn)[b, :np.asarray(ar.n_generated_b)[b]].tolist() for b in range(2)]

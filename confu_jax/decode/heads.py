@@ -104,9 +104,12 @@ def draft_model_head(method: str, target_cfg: LlamaConfig, target_params: dict, 
     """What an independent draft model (family ``draft_model``) or SD² (family ``sd2``) decodes with
     (``decode.draft_model``; sources: ``runs.draft_models``): ``source`` = ``self:N`` (the target's first
     N layers; default a quarter of them), an asset / GGUF / Hugging Face directory sharing the target's
-    tokenizer (checked against ``target_tokenizer``, default loaded from ``target_source``), or for
-    SD² a trained ``launch.train`` SD² workdir. SD² without a trained run gets the paper's
-    initialisation (W_s = 0): it then drafts exactly as the unsteered model (``trained`` False)."""
+    tokenizer (checked against ``target_tokenizer``, default loaded from ``target_source``), or a
+    trained ``launch.train`` SD² workdir: ``sd2`` decodes its fine-tuned drafter with its steering;
+    ``draft_model`` decodes the fine-tuned drafter alone (the distilled baseline, a run with
+    ``config.sd2.steer`` False, or a steered run's drafter without its steering, an ablation). SD²
+    without a trained run gets the paper's initialisation (W_s = 0): it then drafts exactly as the
+    unsteered model (``trained`` False)."""
     from confu_jax.models.early_exit import default_self_layers
     from confu_jax.models.steering import init_steering
     from confu_jax.runs import draft_models
@@ -115,9 +118,12 @@ def draft_model_head(method: str, target_cfg: LlamaConfig, target_params: dict, 
     source = source or f"self:{default_self_layers(target_cfg)}"
     kw = dict(target_tokenizer=target_tokenizer, target_source=target_source)
     trained = True
-    if steered and draft_models.is_sd2_workdir(source):
+    if draft_models.is_sd2_workdir(source):
         run = draft_models.load_sd2_run(source, target_cfg, target_params, **kw)
-        d, steering = run.drafter, run.steering
+        if steered and run.steering is None:
+            raise ValueError(f"{source} is a distilled run (config.sd2.steer=False): it has no steering to decode "
+                             "--method sd2 with; decode its drafter with --method draft_model")
+        d, steering = run.drafter, (run.steering if steered else None)
     else:
         d = draft_models.load_drafter(source, target_cfg, **kw)
         steering = None

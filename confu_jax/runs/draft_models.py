@@ -114,12 +114,13 @@ def is_sd2_workdir(path: str) -> bool:
 
 
 def sd2_trainable_shapes(drafter_cfg: LlamaConfig, target_cfg: LlamaConfig, n_taps: int,
-                         train_drafter: bool) -> dict:
-    """ShapeDtypeStructs of an SD² run's trainable tree: ``{'draft': {'steering': ..., 'model_delta':
-    the drafter's parameter tree (only when the drafter is fine-tuned)}}``."""
+                         train_drafter: bool, steer: bool = True) -> dict:
+    """ShapeDtypeStructs of an SD² run's trainable tree: ``{'draft': {'steering': ... (unless the run
+    is the distilled baseline, ``steer`` False), 'model_delta': the drafter's parameter tree (only
+    when the drafter is fine-tuned)}}``."""
     from confu_jax.models.steering import steering_shapes
 
-    draft = {"steering": steering_shapes(target_cfg.d_model, n_taps, drafter_cfg)}
+    draft = {"steering": steering_shapes(target_cfg.d_model, n_taps, drafter_cfg)} if steer else {}
     if train_drafter:
         draft["model_delta"] = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), param_shapes(drafter_cfg))
@@ -128,7 +129,7 @@ def sd2_trainable_shapes(drafter_cfg: LlamaConfig, target_cfg: LlamaConfig, n_ta
 
 class SD2Run(NamedTuple):
     drafter: DraftSource  # cfg + the fine-tuned weights (pretrained + delta)
-    steering: dict  # {'w_hml', 'w_s'}
+    steering: Optional[dict]  # {'w_hml', 'w_s'}; None for the distilled baseline (config.sd2.steer False)
     step: int
     config: object  # the training config
 
@@ -136,7 +137,8 @@ class SD2Run(NamedTuple):
 def load_sd2_run(workdir: str, target_cfg: LlamaConfig, target_params, *, target_tokenizer=None,
                  target_source: str = "the loaded target", step: Optional[int] = None) -> SD2Run:
     """A trained SD² drafter: its pretrained drafter (``config.sd2.drafter``) + the checkpoint's
-    delta, and the steering parameters; the target is checked against the run's ``target.json``."""
+    delta, and the steering parameters (None for a distilled run, ``config.sd2.steer`` False); the
+    target is checked against the run's ``target.json``."""
     import orbax.checkpoint as ocp
 
     from confu_jax.runs.checkpoint import Checkpointer, restore_args_for
@@ -154,7 +156,8 @@ def load_sd2_run(workdir: str, target_cfg: LlamaConfig, target_params, *, target
     base = load_drafter(str(config.sd2.drafter), target_cfg, target_tokenizer=target_tokenizer,
                         target_source=target_source)
     train_drafter = bool(config.sd2.train_drafter)
-    abstract = {"params": sd2_trainable_shapes(base.cfg, target_cfg, 3, train_drafter)}
+    steer = bool(config.sd2.get("steer", True))
+    abstract = {"params": sd2_trainable_shapes(base.cfg, target_cfg, 3, train_drafter, steer)}
     ckdir = os.path.join(workdir, "checkpoints")
     ckpt = Checkpointer(ckdir, read_only=True)
     try:
@@ -175,4 +178,4 @@ def load_sd2_run(workdir: str, target_cfg: LlamaConfig, target_params, *, target
         weights = jax.tree_util.tree_map(lambda w, d: (np.asarray(w, np.float32) + d).astype(np.asarray(w).dtype),
                                          weights, trained["model_delta"])
     drafter = DraftSource(base.cfg, weights, f"{workdir} (step {step}; drafter {base.source})")
-    return SD2Run(drafter, trained["steering"], step, config)
+    return SD2Run(drafter, trained.get("steering"), step, config)

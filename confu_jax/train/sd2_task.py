@@ -19,6 +19,11 @@ drafter, as a **delta** on the pretrained weights (``model_delta``, initialised 
 pretrained weights stay in the frozen tree, the checkpoint holds only what training changed;
 ``runs.draft_models.load_sd2_run`` adds them back). The verifier is never trained.
 
+``config.sd2.steer = False`` is the paper's **distilled** baseline: the same drafter fine-tuned on
+the same KL, data and steps with no steering at all (no steering parameters, no bias), so SD²'s
+gain over plain distillation is measured at equal training (decode it with ``--method
+draft_model``: ``decode.heads.draft_model_head`` reads the run's fine-tuned drafter).
+
 Evaluation reports the KL and the drafter's agreement with the verifier per offset δ = 1..k
 (``kl/delta{δ}``, ``acc/delta{δ}``: top-1 equal; ``accept/delta{δ}``: Σ min(π_V, π_D), the chance a
 T = 1 draft of that depth is accepted given the prefix), and ``acceptance_length``: the expected
@@ -56,6 +61,7 @@ def default_sd2_config() -> ml_collections.ConfigDict:
     c.drafter = "self:8"
     c.max_offset = 4  # k: offsets δ ~ U{1..k} (a decode round of chain:K uses offsets 1..K; paper: k = 8)
     c.train_drafter = True  # fine-tune the whole drafter too (the paper's SD²); False = steering only
+    c.steer = True  # False = the distilled baseline: the drafter fine-tuned alone, without steering
     return c
 
 
@@ -92,8 +98,9 @@ def sd2_loss(spec, drafter_cfg, early_exit: bool, max_offset: int, trainable, fr
     delta = (jax.random.randint(rng, (b, n), 1, max_offset + 1) if offsets is None
              else jnp.full((b, n), offsets, jnp.int32))
     src = jnp.maximum(pos - delta, 0)
-    steering = trainable["draft"]["steering"]
-    bias = steer_lib.bias_from_taps(steering, jnp.take_along_axis(h_cat, src[..., None], axis=1))  # [L,B,N,F]
+    steering = trainable["draft"].get("steering")
+    bias = (None if steering is None  # the distilled baseline (config.sd2.steer False)
+            else steer_lib.bias_from_taps(steering, jnp.take_along_axis(h_cat, src[..., None], axis=1)))  # [L,B,N,F]
     w = _weights(frozen, trainable, drafter_cfg, early_exit)
     out = Llama(drafter_cfg).apply({"params": w}, tokens, pos, mlp_bias_lbtf=bias)
     draft_logp = jax.nn.log_softmax(to_target_vocab(out.logits_btv[:, :-1], spec.target.vocab_size), axis=-1)
@@ -126,15 +133,19 @@ def build_task(config) -> TrainTask:
     early_exit = drafter.params is None
     dcfg = drafter.cfg
     train_drafter = bool(sd2.train_drafter)
+    steer = bool(sd2.get("steer", True))
+    if not (steer or train_drafter):
+        raise ValueError("config.sd2.steer=False with config.sd2.train_drafter=False trains nothing: the distilled "
+                         "baseline fine-tunes the drafter (train_drafter=True)")
     frozen_host = {"target": target_host, "drafter": {} if early_exit else drafter.params}
     synthetic = config.model.source == "random"
     _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
                                        else real_data(config, spec))
     def init_params(rng):
         del rng  # deterministic: W_hml = stacked identities, W_s = 0, delta = 0
-        draft = {"steering": steer_lib.init_steering(spec.target.d_model, len(spec.taps), dcfg)}
+        draft = {"steering": steer_lib.init_steering(spec.target.d_model, len(spec.taps), dcfg)} if steer else {}
         if train_drafter:
-            shapes = sd2_trainable_shapes(dcfg, spec.target, len(spec.taps), True)["draft"]["model_delta"]
+            shapes = sd2_trainable_shapes(dcfg, spec.target, len(spec.taps), True, steer)["draft"]["model_delta"]
             draft["model_delta"] = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         return {"draft": draft}
 
@@ -162,7 +173,8 @@ def build_task(config) -> TrainTask:
         axis_units=shd.llama_axis_units(spec.target.head_dim),
         target_fingerprint=target_fingerprint(target_host),
         target_source=str(config.model.source),
-        description=(f"SD² steering + {'fine-tuned' if train_drafter else 'frozen'} drafter {drafter.source} on "
+        description=((f"SD² steering + {'fine-tuned' if train_drafter else 'frozen'} drafter" if steer
+                      else "distilled drafter (no steering)") + f" {drafter.source} on "
                      f"'{config.model.preset}' ({'self-distilled random data' if synthetic else config.data.train_files}"
                      f"), offsets 1..{k}, KL(verifier || drafter)"),
     )
