@@ -92,6 +92,7 @@ def split_iteration(head, plan, prompt, max_len: int, repeats: int, temperature:
     import jax.numpy as jnp
 
     from confu_jax.decode import drafting, loop
+    from confu_jax.decode.drafter import DraftInput
     from confu_jax.models.unrolled import split_layers
 
     spec = head.spec
@@ -107,12 +108,14 @@ def split_iteration(head, plan, prompt, max_len: int, repeats: int, temperature:
     state = jax.jit(lambda p: loop._prefill(spec, p, plan, tokens_bt, lengths_b, temp, top_p, eos_e, key,
                                             **kw))(params)
 
+    drafter = drafting.HeadDrafter(plan)
+
     def draft(p, s):
-        return drafting.draft_tree(spec, p, plan, s, s.cache.length_b - 1, s.key, temp, top_p)
+        return drafter.propose(spec, p, s.drafter, DraftInput(s.root_b, s.cache.length_b - 1, s.done_b, s.key,
+                                                              temp, top_p))
 
     def draft_verify(p, s):
-        tree, q, _, con_nodes = draft(p, s)
-        return loop._verify(spec, p, rule, s, tree, q, s.key, temp, top_p, con_nodes)[1]
+        return loop._verify(spec, p, rule, s, draft(p, s), s.key, temp, top_p)[1]
 
     def whole(p, s):
         return loop.iteration(spec, p, plan, rule, s, temp, top_p, eos_e, **kw)

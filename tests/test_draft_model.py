@@ -259,3 +259,24 @@ def test_tokenizer_mismatch_is_refused():
         draft_models.check_tokenizers(_tokenizer(base), _tokenizer(base + ["e"]))
     with pytest.raises(draft_models.TokenizerMismatchError, match="id 2: target 'b' vs draft 'x'"):
         draft_models.check_tokenizers(_tokenizer(base), _tokenizer(["<unk>", "a", "x", "c", "d"]))
+
+
+def test_independent_model_is_split_once_outside_the_loop():
+    """``Drafter.prepare_params``: on the unrolled path the loop hands the target in split per layer,
+    and an independent draft model's stack is split there once (outside the ``while_loop``);
+    ``draft_weights`` then reads those buffers as they are instead of slicing the stack again."""
+    from confu_jax.models.unrolled import SplitParams, split_layers
+
+    for which, split_expected in (("other", True), ("early3", False)):
+        spec, tp, params = _pair_for(which, 6, False)
+        drafter = dm.DraftModel(plans.parse_plan("chain:3"))
+        assert drafter.prepare_params(spec, params) is params  # stacked path: nothing to lay out
+        unrolled = params.replace(target=split_layers(params.target, spec.target))
+        prepared = drafter.prepare_params(spec, unrolled)
+        model = (prepared.draft or {}).get("model")
+        assert isinstance(model, SplitParams) == split_expected
+        if split_expected:
+            assert dm.draft_weights(spec, prepared)[1] is model
+            assert drafter.prepare_params(spec, prepared) is prepared  # idempotent
+            np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(model.layers[1])[0]),
+                                          np.asarray(jax.tree_util.tree_leaves(params.draft["model"]["layers"])[0][1]))

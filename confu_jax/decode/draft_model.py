@@ -32,8 +32,8 @@ pending block is at most D+1 tokens).
 
 On the layer-unrolled CPU path (the loop hands the target in as ``SplitParams``) the early-exit
 drafter reads the target's own per-layer buffers; an independent model's stacked layers are split
-inside ``init`` / ``propose`` (``draft_weights``), i.e. once per iteration in the loop body — the
-loop splits only the target once, outside its ``while_loop``.
+once per generation too, outside the ``while_loop`` (``DraftModel.prepare_params``), so the loop
+body reads per-layer buffers instead of slicing the stack every iteration.
 
 **SD²** (``steered=True``, ``models.steering``): the steering vector g is computed from h_cat at the
 last accepted node of the previous verification (``update``) and is fixed for the whole round: every
@@ -96,7 +96,8 @@ def draft_config(spec) -> LlamaConfig:
 def draft_weights(spec, params):
     """(draft LlamaConfig, draft weights in the target's layout): ``params.draft['model']``, or the
     target's first layers (early exit). On the layer-unrolled path (the loop split the target into
-    ``SplitParams``) an independent model's stack is split too (``models.unrolled``)."""
+    ``SplitParams``) an independent model's stack is split too (``models.unrolled``): already, by
+    ``DraftModel.prepare_params`` outside the loop, or here for callers that skipped it."""
     cfg = draft_config(spec)
     model = (params.draft or {}).get("model")
     if model is None:
@@ -104,7 +105,7 @@ def draft_weights(spec, params):
             raise ValueError(f"params.draft has no 'model': the early-exit drafter needs spec.draft_model = the "
                              f"target's config with fewer layers; got {cfg} for target {spec.target}")
         return cfg, early_exit_params(params.target, cfg.n_layers)
-    if isinstance(params.target, SplitParams):
+    if isinstance(params.target, SplitParams) and not isinstance(model, SplitParams):
         return cfg, split_layers(model, cfg)
     return cfg, model
 
@@ -163,6 +164,13 @@ class DraftModel(Drafter):
 
     def describe(self) -> str:
         return self.plan.text
+
+    def prepare_params(self, spec, params):
+        """On the unrolled path, split an independent model's layer stack once (``draft_weights``)."""
+        model = (params.draft or {}).get("model")
+        if model is None or not isinstance(params.target, SplitParams) or isinstance(model, SplitParams):
+            return params
+        return params.replace(draft={**params.draft, "model": draft_weights(spec, params)[1]})
 
     # ------------------------------------------------------------------ init
 

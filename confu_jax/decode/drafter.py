@@ -100,6 +100,14 @@ class Drafter(abc.ABC):
         """The lossless acceptance rule (``decode.verify``) for this drafter's trees."""
         return "greedy" if greedy else "sampled_tree"
 
+    def prepare_params(self, spec, params):
+        """``params`` as the loop body reads them, computed once per generation outside the
+        ``while_loop`` (after the loop laid out the target, e.g. split into per-layer buffers on
+        the unrolled CPU path). A drafter with weights of its own re-lays them here to match, so the
+        loop body does not redo it every iteration; the default keeps ``params`` as they are."""
+        del spec
+        return params
+
     @abc.abstractmethod
     def init(self, spec, params, view: PrefillView) -> Any:
         """The drafter state after the prompt (a pytree of device arrays with shape-lettered names)."""

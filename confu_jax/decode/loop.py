@@ -220,8 +220,10 @@ def speculative_padded(params: SpecParams, tokens_bt, lengths_b, temperature, to
 def _speculative(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
                  spec: ModelSpec, drafter: Drafter, rule: str, max_new_tokens: int,
                  max_len: int, unroll_layers: bool) -> SpecResult:
+    drafter = as_drafter(drafter)
     if unroll_layers:  # per-layer weight buffers, split once outside the loop (models.unrolled)
         params = params.replace(target=split_layers(params.target, spec.target))
+    params = drafter.prepare_params(spec, params)  # once, outside the loop (e.g. the draft model's split)
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
     state = constrain_tree(_prefill(spec, params, drafter, tokens_bt, lengths_b, temperature, top_p, eos_e,
