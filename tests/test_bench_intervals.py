@@ -142,3 +142,40 @@ def test_single_question_groups_get_no_interval_and_no_degenerate_stratification
     assert np.isnan(sr).all()
     r = intervals.tau_ratio(table, table, "a")
     assert r["ratio"] == pytest.approx(1.0) and np.isnan(r["ci"]).all()
+
+
+def test_accepted_ratio_matches_scipy_and_tau_compare_reads_two_outputs(tmp_path):
+    """(τ−1) ratio, paired by question, against scipy's paired bootstrap; ``launch.tau_compare`` finds
+    the rows in two results files and pairs only the questions both ran."""
+    import importlib
+
+    rng = np.random.default_rng(4)
+    a_logs, _ = _logs(rng, cats=("stem",), n_per_cat=16)
+    b_logs, _ = _logs(np.random.default_rng(5), cats=("stem",), n_per_cat=16, mean_accept=1.3)
+    table, ref = intervals.question_table(a_logs), intervals.question_table(b_logs)
+    same = intervals.accepted_ratio(table, table)
+    assert same["ratio"] == pytest.approx(1.0) and same["ci"] == pytest.approx([1.0, 1.0])
+    ids = list(table)
+    cols = [np.array([t[q][k] for q in ids], float) for t in (table, ref) for k in ("emitted", "passes")]
+    fn = lambda e, p, re, rp, axis: (e.sum(axis) / p.sum(axis) - 1) / (re.sum(axis) / rp.sum(axis) - 1)  # noqa: E731
+    r = scipy.stats.bootstrap(cols, fn, paired=True, vectorized=True, n_resamples=N_BOOT, method="percentile",
+                              random_state=3)
+    ours = intervals.accepted_ratio(table, ref, "stem", n_boot=N_BOOT)
+    _close_interval(ours["ci"], r.confidence_interval)
+    assert ours["ratio"] == pytest.approx(float(fn(*cols, axis=0)))
+
+    tc = importlib.import_module("launch.tau_compare")
+    q_a = {str(q): v for q, v in table.items()}
+    q_b = {str(q): v for q, v in ref.items() if q != ids[0]}  # the reference lacks one question
+    for name, method, q in (("a.json", "sd2", q_a), ("b.json", "draft_model", q_b)):
+        rows = [{"method": method, "temperature": 0.0, "budget": "chain:4", "questions": q},
+                {"method": method, "temperature": 1.0, "budget": "chain:4", "questions": q}]
+        (tmp_path / name).write_text(json.dumps({"results": rows}))
+    out = tc.compare(tc.find_row(str(tmp_path / "a.json"), "sd2", 0.0, "chain:4"),
+                     tc.find_row(str(tmp_path / "b.json"), "draft_model", 0.0), n_boot=500)
+    assert out["n_questions"] == 15
+    common = {q: table[q] for q in ids[1:]}
+    assert out["tau"]["row"] == pytest.approx(sum(v["emitted"] for v in common.values())
+                                              / sum(v["passes"] for v in common.values()))
+    with pytest.raises(ValueError, match="expected one row"):
+        tc.find_row(str(tmp_path / "a.json"), "sd2", 0.5)

@@ -11,8 +11,8 @@
 One entry per (method, setting). Metric definitions are in :mod:`confu_jax.bench.metrics`.
 Rows from ``spec_bench`` also carry ``questions`` (per-question counts) and 95% bootstrap intervals
 over questions (``tau_ci``, ``speedup_ci``, ``tokens_per_s_ci``, overall and per category), and the
-document a top-level ``tau_ratios`` list (ConFu-like methods over EAGLE-3 at the same temperature and
-budget, with paired intervals): :mod:`confu_jax.bench.intervals`. When the benchmark kept its units in
+document a top-level ``tau_ratios`` list (ConFu-like methods over EAGLE-3, and SD² over the unsteered
+draft model, at the same temperature and budget, with paired intervals): :mod:`confu_jax.bench.intervals`. When the benchmark kept its units in
 ``<out>.parts/``, a top-level ``tau_breakdown`` list holds each speculative row's τ by answer position
 and by prompt source (:mod:`confu_jax.bench.breakdown`).
 """
@@ -336,7 +336,7 @@ def write_outputs(out: str, rows: list) -> dict:
     from confu_jax.bench.breakdown import markdown_tables
     from confu_jax.bench.intervals import ratio_rows
 
-    ratios = ratio_rows(rows)
+    ratios = ratio_rows(rows) + ratio_rows(rows, "sd2", "draft_model")  # SD² over its unsteered drafter
     base = os.path.splitext(out)[0]
     breakdowns, note = _breakdowns(base + ".parts", rows)
     doc = write_results(out, rows, extra={"tau_ratios": ratios, **({"tau_breakdown": breakdowns} if breakdowns else {})})

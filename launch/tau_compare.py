@@ -1,0 +1,91 @@
+"""τ of one benchmark row against another, paired by question, across ``decode_bench`` outputs.
+
+    python -m launch.tau_compare --row results/sd2.json:sd2 --reference results/distill.json:draft_model \\
+        [--temperature 0] [--budget chain:4] [--json_out results/sd2_vs_distill.json]
+
+Why: ``decode_bench`` takes one draft source per method, so two drafters of the same family (an SD²
+run and the distilled drafter it is compared with, two checkpoints of one head) are measured in two
+invocations. Each row keeps its per-question counts (``questions``), so the comparison needs no
+rerun: τ of both with their intervals, the τ ratio, and the ratio of *accepted drafts* per pass
+(τ − 1, the bonus token left out: the SD² paper's "+22% accepted tokens"), each with a percentile
+bootstrap interval that resamples questions jointly for both rows (``bench.intervals``), so a
+question that is easy for both does not widen it. Only questions both rows ran are paired.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+
+flags.DEFINE_string("row", None, "RESULTS_JSON:METHOD — the row measured (e.g. results/sd2.json:sd2)")
+flags.DEFINE_string("reference", None, "RESULTS_JSON:METHOD — the row it is compared with")
+flags.DEFINE_float("temperature", 0.0, "the rows' sampling temperature")
+flags.DEFINE_string("budget", "", "the rows' budget / plan (e.g. chain:4); empty = the only row that matches")
+flags.DEFINE_integer("n_boot", 2000, "bootstrap resamples")
+flags.DEFINE_string("json_out", "", "also write the comparison here")
+FLAGS = flags.FLAGS
+
+
+def find_row(path: str, method: str, temperature: float, budget: str = "") -> dict:
+    """The row of ``method`` at ``temperature`` (and ``budget``) in a ``decode_bench`` results JSON."""
+    with open(path) as f:
+        rows = json.load(f)["results"]
+    hits = [r for r in rows if r.get("method") == method and abs(float(r.get("temperature", 0.0)) - temperature) < 1e-9
+            and (not budget or str(r.get("budget")) == budget)]
+    if len(hits) != 1:
+        have = sorted({(r.get("method"), float(r.get("temperature", 0.0)), str(r.get("budget"))) for r in rows})
+        raise ValueError(f"{path}: expected one row of method {method!r} at T={temperature:g}"
+                         f"{' budget ' + budget if budget else ''}; found {len(hits)} (rows: {have})")
+    if "questions" not in hits[0]:
+        raise ValueError(f"{path}: row {method!r} has no per-question counts ('questions'); rerun decode_bench "
+                         "with --methods (speculative mode)")
+    return hits[0]
+
+
+def compare(row: dict, reference: dict, *, n_boot: int = 2000) -> dict:
+    """τ, τ ratio and accepted-drafts ratio of ``row`` over ``reference`` with paired intervals."""
+    from confu_jax.bench import intervals
+
+    a, b = row["questions"], reference["questions"]
+    common = [q for q in a if q in b]
+    a, b = {q: a[q] for q in common}, {q: b[q] for q in common}
+    return {
+        "n_questions": len(common),
+        "tau": {"row": sum(a[q]["emitted"] for q in a) / max(sum(a[q]["passes"] for q in a), 1),
+                "reference": sum(b[q]["emitted"] for q in b) / max(sum(b[q]["passes"] for q in b), 1),
+                "row_ci": intervals.tau_interval(a, n_boot=n_boot),
+                "reference_ci": intervals.tau_interval(b, n_boot=n_boot)},
+        "tau_ratio": intervals.tau_ratio(a, b, n_boot=n_boot),
+        "accepted_ratio": intervals.accepted_ratio(a, b, n_boot=n_boot),
+    }
+
+
+def _spec(text: str, name: str):
+    path, sep, method = text.rpartition(":")
+    if not sep or not path or not method:
+        raise app.UsageError(f"--{name} must be RESULTS_JSON:METHOD, got {text!r}")
+    return path, method
+
+
+def main(argv):
+    del argv
+    if not (FLAGS.row and FLAGS.reference):
+        raise app.UsageError("--row and --reference are required")
+    (pa, ma), (pb, mb) = _spec(FLAGS.row, "row"), _spec(FLAGS.reference, "reference")
+    out = compare(find_row(pa, ma, FLAGS.temperature, FLAGS.budget),
+                  find_row(pb, mb, FLAGS.temperature, FLAGS.budget), n_boot=FLAGS.n_boot)
+    out.update(row=FLAGS.row, reference=FLAGS.reference, temperature=FLAGS.temperature, budget=FLAGS.budget)
+    t, r, acc = out["tau"], out["tau_ratio"], out["accepted_ratio"]
+    print(f"{ma} τ {t['row']:.3f} [{t['row_ci'][0]:.3f}, {t['row_ci'][1]:.3f}]  vs  {mb} τ {t['reference']:.3f} "
+          f"[{t['reference_ci'][0]:.3f}, {t['reference_ci'][1]:.3f}]  ({out['n_questions']} questions, "
+          f"T={FLAGS.temperature:g})")
+    print(f"τ ratio {r['ratio']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]; accepted drafts per pass (τ − 1) "
+          f"ratio {acc['ratio']:.3f} [{acc['ci'][0]:.3f}, {acc['ci'][1]:.3f}]")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
