@@ -288,3 +288,41 @@ def test_budget_auto_lookup_candidates():
     assert max(c.expected_tau for c in cands) > 1.5
     assert budget.default_candidates("lookup")[1] == budget.DEFAULT_LOOKUP_TREES
     assert budget.default_candidates("hybrid")[1] == ()
+
+
+def test_method_budgets_and_quickstart_release_heads(tmp_path):
+    """``run_benchmark(method_budgets=...)`` runs only the named budgets for those methods (the
+    quickstart's fixed plans + method auto's budget auto); the quickstart's released heads are
+    hash-checked: the repo's EAGLE-3 release is found, a clone without it or an altered copy is refused."""
+    import importlib
+    import os
+    import shutil
+
+    from confu_jax.bench import spec_bench
+    from confu_jax.bench.prompts import load_question_file
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.runs.head_release import HeadReleaseError
+    from confu_jax.weights import load_model
+    from tests.fixtures.tiny_chat_model import tiny_chat_gguf
+
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "specbench_sample.jsonl")
+    gguf = tiny_chat_gguf(tmp_path)
+    cfg, params = load_model(gguf)
+    setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=8, min_bucket=64,
+                                  auto_chains=("chain:2",), auto_trees=())
+    rows = spec_bench.run_benchmark(setup, load_question_file(fixture)[:1], methods=["ar", "lookup", "auto"],
+                                    temperatures=[0.0], budgets=["chain:2", "auto"], heads={},
+                                    method_budgets={"auto": ["auto"], "lookup": ["chain:2"]}, log=lambda m: None)
+    assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("lookup", "chain:2"), ("auto", "auto")]
+
+    qs = importlib.import_module("launch.quickstart")
+    heads = qs.released_heads()
+    assert set(heads) >= {"eagle3"} and heads["eagle3"].endswith(os.path.join("releases", "heads", "smollm2_eagle3"))
+    with pytest.raises(FileNotFoundError, match="--train"):
+        qs.released_heads(str(tmp_path / "empty"))
+    copy = tmp_path / "rel" / "smollm2_eagle3"
+    shutil.copytree(heads["eagle3"], copy)
+    with open(copy / "config.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(HeadReleaseError, match="config.json"):
+        qs.released_heads(str(tmp_path / "rel"))

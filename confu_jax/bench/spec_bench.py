@@ -198,10 +198,12 @@ def _compare(setup: BenchSetup, ar_turns, sp_turns, turns_index) -> dict:
 def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods: Sequence[str],
                   temperatures: Sequence[float], budgets: Sequence[str], heads: dict,
                   log: Callable[[str], None] = print, progress_factory=None,
-                  parts: Optional[Parts] = None) -> list[dict]:
+                  parts: Optional[Parts] = None, method_budgets: Optional[dict] = None) -> list[dict]:
     """-> result rows (report.write_results layout) for AR and every (method, budget, temperature).
 
     With ``parts``, every finished row is kept on disk and a rerun skips the rows it finds there.
+    ``method_budgets`` {method: budgets}: those methods run only these budgets (e.g. budget ``auto``
+    for method ``auto`` alone, fixed plans for the others).
     """
     import jax
 
@@ -285,7 +287,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
         for m in spec_methods:
             family = get_method(m).family
             head = loaded.get(m)
-            for bud in budgets:
+            for bud in (method_budgets or {}).get(m, budgets):
                 key = f"{m}__{bud}__T{temp:g}"
                 if resumed(key) is not None:
                     continue
