@@ -45,6 +45,8 @@ DEFAULT_CHAINS = tuple(f"chain:{k}" for k in range(1, 8))
 DEFAULT_TREES = ("dynamic:3,2,4", "dynamic:4,4,8", "dynamic:5,6,16", "dynamic:6,8,30", "dynamic:6,10,60")
 # prompt lookup: chains of 2..8 and tries of 2 / 4 continuations (decode.drafters forms)
 DEFAULT_LOOKUP_TREES = ("lookup:4,2", "lookup:6,2", "lookup:4,4")
+# Medusa-1: Cartesian trees of the heads' top-k (decode.medusa), depth <= 3
+DEFAULT_MEDUSA_TREES = ("tree:2,2", "tree:3,2,1", "tree:4,3,2", "dynamic:3,2,4")
 
 
 def default_candidates(method: str) -> tuple:
@@ -56,6 +58,8 @@ def default_candidates(method: str) -> tuple:
         return tuple(f"chain:{k}" for k in (2, 3, 4, 6, 8)), DEFAULT_LOOKUP_TREES
     if family == "hybrid":
         return DEFAULT_CHAINS, ()
+    if family == "medusa":  # depth <= the heads' count (3 in configs/tiny_medusa.py, 4 in smollm2_medusa.py)
+        return DEFAULT_CHAINS[:3], DEFAULT_MEDUSA_TREES
     return DEFAULT_CHAINS, DEFAULT_TREES
 
 

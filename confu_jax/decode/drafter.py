@@ -45,6 +45,7 @@ class PrefillView(NamedTuple):
     h_cat_btc: jax.Array  # [B,W,3d] the target's taps at every prompt position
     future_bd: Optional[jax.Array]  # [B,d] f of the prefill contemplate (ConFu specs), else None
     max_len: int  # S: target cache slots (positions 0..S-1)
+    last_hidden_bd: Optional[jax.Array] = None  # [B,d] the target's final-normed hidden state at position n-1
 
 
 class DraftInput(NamedTuple):

@@ -11,7 +11,8 @@ them into the frozen ``Drafter`` classes the loop takes (docs/DESIGN.md §11). P
   continuations (a trie), matches of NMIN..NMAX tokens (defaults: W = 1, 2..4);
 * ``hybrid`` (lookup where it matches, the head elsewhere): ``chain:K`` or ``chain:K@P``;
 * ``draft_model`` (an independent draft model) and ``sd2`` (the same, steered): the head forms
-  without ``+cM`` (``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N``).
+  without ``+cM`` (``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N``);
+* ``medusa`` (Medusa-1 heads): the same, plus ``tree:k1,...,kD`` (head i's top-k_i, Cartesian).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from confu_jax.decode.drafter import Drafter
 from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.hybrid import Hybrid
 from confu_jax.decode.lookup import PromptLookup
+from confu_jax.decode.medusa import MedusaDrafter, parse_medusa_plan
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.registry import get_method
 
@@ -84,4 +86,6 @@ def parse_drafter(method: str, text: str) -> Drafter:
         if plan.contemplates:
             raise ValueError(f"a draft model has no contemplates: {text!r} (drop +cM)")
         return DraftModel(plan, steered=family == "sd2")
+    if family == "medusa":
+        return MedusaDrafter(parse_medusa_plan(text))
     raise ValueError(f"method {method!r} does not draft (family {family!r})")

@@ -138,12 +138,55 @@ def draft_model_head(method: str, target_cfg: LlamaConfig, target_params: dict, 
     return DecodeHead(spec, SpecParams(target=target_params, draft=draft, confu={}, draft_vocab={}), trained, desc)
 
 
+def medusa_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[str] = None, seed: int = 0,
+                target_source: str = "the loaded target", num_heads: int = 4) -> DecodeHead:
+    """What Medusa (family ``medusa``) decodes with: the heads of a ``launch.train`` Medusa workdir
+    (``runs.medusa``, target checked), of a FasterDecoding directory (``medusa_lm_head.safetensors``
+    / ``.pt`` + config.json: ``weights.medusa_format``, width and vocabulary checked), or, with no
+    source, the reference initialisation (ResBlock W = 0, LM heads = the target's; ``trained`` False)."""
+    import jax.numpy as jnp
+
+    from confu_jax.models.medusa import config_of, init_medusa
+    from confu_jax.runs.medusa import is_medusa_workdir, load_medusa_run
+    from confu_jax.weights.medusa_format import is_medusa_dir, load_medusa_dir
+
+    if source is None:
+        from confu_jax.models.target import embedding_table
+        w, axis = ((embedding_table(target_params), 0) if target_cfg.tie_embeddings
+                   else (target_params["lm_head"]["kernel"], 1))
+        heads = jax.device_get(init_medusa(jax.random.PRNGKey(seed), num_heads, 1, jnp.asarray(w), axis))
+        trained, desc = False, f"Medusa reference initialisation ({num_heads} heads, seed {seed})"
+    else:
+        path = os.path.abspath(os.path.expanduser(source))
+        if is_medusa_workdir(path):
+            run = load_medusa_run(path, target_cfg, target_params, target_source=target_source)
+            heads, desc = run.heads, run.source
+        elif is_medusa_dir(path):
+            imp = load_medusa_dir(path)
+            heads, desc = imp.heads, f"{path} (FasterDecoding Medusa format)"
+        else:
+            raise ValueError(f"{source}: neither a Medusa launch.train workdir (config.json with a 'medusa' section "
+                             "+ checkpoints/) nor a FasterDecoding Medusa directory (medusa_lm_head.safetensors/.pt)")
+        c = config_of(heads)
+        if c.d_model != target_cfg.d_model:
+            raise ValueError(f"{source}: Medusa heads of width {c.d_model} cannot read a target of width "
+                             f"{target_cfg.d_model}")
+        if c.vocab_size < target_cfg.vocab_size:
+            raise ValueError(f"{source}: Medusa heads over {c.vocab_size} tokens; the target has {target_cfg.vocab_size}")
+        trained = True
+    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size))
+    return DecodeHead(spec, SpecParams(target=target_params, draft={"medusa": heads}, confu={}, draft_vocab={}),
+                      trained, desc)
+
+
 def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workdir: Optional[str] = None,
                 seed: int = 0, target_source: str = "the loaded target", target_tokenizer=None) -> DecodeHead:
     """The head ``method`` drafts with: trained (``workdir``), random, none (model-free methods,
     which refuse a workdir), or for draft-model methods the draft model of source ``workdir``
     (``draft_model_head``; ``target_tokenizer`` checks an external model's tokenizer)."""
     m = get_method(method)
+    if m.family == "medusa":
+        return medusa_head(target_cfg, target_params, workdir, seed, target_source=target_source)
     if m.family in ("draft_model", "sd2"):
         return draft_model_head(method, target_cfg, target_params, workdir, target_tokenizer=target_tokenizer,
                                 target_source=target_source)

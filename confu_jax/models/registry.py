@@ -20,7 +20,7 @@ class Variant:
     description: str
 
 
-FAMILIES = ("ar", "head", "lookup", "hybrid", "auto", "draft_model", "sd2")  # drafter families (decode.drafters maps them to classes)
+FAMILIES = ("ar", "head", "lookup", "hybrid", "auto", "draft_model", "sd2", "medusa")  # drafter families (decode.drafters maps them to classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,8 @@ METHODS: dict = {m.name: m for m in (
            "first N layers, or a GGUF / HF checkpoint), with its own KV cache", "draft_model"),
     Method("sd2", (), "SD²: a draft model steered by the target's hidden states (trained with configs/*_sd2.py)",
            "sd2"),
+    Method("medusa", (), "Medusa-1 heads on the target's last hidden state (trained with configs/*_medusa.py, or a "
+           "FasterDecoding medusa_lm_head directory)", "medusa"),
     Method("auto", (), "benchmark only: budget auto across the run's other methods (family and plan)", "auto"),
 )}
 

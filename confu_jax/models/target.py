@@ -44,12 +44,14 @@ class VerifyOutput(NamedTuple):
     future_btd: Optional[jax.Array]  # [B,M,d] f of each contemplate (M = T: one after each node); None for eagle3
     k_new_lbthd: jax.Array  # [L,B,T,Hkv,hd] the nodes' post-RoPE keys (contemplates' are never kept)
     v_new_lbthd: jax.Array
+    hidden_btd: Optional[jax.Array] = None  # [B,T,d] the nodes' final-normed hidden states (Medusa heads read them)
 
 
 class PrefillOutput(NamedTuple):
     last_logits_bv: jax.Array  # [B,V] float32 logits at the last prompt token (samples the first bonus)
     h_cat_btc: jax.Array  # [B,T,3d] taps of every prompt token (draft features for the draft prefill)
     future_bd: Optional[jax.Array]  # [B,d] f of the contemplate after the last prompt token; None for eagle3
+    last_hidden_bd: Optional[jax.Array] = None  # [B,d] final-normed hidden state at the last prompt token
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -215,7 +217,7 @@ def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVC
         anchor = (cache.length_b + last)[:, None]
         future_bd = contemplate_queries(spec, target_params, confu_params, new_cache.k_lbhsd, new_cache.v_lbhsd,
                                    anchor, src[:, None])[:, 0]
-    return PrefillOutput(last_logits, out.taps_btc, future_bd), new_cache
+    return PrefillOutput(last_logits, out.taps_btc, future_bd, out.hidden_btd[rows, last]), new_cache
 
 
 def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCache, tokens_bt: jax.Array,
@@ -242,7 +244,7 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
         positions = cache.length_b[:, None] + depth_bt.astype(jnp.int32)
         out = _forward(spec, tp, tokens_bt, positions, block_mask_btt=anc_btt, **common)
         return VerifyOutput(lm_logits(spec, tp, out.hidden_btd), out.taps_btc, None,
-                            out.k_new_lbthd, out.v_new_lbthd)
+                            out.k_new_lbthd, out.v_new_lbthd, out.hidden_btd)
     _require_future(spec, confu_params, "verify")
     if con_src_bc is None:
         raise ValueError("verify: ConFu variants need con_src_bc [B,3d] (h_cat of the last accepted token)")
@@ -261,4 +263,5 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
         out.hidden_btd[:, t:],
         out.k_new_lbthd[:, :, :t],
         out.v_new_lbthd[:, :, :t],
+        out.hidden_btd[:, :t],
     )

@@ -1,0 +1,162 @@
+"""Medusa-1 training: K heads on the frozen target's last hidden state (docs/DESIGN.md §11 "Medusa").
+
+Why this objective: Medusa-1 trains only the heads (the backbone is frozen, so its outputs — and the
+speculative loop's losslessness — are untouched). The target runs once per row
+(``real_forward``), giving h[t] = its final-normed hidden state at every position; head k
+(0-based, ``models.medusa``) at position t is trained to predict x[t+k+2] with cross-entropy, and
+the heads' losses are summed with weights λ^k::
+
+    loss = Σ_k  λ^k · mean_{t : m[t+k+2]}  CE( head_k(h[t]), x[t+k+2] )
+
+λ = ``config.medusa.decay_coefficient`` (0.8: the reference recipe's ``medusa_decay_coefficient``,
+FasterDecoding's axolotl fork ``src/axolotl/utils/models.py``; the legacy trainer
+``medusa/train/train_legacy.py`` ``CustomizedTrainer.compute_loss`` is the same loop with λ = 1,
+``medusa_logits = logits[i, :, : -(2 + i)]`` against ``labels[..., 2 + i :]``). m = the loss mask
+(answer tokens; padding excluded). In this project the training answers are already the target's
+own greedy outputs (self-distilled data), which is Medusa's self-distillation recipe with hard
+labels. ``config.medusa.distill = True`` swaps the hard labels for the target's own distribution at
+t+k+1 (KL(p_target(·|x≤t+k+1) ‖ head_k(h[t])), the soft-label form of Medusa's self-distillation),
+same weights and mask.
+
+Evaluation (held-out batches): ``loss``, ``ce/head{k}``, ``acc/head{k}`` (top-1 of head k equal to
+x[t+k+2], over the positions where x[t+k+2] is an answer token) and ``acceptance_length``: from every
+position t whose next token is an answer token, 1 + the leading run of heads 0.. that are right —
+what a greedy ``chain:K`` would accept there on this text (exact when the text is the target's own
+greedy output). Exact resumption comes from the train loop (``train.loop``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from confu_jax import sharding as shd
+from confu_jax.models.medusa import init_medusa, medusa_logits
+from confu_jax.models.spec import model_spec_from_config
+from confu_jax.models.target import real_forward
+from confu_jax.models.vocab_map import to_target_vocab
+from confu_jax.runs.heads import target_fingerprint
+from confu_jax.train.loss import lm_head_layout
+from confu_jax.train.target_loading import load_target
+from confu_jax.train.task import TrainTask
+
+
+def default_medusa_config() -> ml_collections.ConfigDict:
+    """``config.medusa``."""
+    c = ml_collections.ConfigDict()
+    c.num_heads = 4  # medusa_num_heads (the reference's default is 5; decode depth <= num_heads)
+    c.num_layers = 1  # medusa_num_layers (ResBlocks per head; every published head has 1)
+    c.decay_coefficient = 0.8  # λ: head k's loss weight λ^k (reference medusa_decay_coefficient)
+    c.distill = False  # True: KL to the target's own distribution instead of CE on the data's tokens
+    return c
+
+
+def apply_medusa_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Turn a ``configs.common.base_config`` into a Medusa config (the head sections stay, unread)."""
+    config.train.task = "confu_jax.train.medusa_task:build_task"
+    config.medusa = default_medusa_config()
+    return config
+
+
+def medusa_loss(spec, heads, target_params, batch, *, decay: float, distill: bool = False):
+    """(loss, metrics) of one batch (module docstring); metrics: ``ce/head{k}``, ``acc/head{k}``,
+    ``count/head{k}`` and the chain ``acceptance_length``."""
+    tokens = batch["tokens"]
+    b, n = tokens.shape
+    mask = batch["loss_mask"].astype(bool)
+    if "attention_mask" in batch:
+        mask = mask & batch["attention_mask"].astype(bool)
+    tgt = real_forward(spec, target_params, tokens, return_logits=distill)
+    h_bnd = jax.lax.stop_gradient(tgt.hidden_btd)
+    teacher_logp = None if not distill else jax.nn.log_softmax(jax.lax.stop_gradient(tgt.logits_btv), -1)
+    n_heads = heads["lm_head"]["kernel"].shape[0]
+    vocab = spec.target.vocab_size
+    loss = jnp.zeros((), jnp.float32)
+    metrics, hits = {}, []
+    for k in range(n_heads):
+        shift = k + 2
+        if shift >= n:
+            raise ValueError(f"Medusa head {k} predicts {shift} tokens ahead; training rows hold only {n} tokens")
+        head_k = jax.tree_util.tree_map(lambda x, k=k: x[k:k + 1], heads)
+
+        @jax.checkpoint  # the [B, N, V] logits of one head are recomputed in the backward pass
+        def head_terms(head_k, h, labels, teacher):
+            logp = jax.nn.log_softmax(to_target_vocab(medusa_logits(head_k, h)[0], vocab), axis=-1)
+            if teacher is None:
+                nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+            else:
+                p = jnp.exp(teacher)
+                nll = jnp.sum(jnp.where(p > 0, p * (teacher - jnp.maximum(logp, -1e30)), 0.0), axis=-1)
+            return nll, jnp.argmax(logp, axis=-1)
+
+        labels = tokens[:, shift:]
+        teacher = None if teacher_logp is None else teacher_logp[:, shift - 1:n - 1]
+        nll, top1 = head_terms(head_k, h_bnd[:, :n - shift], labels, teacher)
+        valid = mask[:, shift:]
+        w = valid.astype(jnp.float32)
+        count = w.sum()
+        ce = jnp.sum(nll * w) / jnp.maximum(count, 1.0)
+        hit = (top1 == labels) & valid
+        loss = loss + (decay ** k) * ce
+        metrics[f"ce/head{k}"] = ce
+        metrics[f"acc/head{k}"] = jnp.sum(hit) / jnp.maximum(count, 1.0)
+        metrics[f"count/head{k}"] = count
+        hits.append(jnp.pad(hit, ((0, 0), (0, shift))))  # indexed by t: [B, N]
+    # chain τ from every start t whose next token x[t+1] is an answer token
+    start = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
+    run = jnp.sum(jnp.cumprod(jnp.stack(hits).astype(jnp.int32), axis=0), axis=0)  # [B, N]
+    ws = start.astype(jnp.float32)
+    metrics["acceptance_length"] = 1.0 + jnp.sum(run * ws) / jnp.maximum(ws.sum(), 1.0)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def build_task(config) -> TrainTask:
+    """The TrainTask of a Medusa config (``configs/tiny_medusa.py``, ``configs/smollm2_medusa.py``)."""
+    from confu_jax.train.confu_task import synthetic_data
+    from confu_jax.train.real_data import real_data
+
+    if config.data.get("pack", False):
+        raise ValueError("config.data.pack: Medusa training reads padded rows only (turn data.pack off)")
+    if config.model.attention_impl != "xla":
+        raise ValueError(f"config.model.attention_impl={config.model.attention_impl!r} cannot train; use 'xla'")
+    mc = config.medusa
+    k, layers, decay, distill = int(mc.num_heads), int(mc.num_layers), float(mc.decay_coefficient), bool(mc.distill)
+    if k < 1 or layers < 0 or not 0 < decay <= 1:
+        raise ValueError(f"config.medusa: need num_heads >= 1, num_layers >= 0, 0 < decay_coefficient <= 1; "
+                         f"got {k}, {layers}, {decay}")
+    spec, target_host = load_target(config, model_spec_from_config(config))
+    synthetic = config.model.source == "random"
+    _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
+                                       else real_data(config, spec))
+    pd = jnp.dtype(config.draft.get("param_dtype", "float32")) if "draft" in config else jnp.float32
+
+    def init_params(rng):
+        w, axis = lm_head_layout(spec, target_host)
+        return {"draft": {"medusa": init_medusa(rng, k, layers, jnp.asarray(w), axis, pd)}}
+
+    def loss_fn(trainable, frozen, batch, rng):
+        del rng
+        return medusa_loss(spec, trainable["draft"]["medusa"], frozen["target"], batch, decay=decay,
+                           distill=distill)
+
+    def eval_fn(trainable, frozen, batch, rng):
+        return loss_fn(trainable, frozen, batch, rng)[1]
+
+    frozen_host = {"target": target_host}
+    return TrainTask(
+        init_params=init_params,
+        frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen_host),
+        load_frozen=lambda shardings: shd.put_tree(frozen_host, shardings),
+        loss_fn=loss_fn,
+        train_iterator=train_iterator,
+        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
+        eval_fn=eval_fn,
+        axis_units=shd.llama_axis_units(spec.target.head_dim),
+        target_fingerprint=target_fingerprint(target_host),
+        target_source=str(config.model.source),
+        description=(f"Medusa-1: {k} heads x {layers} ResBlock(s) on '{config.model.preset}' "
+                     f"({'self-distilled random data' if synthetic else config.data.train_files}), "
+                     f"{'KL to the target' if distill else 'CE'} weighted {decay}^k"),
+    )
