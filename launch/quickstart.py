@@ -230,21 +230,17 @@ RELEASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def released_heads(root: str = RELEASES) -> dict:
     """{variant: folder} of the head releases present (``<root>/smollm2_<variant>``), each
     hash-checked against its manifest here (``decode.heads`` checks again when it loads them)."""
-    from confu_jax.runs.head_release import is_head_release, verify_head_release
+    from confu_jax.runs.head_release import find_released_heads
 
-    out = {}
-    for v in VARIANTS:
-        path = os.path.join(root, f"smollm2_{v}")
-        if is_head_release(path):
-            manifest = verify_head_release(path)
-            tau = ", ".join(f"{k} {x}" for k, x in (manifest.get("tau") or {}).items())
-            print(f"[{v}] released head {path} ({manifest['training'].get('tokens_seen', '?')} tokens seen; "
-                  f"measured τ: {tau or 'n/a'})", flush=True)
-            out[v] = path
-    if "eagle3" not in out:
+    found = find_released_heads(root, VARIANTS)
+    for v, (path, manifest) in found.items():
+        tau = ", ".join(f"{k} {x}" for k, x in (manifest.get("tau") or {}).items())
+        print(f"[{v}] released head {path} ({manifest['training'].get('tokens_seen', '?')} tokens seen; "
+              f"measured τ: {tau or 'n/a'})", flush=True)
+    if "eagle3" not in found:
         raise FileNotFoundError(f"no released EAGLE-3 head in {root}/smollm2_eagle3 (a clone without releases/?): "
                                 "run with --train to train the heads here")
-    return out
+    return {v: path for v, (path, _) in found.items()}
 
 
 def main(argv):

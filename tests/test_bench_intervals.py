@@ -147,7 +147,7 @@ def test_single_question_groups_get_no_interval_and_no_degenerate_stratification
 def test_accepted_ratio_matches_scipy_and_tau_compare_reads_two_outputs(tmp_path):
     """(τ−1) ratio, paired by question, against scipy's paired bootstrap; ``launch.tau_compare`` finds
     the rows in two results files and pairs only the questions both ran."""
-    import importlib
+    from confu_jax.bench import compare as tc
 
     rng = np.random.default_rng(4)
     a_logs, _ = _logs(rng, cats=("stem",), n_per_cat=16)
@@ -164,7 +164,6 @@ def test_accepted_ratio_matches_scipy_and_tau_compare_reads_two_outputs(tmp_path
     _close_interval(ours["ci"], r.confidence_interval)
     assert ours["ratio"] == pytest.approx(float(fn(*cols, axis=0)))
 
-    tc = importlib.import_module("launch.tau_compare")
     q_a = {str(q): v for q, v in table.items()}
     q_b = {str(q): v for q, v in ref.items() if q != ids[0]}  # the reference lacks one question
     for name, method, q in (("a.json", "sd2", q_a), ("b.json", "draft_model", q_b)):

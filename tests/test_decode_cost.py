@@ -62,21 +62,18 @@ def test_cli_prints_the_table_and_writes_json(tmp_path):
 
 
 def test_split_iteration_runs_the_loops_drafter_on_a_tiny_head():
-    """``--measure``'s draft / verify / commit split drives the loop through the ``Drafter`` interface
+    """``launch.decode_cost --measure``'s draft / verify / commit split drives the loop through the ``Drafter`` interface
     (it broke silently once when drafting moved behind it): each phase compiles and runs, and the
     rule is the one the plan verifies with at that temperature."""
-    import importlib
-
     from confu_jax.decode import plans
     from confu_jax.decode.heads import decode_head
     from confu_jax.models.llama import init_params
 
-    cost = importlib.import_module("launch.decode_cost")
     cfg = get_preset("tiny").replace(eos_token_ids=())
     tp = init_params(cfg, jax.random.PRNGKey(0))
     head = decode_head("eagle3", cfg, tp)
     for temperature, rule in ((0.0, "greedy"), (0.7, "sampled_tree")):
-        out = cost.split_iteration(head, plans.parse_plan("chain:3"), [3, 1, 4, 1, 5], max_len=64, repeats=1,
+        out = dc.split_iteration(head, plans.parse_plan("chain:3"), [3, 1, 4, 1, 5], max_len=64, repeats=1,
                                    temperature=temperature)
         assert out["rule"] == rule
         assert all(np.isfinite(out[k]) for k in ("draft_ms", "verify_ms", "accept_commit_ms"))

@@ -293,15 +293,15 @@ def test_budget_auto_lookup_candidates():
 def test_method_budgets_and_quickstart_release_heads(tmp_path):
     """``run_benchmark(method_budgets=...)`` runs only the named budgets for those methods (the
     quickstart's fixed plans + method auto's budget auto); the quickstart's released heads are
-    hash-checked: the repo's EAGLE-3 release is found, a clone without it or an altered copy is refused."""
-    import importlib
+    hash-checked (``runs.head_release.find_released_heads``): the repo's EAGLE-3 release is found, a
+    folder without it yields nothing, an altered copy is refused."""
     import os
     import shutil
 
     from confu_jax.bench import spec_bench
     from confu_jax.bench.prompts import load_question_file
     from confu_jax.data.chat import ChatTokenizer
-    from confu_jax.runs.head_release import HeadReleaseError
+    from confu_jax.runs.head_release import HeadReleaseError, find_released_heads
     from confu_jax.weights import load_model
     from tests.fixtures.tiny_chat_model import tiny_chat_gguf
 
@@ -315,14 +315,13 @@ def test_method_budgets_and_quickstart_release_heads(tmp_path):
                                     method_budgets={"auto": ["auto"], "lookup": ["chain:2"]}, log=lambda m: None)
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("lookup", "chain:2"), ("auto", "auto")]
 
-    qs = importlib.import_module("launch.quickstart")
-    heads = qs.released_heads()
-    assert set(heads) >= {"eagle3"} and heads["eagle3"].endswith(os.path.join("releases", "heads", "smollm2_eagle3"))
-    with pytest.raises(FileNotFoundError, match="--train"):
-        qs.released_heads(str(tmp_path / "empty"))
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "releases", "heads")
+    heads = find_released_heads(root, ("eagle3", "confu"))
+    assert set(heads) >= {"eagle3"} and heads["eagle3"][1]["name"] == "smollm2_eagle3"
+    assert find_released_heads(str(tmp_path / "empty"), ("eagle3",)) == {}
     copy = tmp_path / "rel" / "smollm2_eagle3"
-    shutil.copytree(heads["eagle3"], copy)
+    shutil.copytree(heads["eagle3"][0], copy)
     with open(copy / "config.json", "a") as f:
         f.write(" ")
     with pytest.raises(HeadReleaseError, match="config.json"):
-        qs.released_heads(str(tmp_path / "rel"))
+        find_released_heads(str(tmp_path / "rel"), ("eagle3",))

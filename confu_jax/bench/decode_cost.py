@@ -68,3 +68,59 @@ def stream_bandwidth() -> float:
         jax.block_until_ready(f(x))
         ts.append(time.perf_counter() - t0)
     return x.nbytes / min(ts)
+
+
+def split_iteration(head, plan, prompt, max_len: int, repeats: int, temperature: float = 0.0) -> dict:
+    """Wall time of one speculative iteration split into draft / verify / accept+commit (ms).
+
+    Three AOT-compiled programs on the same loop state (after prefill): the draft tree alone,
+    draft + target verification pass + acceptance rule, and the whole ``loop.iteration``; the
+    parts are their differences (medians over ``repeats`` calls each). The layer-unrolled weight
+    buffers are made once, outside the timed calls, as the loop does.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from confu_jax.decode import drafting, loop
+    from confu_jax.decode.drafter import DraftInput
+    from confu_jax.models.unrolled import split_layers
+
+    spec = head.spec
+    args, static = loop.prepare_spec_inputs(spec, plan, [prompt], max_new_tokens=8, eos_ids=(),
+                                            max_len=max_len, temperature=temperature)
+    tokens_bt, lengths_b, temp, top_p, eos_e, key = args
+    kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
+    rule = static["rule"]
+    params = head.params
+    if static["unroll_layers"]:
+        params = jax.jit(lambda p: p.replace(target=split_layers(p.target, spec.target)))(params)
+    temp, top_p = jnp.float32(temp), jnp.float32(top_p)
+    state = jax.jit(lambda p: loop._prefill(spec, p, plan, tokens_bt, lengths_b, temp, top_p, eos_e, key,
+                                            **kw))(params)
+
+    drafter = drafting.HeadDrafter(plan)
+
+    def draft(p, s):
+        return drafter.propose(spec, p, s.drafter, DraftInput(s.root_b, s.cache.length_b - 1, s.done_b, s.key,
+                                                              temp, top_p))
+
+    def draft_verify(p, s):
+        return loop._verify(spec, p, rule, s, draft(p, s), s.key, temp, top_p)[1]
+
+    def whole(p, s):
+        return loop.iteration(spec, p, plan, rule, s, temp, top_p, eos_e, **kw)
+
+    runs = {name: jax.jit(fn).lower(params, state).compile()
+            for name, fn in (("draft", draft), ("draft_verify", draft_verify), ("iteration", whole))}
+    samples = {name: [] for name in runs}
+    for run in runs.values():
+        jax.block_until_ready(run(params, state))
+    for _ in range(repeats):  # round-robin: a slow spell hits the three alike
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(params, state))
+            samples[name].append(time.perf_counter() - t0)
+    times = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+    return {"draft_ms": times["draft"] * 1e3, "verify_ms": (times["draft_verify"] - times["draft"]) * 1e3,
+            "accept_commit_ms": (times["iteration"] - times["draft_verify"]) * 1e3,
+            "iteration_ms": times["iteration"] * 1e3, "rule": rule}

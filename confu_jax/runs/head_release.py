@@ -109,3 +109,16 @@ def write_head_manifest(directory: str, *, name: str, files: list, data: Optiona
         json.dump(manifest, f, indent=1)
     os.replace(tmp, os.path.join(directory, MANIFEST))
     return manifest
+
+
+def find_released_heads(root: str, variants, prefix: str = "smollm2_") -> dict:
+    """{variant: (folder, manifest)} of the head releases ``<root>/<prefix><variant>`` present, each
+    hash-checked (``verify_head_release``: an altered file is refused, naming it). Variants without
+    a release folder are left out."""
+    out = {}
+    for v in variants:
+        path = os.path.join(root, f"{prefix}{v}")
+        if is_head_release(path):
+            out[v] = (path, verify_head_release(path))
+    return out
+
