@@ -1,6 +1,6 @@
 """The main job on a fresh machine: SmolLM2 + the released draft heads + speculative decoding.
 
-    python -m launch.quickstart                       # released heads: < 8 min on 2 CPU cores
+    python -m launch.quickstart                       # released heads (no training)
     python -m launch.quickstart --train               # the whole pipeline from scratch: < 20 min
     python -m launch.quickstart --train --train_steps 20 --n_prompts 2 --max_new_tokens 32   # a few minutes
 
