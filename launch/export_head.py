@@ -3,13 +3,16 @@
     python -m launch.export_head --workdir runs/smollm2_eagle3 --format eagle3 --out exports/e3_sglang
     python -m launch.export_head --workdir runs/smollm2_eagle3 --format speculators --out exports/e3_vllm \
         --embed_from smollm2-135m-instruct
+    python -m launch.export_head --workdir runs/smollm2_medusa --format medusa --out exports/medusa --dtype bfloat16
 
 ``--format eagle3`` writes the official EAGLE-3 layout (config.json + model.safetensors, tensors
 ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` as offsets, ``t2d``), which SGLang and SpecForge
 load; ``--format speculators`` writes vLLM's format (``speculators_config``, ``layers.0.*``). Layouts
 and their conventions: README "EAGLE-3 heads from and to other frameworks". Heads in either format
 also load here: ``launch.generate --draft_ckpt DIR``, ``launch.decode_bench --heads``, and
-``train.checkpoint.init_from=DIR``.
+``train.checkpoint.init_from=DIR``. ``--format medusa`` writes a Medusa run's heads as FasterDecoding's
+``medusa_lm_head.safetensors`` + ``config.json`` (``weights.medusa_format``), which load back here
+(``--heads medusa=DIR``) and in Medusa's own code.
 
 A ConFu head exports its EAGLE-3 part only (fc, the draft layer, LM head): serving engines have no
 contemplate tokens, so its future path (soft prompts, MoE_con, MoE_f) is dropped, with a warning.
@@ -26,8 +29,9 @@ from absl import app, flags
 flags.DEFINE_string("workdir", None, "a launch.train workdir (config.json + checkpoints/) holding the head",
                     required=True)
 flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
-flags.DEFINE_enum("format", "eagle3", ["eagle3", "speculators"],
-                  "eagle3: official EAGLE-3 layout (SGLang, SpecForge); speculators: vLLM's format")
+flags.DEFINE_enum("format", "eagle3", ["eagle3", "speculators", "medusa"],
+                  "eagle3: official EAGLE-3 layout (SGLang, SpecForge); speculators: vLLM's format; "
+                  "medusa: FasterDecoding's medusa_lm_head.safetensors + config.json (a Medusa run)")
 flags.DEFINE_string("out", None, "output directory (created; existing config.json / model.safetensors are "
                     "overwritten)", required=True)
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
@@ -49,6 +53,8 @@ def main(argv):
     from confu_jax.weights.eagle3_formats import eagle3_part, export_head
 
     workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+    if FLAGS.format == "medusa":
+        return export_medusa(workdir)
     if FLAGS.embed_from and FLAGS.format != "speculators":
         raise app.UsageError("--embed_from is for --format speculators (the official format has no embedding)")
     head = load_trained_head(workdir, FLAGS.step)
@@ -73,6 +79,24 @@ def main(argv):
         n_keys = len(json.load(f))
     print(f"exported {workdir} (step {head.step}, {spec.head.variant} part) to {out} in the {FLAGS.format} format "
           f"({n_keys} config keys, taps {list(spec.taps)}, draft vocab {spec.head.draft_vocab_size})")
+
+
+def export_medusa(workdir: str) -> None:
+    """A Medusa run (configs/*_medusa.py) in FasterDecoding's format; its target is loaded from the
+    run's config as training loaded it (the fingerprint in target.json is checked)."""
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.runs.heads import read_config
+    from confu_jax.runs.medusa import export_medusa_run
+    from confu_jax.train.target_loading import load_target
+
+    if FLAGS.embed_from or FLAGS.verifier:
+        raise app.UsageError("--embed_from / --verifier are for --format speculators")
+    config = read_config(workdir)
+    spec, target_params = load_target(config, model_spec_from_config(config))
+    run = export_medusa_run(workdir, FLAGS.out, spec.target, target_params, step=FLAGS.step,
+                            dtype=FLAGS.dtype or "float32", target_source=str(config.model.source))
+    print(f"exported {workdir} (step {run.step}, Medusa heads) to {FLAGS.out} in the FasterDecoding format "
+          f"(medusa_lm_head.safetensors + config.json, {FLAGS.dtype or 'float32'})")
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     if mesh is not None:
         head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
     if not head.trained and REGISTERED_METHODS[method].needs_head:
-        print(f"[{method}] no --draft_ckpt: using a RANDOMLY INITIALISED draft head ({head.source}); "
+        print(f"[{method}] no --draft_ckpt: using an UNTRAINED draft head ({head.source}); "
               "output is still the target's, but expect tau ~ 1", file=sys.stderr)
     t0 = time.perf_counter()
     run, args = compile_speculative(

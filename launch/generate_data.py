@@ -497,8 +497,8 @@ def _define_flags(flag_values=None):
     flags.DEFINE_integer("num_shards", 1, "split the conversations over this many processes/hosts (by id hash)")
     flags.DEFINE_integer("shard_index", 0, "which shard this process generates; its output gets a "
                          "'.shard-IIIII-of-NNNNN' suffix when num_shards > 1")
-    flags.DEFINE_string("release", "", "a data release folder (releases/data/<name>, confu_jax.data.releases): "
-                        "conversations it holds are not generated again")
+    flags.DEFINE_list("release", [], "data release folders (releases/data/<name>, confu_jax.data.releases), "
+                      "comma-separated: conversations any of them holds are not generated again")
     return flags.FLAGS
 
 
@@ -586,9 +586,10 @@ def main(argv):
     convs = [keep_turns(c, f.max_turns) for c in convs if shard_of(c["id"], f.num_shards) == f.shard_index]
     output = shard_output(f.output, f.shard_index, f.num_shards)
     n_released = 0
-    if f.release:
-        convs, n_released = drop_released(convs, f.release)
-        log.info("%s: %d conversations already released, not generated again", f.release, n_released)
+    for release in f.release:
+        convs, n_dropped = drop_released(convs, release)
+        n_released += n_dropped
+        log.info("%s: %d conversations already released, not generated again", release, n_dropped)
     tokenizer = ChatTokenizer.load(f.tokenizer or f.model)
     cfg, params = load_model(f.model, f.dtype or None)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)

@@ -79,7 +79,7 @@ DEFAULT_BUNDLE = os.path.join(ROOT, ".gpu_bundle")
 MODEL = "smollm2-135m-instruct"
 CPU_RELEASE = os.path.join("releases", "data", "sharegpt_smollm2")  # skipped by --release
 RELEASE_NAME = "sharegpt_smollm2_gpu"
-STAGES = ("setup", "model", "data", "release", "eagle3", "confu", "bench")
+STAGES = ("setup", "model", "data", "release", "eagle3", "confu", "medusa", "bench")
 
 # Device limits (/work/.library/device/README.md): what travels and what comes back per call.
 TRAVEL_LIMIT = 64 * 2**20
@@ -128,6 +128,10 @@ class Scale:
     gen_sampled_temperature: float = 1.0
     data_s: int = 420  # time box of the data stage, seconds over all calls (compiles included)
     release_level: int = 19  # zstandard level of the release parts
+    # where the repository keeps earlier campaigns' releases (releases/data/sharegpt_smollm2_gpu*):
+    # generation skips their conversations, packing continues them (append-only), training reads
+    # them. '' = ignore them (the dry run, whose tiny model made none of them)
+    repo_releases: str = "releases/data"
     # training: launch.train, EAGLE-3 then ConFu from its step E (experiments/headline.sh's protocol)
     model_preset: str = ""  # '' = the configs' (smollm2-135m); the dry run's tiny model: tiny-chat
     train_dtype: str = "bfloat16"  # target + draft compute (draft params stay float32)
@@ -137,6 +141,11 @@ class Scale:
     plus_steps: int = 400  # P: steps every head trains after the branch point
     replan: int = 1  # re-plan E and P once from EAGLE-3's measured step time
     confu_cost: float = 1.35  # ConFu step time / EAGLE-3's (the planner's assumption)
+    # other drafter families trained at EAGLE-3's budget (same data, rows, length and E + P steps:
+    # equal token-steps) and benchmarked beside it; '' = none. Known: medusa (configs/smollm2_medusa.py;
+    # its four full-vocabulary LM heads are 226 MB in bf16, too large to bring back: its numbers do)
+    families: str = ""
+    medusa_cost: float = 0.6  # Medusa step time / EAGLE-3's (the planner's assumption: no TTT)
     train_s: int = 540  # time box of both trainings, seconds (compiles included)
     min_steps: int = 100  # the planner never goes below E = P = min_steps / 2
     ttt_steps: int = 4
@@ -151,6 +160,10 @@ class Scale:
     eval_batches: int = 1
     num_workers: int = 8  # data-loading processes (tokenisation holds the GIL)
     log_every: int = 10
+    # XLA flags of the training launches only. The first campaign's EAGLE-3 launch logged nothing
+    # in 259 s after building its task, XLA's GPU autotuner being the last thing heard from
+    # (docs/RESULTS.md "H200"); the 15-minute scale turns autotuning off.
+    train_xla_flags: str = ""
     # benchmark: launch.decode_bench
     bench_methods: str = "eagle3,confu,lookup,hybrid"
     bench_budgets: str = "chain:3,dynamic:6,10,60,auto"
@@ -162,6 +175,7 @@ class Scale:
     # budget auto's candidates ('' = bench.budget's defaults: 12 head plans, one compile each)
     auto_head_plans: str = "chain:1;chain:2;chain:3;chain:4;dynamic:5,6,16;dynamic:6,10,60"
     auto_lookup_plans: str = "chain:2;chain:3;chain:4;lookup:4,2"
+    auto_medusa_plans: str = "chain:1;chain:2;chain:3;chain:4;tree:3,2,2;dynamic:4,8,24"  # depth <= its 4 heads
     bench_s: int = 300  # what the planner keeps for the benchmark
     # time
     call_s: int = 560  # this call's work stops by then (the device kills a command at 600 s)
@@ -175,8 +189,16 @@ TINY = dict(  # the CPU dry run: same stages and flags, a tiny model, a dozen co
     replan=0, train_s=900, min_steps=2, ttt_steps=2, k_train=8, draft_vocab=64, draft_vocab_records=0, warmup=1,
     ckpt_every=2, eval_every=0, eval_batches=0, num_workers=0, log_every=1, bench_budgets="chain:3",
     bench_prompts="mtbench:1", bench_n_per_category=0, bench_max_new=8, bench_calibration="", bench_min_bucket=64,
-    bench_s=900, call_s=1800, total_s=3600, margin_s=5)
-SCALES = {"gpu": {}, "tiny": TINY}
+    bench_s=900, call_s=1800, total_s=3600, margin_s=5, repo_releases="", families="medusa")
+# A lent machine with 15 minutes of device time (the usual loan since 2026-11): no generation (the
+# repository's releases hold 4.1 M answer tokens), both trainings and a short benchmark in call 2,
+# a third call only for what did not fit. Heads with an 8192-token draft vocabulary: both fit one
+# call's 64 MiB together with the results.
+GPU15 = dict(
+    gen_passes=0, draft_vocab=8192, e3_steps=100, plus_steps=100, train_s=390, min_steps=40, log_every=1,
+    train_xla_flags="--xla_gpu_autotune_level=0", bench_methods="eagle3,confu", bench_budgets="chain:3",
+    bench_n_per_category=1, bench_calibration="", bench_s=110, total_s=820, call_s=565)
+SCALES = {"gpu": {}, "gpu15": GPU15, "tiny": TINY}
 
 
 def resolve_scale(name: str, env=None) -> Scale:
@@ -635,10 +657,10 @@ class Campaign:
                 self.save()
         rc = proc.returncode
         self.log(f"{name}: exit {rc} after {time.time() - t:.0f} s")
-        if rc != 0 and not stopped:
+        if rc != 0:  # failed, or stopped by the time box: what it was doing goes into this call's log
             with open(log_file, errors="replace") as f:
-                tail = f.read()[-3000:]
-            self.log(f"{name}: FAILED; the end of logs/{name}.log:\n{tail}")
+                tail = f.read()[-3000 if not stopped else -1200:]
+            self.log(f"{name}: {'stopped' if stopped else 'FAILED'}; the end of logs/{name}.log:\n{tail}")
         return rc, stopped
 
     # -- stages
@@ -756,11 +778,21 @@ class Campaign:
         return "done"
 
     def data_passes(self) -> list[tuple[str, float, str]]:
-        """(key, temperature, release name) of each generation pass."""
+        """(key, temperature, release name) of each generation pass (none at gen_passes = 0: the
+        campaign trains on the repository's releases)."""
+        if self.scale.gen_passes < 1:
+            return []
         passes = [("greedy", 0.0, RELEASE_NAME)]
         if self.scale.gen_passes > 1:
             passes.append(("sampled", float(self.scale.gen_sampled_temperature), RELEASE_NAME + "_sampled"))
         return passes
+
+    def released_elsewhere(self) -> list[str]:
+        """Releases in the repository whose conversations generation skips: the CPU release and
+        every earlier campaign's release of a pass this campaign runs."""
+        repo = self.scale.repo_releases
+        names = [CPU_RELEASE] + ([os.path.join(repo, name) for _, _, name in self.data_passes()] if repo else [])
+        return [n for n in names if os.path.isfile(os.path.join(ROOT, n, "manifest.json"))]
 
     def st_data(self) -> str:
         s, st = self.scale, self.stage("data")
@@ -786,8 +818,9 @@ class Campaign:
                 cmd += ["--dtype", s.gen_dtype]
             if _flag_defined("launch/generate_data.py", "fill_rows"):
                 cmd += ["--fill_rows", s.gen_fill_rows]
-            if os.path.isdir(os.path.join(ROOT, CPU_RELEASE)):
-                cmd += ["--release", CPU_RELEASE]
+            skip = self.released_elsewhere()
+            if skip:
+                cmd += ["--release", ",".join(skip)]
             budget = min(box, self.left())
             if budget < 30:
                 return "later"
@@ -823,11 +856,20 @@ class Campaign:
     def st_release(self) -> str:
         b = self.bundle_meta() or {}
         members, infos = [], {}
+        if not self.data_passes():
+            self.log("release: no generation pass (gen_passes = 0); training uses the repository's releases")
+            return "done"
         for key, _, name in self.data_passes():
             src = self.path("data", f"{key}.jsonl")
             if not os.path.isfile(src) or os.path.getsize(src) == 0:
                 continue
             rel = self.path("release", name)
+            repo_copy = os.path.join(ROOT, self.scale.repo_releases, name) if self.scale.repo_releases else ""
+            if repo_copy and not os.path.isdir(rel) and os.path.isfile(os.path.join(repo_copy, "manifest.json")):
+                # an earlier campaign's release of this recipe: new parts continue it (append-only),
+                # so the folder that comes back replaces the repository's copy
+                shutil.copytree(repo_copy, rel)
+                self.log(f"release: continuing the repository's {self.scale.repo_releases}/{name}")
             p = self.stage("data")["passes"].get(key, {})
             rc, _ = self.run_cmd(f"release_{key}", [
                 sys.executable, "-m", "launch.gpu_campaign", "step", "release", "--input", src, "--release", rel,
@@ -855,13 +897,12 @@ class Campaign:
     def train_overrides(self, run: str) -> list[str]:
         s = self.scale
         fb = self.stage(run).get("fallback", {})
-        train_files = [self.path("release", name) for _, _, name in self.data_passes()
-                       if os.path.isfile(self.path("release", name, "manifest.json"))]
-        if os.path.isdir(os.path.join(ROOT, CPU_RELEASE)):
-            train_files.append(os.path.join(ROOT, CPU_RELEASE))
+        train_files = self.training_releases()
         o = {
             "data.train_files": ",".join(train_files), "data.max_length": s.train_len,
-            "data.global_batch_size": self.train_batch(run), "data.pack": True,
+            # Medusa's task reads padded rows only: its rows carry fewer answer tokens at the same
+            # rows x length (the campaign's token-steps); its metrics.csv says how many it saw
+            "data.global_batch_size": self.train_batch(run), "data.pack": run != "medusa",
             "data.min_loss_tokens": 1, "data.num_workers": fb.get("num_workers", s.num_workers),
             "data.draft_vocab_max_records": s.draft_vocab_records,
             "draft.draft_vocab_size": s.draft_vocab, "draft.ttt_steps": s.ttt_steps,
@@ -877,6 +918,24 @@ class Campaign:
         if s.model_preset:
             o["model.preset"] = s.model_preset
         return [f"--config.{k}={v}" for k, v in o.items()]
+
+    def training_releases(self) -> list[str]:
+        """This campaign's releases, the repository's campaign releases it does not continue, and
+        the CPU release last (held-out evaluation takes the last source's last conversations)."""
+        mine = {n: self.path("release", n) for n in sorted(os.listdir(self.path("release")))
+                if os.path.isfile(self.path("release", n, "manifest.json"))} if os.path.isdir(self.path("release")) else {}
+        repo = os.path.join(ROOT, self.scale.repo_releases) if self.scale.repo_releases else ""
+        theirs = {n: os.path.join(repo, n) for n in (sorted(os.listdir(repo)) if repo and os.path.isdir(repo) else [])
+                  if n.startswith(RELEASE_NAME) and n not in mine and os.path.isfile(os.path.join(repo, n, "manifest.json"))}
+        files = list(mine.values()) + list(theirs.values())
+        if os.path.isdir(os.path.join(ROOT, CPU_RELEASE)):
+            files.append(os.path.join(ROOT, CPU_RELEASE))
+        return files
+
+    def train_env(self) -> dict:
+        """Training's extra XLA flags (``Scale.train_xla_flags``), after any the caller set."""
+        flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), self.scale.train_xla_flags) if f)
+        return {"XLA_FLAGS": flags} if flags else {}
 
     def train_batch(self, run: str) -> int:
         """Rows per step of ``run``: its own fallback's, else (ConFu) EAGLE-3's, else the scale's."""
@@ -941,7 +1000,7 @@ class Campaign:
         if budget < 60:
             return "later"
         t = time.time()
-        rc, stopped = self.run_cmd("eagle3", cmd, budget, on_poll=poll)
+        rc, stopped = self.run_cmd("eagle3", cmd, budget, on_poll=poll, extra_env=self.train_env())
         st["seconds_training"] = st.get("seconds_training", 0.0) + time.time() - t
         if rc != 0 and not stopped:
             if self.fallback("eagle3", workdir):
@@ -962,8 +1021,9 @@ class Campaign:
         spent = time.time() - self.stage("eagle3")["started_t"]
         box = min(s.train_s - spent, self.campaign_left() - s.bench_s - 90)
         compile_confu = 90.0
-        # (E + P - done) * t + P * t * c <= box - compile, with E = P
-        per_unit = sec_per_step * (2 + s.confu_cost)
+        # (E + P - done) * t + P * t * c + (E + P) * t * m <= box - compile, with E = P
+        # (m: the step cost of the other families, trained for E + P steps each)
+        per_unit = sec_per_step * (2 + s.confu_cost + 2 * sum(self.family_costs().values()))
         every = s.ckpt_every
         unit = int(max(0.0, box - compile_confu + done * sec_per_step) / per_unit) // every * every
         floor = -(-max(s.min_steps // 2, done + 1, 1) // every) * every  # E lies ahead of EAGLE-3's step
@@ -978,6 +1038,15 @@ class Campaign:
         plan.update(e3=unit, plus=unit)
         self.save()
         return True  # stop now; the stage relaunches with train.steps = 2 * unit (a resumable change)
+
+    def family_costs(self) -> dict:
+        """{family: step time / EAGLE-3's} of the extra families this campaign trains."""
+        costs = {"medusa": self.scale.medusa_cost}
+        fams = [f for f in self.scale.families.split(",") if f]
+        unknown = sorted(set(fams) - set(costs))
+        if unknown:
+            raise CampaignError(f"families: {unknown} not known to the campaign; expected some of {sorted(costs)}")
+        return {f: costs[f] for f in fams}
 
     def _finish_eagle3(self, workdir: str) -> str:
         plan = self.plan()
@@ -1012,7 +1081,7 @@ class Campaign:
                    f"--config.train.checkpoint.init_from_step={plan['e3']}"]
             if self.left() < 60:
                 return "later"
-            rc, stopped = self.run_cmd("confu", cmd, self.left())
+            rc, stopped = self.run_cmd("confu", cmd, self.left(), extra_env=self.train_env())
             if rc != 0 and not stopped:
                 if self.fallback("confu", workdir):
                     return "again"
@@ -1033,12 +1102,37 @@ class Campaign:
         self.add_artifact("confu_head", [(out, "heads/confu_bf16")])
         return "done"
 
+    def st_medusa(self) -> str:
+        """Medusa-1 heads at EAGLE-3's training budget (``families`` has ``medusa``): the same data,
+        rows and length for E + P steps, from the reference initialisation (issue 25's protocol)."""
+        if "medusa" not in self.family_costs():
+            return "done"
+        plan, s = self.plan(), self.scale
+        workdir = self.path("runs", "medusa")
+        steps = (plan["e3"] + plan["plus"]) * self.stage("medusa").get("fallback", {}).get("steps_factor", 1)
+        if steps not in checkpoint_steps(os.path.join(workdir, "checkpoints")):
+            cmd = [sys.executable, "-m", "launch.train", "--config", "configs/smollm2_medusa.py", "--workdir", workdir,
+                   *self.train_overrides("medusa"), f"--config.train.steps={steps}"]
+            if self.left() < 60:
+                return "later"
+            rc, stopped = self.run_cmd("medusa", cmd, self.left(), extra_env=self.train_env())
+            if rc != 0 and not stopped:
+                if self.fallback("medusa", workdir):
+                    return "again"
+                raise CampaignError("medusa: launch.train failed (logs/medusa.log)")
+            if steps not in checkpoint_steps(os.path.join(workdir, "checkpoints")):
+                return "again" if self.left() > 60 else "later"
+        info = self.stage("medusa")["info"] = head_info(workdir, s, steps)
+        self.log(f"medusa: {steps} steps, {info['tokens_seen'] / 1e6:.1f} M token-steps (EAGLE-3's budget)")
+        return "done"
+
     def st_bench(self) -> str:
         s, st = self.scale, self.stage("bench")
         e3, confu = self.path("runs", "eagle3"), self.path("runs", "confu")
         out = self.path("bench", "mtbench.json")
-        heads = {"eagle3": e3, "confu": confu, "hybrid": e3}
+        heads = {"eagle3": e3, "confu": confu, "hybrid": e3, "medusa": self.path("runs", "medusa")}
         methods = [m for m in s.bench_methods.split(",") if m]
+        methods += [f for f in self.family_costs() if f not in methods]
         # launch.decode_bench, with budget auto's candidates narrowed (step_decode_bench)
         cmd = [sys.executable, "-m", "launch.gpu_campaign", "step", "decode_bench", "--methods", ",".join(methods),
                "--heads", ",".join(f"{m}={heads[m]}" for m in methods if m in heads),
@@ -1101,7 +1195,7 @@ class Campaign:
                    (self.path("model_digest.json"), "model_digest.json")]
         members += [(f, f"data/{os.path.basename(f)}") for f in glob.glob(self.path("data", "*_summary.json"))]
         members += [(self.path("state.json"), "state.json"), (self.path("logs"), "logs")]
-        for run in ("eagle3", "confu"):
+        for run in ("eagle3", "confu", *self.family_costs()):
             for f in ("config.json", "target.json", "metrics.csv", "eval.csv", "init_from.json", "bad_records.log"):
                 members.append((self.path("runs", run, f), f"runs/{run}/{f}"))
         self.add_artifact("results", members)
@@ -1358,14 +1452,17 @@ def step_release(args) -> int:
     ranked = [t for t, _ in freq.most_common()]
     n_held = sum(held.values())
     coverage = {str(k): round(sum(held[t] for t in ranked[:k]) / max(1, n_held), 5) for k in (4096, 8192, 16384, 32768)}
+    before = releases.read_manifest(args.release)["answer_tokens"] if releases.is_release(args.release) else 0
     t = time.time()
     stats = releases.append_release(args.release, records, count_tokens=lambda r: counts[str(r["id"])],
                                     target=target, tokenizer=generation["tokenizer"], generation=generation,
                                     name=args.release_name or None, level=int(args.level), commit=args.commit or None)
     manifest = releases.read_manifest(args.release)
     summary = {k: manifest[k] for k in ("name", "conversations", "answer_tokens", "bytes", "n_parts")}
-    summary.update(added=stats["added"], generation_seconds=round(float(args.gen_seconds), 1),
-                   answer_tokens_per_s=round(manifest["answer_tokens"] / max(1e-9, float(args.gen_seconds)), 1),
+    added_tokens = manifest["answer_tokens"] - before
+    summary.update(added=stats["added"], added_answer_tokens=added_tokens,
+                   generation_seconds=round(float(args.gen_seconds), 1),
+                   answer_tokens_per_s=round(added_tokens / max(1e-9, float(args.gen_seconds)), 1),
                    pack_seconds=round(time.time() - t, 1), generation=generation,
                    draft_vocab_coverage={"held_out_answer_tokens": n_held, "distinct_tokens": len(ranked),
                                          "top_k": coverage})
@@ -1494,7 +1591,7 @@ def rebuild_workdir(export_dir: str, workdir: str) -> str:
 
 def auto_candidates(scale: Scale, family: str) -> Optional[tuple]:
     """(chains, trees) budget auto measures for a drafter family (None: bench.budget's defaults)."""
-    text = scale.auto_lookup_plans if family == "lookup" else scale.auto_head_plans
+    text = {"lookup": scale.auto_lookup_plans, "medusa": scale.auto_medusa_plans}.get(family, scale.auto_head_plans)
     plans = [p for p in text.split(";") if p]
     if not plans:
         return None

@@ -51,7 +51,7 @@ def test_generate_cli_draft_models(models):
         r, ids = _generate(target, "--method", method, "--draft_model", source, "--tree", tree)
         assert ids == ar_ids, (method, source)
         assert re.search(r"tau = [0-9.]+ tokens per target pass", r.stderr)
-        assert "RANDOMLY INITIALISED" not in r.stderr
+        assert "UNTRAINED" not in r.stderr
     r, _ = _generate(target, "--method", "draft_model", "--draft_model", models["other_tok"], ok=False)
     assert r.returncode != 0 and "does not share" in r.stderr and "vocabulary of 310 tokens" in r.stderr
     r, _ = _generate(target, "--method", "eagle3", "--draft_model", "self:2", ok=False)

@@ -103,7 +103,8 @@ def test_calls_resume_and_finish(campaign):
     assert c3["status"]["status"] == "complete" and "CAMPAIGN COMPLETE" in c3["stdout"], _why(c3)
     assert c4["status"]["status"] == "complete" and "CAMPAIGN COMPLETE" in c4["stdout"], _why(c4)
     stages = c4["status"]["stages"]
-    assert all(stages[s]["status"] == "done" for s in ("setup", "model", "data", "release", "eagle3", "confu", "bench"))
+    assert all(stages[s]["status"] == "done"
+               for s in ("setup", "model", "data", "release", "eagle3", "confu", "medusa", "bench"))
     # each stage finished in the call the protocol puts it in, and call 4 redid nothing
     assert stages["model"]["finished_call"] == 2 and stages["release"]["finished_call"] == 2
     assert stages["eagle3"]["finished_call"] == 3 and stages["bench"]["finished_call"] == 3
@@ -116,6 +117,9 @@ def test_calls_resume_and_finish(campaign):
     assert stages["confu"]["info"]["steps"] == 2 and stages["confu"]["info"]["inherited_steps"] == 2
     init = json.loads((campaign["state"] / "runs" / "confu" / "init_from.json").read_text())
     assert "eagle3/checkpoints" in json.dumps(init)
+    # the other families at EAGLE-3's budget: the same rows, length and E + P steps (equal token-steps)
+    assert stages["medusa"]["info"]["steps"] == 4
+    assert stages["medusa"]["info"]["tokens_seen"] == stages["eagle3"]["info"]["tokens_seen"]
 
 
 @pytest.mark.slow
@@ -157,17 +161,17 @@ def test_unpacked_results_parse_and_are_lossless(campaign):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads((campaign["dest"] / "bench" / "mtbench.json").read_text())
     rows = doc["results"]
-    assert {row["method"] for row in rows} == {"ar", "eagle3", "confu", "lookup", "hybrid"}
+    assert {row["method"] for row in rows} == {"ar", "eagle3", "confu", "lookup", "hybrid", "medusa"}
     for row in rows:
         assert row["temperature"] == 0 and row["tau"] >= 1.0
         if row["method"] != "ar":
             assert row["lossless_greedy"] is True, row
-        if row["method"] in ("eagle3", "confu", "hybrid"):
+        if row["method"] in ("eagle3", "confu", "hybrid", "medusa"):
             assert row["trained"] is True, row
     assert {row["budget"] for row in rows if row["method"] != "ar"} == {"chain:3"}
     summary = json.loads((campaign["dest"] / "bench" / "summary.json").read_text())
     assert summary["all_lossless"] is True
-    for run in ("eagle3", "confu"):
+    for run in ("eagle3", "confu", "medusa"):
         assert (campaign["dest"] / "runs" / run / "metrics.csv").exists()
 
 
@@ -321,7 +325,8 @@ def test_auto_candidates_parse_for_every_family():
     from launch.gpu_campaign import Scale, auto_candidates
 
     s = Scale()
-    for method, family in (("eagle3", "head"), ("confu", "head"), ("lookup", "lookup"), ("hybrid", "hybrid")):
+    for method, family in (("eagle3", "head"), ("confu", "head"), ("lookup", "lookup"), ("hybrid", "hybrid"),
+                           ("medusa", "medusa")):
         chains, trees = auto_candidates(s, family)
         assert chains and (family == "hybrid" or trees)
         if family == "head":
@@ -329,3 +334,58 @@ def test_auto_candidates_parse_for_every_family():
         for plan in chains + trees:
             parse_drafter(method, plan)
     assert auto_candidates(Scale(auto_head_plans=""), "head") is None
+
+
+def _fake_release(directory, ids, name):
+    from confu_jax.data.releases import append_release
+
+    records = [{"id": i, "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+               for i in ids]
+    gen = {"model": "smollm2-135m-instruct", "tokenizer": "smollm2-135m-instruct", "dtype": "bfloat16",
+           "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 512, "max_prompt_len": 1024, "max_turns": 0}
+    append_release(str(directory), records, count_tokens=lambda r: 2, name=name,
+                   target={"model": "smollm2-135m-instruct", "fingerprint": "f"}, tokenizer="smollm2-135m-instruct",
+                   generation=gen)
+
+
+def test_earlier_campaign_releases_are_skipped_continued_and_trained_on(tmp_path, monkeypatch):
+    """A campaign after one whose release the repository holds: generation skips its ids, training
+    reads it (once: not again when this campaign continues it), the CPU release stays last (held out)."""
+    import launch.gpu_campaign as gc
+
+    root = tmp_path / "repo"
+    _fake_release(root / "releases" / "data" / "sharegpt_smollm2", ["c1"], "sharegpt_smollm2")
+    _fake_release(root / "releases" / "data" / "sharegpt_smollm2_gpu", ["g1", "g2"], "sharegpt_smollm2_gpu")
+    monkeypatch.setattr(gc, "ROOT", str(root))
+    c = _campaign(tmp_path, env={"CAMPAIGN_GEN_PASSES": "1"})
+    cpu, gpu = gc.CPU_RELEASE, os.path.join("releases", "data", "sharegpt_smollm2_gpu")
+    assert c.released_elsewhere() == [cpu, gpu]
+    assert c.training_releases() == [str(root / gpu), str(root / cpu)]
+    shutil.copytree(root / gpu, c.path("release", "sharegpt_smollm2_gpu"))  # what st_release does first
+    assert c.training_releases() == [c.path("release", "sharegpt_smollm2_gpu"), str(root / cpu)]
+    # the dry run's scale ignores the repository's campaign releases (its tiny model made none)
+    tiny = _campaign(tmp_path / "tiny", scale="tiny")
+    assert tiny.released_elsewhere() == [cpu]
+    assert tiny.training_releases() == [str(root / cpu)]
+
+
+def test_gpu15_scale_trains_on_the_repository_releases(tmp_path, monkeypatch):
+    """gen_passes = 0: no generation pass, the release stage ends at once, training reads the
+    repository's releases; the 15-minute scale fits its work into call 2."""
+    import launch.gpu_campaign as gc
+
+    root = tmp_path / "repo"
+    _fake_release(root / "releases" / "data" / "sharegpt_smollm2_gpu", ["g1"], "sharegpt_smollm2_gpu")
+    monkeypatch.setattr(gc, "ROOT", str(root))
+    c = _campaign(tmp_path, scale="gpu15")
+    s = c.scale
+    assert c.data_passes() == [] and c.st_data() == "done" and c.st_release() == "done"
+    assert "data_release" not in c.state["artifacts"]
+    assert c.training_releases() == [str(root / "releases" / "data" / "sharegpt_smollm2_gpu")]
+    assert s.train_s + s.bench_s + 30 <= s.call_s - s.margin_s and s.total_s <= 15 * 60
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert c.train_env() == {"XLA_FLAGS": "--xla_dump_to=/tmp/x " + s.train_xla_flags}
+    assert "autotune" in s.train_xla_flags
+    overrides = dict(o[len("--config."):].split("=", 1) for o in c.train_overrides("eagle3"))
+    assert overrides["data.train_files"] == str(root / "releases" / "data" / "sharegpt_smollm2_gpu")
+    assert overrides["draft.draft_vocab_size"] == "8192"

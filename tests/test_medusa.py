@@ -31,6 +31,7 @@ from confu_jax.decode.medusa import MedusaDrafter, cartesian_paths, parse_medusa
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.decode.stopping import StopReason
 from confu_jax.models import medusa as med
+from confu_jax.models.registry import get_method
 from confu_jax.train.metric_writers import read_csv
 from test_spec_loop import _chi_square, _exact_joint, _rows, make
 
@@ -355,6 +356,19 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     spec, tp = load_target(config, model_spec_from_config(config))
     head = decode_head("medusa", spec.target, tp, workdir)
     assert head.trained and "step 40" in head.source
+    # export in FasterDecoding's format (bf16) and load it back: the heads rounded to bf16, same tokens
+    import ml_dtypes
+
+    from confu_jax.runs.medusa import export_medusa_run
+    from confu_jax.weights.medusa_format import load_medusa_dir
+
+    out = str(tmp_path / "exported")
+    run = export_medusa_run(workdir, out, spec.target, tp, dtype="bfloat16")
+    back = load_medusa_dir(out).heads
+    rounded = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), run.heads)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back, rounded)
+    assert decode_head("medusa", spec.target, tp, out).trained
+    assert not decode_head("medusa", spec.target, tp, None).trained and get_method("medusa").needs_head
     prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
     for plan in ("chain:3", "tree:2,2,1"):

@@ -225,7 +225,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
         # to the device once: host arrays passed to every timed call would be copied on every call
         loaded[m] = head._replace(params=jax.device_put(head.params))
         if not loaded[m].trained and get_method(m).needs_head:
-            log(f"[{m}] no trained head given (--heads {m}=WORKDIR): RANDOMLY INITIALISED head, tau ~ 1")
+            log(f"[{m}] no trained head given (--heads {m}=WORKDIR): UNTRAINED head ({loaded[m].source}), tau ~ 1")
     turns_index = [(p.question_id, t) for p in prompts for t in range(min(setup.turns, len(p.turns)))]
     rows = []
 

@@ -36,8 +36,9 @@ class Method:
 
     @property
     def needs_head(self) -> bool:
-        """Whether it drafts with a trained (or random) head: a workdir / imported head to load."""
-        return bool(self.variants)
+        """Whether it drafts with a trained (or untrained) head: a workdir / imported head to load.
+        Medusa's heads have no EAGLE-3 / ConFu variant but are a head all the same."""
+        return bool(self.variants) or self.family == "medusa"
 
 
 VARIANTS: dict = {v.name: v for v in (

@@ -112,6 +112,28 @@ def restore_args_for(abstract_tree):
         abstract_tree)
 
 
+def restore_params(directory: str, abstract_params, step: Optional[int] = None) -> tuple[Any, int]:
+    """(host params, step): the ``state.params`` subtree ``abstract_params`` (ShapeDtypeStructs)
+    of a run's checkpoint — the latest, or ``step`` — restored alone (partial restore: optimizer
+    state and data state stay on disk). What decode needs of a run whose trainable tree it knows
+    from the run's config (Medusa heads, an SD² drafter's delta and steering)."""
+    abstract = {"params": abstract_params}
+    ckpt = Checkpointer(directory, read_only=True)
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {directory}")
+        step = steps[-1] if step is None else int(step)
+        if step not in steps:
+            raise FileNotFoundError(f"{directory} has no checkpoint for step {step}; it has {steps}")
+        out = ckpt.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args_for(abstract),
+                                         partial_restore=True)))
+    finally:
+        ckpt.close()
+    return jax.tree_util.tree_map(np.asarray, out["state"]["params"]), step
+
+
 class Checkpointer:
     """Thin policy layer over ``ocp.CheckpointManager`` for training runs."""
 

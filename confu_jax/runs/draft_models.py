@@ -139,40 +139,22 @@ def load_sd2_run(workdir: str, target_cfg: LlamaConfig, target_params, *, target
     """A trained SD² drafter: its pretrained drafter (``config.sd2.drafter``) + the checkpoint's
     delta, and the steering parameters (None for a distilled run, ``config.sd2.steer`` False); the
     target is checked against the run's ``target.json``."""
-    import orbax.checkpoint as ocp
-
-    from confu_jax.runs.checkpoint import Checkpointer, restore_args_for
-    from confu_jax.runs.heads import read_config, read_target_record, target_fingerprint
+    from confu_jax.runs.checkpoint import restore_params
+    from confu_jax.runs.heads import check_run_fingerprint, read_config
 
     workdir = os.path.abspath(os.path.expanduser(workdir))
     config = read_config(workdir)
     if "sd2" not in config:
         raise ValueError(f"{workdir}/config.json has no 'sd2' section: not an SD² run")
-    record = read_target_record(workdir)
-    if record is not None and record["fingerprint"] != target_fingerprint(target_params):
-        raise ValueError(f"{workdir} was trained against another target ({record.get('source', '?')!r}, weights "
-                         f"fingerprint {record['fingerprint'][:16]}...) than {target_source}: an SD² drafter is "
-                         "steered by its own target's hidden states")
+    check_run_fingerprint(workdir, target_params, target_source,
+                          "an SD² drafter is steered by its own target's hidden states")
     base = load_drafter(str(config.sd2.drafter), target_cfg, target_tokenizer=target_tokenizer,
                         target_source=target_source)
     train_drafter = bool(config.sd2.train_drafter)
     steer = bool(config.sd2.get("steer", True))
-    abstract = {"params": sd2_trainable_shapes(base.cfg, target_cfg, 3, train_drafter, steer)}
-    ckdir = os.path.join(workdir, "checkpoints")
-    ckpt = Checkpointer(ckdir, read_only=True)
-    try:
-        steps = ckpt.all_steps()
-        if not steps:
-            raise FileNotFoundError(f"no complete checkpoint in {ckdir}")
-        step = steps[-1] if step is None else int(step)
-        if step not in steps:
-            raise FileNotFoundError(f"{ckdir} has no checkpoint for step {step}; it has {steps}")
-        out = ckpt.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args_for(abstract),
-                                         partial_restore=True)))
-    finally:
-        ckpt.close()
-    trained = jax.tree_util.tree_map(np.asarray, out["state"]["params"])["draft"]
+    params, step = restore_params(os.path.join(workdir, "checkpoints"),
+                                  sd2_trainable_shapes(base.cfg, target_cfg, 3, train_drafter, steer), step)
+    trained = params["draft"]
     weights = jax.device_get(drafter_weights(base, target_params))
     if train_drafter:
         weights = jax.tree_util.tree_map(lambda w, d: (np.asarray(w, np.float32) + d).astype(np.asarray(w).dtype),

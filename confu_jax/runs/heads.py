@@ -139,6 +139,15 @@ def read_target_record(workdir: str) -> Optional[dict]:
     return record
 
 
+def check_run_fingerprint(workdir: str, target_params, target_source: str, why: str) -> None:
+    """Refuse a run (``target.json``) trained against other target weights than ``target_params``;
+    ``why`` says what of the target the run's parameters depend on. Runs without a record pass."""
+    record = read_target_record(workdir)
+    if record is not None and record["fingerprint"] != target_fingerprint(target_params):
+        raise ValueError(f"{workdir} was trained against another target ({record.get('source', '?')!r}, weights "
+                         f"fingerprint {record['fingerprint'][:16]}...) than {target_source}: {why}")
+
+
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim")
 
 

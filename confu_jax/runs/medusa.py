@@ -49,35 +49,40 @@ def medusa_shapes(num_heads: int, num_layers: int, target_cfg: LlamaConfig, targ
 def load_medusa_run(workdir: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
                     target_source: str = "the loaded target") -> MedusaRun:
     """The heads of a Medusa workdir (last checkpoint, or ``step``), target checked by fingerprint."""
-    import orbax.checkpoint as ocp
-
-    from confu_jax.runs.checkpoint import Checkpointer, restore_args_for
-    from confu_jax.runs.heads import read_config, read_target_record, target_fingerprint
+    from confu_jax.runs.checkpoint import restore_params
+    from confu_jax.runs.heads import check_run_fingerprint, read_config
 
     workdir = os.path.abspath(os.path.expanduser(workdir))
     config = read_config(workdir)
     if "medusa" not in config:
         raise ValueError(f"{workdir}/config.json has no 'medusa' section: not a Medusa run")
-    record = read_target_record(workdir)
-    if record is not None and record["fingerprint"] != target_fingerprint(target_params):
-        raise ValueError(f"{workdir} was trained against another target ({record.get('source', '?')!r}, weights "
-                         f"fingerprint {record['fingerprint'][:16]}...) than {target_source}: Medusa heads read "
-                         "their own target's hidden states")
-    abstract = {"params": medusa_shapes(int(config.medusa.num_heads), int(config.medusa.num_layers), target_cfg,
-                                        target_params)}
-    ckdir = os.path.join(workdir, "checkpoints")
-    ckpt = Checkpointer(ckdir, read_only=True)
-    try:
-        steps = ckpt.all_steps()
-        if not steps:
-            raise FileNotFoundError(f"no complete checkpoint in {ckdir}")
-        step = steps[-1] if step is None else int(step)
-        if step not in steps:
-            raise FileNotFoundError(f"{ckdir} has no checkpoint for step {step}; it has {steps}")
-        out = ckpt.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args_for(abstract),
-                                         partial_restore=True)))
-    finally:
-        ckpt.close()
-    heads = jax.tree_util.tree_map(np.asarray, out["state"]["params"])["draft"]["medusa"]
+    check_run_fingerprint(workdir, target_params, target_source, "Medusa heads read their own target's hidden states")
+    abstract = medusa_shapes(int(config.medusa.num_heads), int(config.medusa.num_layers), target_cfg, target_params)
+    params, step = restore_params(os.path.join(workdir, "checkpoints"), abstract, step)
+    heads = params["draft"]["medusa"]
     return MedusaRun(heads, step, f"{workdir} (step {step})")
+
+
+def export_medusa_run(workdir: str, out: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
+                      dtype: str = "float32", target_source: str = "the loaded target") -> MedusaRun:
+    """Write a Medusa run's heads in the FasterDecoding format (``weights.medusa_format``:
+    ``medusa_lm_head.safetensors`` + ``config.json``), which Medusa's own code loads. The target
+    (the one the run trained on: the heads' shapes and the fingerprint check need it) is the
+    caller's to load (``launch.export_head`` loads it from the run's config). ``dtype``: float32,
+    bfloat16 or float16; ``base_model_name_or_path`` records the run's target source."""
+    import ml_dtypes
+
+    from confu_jax.runs.heads import read_target_record
+    from confu_jax.weights.medusa_format import save_medusa_dir
+
+    stores = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    if dtype not in stores:
+        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(stores)}")
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    if not is_medusa_workdir(workdir):
+        raise ValueError(f"{workdir}: not a Medusa launch.train workdir (config.json with a 'medusa' section + "
+                         "checkpoints/)")
+    run = load_medusa_run(workdir, target_cfg, target_params, step=step, target_source=target_source)
+    record = read_target_record(workdir) or {}
+    save_medusa_dir(out, run.heads, base_model_name_or_path=record.get("source", ""), dtype=stores[dtype])
+    return run

@@ -301,7 +301,10 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
 
     writers = make_writers(workdir, "metrics", tc.tensorboard, start) if main else None
     eval_writers = make_writers(workdir, "eval", tc.tensorboard, start) if main else None
+    t_eval = time.time()
     eval_step, eval_batches = _eval_setup(run, tc.eval_every, pidx, pcount)
+    if main and eval_step is not None:  # each phase before the first step is logged: a stall names its phase
+        logging.info("held-out batches and eval step ready in %.1fs", time.time() - t_eval)
 
     watcher = PreemptionWatcher()
     pbar = progress.bar(tc.steps, initial=start, desc="train", enabled=main and bool(tc.progress_bar))
@@ -309,15 +312,21 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     train_step = None
     try:
         while step < tc.steps:
+            t_batch = time.time()
             batch = shd.global_batch(next(iterator), run.mesh)
             if train_step is None:
                 t0 = time.time()
+                if main:
+                    logging.info("first training batch in %.1fs; compiling the train step", t0 - t_batch)
                 with progress.phase("compiling the train step", enabled=main and bool(tc.progress_bar)):
                     train_step = run.compile_train_step(batch)
                 if main:
                     logging.info("compiled train step in %.1fs", time.time() - t0)
             state, metrics = train_step(state, batch)
             step += 1
+            if main and step == start + 1:
+                jax.block_until_ready(metrics)
+                logging.info("first train step done %.1fs after its compile began", time.time() - t0)
             if step % max(tc.log_every, 1) == 0 or step == tc.steps:
                 last = _host_metrics(metrics)
                 if main:
