@@ -47,6 +47,8 @@ DEFAULT_TREES = ("dynamic:3,2,4", "dynamic:4,4,8", "dynamic:5,6,16", "dynamic:6,
 DEFAULT_LOOKUP_TREES = ("lookup:4,2", "lookup:6,2", "lookup:4,4")
 # Medusa-1: Cartesian trees of the heads' top-k (decode.medusa), depth <= 3
 DEFAULT_MEDUSA_TREES = ("tree:2,2", "tree:3,2,1", "tree:4,3,2", "dynamic:3,2,4")
+# MLP speculator: the same shapes (tree:k1,..,kD = the reference's top_k_tokens_per_head), depth <= 3
+DEFAULT_MLP_SPECULATOR_TREES = DEFAULT_MEDUSA_TREES
 
 
 def default_candidates(method: str) -> tuple:
@@ -60,6 +62,8 @@ def default_candidates(method: str) -> tuple:
         return DEFAULT_CHAINS, ()
     if family == "medusa":  # depth <= the heads' count (3 in configs/tiny_medusa.py, 4 in smollm2_medusa.py)
         return DEFAULT_CHAINS[:3], DEFAULT_MEDUSA_TREES
+    if family == "mlp_speculator":  # depth <= n_predict (3 in configs/tiny_mlp_speculator.py, 4 in smollm2's)
+        return DEFAULT_CHAINS[:3], DEFAULT_MLP_SPECULATOR_TREES
     return DEFAULT_CHAINS, DEFAULT_TREES
 
 

@@ -12,7 +12,9 @@ them into the frozen ``Drafter`` classes the loop takes (docs/DESIGN.md §11). P
 * ``hybrid`` (lookup where it matches, the head elsewhere): ``chain:K`` or ``chain:K@P``;
 * ``draft_model`` (an independent draft model) and ``sd2`` (the same, steered): the head forms
   without ``+cM`` (``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N``);
-* ``medusa`` (Medusa-1 heads): the same, plus ``tree:k1,...,kD`` (head i's top-k_i, Cartesian).
+* ``medusa`` (Medusa-1 heads): the same, plus ``tree:k1,...,kD`` (head i's top-k_i, Cartesian);
+* ``mlp_speculator`` (IBM's MLP speculator): as ``medusa`` (``tree:k1,...,kD`` = stage i's top-k_i
+  under every node, the reference's ``top_k_tokens_per_head``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.hybrid import Hybrid
 from confu_jax.decode.lookup import PromptLookup
 from confu_jax.decode.medusa import MedusaDrafter, parse_medusa_plan
+from confu_jax.decode.mlp_speculator import MLPSpeculatorDrafter, parse_mlp_speculator_plan
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.registry import get_method
 
@@ -88,4 +91,6 @@ def parse_drafter(method: str, text: str) -> Drafter:
         return DraftModel(plan, steered=family == "sd2")
     if family == "medusa":
         return MedusaDrafter(parse_medusa_plan(text))
+    if family == "mlp_speculator":
+        return MLPSpeculatorDrafter(parse_mlp_speculator_plan(text))
     raise ValueError(f"method {method!r} does not draft (family {family!r})")

@@ -179,6 +179,46 @@ def medusa_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[s
                       trained, desc)
 
 
+def mlp_speculator_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[str] = None, seed: int = 0,
+                        target_source: str = "the loaded target", n_predict: int = 3) -> DecodeHead:
+    """What the MLP speculator (family ``mlp_speculator``) decodes with: the stages of a ``launch.train``
+    MLP speculator workdir (``runs.mlp_speculator``, target checked), of a published fms-extras / vLLM
+    directory (config.json with model_type ``mlp_speculator`` + model.safetensors:
+    ``weights.mlp_speculator_format``, width and vocabulary checked), or, with no source, the
+    reference initialisation (``n_predict`` stages of the target's width, N(0, 1/sqrt(d)) weights;
+    ``trained`` False)."""
+    from confu_jax.models.mlp_speculator import config_of, init_mlp_speculator, make_config
+    from confu_jax.runs.mlp_speculator import is_mlp_speculator_workdir, load_mlp_speculator_run
+    from confu_jax.weights.mlp_speculator_format import is_mlp_speculator_dir, load_mlp_speculator_dir
+
+    if source is None:
+        c = make_config(n_predict, target_cfg.d_model, target_cfg.vocab_size)
+        params = jax.device_get(init_mlp_speculator(jax.random.PRNGKey(seed), c))
+        trained, desc = False, f"MLP speculator reference initialisation ({n_predict} stages, seed {seed})"
+    else:
+        path = os.path.abspath(os.path.expanduser(source))
+        if is_mlp_speculator_workdir(path):
+            run = load_mlp_speculator_run(path, target_cfg, target_params, target_source=target_source)
+            params, desc = run.params, run.source
+        elif is_mlp_speculator_dir(path):
+            params, desc = load_mlp_speculator_dir(path).params, f"{path} (fms / vLLM mlp_speculator format)"
+        else:
+            raise ValueError(f"{source}: neither an MLP speculator launch.train workdir (config.json with an "
+                             "'mlp_speculator' section + checkpoints/) nor a published MLP speculator directory "
+                             "(config.json with model_type 'mlp_speculator' + model.safetensors)")
+        c = config_of(params)
+        if c.emb_dim != target_cfg.d_model:
+            raise ValueError(f"{source}: an MLP speculator of emb_dim {c.emb_dim} cannot read a target of width "
+                             f"{target_cfg.d_model}")
+        if c.vocab_size < target_cfg.vocab_size:
+            raise ValueError(f"{source}: MLP speculator over {c.vocab_size} tokens; the target has "
+                             f"{target_cfg.vocab_size}")
+        trained = True
+    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size))
+    return DecodeHead(spec, SpecParams(target=target_params, draft={"mlp_speculator": params}, confu={},
+                                       draft_vocab={}), trained, desc)
+
+
 def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workdir: Optional[str] = None,
                 seed: int = 0, target_source: str = "the loaded target", target_tokenizer=None) -> DecodeHead:
     """The head ``method`` drafts with: trained (``workdir``), random, none (model-free methods,
@@ -187,6 +227,8 @@ def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workd
     m = get_method(method)
     if m.family == "medusa":
         return medusa_head(target_cfg, target_params, workdir, seed, target_source=target_source)
+    if m.family == "mlp_speculator":
+        return mlp_speculator_head(target_cfg, target_params, workdir, seed, target_source=target_source)
     if m.family in ("draft_model", "sd2"):
         return draft_model_head(method, target_cfg, target_params, workdir, target_tokenizer=target_tokenizer,
                                 target_source=target_source)

@@ -20,7 +20,7 @@ class Variant:
     description: str
 
 
-FAMILIES = ("ar", "head", "lookup", "hybrid", "auto", "draft_model", "sd2", "medusa")  # drafter families (decode.drafters maps them to classes)
+FAMILIES = ("ar", "head", "lookup", "hybrid", "auto", "draft_model", "sd2", "medusa", "mlp_speculator")  # drafter families (decode.drafters maps them to classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +37,8 @@ class Method:
     @property
     def needs_head(self) -> bool:
         """Whether it drafts with a trained (or untrained) head: a workdir / imported head to load.
-        Medusa's heads have no EAGLE-3 / ConFu variant but are a head all the same."""
-        return bool(self.variants) or self.family == "medusa"
+        Medusa's heads and the MLP speculator have no EAGLE-3 / ConFu variant but are a head all the same."""
+        return bool(self.variants) or self.family in ("medusa", "mlp_speculator")
 
 
 VARIANTS: dict = {v.name: v for v in (
@@ -64,6 +64,9 @@ METHODS: dict = {m.name: m for m in (
            "sd2"),
     Method("medusa", (), "Medusa-1 heads on the target's last hidden state (trained with configs/*_medusa.py, or a "
            "FasterDecoding medusa_lm_head directory)", "medusa"),
+    Method("mlp_speculator", (), "IBM's MLP speculator: recurrent stages on the target's last hidden state and the "
+           "drafted tokens (trained with configs/*_mlp_speculator.py, or an fms / vLLM mlp_speculator directory)",
+           "mlp_speculator"),
     Method("auto", (), "benchmark only: budget auto across the run's other methods (family and plan)", "auto"),
 )}
 

@@ -1,0 +1,164 @@
+"""IBM's MLP speculator as a ``Drafter`` (docs/DESIGN.md §11 "MLP speculator"; stages:
+``models.mlp_speculator``; reference: fms-extras ``fms_extras/models/speculator.py``
+``MLPSpeculator.generate_suffixes``, vLLM ``vllm/model_executor/models/mlp_speculator.py``
+``generate_proposals``).
+
+Why it is its own family: like Medusa it drafts from the target's final-normed hidden state h[p] at
+the last accepted position p, which every verification computes anyway; unlike Medusa its stages
+are recurrent: stage i reads the state the previous stage left **on the node's own path** and the
+node's token. So each tree node carries its own state, which depends on its path:
+
+* the root (the bonus x[p+1]): T(root) = stage_0(s_{-1}, x[p+1]), s_{-1} = h[p] (ln0(h[p])/sqrt(2)
+  with scale_input); its children are head_0(T(root));
+* a node n at depth k ≥ 1: T(n) = stage_k(T(parent(n)), x_n); its children are head_k(T(n)).
+
+``expand_fn`` threads the frontier's states (``[B, K, D]``; the root frontier's ``[B, 1, d]`` input)
+and gathers each node's parent state with ``Frontier.parent_slot_bk`` — as ``HeadDrafter`` keeps the
+draft's per-node hidden state — so stage k runs once per expanded node at depth k (the reference's
+``generate_suffixes`` expands its state the same way, ``b k d`` → ``b kk' d``).
+
+**State** (``MLPSpeculatorState``): ``hidden_bd`` = h[p], from the prefill
+(``PrefillView.last_hidden_bd``) and then from each verification at the last accepted node
+(``VerifyOutput.hidden_btd[ver.last_node_b]``), exactly Medusa's: the per-node states live only
+inside one ``propose``, recomputed from the path.
+
+**Trees** (``plan``, depth D ≤ ``n_predict``):
+
+* ``chain:K``: each stage's top-1 on the previous stage's choice (vLLM's greedy proposals);
+* ``sampled_chain:K`` (T > 0): node i+1 drawn from q_i = stage i's distribution on the drawn path
+  after the target's temperature / top-p (``decode.tree.draft_sampled_chain``), verified by
+  Leviathan's rule;
+* ``tree:k1,...,kD``: the reference's ``top_k_tokens_per_head`` tree — every node at depth d has
+  stage d's top-k_{d+1} under its own state as children (the Cartesian shape of Medusa-1's tree, but
+  each node's children differ). The reference then keeps its ``n_candidates`` best full-depth
+  candidates; ``dynamic:D,K,N`` is the project's form of that pruning (EAGLE-2's selection by
+  cumulative draft log-probability), which needs no extra rule;
+* any static "choices" tree (``DraftPlan('static', paths=...)``).
+
+Verification is the project's exact rules (§4); no lossy acceptance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from confu_jax.decode import tree as tree_lib
+from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.medusa import cartesian_paths
+from confu_jax.decode.plans import DraftPlan, parse_plan, verification_rule
+from confu_jax.models.mlp_speculator import config_of, input_state, stage_logits, stage_state
+from confu_jax.models.vocab_map import to_target_vocab
+
+MLP_SPECULATOR_FORMS = ("chain:K, sampled_chain:K, dynamic:D,K,N or tree:k1,...,kD (top-k_i of stage i under "
+                        "every node, the reference's top_k_tokens_per_head)")
+
+
+@flax.struct.dataclass
+class MLPSpeculatorState:
+    hidden_bd: jax.Array  # [B, d] the target's final-normed hidden state at p (the last accepted position)
+
+
+def mlp_speculator_params(params) -> dict:
+    sp = (params.draft or {}).get("mlp_speculator")
+    if sp is None:
+        raise ValueError("an MLP speculator drafter needs params.draft['mlp_speculator'] (models.mlp_speculator."
+                         "init_mlp_speculator, a trained configs/*_mlp_speculator.py workdir, or an imported "
+                         "fms / vLLM mlp_speculator directory: decode.heads.decode_head)")
+    return sp
+
+
+def parse_mlp_speculator_plan(text: str) -> DraftPlan:
+    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
+    kind, _, arg = text.partition(":")
+    if kind == "tree":
+        try:
+            ks = tuple(int(x) for x in arg.split(","))
+        except ValueError:
+            raise ValueError(f"bad MLP speculator plan {text!r}: expected {MLP_SPECULATOR_FORMS}") from None
+        if not ks or min(ks) < 1:
+            raise ValueError(f"bad MLP speculator plan {text!r}: tree:k1,...,kD needs every k_i >= 1")
+        return DraftPlan("static", paths=cartesian_paths(ks))
+    plan = parse_plan(text)
+    if plan.contemplates:
+        raise ValueError(f"an MLP speculator has no contemplates: {text!r} (drop +cM)")
+    return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPSpeculatorDrafter(Drafter):
+    """An MLP speculator drafting the trees of ``plan`` (module docstring)."""
+
+    plan: DraftPlan
+
+    def __post_init__(self):
+        if self.plan.contemplates:
+            raise ValueError(f"an MLP speculator has no contemplates: plan {self.plan.text!r}")
+
+    @property
+    def max_depth(self) -> int:
+        return self.plan.max_depth
+
+    @property
+    def n_nodes(self) -> int:
+        return self.plan.n_nodes_total
+
+    def rule(self, greedy: bool) -> str:
+        return verification_rule(self.plan, greedy)
+
+    def describe(self) -> str:
+        if self.plan.kind == "static":
+            paths = tuple(tuple(q) for q in self.plan.paths)
+            ks = tuple(1 + max(q[i] for q in paths if len(q) > i) for i in range(max(map(len, paths))))
+            if sorted(cartesian_paths(ks)) == sorted(paths):
+                return "tree:" + ",".join(map(str, ks))
+            return f"static:{list(paths)}"
+        return self.plan.text
+
+    def init(self, spec, params, view: PrefillView) -> MLPSpeculatorState:
+        if view.last_hidden_bd is None:
+            raise ValueError("MLPSpeculatorDrafter.init needs PrefillView.last_hidden_bd (the target's last hidden "
+                             "state)")
+        return MLPSpeculatorState(hidden_bd=view.last_hidden_bd.astype(jnp.float32))
+
+    def propose(self, spec, params, st: MLPSpeculatorState, inp: DraftInput) -> Proposal:
+        sp = mlp_speculator_params(params)
+        c = config_of(sp)
+        depth = self.max_depth
+        if depth > c.n_predict:
+            raise ValueError(f"plan {self.describe()!r} drafts {depth} deep; this MLP speculator has only "
+                             f"{c.n_predict} stages (depth <= n_predict)")
+        vocab = spec.target.vocab_size
+
+        def expand_fn(prev_bkx, fr: tree_lib.Frontier):
+            """Stage ``fr.depth`` on each frontier node: its parent's state (the root's parent: s_{-1})
+            and its own token -> (log-probabilities of its children, the frontier's states)."""
+            parent = jnp.take_along_axis(prev_bkx, fr.parent_slot_bk[..., None], axis=1)
+            s_bke = stage_state(sp, fr.depth, parent, fr.tokens_bk)
+            logits = to_target_vocab(stage_logits(sp, fr.depth, s_bke), vocab)
+            return jax.nn.log_softmax(logits, axis=-1), s_bke
+
+        s0 = input_state(sp, st.hidden_bd)[:, None]  # [B, 1, d]: the root's parent state
+        q = None
+        if self.plan.kind == "dynamic":
+            tree, _, _ = tree_lib.draft_dynamic_tree(expand_fn, s0, inp.root_b, depth=self.plan.depth,
+                                                     top_k=self.plan.top_k, n_nodes=self.plan.n_nodes)
+        elif self.plan.kind == "sampled_chain":
+            tree, q, _ = tree_lib.draft_sampled_chain(expand_fn, s0, inp.root_b, self.plan.k, inp.key,
+                                                      inp.temperature, inp.top_p)
+        else:
+            tree, _ = tree_lib.draft_static_tree(expand_fn, s0, inp.root_b, self.plan.structure())
+        b = inp.root_b.shape[0]
+        n = jnp.full((b,), tree.tokens_bt.shape[1], jnp.int32)
+        return Proposal(tree, q, n, None, None, st)
+
+    def update(self, spec, params, st: MLPSpeculatorState, v: VerifiedPass) -> MLPSpeculatorState:
+        """h[p'] at the new last accepted position p' = the last accepted node of the pass."""
+        if v.target.hidden_btd is None:
+            raise ValueError("MLPSpeculatorDrafter.update needs VerifyOutput.hidden_btd (models.target.verify)")
+        rows = jnp.arange(v.active_b.shape[0])
+        h = v.target.hidden_btd[rows, v.verification.last_node_b].astype(st.hidden_bd.dtype)
+        return st.replace(hidden_bd=jnp.where(v.active_b[:, None], h, st.hidden_bd))

@@ -1,0 +1,88 @@
+"""A trained MLP speculator run (``launch.train`` with ``configs/*_mlp_speculator.py``) as decode loads it.
+
+Why here: decode never imports train (docs/DESIGN.md §2); the run's checkpoint holds only the
+speculator in its trainable layout (``{'draft': {'mlp_speculator': ...}}``,
+``models.mlp_speculator.to_trainable``: tied weights once), whose shapes follow from
+``config.mlp_speculator`` and the target, and its ``target.json`` says which target it was trained on.
+Loading restores that tree (``runs.checkpoint.restore_params``) and broadcasts it to the stage
+layout decoding reads (``from_trainable``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import NamedTuple, Optional
+
+import jax
+import numpy as np
+
+from confu_jax.models.llama import LlamaConfig
+from confu_jax.models.mlp_speculator import MLPSpeculatorConfig, from_trainable, make_config, trainable_shapes
+
+
+class MLPSpeculatorRun(NamedTuple):
+    params: dict  # numpy models.mlp_speculator stage-layout tree
+    config: MLPSpeculatorConfig
+    step: int
+    source: str
+
+
+def is_mlp_speculator_workdir(path: str) -> bool:
+    """A ``launch.train`` workdir whose config has an ``mlp_speculator`` section."""
+    cfg = os.path.join(path, "config.json")
+    if not (os.path.isdir(os.path.join(path, "checkpoints")) and os.path.isfile(cfg)):
+        return False
+    with open(cfg) as f:
+        c = json.load(f)
+    return isinstance(c, dict) and "mlp_speculator" in c
+
+
+def run_speculator_config(section, target_cfg: LlamaConfig) -> MLPSpeculatorConfig:
+    """The speculator of a config's ``mlp_speculator`` section on ``target_cfg`` (d = its width, V = its
+    vocabulary; the section's ``inner_dim`` 0 = d)."""
+    return make_config(int(section.n_predict), target_cfg.d_model, target_cfg.vocab_size, int(section.inner_dim),
+                       bool(section.tie_weights), bool(section.scale_input))
+
+
+def load_mlp_speculator_run(workdir: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
+                            target_source: str = "the loaded target") -> MLPSpeculatorRun:
+    """The speculator of a run (last checkpoint, or ``step``), target checked by fingerprint."""
+    from confu_jax.runs.checkpoint import restore_params
+    from confu_jax.runs.heads import check_run_fingerprint, read_config
+
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    config = read_config(workdir)
+    if "mlp_speculator" not in config:
+        raise ValueError(f"{workdir}/config.json has no 'mlp_speculator' section: not an MLP speculator run")
+    check_run_fingerprint(workdir, target_params, target_source,
+                          "an MLP speculator reads its own target's hidden states")
+    c = run_speculator_config(config.mlp_speculator, target_cfg)
+    abstract = {"draft": {"mlp_speculator": trainable_shapes(c)}}
+    params, step = restore_params(os.path.join(workdir, "checkpoints"), abstract, step)
+    stage = jax.tree_util.tree_map(np.asarray, from_trainable(params["draft"]["mlp_speculator"], c))
+    return MLPSpeculatorRun(stage, c, step, f"{workdir} (step {step})")
+
+
+def export_mlp_speculator_run(workdir: str, out: str, target_cfg: LlamaConfig, target_params, *,
+                              step: Optional[int] = None, dtype: str = "float32",
+                              target_source: str = "the loaded target") -> MLPSpeculatorRun:
+    """Write a run's speculator in the published format (``weights.mlp_speculator_format``:
+    ``model.safetensors`` + ``config.json``, model_type ``mlp_speculator``), which fms-extras and vLLM
+    load. The target (the one the run trained on: shapes and the fingerprint check need it) is the
+    caller's to load (``launch.export_head`` loads it from the run's config). ``dtype``: float32,
+    bfloat16 or float16; ``tie_weights`` is the run's."""
+    import ml_dtypes
+
+    from confu_jax.weights.mlp_speculator_format import save_mlp_speculator_dir
+
+    stores = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    if dtype not in stores:
+        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(stores)}")
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    if not is_mlp_speculator_workdir(workdir):
+        raise ValueError(f"{workdir}: not an MLP speculator launch.train workdir (config.json with an "
+                         "'mlp_speculator' section + checkpoints/)")
+    run = load_mlp_speculator_run(workdir, target_cfg, target_params, step=step, target_source=target_source)
+    save_mlp_speculator_dir(out, run.params, tie_weights=run.config.tie_weights, dtype=stores[dtype])
+    return run
