@@ -4,6 +4,7 @@
     python -m launch.export_head --workdir runs/smollm2_eagle3 --format speculators --out exports/e3_vllm \
         --embed_from smollm2-135m-instruct
     python -m launch.export_head --workdir runs/smollm2_medusa --format medusa --out exports/medusa --dtype bfloat16
+    python -m launch.export_head --workdir runs/smollm2_mlp_speculator --format mlp_speculator --out exports/mlp
 
 ``--format eagle3`` writes the official EAGLE-3 layout (config.json + model.safetensors, tensors
 ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` as offsets, ``t2d``), which SGLang and SpecForge
@@ -12,7 +13,10 @@ and their conventions: README "EAGLE-3 heads from and to other frameworks". Head
 also load here: ``launch.generate --draft_ckpt DIR``, ``launch.decode_bench --heads``, and
 ``train.checkpoint.init_from=DIR``. ``--format medusa`` writes a Medusa run's heads as FasterDecoding's
 ``medusa_lm_head.safetensors`` + ``config.json`` (``weights.medusa_format``), which load back here
-(``--heads medusa=DIR``) and in Medusa's own code.
+(``--heads medusa=DIR``) and in Medusa's own code. ``--format mlp_speculator`` writes an MLP speculator run
+as the published fms-extras / vLLM layout (``config.json`` with model_type ``mlp_speculator`` +
+``model.safetensors``, ``weights.mlp_speculator_format``), which loads back here
+(``--heads mlp_speculator=DIR``), in vLLM (``--speculative-model``) and in fms-extras.
 
 A ConFu head exports its EAGLE-3 part only (fc, the draft layer, LM head): serving engines have no
 contemplate tokens, so its future path (soft prompts, MoE_con, MoE_f) is dropped, with a warning.
@@ -29,9 +33,10 @@ from absl import app, flags
 flags.DEFINE_string("workdir", None, "a launch.train workdir (config.json + checkpoints/) holding the head",
                     required=True)
 flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
-flags.DEFINE_enum("format", "eagle3", ["eagle3", "speculators", "medusa"],
+flags.DEFINE_enum("format", "eagle3", ["eagle3", "speculators", "medusa", "mlp_speculator"],
                   "eagle3: official EAGLE-3 layout (SGLang, SpecForge); speculators: vLLM's format; "
-                  "medusa: FasterDecoding's medusa_lm_head.safetensors + config.json (a Medusa run)")
+                  "medusa: FasterDecoding's medusa_lm_head.safetensors + config.json (a Medusa run); "
+                  "mlp_speculator: fms-extras / vLLM model.safetensors + config.json (an MLP speculator run)")
 flags.DEFINE_string("out", None, "output directory (created; existing config.json / model.safetensors are "
                     "overwritten)", required=True)
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
@@ -55,6 +60,8 @@ def main(argv):
     workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
     if FLAGS.format == "medusa":
         return export_medusa(workdir)
+    if FLAGS.format == "mlp_speculator":
+        return export_mlp_speculator(workdir)
     if FLAGS.embed_from and FLAGS.format != "speculators":
         raise app.UsageError("--embed_from is for --format speculators (the official format has no embedding)")
     head = load_trained_head(workdir, FLAGS.step)
@@ -97,6 +104,26 @@ def export_medusa(workdir: str) -> None:
                             dtype=FLAGS.dtype or "float32", target_source=str(config.model.source))
     print(f"exported {workdir} (step {run.step}, Medusa heads) to {FLAGS.out} in the FasterDecoding format "
           f"(medusa_lm_head.safetensors + config.json, {FLAGS.dtype or 'float32'})")
+
+
+def export_mlp_speculator(workdir: str) -> None:
+    """An MLP speculator run (configs/*_mlp_speculator.py) in the published fms-extras / vLLM format; its
+    target is loaded from the run's config as training loaded it (the fingerprint in target.json is checked)."""
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.runs.heads import read_config
+    from confu_jax.runs.mlp_speculator import export_mlp_speculator_run
+    from confu_jax.train.target_loading import load_target
+
+    if FLAGS.embed_from or FLAGS.verifier:
+        raise app.UsageError("--embed_from / --verifier are for --format speculators")
+    config = read_config(workdir)
+    spec, target_params = load_target(config, model_spec_from_config(config))
+    run = export_mlp_speculator_run(workdir, FLAGS.out, spec.target, target_params, step=FLAGS.step,
+                                    dtype=FLAGS.dtype or "float32", target_source=str(config.model.source))
+    c = run.config
+    print(f"exported {workdir} (step {run.step}, MLP speculator: {c.n_predict} stages, inner_dim {c.inner_dim}"
+          f"{', tied' if c.tie_weights else ''}{', scale_input' if c.scale_input else ''}) to {FLAGS.out} in the "
+          f"mlp_speculator format (model.safetensors + config.json, {FLAGS.dtype or 'float32'})")
 
 
 if __name__ == "__main__":
