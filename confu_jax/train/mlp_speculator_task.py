@@ -133,6 +133,7 @@ def build_task(config) -> TrainTask:
     spec, target_host = load_target(config, model_spec_from_config(config))
     c = speculator_config(config, spec)
     synthetic = config.model.source == "random"
+    data_desc = "self-distilled random data" if synthetic else config.data.train_files
     _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
                                        else real_data(config, spec))
     pd = jnp.dtype(config.draft.get("param_dtype", "float32")) if "draft" in config else jnp.float32
@@ -162,6 +163,5 @@ def build_task(config) -> TrainTask:
         target_source=str(config.model.source),
         description=(f"MLP speculator: {c.n_predict} stages, inner_dim {c.inner_dim}"
                      f"{', tied' if c.tie_weights else ''}{', scale_input' if c.scale_input else ''} on "
-                     f"'{config.model.preset}' ({'self-distilled random data' if synthetic else config.data.train_files}),"
-                     " per-stage CE summed"),
+                     f"'{config.model.preset}' ({data_desc}), per-stage CE summed"),
     )
