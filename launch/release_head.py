@@ -44,6 +44,29 @@ def tokens_seen(workdir: str, step: int) -> int | None:
     return int(per_step * step)
 
 
+def lineage(workdir: str, step: int, _depth: int = 0) -> list[dict]:
+    """This run's tokens seen up to ``step`` and those of every run or released head it was
+    initialised from (``init_from.json``, followed back), newest first: a head continued from a
+    release, or pruned from another run, has seen what its ancestors saw."""
+    out = [{"workdir": workdir, "step": step, "tokens_seen": tokens_seen(workdir, step)}]
+    path = os.path.join(workdir, "init_from.json")
+    if _depth > 16 or not os.path.isfile(path):
+        return out
+    import json
+
+    with open(path) as f:
+        src = json.load(f)
+    source = os.path.abspath(src.get("source") or "")
+    manifest = os.path.join(source, "manifest.json")
+    if os.path.isfile(manifest):  # a released head (confu_jax.runs.head_release)
+        with open(manifest) as f:
+            training = json.load(f).get("training", {})
+        out.append({"release": source, "step": training.get("step"), "tokens_seen": training.get("tokens_seen")})
+    elif os.path.basename(source.rstrip("/")) == "checkpoints":  # another launch.train run
+        out += lineage(os.path.dirname(source.rstrip("/")), int(src.get("step", 0)), _depth + 1)
+    return out
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
@@ -85,8 +108,12 @@ def main(argv):
                     "conversations": m.get("conversations"), "answer_tokens": m.get("answer_tokens")}
         with open(os.path.join(workdir, "config.json")) as f:
             run_config = json.load(f)
-        training = {"workdir": workdir, "step": head.step, "tokens_seen": tokens_seen(workdir, head.step),
+        chain = lineage(workdir, head.step)
+        total = sum(c["tokens_seen"] or 0 for c in chain)
+        training = {"workdir": workdir, "step": head.step, "tokens_seen": total or None,
                     "draft_vocab_size": spec.head.draft_vocab_size, "ttt_steps": run_config.get("draft", {}).get("ttt_steps")}
+        if len(chain) > 1:
+            training["lineage"] = chain
         write_head_manifest(tmp, name=os.path.basename(os.path.normpath(FLAGS.release)),
                             files=sorted(f for f in os.listdir(tmp) if f != "manifest.json"), data=data,
                             training=training, target={"source": record.get("source"),

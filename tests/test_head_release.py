@@ -100,3 +100,30 @@ def test_altered_file_is_named_and_replacement_needs_a_gain(released, tmp_path):
                        text=True, timeout=300)
     assert r.returncode == 1 and "not released" in r.stderr
     assert json.load(open(os.path.join(release, "manifest.json"))) == before
+
+
+def test_tokens_seen_follow_the_init_from_lineage(tmp_path):
+    """A head continued from a release and then pruned (a 1-step run initialised from it) has seen
+    what its ancestors saw: lineage() sums metrics.csv's positions over the init_from.json chain."""
+    def run(name, positions, init_from=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.csv").write_text("step,positions/step0\n" + "".join(f"{10 * (i + 1)},{p}\n"
+                                                                          for i, p in enumerate(positions)))
+        if init_from:
+            (d / "init_from.json").write_text(json.dumps(init_from))
+        return d
+
+    rel = tmp_path / "released"
+    rel.mkdir()
+    (rel / "manifest.json").write_text(json.dumps({"training": {"step": 320, "tokens_seen": 196220}}))
+    big = run("big", [100, 300], {"source": str(rel), "step": 0})
+    pruned = run("pruned", [7], {"source": str(big / "checkpoints"), "step": 250})
+    code = ("import json, sys; from launch.release_head import lineage; "
+            "print(json.dumps(lineage(sys.argv[1], 1)))")
+    r = subprocess.run([sys.executable, "-c", code, str(pruned)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    chain = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [c["tokens_seen"] for c in chain] == [7, 200 * 250, 196220]
+    assert chain[1]["workdir"] == str(big) and chain[1]["step"] == 250 and chain[2]["release"] == str(rel)
