@@ -79,7 +79,10 @@ DEFAULT_BUNDLE = os.path.join(ROOT, ".gpu_bundle")
 MODEL = "smollm2-135m-instruct"
 CPU_RELEASE = os.path.join("releases", "data", "sharegpt_smollm2")  # skipped by --release
 RELEASE_NAME = "sharegpt_smollm2_gpu"
-STAGES = ("setup", "model", "data", "release", "eagle3", "confu", "medusa", "bench")
+STAGES = ("setup", "model", "data", "release", "eagle3", "confu", "families", "bench")
+# the drafter families the campaign can train beside the heads (their configs: configs/smollm2_<family>.py);
+# their tasks read padded rows (no packing)
+FAMILY_CONFIGS = {"medusa": "configs/smollm2_medusa.py", "mlp_speculator": "configs/smollm2_mlp_speculator.py"}
 
 # Device limits (/work/.library/device/README.md): what travels and what comes back per call.
 TRAVEL_LIMIT = 64 * 2**20
@@ -142,10 +145,12 @@ class Scale:
     replan: int = 1  # re-plan E and P once from EAGLE-3's measured step time
     confu_cost: float = 1.35  # ConFu step time / EAGLE-3's (the planner's assumption)
     # other drafter families trained at EAGLE-3's budget (same data, rows, length and E + P steps:
-    # equal token-steps) and benchmarked beside it; '' = none. Known: medusa (configs/smollm2_medusa.py;
-    # its four full-vocabulary LM heads are 226 MB in bf16, too large to bring back: its numbers do)
+    # equal token-steps) and benchmarked beside it, comma-separated; '' = none. Known: FAMILY_CONFIGS
+    # (Medusa's four full-vocabulary LM heads are 226 MB in bf16, the MLP speculator's tied stages
+    # 115 MB: too large to bring back; their numbers come back)
     families: str = ""
     medusa_cost: float = 0.6  # Medusa step time / EAGLE-3's (the planner's assumption: no TTT)
+    mlp_speculator_cost: float = 0.6  # likewise for the MLP speculator
     train_s: int = 540  # time box of both trainings, seconds (compiles included)
     min_steps: int = 100  # the planner never goes below E = P = min_steps / 2
     ttt_steps: int = 4
@@ -175,7 +180,8 @@ class Scale:
     # budget auto's candidates ('' = bench.budget's defaults: 12 head plans, one compile each)
     auto_head_plans: str = "chain:1;chain:2;chain:3;chain:4;dynamic:5,6,16;dynamic:6,10,60"
     auto_lookup_plans: str = "chain:2;chain:3;chain:4;lookup:4,2"
-    auto_medusa_plans: str = "chain:1;chain:2;chain:3;chain:4;tree:3,2,2;dynamic:4,8,24"  # depth <= its 4 heads
+    # Medusa and the MLP speculator: depth <= their 4 heads / stages
+    auto_medusa_plans: str = "chain:1;chain:2;chain:3;chain:4;tree:3,2,2;dynamic:4,8,24"
     bench_s: int = 300  # what the planner keeps for the benchmark
     # time
     call_s: int = 560  # this call's work stops by then (the device kills a command at 600 s)
@@ -189,7 +195,7 @@ TINY = dict(  # the CPU dry run: same stages and flags, a tiny model, a dozen co
     replan=0, train_s=900, min_steps=2, ttt_steps=2, k_train=8, draft_vocab=64, draft_vocab_records=0, warmup=1,
     ckpt_every=2, eval_every=0, eval_batches=0, num_workers=0, log_every=1, bench_budgets="chain:3",
     bench_prompts="mtbench:1", bench_n_per_category=0, bench_max_new=8, bench_calibration="", bench_min_bucket=64,
-    bench_s=900, call_s=1800, total_s=3600, margin_s=5, repo_releases="", families="medusa")
+    bench_s=900, call_s=1800, total_s=3600, margin_s=5, repo_releases="", families="medusa,mlp_speculator")
 # A lent machine with 15 minutes of device time (the usual loan since 2026-11): no generation (the
 # repository's releases hold 4.1 M answer tokens), both trainings and a short benchmark in call 2,
 # a third call only for what did not fit. Heads with an 8192-token draft vocabulary: both fit one
@@ -902,7 +908,7 @@ class Campaign:
             "data.train_files": ",".join(train_files), "data.max_length": s.train_len,
             # Medusa's task reads padded rows only: its rows carry fewer answer tokens at the same
             # rows x length (the campaign's token-steps); its metrics.csv says how many it saw
-            "data.global_batch_size": self.train_batch(run), "data.pack": run != "medusa",
+            "data.global_batch_size": self.train_batch(run), "data.pack": run not in FAMILY_CONFIGS,
             "data.min_loss_tokens": 1, "data.num_workers": fb.get("num_workers", s.num_workers),
             "data.draft_vocab_max_records": s.draft_vocab_records,
             "draft.draft_vocab_size": s.draft_vocab, "draft.ttt_steps": s.ttt_steps,
@@ -922,11 +928,14 @@ class Campaign:
     def training_releases(self) -> list[str]:
         """This campaign's releases, the repository's campaign releases it does not continue, and
         the CPU release last (held-out evaluation takes the last source's last conversations)."""
-        mine = {n: self.path("release", n) for n in sorted(os.listdir(self.path("release")))
-                if os.path.isfile(self.path("release", n, "manifest.json"))} if os.path.isdir(self.path("release")) else {}
-        repo = os.path.join(ROOT, self.scale.repo_releases) if self.scale.repo_releases else ""
-        theirs = {n: os.path.join(repo, n) for n in (sorted(os.listdir(repo)) if repo and os.path.isdir(repo) else [])
-                  if n.startswith(RELEASE_NAME) and n not in mine and os.path.isfile(os.path.join(repo, n, "manifest.json"))}
+        def releases_in(folder: str) -> dict:
+            names = sorted(os.listdir(folder)) if folder and os.path.isdir(folder) else []
+            return {n: os.path.join(folder, n) for n in names
+                    if os.path.isfile(os.path.join(folder, n, "manifest.json"))}
+
+        mine = releases_in(self.path("release"))
+        repo = releases_in(os.path.join(ROOT, self.scale.repo_releases) if self.scale.repo_releases else "")
+        theirs = {n: p for n, p in repo.items() if n.startswith(RELEASE_NAME) and n not in mine}
         files = list(mine.values()) + list(theirs.values())
         if os.path.isdir(os.path.join(ROOT, CPU_RELEASE)):
             files.append(os.path.join(ROOT, CPU_RELEASE))
@@ -1041,7 +1050,7 @@ class Campaign:
 
     def family_costs(self) -> dict:
         """{family: step time / EAGLE-3's} of the extra families this campaign trains."""
-        costs = {"medusa": self.scale.medusa_cost}
+        costs = {f: getattr(self.scale, f"{f}_cost") for f in FAMILY_CONFIGS}
         fams = [f for f in self.scale.families.split(",") if f]
         unknown = sorted(set(fams) - set(costs))
         if unknown:
@@ -1102,35 +1111,46 @@ class Campaign:
         self.add_artifact("confu_head", [(out, "heads/confu_bf16")])
         return "done"
 
-    def st_medusa(self) -> str:
-        """Medusa-1 heads at EAGLE-3's training budget (``families`` has ``medusa``): the same data,
-        rows and length for E + P steps, from the reference initialisation (issue 25's protocol)."""
-        if "medusa" not in self.family_costs():
-            return "done"
+    def st_families(self) -> str:
+        """The other drafter families at EAGLE-3's training budget (``Scale.families``), one after
+        another: the same data, rows and length for E + P steps, from each family's reference
+        initialisation (issue 25's protocol). Each run's info goes to ``stages.families.info``."""
+        info = self.stage("families").setdefault("info", {})
+        for family in self.family_costs():
+            if family in info:
+                continue
+            result = self._train_family(family)
+            if result != "done":
+                return result
+            info[family] = self.stage(family)["info"]
+            self.save()
+        return "done"
+
+    def _train_family(self, family: str) -> str:
         plan, s = self.plan(), self.scale
-        workdir = self.path("runs", "medusa")
-        steps = (plan["e3"] + plan["plus"]) * self.stage("medusa").get("fallback", {}).get("steps_factor", 1)
+        workdir = self.path("runs", family)
+        steps = (plan["e3"] + plan["plus"]) * self.stage(family).get("fallback", {}).get("steps_factor", 1)
         if steps not in checkpoint_steps(os.path.join(workdir, "checkpoints")):
-            cmd = [sys.executable, "-m", "launch.train", "--config", "configs/smollm2_medusa.py", "--workdir", workdir,
-                   *self.train_overrides("medusa"), f"--config.train.steps={steps}"]
+            cmd = [sys.executable, "-m", "launch.train", "--config", FAMILY_CONFIGS[family], "--workdir", workdir,
+                   *self.train_overrides(family), f"--config.train.steps={steps}"]
             if self.left() < 60:
                 return "later"
-            rc, stopped = self.run_cmd("medusa", cmd, self.left(), extra_env=self.train_env())
+            rc, stopped = self.run_cmd(family, cmd, self.left(), extra_env=self.train_env())
             if rc != 0 and not stopped:
-                if self.fallback("medusa", workdir):
+                if self.fallback(family, workdir):
                     return "again"
-                raise CampaignError("medusa: launch.train failed (logs/medusa.log)")
+                raise CampaignError(f"{family}: launch.train failed (logs/{family}.log)")
             if steps not in checkpoint_steps(os.path.join(workdir, "checkpoints")):
                 return "again" if self.left() > 60 else "later"
-        info = self.stage("medusa")["info"] = head_info(workdir, s, steps)
-        self.log(f"medusa: {steps} steps, {info['tokens_seen'] / 1e6:.1f} M token-steps (EAGLE-3's budget)")
+        info = self.stage(family)["info"] = head_info(workdir, s, steps)
+        self.log(f"{family}: {steps} steps, {info['tokens_seen'] / 1e6:.1f} M token-steps (EAGLE-3's budget)")
         return "done"
 
     def st_bench(self) -> str:
         s, st = self.scale, self.stage("bench")
         e3, confu = self.path("runs", "eagle3"), self.path("runs", "confu")
         out = self.path("bench", "mtbench.json")
-        heads = {"eagle3": e3, "confu": confu, "hybrid": e3, "medusa": self.path("runs", "medusa")}
+        heads = {"eagle3": e3, "confu": confu, "hybrid": e3, **{f: self.path("runs", f) for f in FAMILY_CONFIGS}}
         methods = [m for m in s.bench_methods.split(",") if m]
         methods += [f for f in self.family_costs() if f not in methods]
         # launch.decode_bench, with budget auto's candidates narrowed (step_decode_bench)
@@ -1591,7 +1611,8 @@ def rebuild_workdir(export_dir: str, workdir: str) -> str:
 
 def auto_candidates(scale: Scale, family: str) -> Optional[tuple]:
     """(chains, trees) budget auto measures for a drafter family (None: bench.budget's defaults)."""
-    text = {"lookup": scale.auto_lookup_plans, "medusa": scale.auto_medusa_plans}.get(family, scale.auto_head_plans)
+    text = {"lookup": scale.auto_lookup_plans, "medusa": scale.auto_medusa_plans,
+            "mlp_speculator": scale.auto_medusa_plans}.get(family, scale.auto_head_plans)
     plans = [p for p in text.split(";") if p]
     if not plans:
         return None

@@ -104,7 +104,7 @@ def test_calls_resume_and_finish(campaign):
     assert c4["status"]["status"] == "complete" and "CAMPAIGN COMPLETE" in c4["stdout"], _why(c4)
     stages = c4["status"]["stages"]
     assert all(stages[s]["status"] == "done"
-               for s in ("setup", "model", "data", "release", "eagle3", "confu", "medusa", "bench"))
+               for s in ("setup", "model", "data", "release", "eagle3", "confu", "families", "bench"))
     # each stage finished in the call the protocol puts it in, and call 4 redid nothing
     assert stages["model"]["finished_call"] == 2 and stages["release"]["finished_call"] == 2
     assert stages["eagle3"]["finished_call"] == 3 and stages["bench"]["finished_call"] == 3
@@ -118,8 +118,9 @@ def test_calls_resume_and_finish(campaign):
     init = json.loads((campaign["state"] / "runs" / "confu" / "init_from.json").read_text())
     assert "eagle3/checkpoints" in json.dumps(init)
     # the other families at EAGLE-3's budget: the same rows, length and E + P steps (equal token-steps)
-    assert stages["medusa"]["info"]["steps"] == 4
-    assert stages["medusa"]["info"]["tokens_seen"] == stages["eagle3"]["info"]["tokens_seen"]
+    for family in ("medusa", "mlp_speculator"):
+        info = stages["families"]["info"][family]
+        assert info["steps"] == 4 and info["tokens_seen"] == stages["eagle3"]["info"]["tokens_seen"]
 
 
 @pytest.mark.slow
@@ -161,17 +162,18 @@ def test_unpacked_results_parse_and_are_lossless(campaign):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads((campaign["dest"] / "bench" / "mtbench.json").read_text())
     rows = doc["results"]
-    assert {row["method"] for row in rows} == {"ar", "eagle3", "confu", "lookup", "hybrid", "medusa"}
+    assert {row["method"] for row in rows} == {"ar", "eagle3", "confu", "lookup", "hybrid", "medusa",
+                                               "mlp_speculator"}
     for row in rows:
         assert row["temperature"] == 0 and row["tau"] >= 1.0
         if row["method"] != "ar":
             assert row["lossless_greedy"] is True, row
-        if row["method"] in ("eagle3", "confu", "hybrid", "medusa"):
+        if row["method"] in ("eagle3", "confu", "hybrid", "medusa", "mlp_speculator"):
             assert row["trained"] is True, row
     assert {row["budget"] for row in rows if row["method"] != "ar"} == {"chain:3"}
     summary = json.loads((campaign["dest"] / "bench" / "summary.json").read_text())
     assert summary["all_lossless"] is True
-    for run in ("eagle3", "confu", "medusa"):
+    for run in ("eagle3", "confu", "medusa", "mlp_speculator"):
         assert (campaign["dest"] / "runs" / run / "metrics.csv").exists()
 
 
@@ -326,7 +328,7 @@ def test_auto_candidates_parse_for_every_family():
 
     s = Scale()
     for method, family in (("eagle3", "head"), ("confu", "head"), ("lookup", "lookup"), ("hybrid", "hybrid"),
-                           ("medusa", "medusa")):
+                           ("medusa", "medusa"), ("mlp_speculator", "mlp_speculator")):
         chains, trees = auto_candidates(s, family)
         assert chains and (family == "hybrid" or trees)
         if family == "head":
