@@ -58,8 +58,8 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
-from confu_jax.decode.plans import DraftPlan, verification_rule
+from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.plans import DraftPlan
 from confu_jax.models import steering as steer_lib
 from confu_jax.models.early_exit import early_exit_params, is_early_exit_of
 from confu_jax.models.kv_cache import KVCache, commit, init_cache
@@ -139,31 +139,14 @@ def _steering(spec, params, c: int, cfg: LlamaConfig) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModel(Drafter):
+class DraftModel(PlanDrafter):
     """An independent draft model (``spec.draft_model``, weights ``params.draft['model']`` or the
     target's first layers) drafting the trees of ``plan`` (chain, sampled chain, static or EAGLE-2
     dynamic tree; no contemplates). ``steered``: SD² steering from the verifier's taps."""
 
     plan: DraftPlan
     steered: bool = False
-
-    def __post_init__(self):
-        if self.plan.contemplates:
-            raise ValueError(f"a draft model has no contemplates: plan {self.plan.text!r} (drop +cM)")
-
-    @property
-    def max_depth(self) -> int:
-        return self.plan.max_depth
-
-    @property
-    def n_nodes(self) -> int:
-        return self.plan.n_nodes_total
-
-    def rule(self, greedy: bool) -> str:
-        return verification_rule(self.plan, greedy)
-
-    def describe(self) -> str:
-        return self.plan.text
+    what = "a draft model"
 
     def prepare_params(self, spec, params):
         """On the unrolled path, split an independent model's layer stack once (``draft_weights``)."""

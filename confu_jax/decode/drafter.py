@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 
+from confu_jax.decode.plans import verification_rule
 from confu_jax.decode.tree import DraftTree
 
 
@@ -124,3 +125,30 @@ class Drafter(abc.ABC):
     def describe(self) -> str:
         """The plan text this drafter parses from (``decode.drafters.parse_drafter``)."""
         return repr(self)
+
+
+class PlanDrafter(Drafter):
+    """A drafter whose trees are one ``decode.plans.DraftPlan`` without contemplates (field
+    ``plan`` of the subclass dataclass): its depth, width, verification rule and plan text follow
+    from the plan. Draft models, Medusa heads and the MLP speculator; ``what`` names the family in
+    errors."""
+
+    what = "this drafter"
+
+    def __post_init__(self):
+        if self.plan.contemplates:
+            raise ValueError(f"{self.what} has no contemplates: plan {self.plan.text!r} (drop +cM)")
+
+    @property
+    def max_depth(self) -> int:
+        return self.plan.max_depth
+
+    @property
+    def n_nodes(self) -> int:
+        return self.plan.n_nodes_total
+
+    def rule(self, greedy: bool) -> str:
+        return verification_rule(self.plan, greedy)
+
+    def describe(self) -> str:
+        return self.plan.text

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
-from confu_jax.decode.plans import DraftPlan, parse_plan, verification_rule
+from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.medusa import config_of, medusa_logits
 from confu_jax.models.vocab_map import to_target_vocab
 
@@ -67,52 +67,51 @@ def cartesian_paths(top_ks) -> tuple:
     return tuple(tuple(p) for p in paths)
 
 
-def parse_medusa_plan(text: str) -> DraftPlan:
-    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
+def parse_cartesian_plan(text: str, what: str, forms: str) -> DraftPlan:
+    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (the Cartesian tree
+    of per-depth top-k, ``cartesian_paths``; no ``+cM``), for the drafters whose depth-d guesses
+    come from their own d-th head or stage (Medusa, the MLP speculator). ``what`` names the family
+    in errors, ``forms`` lists what it accepts."""
     kind, _, arg = text.partition(":")
     if kind == "tree":
         try:
             ks = tuple(int(x) for x in arg.split(","))
         except ValueError:
-            raise ValueError(f"bad Medusa plan {text!r}: expected {MEDUSA_FORMS}") from None
+            raise ValueError(f"bad {what} plan {text!r}: expected {forms}") from None
         if not ks or min(ks) < 1:
-            raise ValueError(f"bad Medusa plan {text!r}: tree:k1,...,kD needs every k_i >= 1")
+            raise ValueError(f"bad {what} plan {text!r}: tree:k1,...,kD needs every k_i >= 1")
         return DraftPlan("static", paths=cartesian_paths(ks))
     plan = parse_plan(text)
     if plan.contemplates:
-        raise ValueError(f"Medusa heads have no contemplates: {text!r} (drop +cM)")
+        raise ValueError(f"{what} has no contemplates: {text!r} (drop +cM)")
     return plan
 
 
+def describe_cartesian(plan: DraftPlan) -> str:
+    """The text ``parse_cartesian_plan`` reads back: ``tree:k1,...`` for a Cartesian static tree."""
+    if plan.kind == "static":
+        paths = tuple(tuple(q) for q in plan.paths)
+        ks = tuple(1 + max(q[i] for q in paths if len(q) > i) for i in range(max(map(len, paths))))
+        if sorted(cartesian_paths(ks)) == sorted(paths):
+            return "tree:" + ",".join(map(str, ks))
+        return f"static:{list(paths)}"
+    return plan.text
+
+
+def parse_medusa_plan(text: str) -> DraftPlan:
+    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
+    return parse_cartesian_plan(text, "Medusa", MEDUSA_FORMS)
+
+
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter(Drafter):
+class MedusaDrafter(PlanDrafter):
     """Medusa-1 heads drafting the trees of ``plan`` (module docstring)."""
 
     plan: DraftPlan
-
-    def __post_init__(self):
-        if self.plan.contemplates:
-            raise ValueError(f"Medusa heads have no contemplates: plan {self.plan.text!r}")
-
-    @property
-    def max_depth(self) -> int:
-        return self.plan.max_depth
-
-    @property
-    def n_nodes(self) -> int:
-        return self.plan.n_nodes_total
-
-    def rule(self, greedy: bool) -> str:
-        return verification_rule(self.plan, greedy)
+    what = "Medusa heads"
 
     def describe(self) -> str:
-        if self.plan.kind == "static":
-            paths = tuple(tuple(q) for q in self.plan.paths)
-            ks = tuple(1 + max(q[i] for q in paths if len(q) > i) for i in range(max(map(len, paths))))
-            if sorted(cartesian_paths(ks)) == sorted(paths):
-                return "tree:" + ",".join(map(str, ks))
-            return f"static:{list(paths)}"
-        return self.plan.text
+        return describe_cartesian(self.plan)
 
     def init(self, spec, params, view: PrefillView) -> MedusaState:
         if view.last_hidden_bd is None:

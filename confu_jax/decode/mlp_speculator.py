@@ -47,9 +47,9 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
-from confu_jax.decode.medusa import cartesian_paths
-from confu_jax.decode.plans import DraftPlan, parse_plan, verification_rule
+from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.medusa import describe_cartesian, parse_cartesian_plan
+from confu_jax.decode.plans import DraftPlan
 from confu_jax.models.mlp_speculator import config_of, input_state, stage_logits, stage_state
 from confu_jax.models.vocab_map import to_target_vocab
 
@@ -73,50 +73,18 @@ def mlp_speculator_params(params) -> dict:
 
 def parse_mlp_speculator_plan(text: str) -> DraftPlan:
     """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
-    kind, _, arg = text.partition(":")
-    if kind == "tree":
-        try:
-            ks = tuple(int(x) for x in arg.split(","))
-        except ValueError:
-            raise ValueError(f"bad MLP speculator plan {text!r}: expected {MLP_SPECULATOR_FORMS}") from None
-        if not ks or min(ks) < 1:
-            raise ValueError(f"bad MLP speculator plan {text!r}: tree:k1,...,kD needs every k_i >= 1")
-        return DraftPlan("static", paths=cartesian_paths(ks))
-    plan = parse_plan(text)
-    if plan.contemplates:
-        raise ValueError(f"an MLP speculator has no contemplates: {text!r} (drop +cM)")
-    return plan
+    return parse_cartesian_plan(text, "MLP speculator", MLP_SPECULATOR_FORMS)
 
 
 @dataclasses.dataclass(frozen=True)
-class MLPSpeculatorDrafter(Drafter):
+class MLPSpeculatorDrafter(PlanDrafter):
     """An MLP speculator drafting the trees of ``plan`` (module docstring)."""
 
     plan: DraftPlan
-
-    def __post_init__(self):
-        if self.plan.contemplates:
-            raise ValueError(f"an MLP speculator has no contemplates: plan {self.plan.text!r}")
-
-    @property
-    def max_depth(self) -> int:
-        return self.plan.max_depth
-
-    @property
-    def n_nodes(self) -> int:
-        return self.plan.n_nodes_total
-
-    def rule(self, greedy: bool) -> str:
-        return verification_rule(self.plan, greedy)
+    what = "an MLP speculator"
 
     def describe(self) -> str:
-        if self.plan.kind == "static":
-            paths = tuple(tuple(q) for q in self.plan.paths)
-            ks = tuple(1 + max(q[i] for q in paths if len(q) > i) for i in range(max(map(len, paths))))
-            if sorted(cartesian_paths(ks)) == sorted(paths):
-                return "tree:" + ",".join(map(str, ks))
-            return f"static:{list(paths)}"
-        return self.plan.text
+        return describe_cartesian(self.plan)
 
     def init(self, spec, params, view: PrefillView) -> MLPSpeculatorState:
         if view.last_hidden_bd is None:
