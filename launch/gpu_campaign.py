@@ -200,8 +200,10 @@ TINY = dict(  # the CPU dry run: same stages and flags, a tiny model, a dozen co
 # repository's releases hold 4.1 M answer tokens), both trainings and a short benchmark in call 2,
 # a third call only for what did not fit. Heads with an 8192-token draft vocabulary: both fit one
 # call's 64 MiB together with the results.
+# The second loan (docs/RESULTS.md "H200: the GPU campaign trains both heads") trained with data
+# workers and autotuning off, and needed 32 rows: 64 rows x 2048 tokens ran out of the H200's memory.
 GPU15 = dict(
-    gen_passes=0, draft_vocab=8192, e3_steps=100, plus_steps=100, train_s=390, min_steps=40, log_every=1,
+    gen_passes=0, draft_vocab=8192, num_workers=0, train_batch=32, e3_steps=100, plus_steps=100, train_s=390, min_steps=40, log_every=1,
     train_xla_flags="--xla_gpu_autotune_level=0", bench_methods="eagle3,confu", bench_budgets="chain:3",
     bench_n_per_category=1, bench_calibration="", bench_s=110, total_s=820, call_s=565)
 SCALES = {"gpu": {}, "gpu15": GPU15, "tiny": TINY}

@@ -391,3 +391,5 @@ def test_gpu15_scale_trains_on_the_repository_releases(tmp_path, monkeypatch):
     overrides = dict(o[len("--config."):].split("=", 1) for o in c.train_overrides("eagle3"))
     assert overrides["data.train_files"] == str(root / "releases" / "data" / "sharegpt_smollm2_gpu")
     assert overrides["draft.draft_vocab_size"] == "8192"
+    # the second H200 loan: 64 rows x 2048 ran out of memory; workers off, as the run that trained
+    assert overrides["data.global_batch_size"] == "32" and overrides["data.num_workers"] == "0"
