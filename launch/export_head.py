@@ -5,6 +5,7 @@
         --embed_from smollm2-135m-instruct
     python -m launch.export_head --workdir runs/smollm2_medusa --format medusa --out exports/medusa --dtype bfloat16
     python -m launch.export_head --workdir runs/smollm2_mlp_speculator --format mlp_speculator --out exports/mlp
+    python -m launch.export_head --workdir runs/smollm2_mtp --format mtp --out exports/mtp
 
 ``--format eagle3`` writes the official EAGLE-3 layout (config.json + model.safetensors, tensors
 ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` as offsets, ``t2d``), which SGLang and SpecForge
@@ -16,7 +17,11 @@ also load here: ``launch.generate --draft_ckpt DIR``, ``launch.decode_bench --he
 (``--heads medusa=DIR``) and in Medusa's own code. ``--format mlp_speculator`` writes an MLP speculator run
 as the published fms-extras / vLLM layout (``config.json`` with model_type ``mlp_speculator`` +
 ``model.safetensors``, ``weights.mlp_speculator_format``), which loads back here
-(``--heads mlp_speculator=DIR``), in vLLM (``--speculative-model``) and in fms-extras.
+(``--heads mlp_speculator=DIR``), in vLLM (``--speculative-model``) and in fms-extras. ``--format mtp``
+writes an MTP run in DeepSeek-V3's MTP layout (``model.layers.{N}.enorm`` / ``hnorm`` / ``eh_proj`` /
+``shared_head.norm`` + the Llama layer's names, ``weights.mtp_format``; ``--mtp_shared`` adds the
+target's embedding and LM head as ``embed_tokens`` / ``shared_head.head``), which loads back here
+(``--heads mtp=DIR``).
 
 A ConFu head exports its EAGLE-3 part only (fc, the draft layer, LM head): serving engines have no
 contemplate tokens, so its future path (soft prompts, MoE_con, MoE_f) is dropped, with a warning.
@@ -33,10 +38,11 @@ from absl import app, flags
 flags.DEFINE_string("workdir", None, "a launch.train workdir (config.json + checkpoints/) holding the head",
                     required=True)
 flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
-flags.DEFINE_enum("format", "eagle3", ["eagle3", "speculators", "medusa", "mlp_speculator"],
+flags.DEFINE_enum("format", "eagle3", ["eagle3", "speculators", "medusa", "mlp_speculator", "mtp"],
                   "eagle3: official EAGLE-3 layout (SGLang, SpecForge); speculators: vLLM's format; "
                   "medusa: FasterDecoding's medusa_lm_head.safetensors + config.json (a Medusa run); "
-                  "mlp_speculator: fms-extras / vLLM model.safetensors + config.json (an MLP speculator run)")
+                  "mlp_speculator: fms-extras / vLLM model.safetensors + config.json (an MLP speculator run); "
+                  "mtp: DeepSeek-V3's MTP layer names around a Llama layer (an MTP run)")
 flags.DEFINE_string("out", None, "output directory (created; existing config.json / model.safetensors are "
                     "overwritten)", required=True)
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
@@ -46,6 +52,8 @@ flags.DEFINE_string("verifier", None, "speculators format: the target's Hugging 
 flags.DEFINE_string("embed_from", None, "speculators format: also store this target's embedding as "
                     "embed_tokens.weight (asset name, .gguf or HF directory; speculators' own loader needs "
                     "it, vLLM shares the target's when absent). Checked against the head's target fingerprint.")
+flags.DEFINE_bool("mtp_shared", False, "mtp format: also store the target's embedding and LM head as the layer's "
+                  "embed_tokens / shared_head.head (DeepSeek's checkpoints carry these copies)")
 FLAGS = flags.FLAGS
 
 
@@ -62,6 +70,8 @@ def main(argv):
         return export_medusa(workdir)
     if FLAGS.format == "mlp_speculator":
         return export_mlp_speculator(workdir)
+    if FLAGS.format == "mtp":
+        return export_mtp(workdir)
     if FLAGS.embed_from and FLAGS.format != "speculators":
         raise app.UsageError("--embed_from is for --format speculators (the official format has no embedding)")
     head = load_trained_head(workdir, FLAGS.step)
@@ -88,18 +98,27 @@ def main(argv):
           f"({n_keys} config keys, taps {list(spec.taps)}, draft vocab {spec.head.draft_vocab_size})")
 
 
-def export_medusa(workdir: str) -> None:
-    """A Medusa run (configs/*_medusa.py) in FasterDecoding's format; its target is loaded from the
-    run's config as training loaded it (the fingerprint in target.json is checked)."""
+def _run_target(workdir: str):
+    """(config, spec, target params) of another family's run: its target loaded from the run's config as
+    training loaded it (the export checks the fingerprint in target.json)."""
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.heads import read_config
-    from confu_jax.runs.medusa import export_medusa_run
     from confu_jax.train.target_loading import load_target
 
     if FLAGS.embed_from or FLAGS.verifier:
         raise app.UsageError("--embed_from / --verifier are for --format speculators")
+    if FLAGS.mtp_shared and FLAGS.format != "mtp":
+        raise app.UsageError("--mtp_shared is for --format mtp")
     config = read_config(workdir)
     spec, target_params = load_target(config, model_spec_from_config(config))
+    return config, spec, target_params
+
+
+def export_medusa(workdir: str) -> None:
+    """A Medusa run (configs/*_medusa.py) in FasterDecoding's format."""
+    from confu_jax.runs.medusa import export_medusa_run
+
+    config, spec, target_params = _run_target(workdir)
     run = export_medusa_run(workdir, FLAGS.out, spec.target, target_params, step=FLAGS.step,
                             dtype=FLAGS.dtype or "float32", target_source=str(config.model.source))
     print(f"exported {workdir} (step {run.step}, Medusa heads) to {FLAGS.out} in the FasterDecoding format "
@@ -107,23 +126,29 @@ def export_medusa(workdir: str) -> None:
 
 
 def export_mlp_speculator(workdir: str) -> None:
-    """An MLP speculator run (configs/*_mlp_speculator.py) in the published fms-extras / vLLM format; its
-    target is loaded from the run's config as training loaded it (the fingerprint in target.json is checked)."""
-    from confu_jax.models.spec import model_spec_from_config
-    from confu_jax.runs.heads import read_config
+    """An MLP speculator run (configs/*_mlp_speculator.py) in the published fms-extras / vLLM format."""
     from confu_jax.runs.mlp_speculator import export_mlp_speculator_run
-    from confu_jax.train.target_loading import load_target
 
-    if FLAGS.embed_from or FLAGS.verifier:
-        raise app.UsageError("--embed_from / --verifier are for --format speculators")
-    config = read_config(workdir)
-    spec, target_params = load_target(config, model_spec_from_config(config))
+    config, spec, target_params = _run_target(workdir)
     run = export_mlp_speculator_run(workdir, FLAGS.out, spec.target, target_params, step=FLAGS.step,
                                     dtype=FLAGS.dtype or "float32", target_source=str(config.model.source))
     c = run.config
     print(f"exported {workdir} (step {run.step}, MLP speculator: {c.n_predict} stages, inner_dim {c.inner_dim}"
           f"{', tied' if c.tie_weights else ''}{', scale_input' if c.scale_input else ''}) to {FLAGS.out} in the "
           f"mlp_speculator format (model.safetensors + config.json, {FLAGS.dtype or 'float32'})")
+
+
+def export_mtp(workdir: str) -> None:
+    """An MTP run (configs/*_mtp.py) in DeepSeek-V3's MTP layout."""
+    from confu_jax.runs.mtp import export_mtp_run
+
+    config, spec, target_params = _run_target(workdir)
+    run = export_mtp_run(workdir, FLAGS.out, spec.target, target_params, step=FLAGS.step,
+                         dtype=FLAGS.dtype or "float32", include_shared=FLAGS.mtp_shared,
+                         target_source=str(config.model.source))
+    print(f"exported {workdir} (step {run.step}, MTP module: layer model.layers.{spec.target.n_layers}"
+          f"{', with the shared embedding / LM head' if FLAGS.mtp_shared else ''}) to {FLAGS.out} in the mtp format "
+          f"(DeepSeek-V3 names; model.safetensors + config.json, {FLAGS.dtype or 'float32'})")
 
 
 if __name__ == "__main__":

@@ -82,7 +82,10 @@ RELEASE_NAME = "sharegpt_smollm2_gpu"
 STAGES = ("setup", "model", "data", "release", "eagle3", "confu", "families", "bench")
 # the drafter families the campaign can train beside the heads (their configs: configs/smollm2_<family>.py);
 # their tasks read padded rows (no packing)
-FAMILY_CONFIGS = {"medusa": "configs/smollm2_medusa.py", "mlp_speculator": "configs/smollm2_mlp_speculator.py"}
+FAMILY_CONFIGS = {"medusa": "configs/smollm2_medusa.py", "mlp_speculator": "configs/smollm2_mlp_speculator.py",
+                  "mtp": "configs/smollm2_mtp.py"}
+# the families whose training reads padded rows only (the others pack rows as EAGLE-3 and ConFu do)
+PADDED_FAMILIES = ("medusa", "mlp_speculator")
 
 # Device limits (/work/.library/device/README.md): what travels and what comes back per call.
 TRAVEL_LIMIT = 64 * 2**20
@@ -151,6 +154,7 @@ class Scale:
     families: str = ""
     medusa_cost: float = 0.6  # Medusa step time / EAGLE-3's (the planner's assumption: no TTT)
     mlp_speculator_cost: float = 0.6  # likewise for the MLP speculator
+    mtp_cost: float = 0.8  # likewise for the MTP module (one target-shaped layer, 3 depths, full-vocabulary CE)
     train_s: int = 540  # time box of both trainings, seconds (compiles included)
     min_steps: int = 100  # the planner never goes below E = P = min_steps / 2
     ttt_steps: int = 4
@@ -908,9 +912,10 @@ class Campaign:
         train_files = self.training_releases()
         o = {
             "data.train_files": ",".join(train_files), "data.max_length": s.train_len,
-            # Medusa's task reads padded rows only: its rows carry fewer answer tokens at the same
-            # rows x length (the campaign's token-steps); its metrics.csv says how many it saw
-            "data.global_batch_size": self.train_batch(run), "data.pack": run not in FAMILY_CONFIGS,
+            # Medusa's and the MLP speculator's tasks read padded rows only (PADDED_FAMILIES): their rows
+            # carry fewer answer tokens at the same rows x length (the campaign's token-steps); their
+            # metrics.csv says how many they saw
+            "data.global_batch_size": self.train_batch(run), "data.pack": run not in PADDED_FAMILIES,
             "data.min_loss_tokens": 1, "data.num_workers": fb.get("num_workers", s.num_workers),
             "data.draft_vocab_max_records": s.draft_vocab_records,
             "draft.draft_vocab_size": s.draft_vocab, "draft.ttt_steps": s.ttt_steps,
@@ -1612,7 +1617,8 @@ def rebuild_workdir(export_dir: str, workdir: str) -> str:
 
 
 def auto_candidates(scale: Scale, family: str) -> Optional[tuple]:
-    """(chains, trees) budget auto measures for a drafter family (None: bench.budget's defaults)."""
+    """(chains, trees) budget auto measures for a drafter family (None: bench.budget's defaults). The MTP
+    module drafts at any depth with its one module: the head's plans."""
     text = {"lookup": scale.auto_lookup_plans, "medusa": scale.auto_medusa_plans,
             "mlp_speculator": scale.auto_medusa_plans}.get(family, scale.auto_head_plans)
     plans = [p for p in text.split(";") if p]

@@ -72,7 +72,7 @@ def test_benchmark_draft_model_rows(models, tmp_path):
                                   min_bucket=64)
     budgets = cli_args.parse_budgets("chain:2,lookup:3,2")
     assert cli_args.plan_families("chain:2") == ("head", "lookup", "hybrid", "draft_model", "sd2", "medusa",
-                                                  "mlp_speculator")
+                                                  "mlp_speculator", "mtp")
     messages = []
     rows = spec_bench.run_benchmark(setup, prompts, methods=["ar", "draft_model"], temperatures=[0.0],
                                     budgets=budgets, heads={"draft_model": models["draft"]}, log=messages.append)

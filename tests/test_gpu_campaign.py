@@ -328,7 +328,7 @@ def test_auto_candidates_parse_for_every_family():
 
     s = Scale()
     for method, family in (("eagle3", "head"), ("confu", "head"), ("lookup", "lookup"), ("hybrid", "hybrid"),
-                           ("medusa", "medusa"), ("mlp_speculator", "mlp_speculator")):
+                           ("medusa", "medusa"), ("mlp_speculator", "mlp_speculator"), ("mtp", "mtp")):
         chains, trees = auto_candidates(s, family)
         assert chains and (family == "hybrid" or trees)
         if family == "head":

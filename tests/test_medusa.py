@@ -15,9 +15,6 @@ identical losses; (4) FasterDecoding-format export/import round trip (safetensor
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +32,6 @@ from confu_jax.models.registry import get_method
 from confu_jax.train.metric_writers import read_csv
 from test_spec_loop import _chi_square, _exact_joint, _rows, make
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 
 
@@ -132,7 +128,7 @@ def test_plan_parsing():
         parse_medusa_plan("tree:2,0")
     from confu_jax.bench import budget, cli_args
 
-    assert cli_args.plan_families("tree:2,2") == ("medusa", "mlp_speculator")
+    assert cli_args.plan_families("tree:2,2") == ("medusa", "mlp_speculator", "mtp")
     chains, trees = budget.default_candidates("medusa")
     assert all(parse_drafter("medusa", p).max_depth <= 3 for p in chains + trees)
     spec, tp, params = setup(6, num_heads=2)
@@ -377,47 +373,10 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
         assert _rows(sp, 2) == _rows(ar, 2)
 
 
-_KILL_RUNNER = r"""
-import os, signal, sys
-sys.path.insert(0, {tests!r})
-from test_medusa import _config
-from confu_jax.train.loop import train
-
-kill_at = int(sys.argv[2])
-
-def kill(step, state, metrics):
-    if step == kill_at:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-train(_config(), sys.argv[1], hooks=[kill] if kill_at else [])
-if kill_at:
-    raise SystemExit("not killed")
-"""
-
-
-def _run(workdir, kill_at, env):
-    return subprocess.run([sys.executable, "-c", _KILL_RUNNER.format(tests=os.path.join(REPO, "tests")),
-                           workdir, str(kill_at)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-
-
 @pytest.mark.slow
 def test_killed_run_resumes_with_identical_losses(tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    ref = str(tmp_path / "ref")
-    p = _run(ref, 0, env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    workdir = str(tmp_path / "run")
-    p = _run(workdir, 7, env)
-    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
-    assert read_csv(os.path.join(workdir, "metrics.csv"))[-1]["step"] == 7
-    p = _run(workdir, 0, env)  # the same command again: resumes from checkpoint 3 or 6
-    assert p.returncode == 0, p.stderr[-3000:]
-    for name in ("metrics.csv", "eval.csv"):
-        rows, want = read_csv(os.path.join(workdir, name)), read_csv(os.path.join(ref, name))
-        assert [r["step"] for r in rows] == [r["step"] for r in want]
-        for r, q in zip(rows, want):
-            for key in q:
-                np.testing.assert_allclose(r[key], q[key], rtol=1e-6, atol=0, err_msg=f"{name} step {q['step']} {key}")
+    from train_resume import assert_killed_run_resumes
+
+    workdir, _ = assert_killed_run_resumes(tmp_path, "test_medusa")
     with open(os.path.join(workdir, "config.json")) as f:
         assert json.load(f)["medusa"]["num_heads"] == 3

@@ -49,6 +49,7 @@ DEFAULT_LOOKUP_TREES = ("lookup:4,2", "lookup:6,2", "lookup:4,4")
 DEFAULT_MEDUSA_TREES = ("tree:2,2", "tree:3,2,1", "tree:4,3,2", "dynamic:3,2,4")
 # MLP speculator: the same shapes (tree:k1,..,kD = the reference's top_k_tokens_per_head), depth <= 3
 DEFAULT_MLP_SPECULATOR_TREES = DEFAULT_MEDUSA_TREES
+# MTP module: no depth limit (one module reused for every depth): the head's chains and EAGLE-2 trees
 
 
 def default_candidates(method: str) -> tuple:
@@ -64,7 +65,7 @@ def default_candidates(method: str) -> tuple:
         return DEFAULT_CHAINS[:3], DEFAULT_MEDUSA_TREES
     if family == "mlp_speculator":  # depth <= n_predict (3 in configs/tiny_mlp_speculator.py, 4 in smollm2's)
         return DEFAULT_CHAINS[:3], DEFAULT_MLP_SPECULATOR_TREES
-    return DEFAULT_CHAINS, DEFAULT_TREES
+    return DEFAULT_CHAINS, DEFAULT_TREES  # head, draft models, the MTP module (drafts at any depth)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
 from confu_jax.decode.plans import DraftPlan
 from confu_jax.models import steering as steer_lib
 from confu_jax.models.early_exit import early_exit_params, is_early_exit_of
@@ -240,20 +240,11 @@ class DraftModel(PlanDrafter):
             return jax.nn.log_softmax(logits(cfg, w, h, vocab), axis=-1), (cache, tokens_bm, anc_bmm)
 
         s0 = (st.draft_cache, jnp.zeros((b, m), jnp.int32), jnp.zeros((b, m, m), bool))
-        q = None
-        if self.plan.kind == "dynamic":
-            tree, _, s = tree_lib.draft_dynamic_tree(expand_fn, s0, inp.root_b, depth=self.plan.depth,
-                                                     top_k=self.plan.top_k, n_nodes=self.plan.n_nodes)
-        elif self.plan.kind == "sampled_chain":
-            tree, q, s = tree_lib.draft_sampled_chain(expand_fn, s0, inp.root_b, self.plan.k, inp.key,
-                                                      inp.temperature, inp.top_p)
-        else:
-            tree, s = tree_lib.draft_static_tree(expand_fn, s0, inp.root_b, self.plan.structure())
+        tree, q, s = self.draft(expand_fn, s0, inp)
         new = st.replace(draft_cache=s[0])
         if self.steered:
             new = new.replace(steer_bias_lbf=jnp.where(active[None, :, None], bias_new, st.steer_bias_lbf))
-        n = jnp.full((b,), tree.tokens_bt.shape[1], jnp.int32)
-        return Proposal(tree, q, n, None, None, new)
+        return full_proposal(tree, q, new)
 
     # ------------------------------------------------------------------ update
 

@@ -32,8 +32,10 @@ import abc
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 
-from confu_jax.decode.plans import verification_rule
+from confu_jax.decode import tree as tree_lib
+from confu_jax.decode.plans import DraftPlan, verification_rule
 from confu_jax.decode.tree import DraftTree
 
 
@@ -47,6 +49,7 @@ class PrefillView(NamedTuple):
     future_bd: Optional[jax.Array]  # [B,d] f of the prefill contemplate (ConFu specs), else None
     max_len: int  # S: target cache slots (positions 0..S-1)
     last_hidden_bd: Optional[jax.Array] = None  # [B,d] the target's final-normed hidden state at position n-1
+    hidden_btd: Optional[jax.Array] = None  # [B,W,d] the target's final-normed hidden states of the prompt
 
 
 class DraftInput(NamedTuple):
@@ -152,3 +155,43 @@ class PlanDrafter(Drafter):
 
     def describe(self) -> str:
         return self.plan.text
+
+    def draft(self, expand_fn, state, inp: DraftInput):
+        """The plan's tree grown by ``expand_fn`` (``decode.tree``'s contract) -> (tree, q_btv or
+        None, the expansion state after drafting)."""
+        tree, q, _, state = draft_by_plan(self.plan, expand_fn, state, inp)
+        return tree, q, state
+
+
+def draft_by_plan(plan: DraftPlan, expand_fn, state, inp: DraftInput, *, d2t_v=None, target_vocab=None):
+    """Grow ``plan``'s tree with ``expand_fn`` (``decode.tree``: EAGLE-2's dynamic tree, a sampled chain
+    with its q, or a static tree / chain filled with the draft's top-k) -> (tree, q_btv or None, each
+    node's cumulative draft log-probability [B,T] or None (sampled chains), the state after drafting).
+    ``d2t_v`` / ``target_vocab``: drafts over a smaller draft vocabulary (the EAGLE-3 / ConFu head)."""
+    if plan.kind == "dynamic":
+        tree, score, state = tree_lib.draft_dynamic_tree(expand_fn, state, inp.root_b, depth=plan.depth,
+                                                         top_k=plan.top_k, n_nodes=plan.n_nodes, d2t_v=d2t_v)
+        return tree, None, score, state
+    if plan.kind == "sampled_chain":
+        tree, q, state = tree_lib.draft_sampled_chain(expand_fn, state, inp.root_b, plan.k, inp.key, inp.temperature,
+                                                      inp.top_p, d2t_v=d2t_v, target_vocab=target_vocab)
+        return tree, q, None, state
+    tree, score, state = tree_lib.draft_static_tree(expand_fn, state, inp.root_b, plan.structure(), d2t_v=d2t_v,
+                                                    return_scores=True)
+    return tree, None, score, state
+
+
+def full_proposal(tree: DraftTree, q, state) -> Proposal:
+    """A proposal that asks to verify every node of ``tree`` (no contemplates)."""
+    b, t = tree.tokens_bt.shape
+    return Proposal(tree, q, jnp.full((b,), t, jnp.int32), None, None, state)
+
+
+def last_accepted_hidden(v: VerifiedPass, hidden_bd: jax.Array, who: str) -> jax.Array:
+    """h[p'] for every active row: the target's final-normed hidden state at the pass's last accepted
+    node (``VerifyOutput.hidden_btd``, whose logits gave the bonus); inactive rows keep ``hidden_bd``."""
+    if v.target.hidden_btd is None:
+        raise ValueError(f"{who}.update needs VerifyOutput.hidden_btd (models.target.verify)")
+    rows = jnp.arange(v.active_b.shape[0])
+    h = v.target.hidden_btd[rows, v.verification.last_node_b].astype(hidden_bd.dtype)
+    return jnp.where(v.active_b[:, None], h, hidden_bd)

@@ -14,7 +14,9 @@ them into the frozen ``Drafter`` classes the loop takes (docs/DESIGN.md §11). P
   without ``+cM`` (``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N``);
 * ``medusa`` (Medusa-1 heads): the same, plus ``tree:k1,...,kD`` (head i's top-k_i, Cartesian);
 * ``mlp_speculator`` (IBM's MLP speculator): as ``medusa`` (``tree:k1,...,kD`` = stage i's top-k_i
-  under every node, the reference's ``top_k_tokens_per_head``).
+  under every node, the reference's ``top_k_tokens_per_head``);
+* ``mtp`` (DeepSeek-V3's MTP module): as ``mlp_speculator`` (``tree:k1,...,kD`` = depth i's top-k_i
+  under every node).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from confu_jax.decode.hybrid import Hybrid
 from confu_jax.decode.lookup import PromptLookup
 from confu_jax.decode.medusa import MedusaDrafter, parse_medusa_plan
 from confu_jax.decode.mlp_speculator import MLPSpeculatorDrafter, parse_mlp_speculator_plan
+from confu_jax.decode.mtp import MTPDrafter, parse_mtp_plan
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.registry import get_method
 
@@ -93,4 +96,6 @@ def parse_drafter(method: str, text: str) -> Drafter:
         return MedusaDrafter(parse_medusa_plan(text))
     if family == "mlp_speculator":
         return MLPSpeculatorDrafter(parse_mlp_speculator_plan(text))
+    if family == "mtp":
+        return MTPDrafter(parse_mtp_plan(text))
     raise ValueError(f"method {method!r} does not draft (family {family!r})")

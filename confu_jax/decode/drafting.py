@@ -17,6 +17,7 @@ For ConFu every draft query also sees the transient future entry built from f[p]
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Optional
 
 import flax.struct
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass, draft_by_plan
 from confu_jax.decode.plans import DraftPlan, verification_rule
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import draft as draft_lib
@@ -81,44 +82,128 @@ def future_entry(spec: ModelSpec, params: SpecParams, hs: HeadDraftState, anchor
                                         hs.future_anchor_b[:, None])
 
 
-def ingest(spec: ModelSpec, params: SpecParams, hs: HeadDraftState, done_b: jax.Array, future,
-           draft_cache: KVCache, g_bad: Optional[jax.Array] = None):
-    """Depth 0: commit the pending entries to the draft cache -> (logits at the anchor [B,1,V_d],
-    draft state at the anchor [B,1,d], updated draft cache). ``g_bad``: fc of the pending entries'
-    h_cat when the caller computed it already. The LM head runs at the anchor row only."""
-    b, a = hs.ingest_tokens_ba.shape
+# ----------------------------------------------------------------------------- any one-layer drafter with a cache
+#
+# ``block_fn(tokens_bt, hidden_btd, positions_bt, **attend) -> models.draft_decode.DraftBlockOutput`` is
+# one incremental forward of the drafter's layer (``draft_block``'s contract: ``cache``,
+# ``block_mask_btt``, scratch K/V and mask, ``logits_index_b``; it never writes anything). The EAGLE-3 /
+# ConFu head and the MTP module (``decode.mtp``) draft through the functions below with their own
+# ``block_fn``: an ingestion buffer of (token x[j+1], feature of position j) entries committed at depth
+# 0, tree levels attending the cache, a scratch buffer of their ancestors' K/V and themselves.
+
+
+def commit_prompt(block_fn, draft_cache: KVCache, view: PrefillView, feats_btd: jax.Array) -> KVCache:
+    """Draft prefill: entries j = 0..n-2 (token x[j+1], feature ``feats_btd[j]``) as one causal
+    block, committed (entry n-1 waits in the ingestion buffer: ``prompt_buffer``)."""
+    b, width = view.tokens_bt.shape
+    nxt = jnp.concatenate([view.tokens_bt[:, 1:], jnp.zeros((b, 1), view.tokens_bt.dtype)], axis=1)
+    out = block_fn(nxt, feats_btd, jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width)))
+    return commit(draft_cache, out.k_new_bthd[None], out.v_new_bthd[None], view.lengths_b - 1)
+
+
+def prompt_buffer(view: PrefillView, feats_btc: jax.Array, a: int):
+    """The ingestion buffer after the prompt: entry n-1 (the first emitted token, ``feats_btc[n-1]``)
+    in an A-slot buffer -> (tokens [B,A], features [B,A,C], count [B] = 1)."""
+    b = view.tokens_bt.shape[0]
     rows = jnp.arange(b)
-    if g_bad is None:
-        g_bad = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac)
+    tokens = jnp.zeros((b, a), jnp.int32).at[:, 0].set(view.first_b)
+    feats = jnp.zeros((b, a, feats_btc.shape[-1]), feats_btc.dtype).at[:, 0].set(feats_btc[rows, view.lengths_b - 1])
+    return tokens, feats, jnp.ones((b,), jnp.int32)
+
+
+def ingest_entries(block_fn, tokens_ba: jax.Array, feats_bac: jax.Array, count_b: jax.Array, done_b: jax.Array,
+                   draft_cache: KVCache):
+    """Depth 0: commit the ``count_b`` pending entries to the draft cache -> (logits at the anchor
+    [B,1,V], draft state at the anchor [B,1,d], updated draft cache). The LM head runs at the anchor
+    row only; rows that are done commit nothing."""
+    b, a = tokens_ba.shape
+    rows = jnp.arange(b)
     pos = draft_cache.length_b[:, None] + jnp.arange(a, dtype=jnp.int32)[None]
-    last = hs.ingest_count_b - 1
-    out = draft_block(spec, params.draft, params.embed_vd, hs.ingest_tokens_ba, g_bad, pos,
-                      cache=draft_cache, future=future, logits_index_b=last)
+    last = count_b - 1
+    out = block_fn(tokens_ba, feats_bac, pos, cache=draft_cache, logits_index_b=last)
     active = (~done_b).astype(jnp.int32)
-    draft_cache = commit(draft_cache, out.k_new_bthd[None], out.v_new_bthd[None],
-                         hs.ingest_count_b * active)
+    draft_cache = commit(draft_cache, out.k_new_bthd[None], out.v_new_bthd[None], count_b * active)
     return out.logits_btv, out.h_out_btd[rows, last][:, None], draft_cache
 
 
-def expand(spec: ModelSpec, params: SpecParams, st: DraftScratch, fr: tree_lib.Frontier,
-           anchor_b: jax.Array, future):
-    """Depth k > 0: draft the frontier's children -> (logits [B,K,V_d], updated scratch)."""
+def expand_frontier(block_fn, st: DraftScratch, fr: tree_lib.Frontier, anchor_b: jax.Array):
+    """Depth k > 0: draft the frontier's children -> (logits [B,K,V], updated scratch)."""
     b, k = fr.tokens_bk.shape
     h_in = jnp.take_along_axis(st.h_out_bkd, fr.parent_slot_bk[..., None], axis=1)
     pos = jnp.broadcast_to((anchor_b + fr.depth)[:, None], (b, k))
     slot = jnp.arange(fr.n_scratch)
     # slot 0 is the root's, whose K/V went to the draft cache at ingest; unwritten slots are masked
     usable = (slot > 0) & ((slot < fr.slot_offset) | (slot >= fr.slot_offset + k))
-    out = draft_block(
-        spec, params.draft, params.embed_vd, fr.tokens_bk, h_in, pos, cache=st.draft_cache,
-        block_mask_btt=jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k)),
-        scratch_k_bmhd=st.scratch_k_bmhd, scratch_v_bmhd=st.scratch_v_bmhd,
-        scratch_mask_btm=fr.ancestor_bkn & usable[None, None], future=future)
+    out = block_fn(fr.tokens_bk, h_in, pos, cache=st.draft_cache,
+                   block_mask_btt=jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k)),
+                   scratch_k_bmhd=st.scratch_k_bmhd, scratch_v_bmhd=st.scratch_v_bmhd,
+                   scratch_mask_btm=fr.ancestor_bkn & usable[None, None])
     sk = jax.lax.dynamic_update_slice_in_dim(st.scratch_k_bmhd, out.k_new_bthd.astype(st.scratch_k_bmhd.dtype),
                                              fr.slot_offset, 1)
     sv = jax.lax.dynamic_update_slice_in_dim(st.scratch_v_bmhd, out.v_new_bthd.astype(st.scratch_v_bmhd.dtype),
                                              fr.slot_offset, 1)
     return out.logits_btv, DraftScratch(st.draft_cache, sk, sv, out.h_out_btd)
+
+
+def draft_cached_tree(plan: DraftPlan, block_fn, draft_cache: KVCache, tokens_ba: jax.Array, feats_bac: jax.Array,
+                      count_b: jax.Array, inp: DraftInput, *, n_kv_heads: int, head_dim: int, d_model: int,
+                      dtype, d2t_v=None, target_vocab: Optional[int] = None):
+    """One iteration of a one-layer drafter with a cache: ingest the buffer (depth 0), then the plan's
+    tree level by level -> (DraftTree, q_btv or None, cumulative draft scores [B,T] or None (sampled
+    chains), the draft cache with the buffer committed)."""
+    b = tokens_ba.shape[0]
+
+    def expand_fn(st: DraftScratch, fr: tree_lib.Frontier):
+        if fr.depth == 0:
+            logits, h_out, cache = ingest_entries(block_fn, tokens_ba, feats_bac, count_b, inp.done_b, st.draft_cache)
+            st = st._replace(draft_cache=cache, h_out_bkd=h_out)
+        else:
+            logits, st = expand_frontier(block_fn, st, fr, inp.anchor_b)
+        return jax.nn.log_softmax(logits, axis=-1), st
+
+    scratch0 = jnp.zeros((b, plan.n_scratch, n_kv_heads, head_dim), jnp.dtype(dtype))
+    st0 = DraftScratch(draft_cache, scratch0, scratch0, jnp.zeros((b, 1, d_model), jnp.dtype(dtype)))
+    tree, q, score_bt, st = draft_by_plan(plan, expand_fn, st0, inp, d2t_v=d2t_v, target_vocab=target_vocab)
+    return tree, q, score_bt, st.draft_cache
+
+
+def refill_entries(v: VerifiedPass, node_feats_btc: jax.Array, tokens_ba: jax.Array, feats_bac: jax.Array,
+                   count_b: jax.Array):
+    """The ingestion buffer after a verification: the accepted path's emitted tokens and its nodes'
+    features (``node_feats_btc``: one per verified node); rows that were not active keep theirs ->
+    (tokens [B,A], features [B,A,C], count [B])."""
+    ver, active = v.verification, v.active_b
+    keep = active[:, None]
+    path = jnp.maximum(ver.path_bd, 0)
+    feats_path = jnp.take_along_axis(node_feats_btc, path[..., None], axis=1)
+    return (jnp.where(keep, jnp.maximum(ver.emitted_bd, 0), tokens_ba),
+            jnp.where(keep[..., None], feats_path.astype(feats_bac.dtype), feats_bac),
+            jnp.where(active, ver.n_accepted_b, count_b))
+
+
+# ----------------------------------------------------------------------------- the EAGLE-3 / ConFu head
+
+
+def head_block(spec: ModelSpec, params: SpecParams, future=None):
+    """The head's ``block_fn`` (``draft_block`` on its parameters, with ConFu's future entry)."""
+    return functools.partial(draft_block, spec, params.draft, params.embed_vd, future=future)
+
+
+def ingest(spec: ModelSpec, params: SpecParams, hs: HeadDraftState, done_b: jax.Array, future,
+           draft_cache: KVCache, g_bad: Optional[jax.Array] = None):
+    """Depth 0: commit the pending entries to the draft cache -> (logits at the anchor [B,1,V_d],
+    draft state at the anchor [B,1,d], updated draft cache). ``g_bad``: fc of the pending entries'
+    h_cat when the caller computed it already. The LM head runs at the anchor row only."""
+    if g_bad is None:
+        g_bad = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac)
+    return ingest_entries(head_block(spec, params, future), hs.ingest_tokens_ba, g_bad, hs.ingest_count_b, done_b,
+                          draft_cache)
+
+
+def expand(spec: ModelSpec, params: SpecParams, st: DraftScratch, fr: tree_lib.Frontier,
+           anchor_b: jax.Array, future):
+    """Depth k > 0: draft the frontier's children -> (logits [B,K,V_d], updated scratch)."""
+    return expand_frontier(head_block(spec, params, future), st, fr, anchor_b)
 
 
 def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDraftState, inp: DraftInput,
@@ -130,39 +215,19 @@ def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDra
     ``q_btv`` (sampled chains only) holds the draft distributions the nodes were drawn from;
     ``con_nodes_bm`` [B,M] (ConFu with sparse contemplates only) the nodes that get one.
     """
-    b = hs.ingest_tokens_ba.shape[0]
     t = spec.target
     # fc(h_cat) of the pending entries, once: the future anchor's g also builds the future entry
     g_bad = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac)
     future = future_entry(spec, params, hs, inp.anchor_b, g_bad)
-    scratch0 = jnp.zeros((b, plan.n_scratch, t.n_kv_heads, t.head_dim), jnp.dtype(spec.head.dtype))
-
-    def expand_fn(st: DraftScratch, fr: tree_lib.Frontier):
-        if fr.depth == 0:
-            logits, h_out, draft_cache = ingest(spec, params, hs, inp.done_b, future, st.draft_cache, g_bad)
-            st = st._replace(draft_cache=draft_cache, h_out_bkd=h_out)
-        else:
-            logits, st = expand(spec, params, st, fr, inp.anchor_b, future)
-        return jax.nn.log_softmax(logits, axis=-1), st
-
-    st0 = DraftScratch(hs.draft_cache, scratch0, scratch0,
-                       jnp.zeros((b, 1, t.d_model), jnp.dtype(spec.head.dtype)))
-    d2t = params.draft_vocab["d2t"]
-    q = None
-    score_bt = static_score = None
-    if plan.kind == "dynamic":
-        tree, score_bt, st = tree_lib.draft_dynamic_tree(expand_fn, st0, inp.root_b, depth=plan.depth,
-                                                         top_k=plan.top_k, n_nodes=plan.n_nodes, d2t_v=d2t)
-    elif plan.kind == "sampled_chain":
-        tree, q, st = tree_lib.draft_sampled_chain(expand_fn, st0, inp.root_b, plan.k, inp.key, inp.temperature,
-                                                   inp.top_p, d2t_v=d2t, target_vocab=t.vocab_size)
-    else:
-        tree, static_score, st = tree_lib.draft_static_tree(expand_fn, st0, inp.root_b, plan.structure(), d2t_v=d2t,
-                                                            return_scores=True)
-    con_nodes = contemplate_nodes(spec, plan, tree, score_bt)
+    tree, q, score_bt, draft_cache = draft_cached_tree(
+        plan, head_block(spec, params, future), hs.draft_cache, hs.ingest_tokens_ba, g_bad, hs.ingest_count_b, inp,
+        n_kv_heads=t.n_kv_heads, head_dim=t.head_dim, d_model=t.d_model, dtype=spec.head.dtype,
+        d2t_v=params.draft_vocab["d2t"], target_vocab=t.vocab_size)
+    dynamic = plan.kind == "dynamic"
+    con_nodes = contemplate_nodes(spec, plan, tree, score_bt if dynamic else None)
     if with_scores:
-        return tree, q, st.draft_cache, con_nodes, static_score
-    return tree, q, st.draft_cache, con_nodes
+        return tree, q, draft_cache, con_nodes, (None if dynamic else score_bt)
+    return tree, q, draft_cache, con_nodes
 
 
 def contemplate_nodes(spec: ModelSpec, plan: DraftPlan, tree: tree_lib.DraftTree,
@@ -239,22 +304,15 @@ class HeadDrafter(Drafter):
     def init(self, spec: ModelSpec, params: SpecParams, view: PrefillView) -> HeadDraftState:
         """Draft prefill: entries j = 0..n-2 (token x[j+1], g[j]) as one causal block, committed;
         entry n-1 (token = the first emitted token, h_cat[n-1]) waits in the ingestion buffer."""
-        b, width = view.tokens_bt.shape
-        a = self.max_depth + 1
-        rows = jnp.arange(b)
-        nxt = jnp.concatenate([view.tokens_bt[:, 1:], jnp.zeros((b, 1), view.tokens_bt.dtype)], axis=1)
+        b = view.tokens_bt.shape[0]
         g_btd = draft_lib.draft_features(spec, params.draft, view.h_cat_btc)
-        out = draft_block(spec, params.draft, params.embed_vd, nxt, g_btd,
-                          jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width)))
-        draft_cache = init_draft_cache(spec, b, view.max_len)
-        draft_cache = commit(draft_cache, out.k_new_bthd[None], out.v_new_bthd[None], view.lengths_b - 1)
-        c = view.h_cat_btc.shape[-1]
+        draft_cache = commit_prompt(head_block(spec, params), init_draft_cache(spec, b, view.max_len), view, g_btd)
+        tokens, h_cat, count = prompt_buffer(view, view.h_cat_btc, self.max_depth + 1)
         return HeadDraftState(
             draft_cache=draft_cache,
-            ingest_tokens_ba=jnp.zeros((b, a), jnp.int32).at[:, 0].set(view.first_b),
-            ingest_h_cat_bac=jnp.zeros((b, a, c), view.h_cat_btc.dtype).at[:, 0].set(
-                view.h_cat_btc[rows, view.lengths_b - 1]),
-            ingest_count_b=jnp.ones((b,), jnp.int32),
+            ingest_tokens_ba=tokens,
+            ingest_h_cat_bac=h_cat,
+            ingest_count_b=count,
             future_bd=(view.future_bd if spec.head.has_future
                        else jnp.zeros((b, spec.target.d_model), jnp.float32)),
             future_anchor_b=view.lengths_b - 1,  # the prefill contemplate follows the last prompt token
@@ -280,8 +338,8 @@ class HeadDrafter(Drafter):
         ver, vo, tree, active = v.verification, v.target, v.tree, v.active_b
         rows = jnp.arange(active.shape[0])
         keep = active[:, None]
-        path = jnp.maximum(ver.path_bd, 0)
-        hcat_path = jnp.take_along_axis(vo.h_cat_btc, path[..., None], axis=1)
+        tokens, h_cat, count = refill_entries(v, vo.h_cat_btc, hs.ingest_tokens_ba, hs.ingest_h_cat_bac,
+                                              hs.ingest_count_b)
         future_new, future_anchor = hs.future_bd, hs.future_anchor_b
         if spec.head.has_future:
             c = _future_source(tree, ver.last_node_b, v.con_nodes_bm)
@@ -289,10 +347,9 @@ class HeadDrafter(Drafter):
             node = ver.last_node_b if v.con_nodes_bm is None else v.con_nodes_bm[rows, c]
             future_anchor = v.anchor_b + 1 + tree.depth_bt[rows, node]  # that node's position
         return hs.replace(
-            ingest_tokens_ba=jnp.where(keep, jnp.maximum(ver.emitted_bd, 0), hs.ingest_tokens_ba),
-            ingest_h_cat_bac=jnp.where(keep[..., None], hcat_path.astype(hs.ingest_h_cat_bac.dtype),
-                                       hs.ingest_h_cat_bac),
-            ingest_count_b=jnp.where(active, ver.n_accepted_b, hs.ingest_count_b),
+            ingest_tokens_ba=tokens,
+            ingest_h_cat_bac=h_cat,
+            ingest_count_b=count,
             future_bd=jnp.where(keep, future_new.astype(hs.future_bd.dtype), hs.future_bd),
             future_anchor_b=jnp.where(active, future_anchor, hs.future_anchor_b),
         )

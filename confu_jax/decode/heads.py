@@ -219,6 +219,45 @@ def mlp_speculator_head(target_cfg: LlamaConfig, target_params: dict, source: Op
                                        draft_vocab={}), trained, desc)
 
 
+def mtp_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[str] = None, seed: int = 0,
+             target_source: str = "the loaded target") -> DecodeHead:
+    """What the MTP module (family ``mtp``) decodes with: the module of a ``launch.train`` MTP workdir
+    (``runs.mtp``, target checked), of a DeepSeek-layout directory (config.json with
+    ``num_nextn_predict_layers`` + model.safetensors: ``weights.mtp_format``; its layer must be the
+    target's layer shape, and any embedding / LM head copy the target's), or, with no source, the
+    untrained module (``models.mtp.init_mtp``: the target's last layer, ``trained`` False)."""
+    from confu_jax.models.mtp import check_mtp_params, init_mtp
+    from confu_jax.runs.mtp import is_mtp_workdir, load_mtp_run
+    from confu_jax.weights.mtp_format import check_shared, is_mtp_dir, load_mtp_dir
+
+    if source is None:
+        params = jax.device_get(init_mtp(jax.random.PRNGKey(seed), target_cfg, target_params))
+        trained, desc = False, f"MTP module initialisation (the target's last layer, seed {seed})"
+    else:
+        path = os.path.abspath(os.path.expanduser(source))
+        if is_mtp_workdir(path):
+            run = load_mtp_run(path, target_cfg, target_params, target_source=target_source)
+            params, desc = run.params, run.source
+        elif is_mtp_dir(path):
+            imp = load_mtp_dir(path)
+            for field in ("d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "rope_theta", "rope_scaling",
+                          "rms_eps"):
+                if getattr(imp.block, field) != getattr(target_cfg, field):
+                    raise ValueError(f"{source}: an MTP layer with {field}={getattr(imp.block, field)} cannot run "
+                                     f"as a layer of the target ({field}={getattr(target_cfg, field)})")
+            check_shared(imp, target_cfg, target_params)
+            params, desc = imp.params, f"{path} (DeepSeek-layout MTP, layer {imp.layer_index})"
+        else:
+            raise ValueError(f"{source}: neither an MTP launch.train workdir (config.json with an 'mtp' section + "
+                             "checkpoints/) nor a DeepSeek-layout MTP directory (config.json with "
+                             "num_nextn_predict_layers + model.safetensors)")
+        trained = True
+    check_mtp_params(params, target_cfg)
+    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size))
+    return DecodeHead(spec, SpecParams(target=target_params, draft={"mtp": params}, confu={}, draft_vocab={}),
+                      trained, desc)
+
+
 def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workdir: Optional[str] = None,
                 seed: int = 0, target_source: str = "the loaded target", target_tokenizer=None) -> DecodeHead:
     """The head ``method`` drafts with: trained (``workdir``), random, none (model-free methods,
@@ -229,6 +268,8 @@ def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workd
         return medusa_head(target_cfg, target_params, workdir, seed, target_source=target_source)
     if m.family == "mlp_speculator":
         return mlp_speculator_head(target_cfg, target_params, workdir, seed, target_source=target_source)
+    if m.family == "mtp":
+        return mtp_head(target_cfg, target_params, workdir, seed, target_source=target_source)
     if m.family in ("draft_model", "sd2"):
         return draft_model_head(method, target_cfg, target_params, workdir, target_tokenizer=target_tokenizer,
                                 target_source=target_source)

@@ -185,7 +185,7 @@ def _prefill(spec: ModelSpec, params: SpecParams, drafter, tokens_bt, lengths_b,
                                     attend_cache=False)
     first_b = choose_token(jax.random.fold_in(key, 0), pre.last_logits_bv, temperature, top_p)
     dstate = drafter.init(spec, params, PrefillView(tokens_bt, lengths_b, first_b, pre.h_cat_btc,
-                                                    pre.future_bd, max_len, pre.last_hidden_bd))
+                                                    pre.future_bd, max_len, pre.last_hidden_bd, pre.hidden_btd))
     all_b = jnp.ones((b,), bool)
     tokens_bn, n_gen = emit(jnp.full((b, max_new_tokens), PAD_OUT, jnp.int32), jnp.zeros((b,), jnp.int32),
                             first_b, all_b)

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal,
+                                     last_accepted_hidden)
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.medusa import config_of, medusa_logits
 from confu_jax.models.vocab_map import to_target_vocab
@@ -134,23 +135,9 @@ class MedusaDrafter(PlanDrafter):
             lp = logp_kbv[fr.depth][:, None, :]
             return jnp.broadcast_to(lp, (lp.shape[0], n, lp.shape[-1])), s
 
-        q = None
-        if self.plan.kind == "dynamic":
-            tree, _, _ = tree_lib.draft_dynamic_tree(expand_fn, None, inp.root_b, depth=self.plan.depth,
-                                                     top_k=self.plan.top_k, n_nodes=self.plan.n_nodes)
-        elif self.plan.kind == "sampled_chain":
-            tree, q, _ = tree_lib.draft_sampled_chain(expand_fn, None, inp.root_b, self.plan.k, inp.key,
-                                                      inp.temperature, inp.top_p)
-        else:
-            tree, _ = tree_lib.draft_static_tree(expand_fn, None, inp.root_b, self.plan.structure())
-        b = inp.root_b.shape[0]
-        n = jnp.full((b,), tree.tokens_bt.shape[1], jnp.int32)
-        return Proposal(tree, q, n, None, None, st)
+        tree, q, _ = self.draft(expand_fn, None, inp)
+        return full_proposal(tree, q, st)
 
     def update(self, spec, params, st: MedusaState, v: VerifiedPass) -> MedusaState:
         """h[p'] at the new last accepted position p' = the last accepted node of the pass."""
-        if v.target.hidden_btd is None:
-            raise ValueError("MedusaDrafter.update needs VerifyOutput.hidden_btd (models.target.verify)")
-        rows = jnp.arange(v.active_b.shape[0])
-        h = v.target.hidden_btd[rows, v.verification.last_node_b].astype(st.hidden_bd.dtype)
-        return st.replace(hidden_bd=jnp.where(v.active_b[:, None], h, st.hidden_bd))
+        return st.replace(hidden_bd=last_accepted_hidden(v, st.hidden_bd, "MedusaDrafter"))

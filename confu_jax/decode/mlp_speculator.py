@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal,
+                                     last_accepted_hidden)
 from confu_jax.decode.medusa import describe_cartesian, parse_cartesian_plan
 from confu_jax.decode.plans import DraftPlan
 from confu_jax.models.mlp_speculator import config_of, input_state, stage_logits, stage_state
@@ -110,23 +111,9 @@ class MLPSpeculatorDrafter(PlanDrafter):
             return jax.nn.log_softmax(logits, axis=-1), s_bke
 
         s0 = input_state(sp, st.hidden_bd)[:, None]  # [B, 1, d]: the root's parent state
-        q = None
-        if self.plan.kind == "dynamic":
-            tree, _, _ = tree_lib.draft_dynamic_tree(expand_fn, s0, inp.root_b, depth=self.plan.depth,
-                                                     top_k=self.plan.top_k, n_nodes=self.plan.n_nodes)
-        elif self.plan.kind == "sampled_chain":
-            tree, q, _ = tree_lib.draft_sampled_chain(expand_fn, s0, inp.root_b, self.plan.k, inp.key,
-                                                      inp.temperature, inp.top_p)
-        else:
-            tree, _ = tree_lib.draft_static_tree(expand_fn, s0, inp.root_b, self.plan.structure())
-        b = inp.root_b.shape[0]
-        n = jnp.full((b,), tree.tokens_bt.shape[1], jnp.int32)
-        return Proposal(tree, q, n, None, None, st)
+        tree, q, _ = self.draft(expand_fn, s0, inp)
+        return full_proposal(tree, q, st)
 
     def update(self, spec, params, st: MLPSpeculatorState, v: VerifiedPass) -> MLPSpeculatorState:
         """h[p'] at the new last accepted position p' = the last accepted node of the pass."""
-        if v.target.hidden_btd is None:
-            raise ValueError("MLPSpeculatorDrafter.update needs VerifyOutput.hidden_btd (models.target.verify)")
-        rows = jnp.arange(v.active_b.shape[0])
-        h = v.target.hidden_btd[rows, v.verification.last_node_b].astype(st.hidden_bd.dtype)
-        return st.replace(hidden_bd=jnp.where(v.active_b[:, None], h, st.hidden_bd))
+        return st.replace(hidden_bd=last_accepted_hidden(v, st.hidden_bd, "MLPSpeculatorDrafter"))

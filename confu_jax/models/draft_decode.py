@@ -65,19 +65,20 @@ def draft_block(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens
     q, k, v = apply_head(spec, draft_params, emb, hidden_btd, positions_bt.astype(jnp.int32), method=DraftHead.project)
     if block_mask_btt is None:
         block_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    attn = _attend_blocks(q, k, v, block_mask_btt, cache, scratch_k_bmhd, scratch_v_bmhd, scratch_mask_btm,
-                          future, future_visible_bt)
+    attn = attend_blocks(q, k, v, block_mask_btt, cache, scratch_k_bmhd, scratch_v_bmhd, scratch_mask_btm,
+                         future, future_visible_bt)
     h_out, hidden = apply_head(spec, draft_params, attn, hidden_btd, method=DraftHead.finish)
     at = hidden if logits_index_b is None else hidden[jnp.arange(b), logits_index_b][:, None]
     return DraftBlockOutput(draft_logits(spec, draft_params, at), hidden, h_out, k, v)
 
 
-def _attend_blocks(q_bthd, k_bthd, v_bthd, block_mask_btt, cache, scratch_k_bmhd, scratch_v_bmhd,
-                   scratch_mask_btm, future, future_visible_bt):
+def attend_blocks(q_bthd, k_bthd, v_bthd, block_mask_btt, cache, scratch_k_bmhd, scratch_v_bmhd,
+                  scratch_mask_btm, future=None, future_visible_bt=None):
     """Softmax over [cache | scratch | block | future] as per-block states merged by their maxima
     (``kernels.blockwise_attention``): the draft cache is read in place, in its head-major layout
     and its own dtype, at every tree depth — no transposed, concatenated or upcast copy of it —
-    with float32 accumulation. The future entry is one key shared by a row's queries."""
+    with float32 accumulation. The future entry is one key shared by a row's queries. Shared by
+    every one-layer drafter with a KV cache (the EAGLE-3 / ConFu head, the MTP module)."""
     b, t, hq, d = q_bthd.shape
     hkv = k_bthd.shape[2]
     q = q_bthd.reshape(b, t, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)  # [B,Hkv,G,T,D]

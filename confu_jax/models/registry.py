@@ -20,7 +20,8 @@ class Variant:
     description: str
 
 
-FAMILIES = ("ar", "head", "lookup", "hybrid", "auto", "draft_model", "sd2", "medusa", "mlp_speculator")  # drafter families (decode.drafters maps them to classes)
+FAMILIES = ("ar", "head", "lookup", "hybrid", "auto", "draft_model", "sd2", "medusa", "mlp_speculator",
+            "mtp")  # drafter families (decode.drafters maps them to classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +38,9 @@ class Method:
     @property
     def needs_head(self) -> bool:
         """Whether it drafts with a trained (or untrained) head: a workdir / imported head to load.
-        Medusa's heads and the MLP speculator have no EAGLE-3 / ConFu variant but are a head all the same."""
-        return bool(self.variants) or self.family in ("medusa", "mlp_speculator")
+        Medusa's heads, the MLP speculator and the MTP module have no EAGLE-3 / ConFu variant but are a head
+        all the same."""
+        return bool(self.variants) or self.family in ("medusa", "mlp_speculator", "mtp")
 
 
 VARIANTS: dict = {v.name: v for v in (
@@ -67,6 +69,9 @@ METHODS: dict = {m.name: m for m in (
     Method("mlp_speculator", (), "IBM's MLP speculator: recurrent stages on the target's last hidden state and the "
            "drafted tokens (trained with configs/*_mlp_speculator.py, or an fms / vLLM mlp_speculator directory)",
            "mlp_speculator"),
+    Method("mtp", (), "DeepSeek-V3's MTP module: one Llama layer on the target's last hidden state and the next "
+           "token, the target's embedding and LM head, drafting recursively (trained with configs/*_mtp.py, or a "
+           "DeepSeek-layout MTP directory)", "mtp"),
     Method("auto", (), "benchmark only: budget auto across the run's other methods (family and plan)", "auto"),
 )}
 

@@ -52,6 +52,7 @@ class PrefillOutput(NamedTuple):
     h_cat_btc: jax.Array  # [B,T,3d] taps of every prompt token (draft features for the draft prefill)
     future_bd: Optional[jax.Array]  # [B,d] f of the contemplate after the last prompt token; None for eagle3
     last_hidden_bd: Optional[jax.Array] = None  # [B,d] final-normed hidden state at the last prompt token
+    hidden_btd: Optional[jax.Array] = None  # [B,T,d] final-normed hidden states of every prompt token (MTP reads them)
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -180,6 +181,7 @@ def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict
         prefix_v_lphd=confu_params["soft_prompt_v_lphd"],
         prefix_visible_bt=jnp.ones((b, k), bool),
         return_logits=False,
+        remat_layers=True,  # training differentiates through every layer to the soft prompts
     )
     return out.hidden_btd
 
@@ -217,7 +219,7 @@ def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVC
         anchor = (cache.length_b + last)[:, None]
         future_bd = contemplate_queries(spec, target_params, confu_params, new_cache.k_lbhsd, new_cache.v_lbhsd,
                                    anchor, src[:, None])[:, 0]
-    return PrefillOutput(last_logits, out.taps_btc, future_bd, out.hidden_btd[rows, last]), new_cache
+    return PrefillOutput(last_logits, out.taps_btc, future_bd, out.hidden_btd[rows, last], out.hidden_btd), new_cache
 
 
 def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCache, tokens_bt: jax.Array,

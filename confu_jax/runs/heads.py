@@ -178,3 +178,34 @@ def check_head_target(head: TrainedHead, workdir: str, target_cfg: LlamaConfig, 
             f"{target_source} has fingerprint {have[:16]}... (same architecture, different weights, "
             "e.g. a base model and its instruct fine-tune). A head only accelerates the target it "
             "was trained for; load that target, or train a head for this one.")
+
+
+# ----------------------------------------------------------------------------- other drafter families' runs
+
+
+def is_family_workdir(path: str, section: str) -> bool:
+    """A ``launch.train`` workdir (config.json + checkpoints/) whose config has a ``section`` section
+    (``medusa``, ``mlp_speculator``, ``mtp``: the family it trained)."""
+    cfg = os.path.join(path, "config.json")
+    if not (os.path.isdir(os.path.join(path, "checkpoints")) and os.path.isfile(cfg)):
+        return False
+    with open(cfg) as f:
+        c = json.load(f)
+    return isinstance(c, dict) and section in c
+
+
+def load_family_run(workdir: str, section: str, abstract_fn, target_params, *, step: Optional[int] = None,
+                    target_source: str = "the loaded target", why: str = ""):
+    """The trained parameters of another drafter family's run -> (params, step, config, workdir):
+    its config must have ``section``; its target fingerprint must be ``target_params``'
+    (``check_run_fingerprint``, ``why`` says what of the target it reads); ``abstract_fn(config)``
+    gives the checkpoint's abstract tree (``runs.checkpoint.restore_params``: last step, or ``step``)."""
+    from confu_jax.runs.checkpoint import restore_params
+
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    config = read_config(workdir)
+    if section not in config:
+        raise ValueError(f"{workdir}/config.json has no {section!r} section: not a {section} run")
+    check_run_fingerprint(workdir, target_params, target_source, why)
+    params, step = restore_params(os.path.join(workdir, "checkpoints"), abstract_fn(config), step)
+    return params, step, config, workdir

@@ -7,7 +7,6 @@ heads (``{'draft': {'medusa': ...}}``, ``models.medusa``), whose shapes follow f
 
 from __future__ import annotations
 
-import json
 import os
 from typing import NamedTuple, Optional
 
@@ -25,11 +24,9 @@ class MedusaRun(NamedTuple):
 
 def is_medusa_workdir(path: str) -> bool:
     """A ``launch.train`` workdir whose config has a ``medusa`` section."""
-    cfg = os.path.join(path, "config.json")
-    if not (os.path.isdir(os.path.join(path, "checkpoints")) and os.path.isfile(cfg)):
-        return False
-    with open(cfg) as f:
-        return "medusa" in json.load(f)
+    from confu_jax.runs.heads import is_family_workdir
+
+    return is_family_workdir(path, "medusa")
 
 
 def medusa_shapes(num_heads: int, num_layers: int, target_cfg: LlamaConfig, target_params) -> dict:
@@ -49,16 +46,14 @@ def medusa_shapes(num_heads: int, num_layers: int, target_cfg: LlamaConfig, targ
 def load_medusa_run(workdir: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
                     target_source: str = "the loaded target") -> MedusaRun:
     """The heads of a Medusa workdir (last checkpoint, or ``step``), target checked by fingerprint."""
-    from confu_jax.runs.checkpoint import restore_params
-    from confu_jax.runs.heads import check_run_fingerprint, read_config
+    from confu_jax.runs.heads import load_family_run
 
-    workdir = os.path.abspath(os.path.expanduser(workdir))
-    config = read_config(workdir)
-    if "medusa" not in config:
-        raise ValueError(f"{workdir}/config.json has no 'medusa' section: not a Medusa run")
-    check_run_fingerprint(workdir, target_params, target_source, "Medusa heads read their own target's hidden states")
-    abstract = medusa_shapes(int(config.medusa.num_heads), int(config.medusa.num_layers), target_cfg, target_params)
-    params, step = restore_params(os.path.join(workdir, "checkpoints"), abstract, step)
+    def abstract(config):
+        return medusa_shapes(int(config.medusa.num_heads), int(config.medusa.num_layers), target_cfg, target_params)
+
+    params, step, _, workdir = load_family_run(workdir, "medusa", abstract, target_params, step=step,
+                                               target_source=target_source,
+                                               why="Medusa heads read their own target's hidden states")
     heads = params["draft"]["medusa"]
     return MedusaRun(heads, step, f"{workdir} (step {step})")
 
@@ -70,19 +65,16 @@ def export_medusa_run(workdir: str, out: str, target_cfg: LlamaConfig, target_pa
     (the one the run trained on: the heads' shapes and the fingerprint check need it) is the
     caller's to load (``launch.export_head`` loads it from the run's config). ``dtype``: float32,
     bfloat16 or float16; ``base_model_name_or_path`` records the run's target source."""
-    import ml_dtypes
-
     from confu_jax.runs.heads import read_target_record
+    from confu_jax.weights.head_dirs import store_dtype
     from confu_jax.weights.medusa_format import save_medusa_dir
 
-    stores = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-    if dtype not in stores:
-        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(stores)}")
+    store = store_dtype(dtype)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     if not is_medusa_workdir(workdir):
         raise ValueError(f"{workdir}: not a Medusa launch.train workdir (config.json with a 'medusa' section + "
                          "checkpoints/)")
     run = load_medusa_run(workdir, target_cfg, target_params, step=step, target_source=target_source)
     record = read_target_record(workdir) or {}
-    save_medusa_dir(out, run.heads, base_model_name_or_path=record.get("source", ""), dtype=stores[dtype])
+    save_medusa_dir(out, run.heads, base_model_name_or_path=record.get("source", ""), dtype=store)
     return run

@@ -10,7 +10,6 @@ layout decoding reads (``from_trainable``).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import NamedTuple, Optional
 
@@ -30,12 +29,9 @@ class MLPSpeculatorRun(NamedTuple):
 
 def is_mlp_speculator_workdir(path: str) -> bool:
     """A ``launch.train`` workdir whose config has an ``mlp_speculator`` section."""
-    cfg = os.path.join(path, "config.json")
-    if not (os.path.isdir(os.path.join(path, "checkpoints")) and os.path.isfile(cfg)):
-        return False
-    with open(cfg) as f:
-        c = json.load(f)
-    return isinstance(c, dict) and "mlp_speculator" in c
+    from confu_jax.runs.heads import is_family_workdir
+
+    return is_family_workdir(path, "mlp_speculator")
 
 
 def run_speculator_config(section, target_cfg: LlamaConfig) -> MLPSpeculatorConfig:
@@ -48,18 +44,15 @@ def run_speculator_config(section, target_cfg: LlamaConfig) -> MLPSpeculatorConf
 def load_mlp_speculator_run(workdir: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
                             target_source: str = "the loaded target") -> MLPSpeculatorRun:
     """The speculator of a run (last checkpoint, or ``step``), target checked by fingerprint."""
-    from confu_jax.runs.checkpoint import restore_params
-    from confu_jax.runs.heads import check_run_fingerprint, read_config
+    from confu_jax.runs.heads import load_family_run
 
-    workdir = os.path.abspath(os.path.expanduser(workdir))
-    config = read_config(workdir)
-    if "mlp_speculator" not in config:
-        raise ValueError(f"{workdir}/config.json has no 'mlp_speculator' section: not an MLP speculator run")
-    check_run_fingerprint(workdir, target_params, target_source,
-                          "an MLP speculator reads its own target's hidden states")
+    def abstract(config):
+        return {"draft": {"mlp_speculator": trainable_shapes(run_speculator_config(config.mlp_speculator, target_cfg))}}
+
+    params, step, config, workdir = load_family_run(workdir, "mlp_speculator", abstract, target_params, step=step,
+                                                    target_source=target_source,
+                                                    why="an MLP speculator reads its own target's hidden states")
     c = run_speculator_config(config.mlp_speculator, target_cfg)
-    abstract = {"draft": {"mlp_speculator": trainable_shapes(c)}}
-    params, step = restore_params(os.path.join(workdir, "checkpoints"), abstract, step)
     stage = jax.tree_util.tree_map(np.asarray, from_trainable(params["draft"]["mlp_speculator"], c))
     return MLPSpeculatorRun(stage, c, step, f"{workdir} (step {step})")
 
@@ -72,17 +65,14 @@ def export_mlp_speculator_run(workdir: str, out: str, target_cfg: LlamaConfig, t
     load. The target (the one the run trained on: shapes and the fingerprint check need it) is the
     caller's to load (``launch.export_head`` loads it from the run's config). ``dtype``: float32,
     bfloat16 or float16; ``tie_weights`` is the run's."""
-    import ml_dtypes
-
+    from confu_jax.weights.head_dirs import store_dtype
     from confu_jax.weights.mlp_speculator_format import save_mlp_speculator_dir
 
-    stores = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-    if dtype not in stores:
-        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(stores)}")
+    store = store_dtype(dtype)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     if not is_mlp_speculator_workdir(workdir):
         raise ValueError(f"{workdir}: not an MLP speculator launch.train workdir (config.json with an "
                          "'mlp_speculator' section + checkpoints/)")
     run = load_mlp_speculator_run(workdir, target_cfg, target_params, step=step, target_source=target_source)
-    save_mlp_speculator_dir(out, run.params, tie_weights=run.config.tie_weights, dtype=stores[dtype])
+    save_mlp_speculator_dir(out, run.params, tie_weights=run.config.tie_weights, dtype=store)
     return run

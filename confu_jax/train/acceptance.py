@@ -134,3 +134,30 @@ def step_duplication_rate(top1_rbn: jax.Array, valid_rbn: jax.Array) -> jax.Arra
     same_rbn = (top1_rbn[1:] == top1_rbn[:-1]) & valid_rbn[1:]
     cnt_r = jnp.sum(valid_rbn[1:], axis=(1, 2)).astype(jnp.float32)
     return jnp.sum(same_rbn, axis=(1, 2)).astype(jnp.float32) / jnp.maximum(cnt_r, 1.0)
+
+
+def masked_head_terms(metrics: dict, name: str, nll_bn: jax.Array, top1_bn: jax.Array, labels_bn: jax.Array,
+                      valid_bn: jax.Array):
+    """One head's (Medusa head, MLP speculator stage, MTP depth) mean CE over the ``valid`` positions,
+    with ``ce/{name}``, ``acc/{name}`` (top-1 equal to the label) and ``count/{name}`` written to
+    ``metrics`` -> (ce, hit_bn: right and valid)."""
+    w = valid_bn.astype(jnp.float32)
+    count = w.sum()
+    ce = jnp.sum(nll_bn * w) / jnp.maximum(count, 1.0)
+    hit = (top1_bn == labels_bn) & valid_bn
+    metrics[f"ce/{name}"] = ce
+    metrics[f"acc/{name}"] = jnp.sum(hit) / jnp.maximum(count, 1.0)
+    metrics[f"count/{name}"] = count
+    return ce, hit
+
+
+def heads_acceptance_length(hits_kbn: jax.Array, answer_bn: jax.Array) -> jax.Array:
+    """τ of a greedy chain read off teacher-forced heads: ``hits_kbn[k, b, t]`` = head k (which
+    predicts x[t+k+2]) is right at t. From every t whose next token x[t+1] is an answer token,
+    1 + the leading run of right heads 0..; exact for a chain when the text is the target's own
+    greedy output (the chain's heads read the tokens the earlier heads chose, the true ones while
+    they are right)."""
+    start = jnp.pad(answer_bn[:, 1:], ((0, 0), (0, 1)))
+    run = jnp.sum(jnp.cumprod(hits_kbn.astype(jnp.int32), axis=0), axis=0)  # [B, N]
+    ws = start.astype(jnp.float32)
+    return 1.0 + jnp.sum(run * ws) / jnp.maximum(ws.sum(), 1.0)

@@ -37,6 +37,7 @@ from confu_jax.models.spec import model_spec_from_config
 from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.runs.heads import target_fingerprint
+from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
 from confu_jax.train.loss import lm_head_layout
 from confu_jax.train.target_loading import load_target
 from confu_jax.train.task import TrainTask
@@ -93,21 +94,10 @@ def medusa_loss(spec, heads, target_params, batch, *, decay: float, distill: boo
         labels = tokens[:, shift:]
         teacher = None if teacher_logp is None else teacher_logp[:, shift - 1:n - 1]
         nll, top1 = head_terms(head_k, h_bnd[:, :n - shift], labels, teacher)
-        valid = mask[:, shift:]
-        w = valid.astype(jnp.float32)
-        count = w.sum()
-        ce = jnp.sum(nll * w) / jnp.maximum(count, 1.0)
-        hit = (top1 == labels) & valid
+        ce, hit = masked_head_terms(metrics, f"head{k}", nll, top1, labels, mask[:, shift:])
         loss = loss + (decay ** k) * ce
-        metrics[f"ce/head{k}"] = ce
-        metrics[f"acc/head{k}"] = jnp.sum(hit) / jnp.maximum(count, 1.0)
-        metrics[f"count/head{k}"] = count
         hits.append(jnp.pad(hit, ((0, 0), (0, shift))))  # indexed by t: [B, N]
-    # chain τ from every start t whose next token x[t+1] is an answer token
-    start = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
-    run = jnp.sum(jnp.cumprod(jnp.stack(hits).astype(jnp.int32), axis=0), axis=0)  # [B, N]
-    ws = start.astype(jnp.float32)
-    metrics["acceptance_length"] = 1.0 + jnp.sum(run * ws) / jnp.maximum(ws.sum(), 1.0)
+    metrics["acceptance_length"] = heads_acceptance_length(jnp.stack(hits), mask)
     metrics["loss"] = loss
     return loss, metrics
 

@@ -43,6 +43,7 @@ from confu_jax.models.spec import model_spec_from_config
 from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.runs.heads import target_fingerprint
+from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
 from confu_jax.train.target_loading import load_target
 from confu_jax.train.task import TrainTask
 
@@ -95,20 +96,10 @@ def mlp_speculator_loss(spec, params, target_params, batch):
         labels = tokens[:, shift:]
         # the [B, N, V] logits of one stage are recomputed in the backward pass
         nll, top1 = jax.checkpoint(lambda p, s, y, i=i: stage_terms(p, s, y, i))(params, s, labels)
-        valid = mask[:, shift:]
-        w = valid.astype(jnp.float32)
-        count = w.sum()
-        ce = jnp.sum(nll * w) / jnp.maximum(count, 1.0)
-        hit = (top1 == labels) & valid
+        ce, hit = masked_head_terms(metrics, f"head{i}", nll, top1, labels, mask[:, shift:])
         loss = loss + ce
-        metrics[f"ce/head{i}"] = ce
-        metrics[f"acc/head{i}"] = jnp.sum(hit) / jnp.maximum(count, 1.0)
-        metrics[f"count/head{i}"] = count
         hits.append(jnp.pad(hit, ((0, 0), (0, shift))))  # indexed by t: [B, N]
-    start = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))  # chain τ from every t whose x[t+1] is an answer token
-    run = jnp.sum(jnp.cumprod(jnp.stack(hits).astype(jnp.int32), axis=0), axis=0)  # [B, N]
-    ws = start.astype(jnp.float32)
-    metrics["acceptance_length"] = 1.0 + jnp.sum(run * ws) / jnp.maximum(ws.sum(), 1.0)
+    metrics["acceptance_length"] = heads_acceptance_length(jnp.stack(hits), mask)
     metrics["loss"] = loss
     return loss, metrics
 

@@ -33,6 +33,7 @@ import numpy as np
 from confu_jax.models.mlp_speculator import (config_of, from_reference_state_dict, make_config,
                                              reference_config_dict, to_reference_state_dict)
 from confu_jax.weights.eagle3_formats import read_tensors
+from confu_jax.weights.head_dirs import dtype_name, read_config_json
 from confu_jax.weights.safetensors_io import save_file
 
 MODEL_TYPE = "mlp_speculator"
@@ -45,21 +46,9 @@ class ImportedMLPSpeculator(NamedTuple):
     source: str
 
 
-def _read_config(directory: str) -> Optional[dict]:
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            c = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return c if isinstance(c, dict) else None
-
-
 def is_mlp_speculator_dir(path: str) -> bool:
     """A directory whose config.json says ``model_type: "mlp_speculator"``."""
-    c = _read_config(path) if os.path.isdir(path) else None
+    c = read_config_json(path) if os.path.isdir(path) else None
     return c is not None and c.get("model_type") == MODEL_TYPE
 
 
@@ -67,7 +56,7 @@ def load_mlp_speculator_dir(directory: str) -> ImportedMLPSpeculator:
     """A published MLP speculator directory -> our stage-layout parameters (float32), every shape
     checked against its config.json."""
     directory = os.path.abspath(os.path.expanduser(directory))
-    c = _read_config(directory)
+    c = read_config_json(directory)
     if c is None or c.get("model_type") != MODEL_TYPE:
         got = None if c is None else c.get("model_type")
         raise ValueError(f"{directory}: expected a config.json with model_type {MODEL_TYPE!r} (an fms-extras / vLLM "
@@ -89,16 +78,11 @@ def save_mlp_speculator_dir(directory: str, params: dict, *, tie_weights: Option
                             top_k_tokens_per_head=None, n_candidates: int = 5, dtype=np.float32) -> None:
     """Write ``model.safetensors`` + ``config.json`` of stage-layout ``params`` (``tie_weights`` None:
     detected from the weights; ``dtype``: float32, float16 or bfloat16; ``torch_dtype`` records it)."""
-    import ml_dtypes
-
-    names = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-             np.dtype(ml_dtypes.bfloat16): "bfloat16"}
-    if np.dtype(dtype) not in names:
-        raise ValueError(f"dtype {dtype!r}: expected float32, float16 or bfloat16")
+    torch_dtype = dtype_name(dtype)
     config_of(params)  # shapes checked before anything is written
     cfg = reference_config_dict(params, tie_weights=tie_weights, top_k_tokens_per_head=top_k_tokens_per_head,
                                 n_candidates=n_candidates)
-    cfg["torch_dtype"] = names[np.dtype(dtype)]
+    cfg["torch_dtype"] = torch_dtype
     os.makedirs(directory, exist_ok=True)
     sd = {PREFIX + k: np.asarray(v, dtype) for k, v in to_reference_state_dict(params).items()}
     save_file(sd, os.path.join(directory, "model.safetensors"))

@@ -1,0 +1,120 @@
+"""DeepSeek-V3's MTP module as a ``Drafter`` (docs/DESIGN.md §11 "MTP module"; the module:
+``models.mtp``; references: vLLM ``vllm/model_executor/models/deepseek_mtp.py`` with its
+speculative proposer, SGLang ``python/sglang/srt/models/deepseek_nextn.py``).
+
+Why it is its own family: the module is one transformer layer with **its own KV cache**, like the
+EAGLE-3 head — so it drafts through the same machinery (``decode.drafting``: an ingestion buffer
+committed at depth 0, tree levels attending the cache, their ancestors' K/V in a scratch buffer and
+themselves; ``models.draft_decode.attend_blocks``) — but its input is the target's final-normed
+hidden state h[j] (what the target's LM head reads, ``VerifyOutput.hidden_btd``) instead of
+EAGLE-3's fc of three taps, and its embedding and LM head are the target's.
+
+**Entries.** Cache slot j holds the layer's K/V of the entry (token x[j+1], hidden h[j]) at RoPE
+position j: exactly what DeepSeek-V3's depth-1 module computes at position j. ``init`` commits the
+prompt's entries j = 0..n-2 (``PrefillView.hidden_btd``) and buffers entry n-1 (the first emitted
+token, h[n-1]); ``update`` refills the buffer with the accepted path (emitted tokens, the nodes'
+hidden states); ``propose`` commits the buffer (depth 0) — its output at the anchor p is the
+depth-1 draft — and grows the tree.
+
+**Recursion.** A node at depth k ≥ 1 feeds (its own token, its parent's output h') at position p+k:
+the module reused for every depth on its own output, as vLLM and SGLang run a one-layer
+(``num_nextn_predict_layers = 1``) MTP for several speculative tokens. Deeper entries live only in
+the per-iteration scratch; accepted tokens are re-fed next round from the target's hidden states.
+
+**Trees** (``plan``): ``chain:K`` (each depth's top-1: vLLM's and SGLang's proposals),
+``sampled_chain:K`` (q = each depth's distribution after the target's temperature / top-p,
+Leviathan's rule), ``tree:k1,...,kD`` (every depth-d node's own top-k_{d+1}: the children differ
+per parent, as for the MLP speculator), ``dynamic:D,K,N`` (EAGLE-2's selection) and any static
+"choices" tree. Verification is the project's exact rules (§4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
+from confu_jax.decode.drafting import commit_prompt, draft_cached_tree, prompt_buffer, refill_entries
+from confu_jax.decode.medusa import describe_cartesian, parse_cartesian_plan
+from confu_jax.decode.plans import DraftPlan
+from confu_jax.models.draft_decode import DraftBlockOutput
+from confu_jax.models.kv_cache import KVCache, init_cache
+from confu_jax.models.mtp import check_mtp_params, mtp_block
+from confu_jax.models.vocab_map import to_target_vocab
+
+MTP_FORMS = ("chain:K, sampled_chain:K, dynamic:D,K,N or tree:k1,...,kD (top-k_i of depth i under every node)")
+
+
+@flax.struct.dataclass(kw_only=True)
+class MTPState:
+    """What the MTP module keeps between iterations: its cache (entries 0..p-n) and the n pending
+    entries j = p-n+1..p (n = ``ingest_count_b`` <= A = D+1) the last verification produced."""
+
+    draft_cache: KVCache  # [1, B, Hkv, S, hd], length p-n+1
+    ingest_tokens_ba: jax.Array  # [B, A] int32 token x[j+1] of the pending entries
+    ingest_hidden_bad: jax.Array  # [B, A, d] the target's final-normed hidden state h[j]
+    ingest_count_b: jax.Array  # [B] int32 pending entries (>= 1)
+
+
+def mtp_params(params) -> dict:
+    m = (params.draft or {}).get("mtp")
+    if m is None:
+        raise ValueError("an MTP drafter needs params.draft['mtp'] (models.mtp.init_mtp, a trained configs/*_mtp.py "
+                         "workdir, or an imported DeepSeek-layout MTP directory: decode.heads.decode_head)")
+    return m
+
+
+def parse_mtp_plan(text: str) -> DraftPlan:
+    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
+    return parse_cartesian_plan(text, "MTP module", MTP_FORMS)
+
+
+def _block(spec, params, mtp: dict, tokens_bt, hidden_btd, positions_bt, **kw) -> DraftBlockOutput:
+    out = mtp_block(mtp, spec.target, params.target, tokens_bt, hidden_btd, positions_bt, **kw)
+    return out._replace(logits_btv=to_target_vocab(out.logits_btv, spec.target.vocab_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPDrafter(PlanDrafter):
+    """DeepSeek-V3's MTP module drafting the trees of ``plan`` (module docstring)."""
+
+    plan: DraftPlan
+    what = "an MTP module"
+
+    def describe(self) -> str:
+        return describe_cartesian(self.plan)
+
+    def block_fn(self, spec, params):
+        m = mtp_params(params)
+        check_mtp_params(m, spec.target)
+        return functools.partial(_block, spec, params, m)
+
+    def init(self, spec, params, view: PrefillView) -> MTPState:
+        if view.hidden_btd is None:
+            raise ValueError("MTPDrafter.init needs PrefillView.hidden_btd (the target's hidden states of the prompt)")
+        t = spec.target
+        b = view.tokens_bt.shape[0]
+        cache = init_cache(1, b, view.max_len, t.n_kv_heads, t.head_dim, jnp.dtype(t.dtype))
+        cache = commit_prompt(self.block_fn(spec, params), cache, view, view.hidden_btd)
+        tokens, hidden, count = prompt_buffer(view, view.hidden_btd, self.max_depth + 1)
+        return MTPState(draft_cache=cache, ingest_tokens_ba=tokens, ingest_hidden_bad=hidden, ingest_count_b=count)
+
+    def propose(self, spec, params, st: MTPState, inp: DraftInput) -> Proposal:
+        t = spec.target
+        tree, q, _, cache = draft_cached_tree(self.plan, self.block_fn(spec, params), st.draft_cache,
+                                              st.ingest_tokens_ba, st.ingest_hidden_bad, st.ingest_count_b, inp,
+                                              n_kv_heads=t.n_kv_heads, head_dim=t.head_dim, d_model=t.d_model,
+                                              dtype=t.dtype)
+        return full_proposal(tree, q, st.replace(draft_cache=cache))
+
+    def update(self, spec, params, st: MTPState, v: VerifiedPass) -> MTPState:
+        """The buffer <- the accepted path: emitted tokens and the nodes' final-normed hidden states."""
+        if v.target.hidden_btd is None:
+            raise ValueError("MTPDrafter.update needs VerifyOutput.hidden_btd (models.target.verify)")
+        tokens, hidden, count = refill_entries(v, v.target.hidden_btd, st.ingest_tokens_ba, st.ingest_hidden_bad,
+                                               st.ingest_count_b)
+        return st.replace(ingest_tokens_ba=tokens, ingest_hidden_bad=hidden, ingest_count_b=count)
