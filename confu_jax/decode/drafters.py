@@ -16,11 +16,14 @@ them into the frozen ``Drafter`` classes the loop takes (docs/DESIGN.md §11). P
 * ``mlp_speculator`` (IBM's MLP speculator): as ``medusa`` (``tree:k1,...,kD`` = stage i's top-k_i
   under every node, the reference's ``top_k_tokens_per_head``);
 * ``mtp`` (DeepSeek-V3's MTP module): as ``mlp_speculator`` (``tree:k1,...,kD`` = depth i's top-k_i
-  under every node).
+  under every node);
+* ``dflash`` (a DFlash block-diffusion draft): as ``medusa`` (``chain:K`` = a block of K+1,
+  ``tree:k1,...,kD`` = block position i's top-k_i).
 """
 
 from __future__ import annotations
 
+from confu_jax.decode.dflash import DFlashDrafter, parse_dflash_plan
 from confu_jax.decode.draft_model import DraftModel
 from confu_jax.decode.drafter import Drafter
 from confu_jax.decode.drafting import HeadDrafter
@@ -98,4 +101,6 @@ def parse_drafter(method: str, text: str) -> Drafter:
         return MLPSpeculatorDrafter(parse_mlp_speculator_plan(text))
     if family == "mtp":
         return MTPDrafter(parse_mtp_plan(text))
+    if family == "dflash":
+        return DFlashDrafter(parse_dflash_plan(text))
     raise ValueError(f"method {method!r} does not draft (family {family!r})")

@@ -21,7 +21,7 @@ class Variant:
 
 
 FAMILIES = ("ar", "head", "lookup", "hybrid", "auto", "draft_model", "sd2", "medusa", "mlp_speculator",
-            "mtp")  # drafter families (decode.drafters maps them to classes)
+            "mtp", "dflash")  # drafter families (decode.drafters maps them to classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Method:
         """Whether it drafts with a trained (or untrained) head: a workdir / imported head to load.
         Medusa's heads, the MLP speculator and the MTP module have no EAGLE-3 / ConFu variant but are a head
         all the same."""
-        return bool(self.variants) or self.family in ("medusa", "mlp_speculator", "mtp")
+        return bool(self.variants) or self.family in ("medusa", "mlp_speculator", "mtp", "dflash")
 
 
 VARIANTS: dict = {v.name: v for v in (
@@ -72,6 +72,8 @@ METHODS: dict = {m.name: m for m in (
     Method("mtp", (), "DeepSeek-V3's MTP module: one Llama layer on the target's last hidden state and the next "
            "token, the target's embedding and LM head, drafting recursively (trained with configs/*_mtp.py, or a "
            "DeepSeek-layout MTP directory)", "mtp"),
+    Method("dflash", (), "DFlash: a block-diffusion draft drafting a whole block in one forward, conditioned on the "
+           "target's taps as extra K/V (trained with configs/*_dflash.py, or a z-lab DFlash directory)", "dflash"),
     Method("auto", (), "benchmark only: budget auto across the run's other methods (family and plan)", "auto"),
 )}
 

@@ -1,0 +1,141 @@
+"""DFlash as a ``Drafter`` (docs/DESIGN.md §11 "DFlash"; the model: ``models.dflash``; reference:
+z-lab/dflash ``dflash/model.py`` ``dflash_generate`` at commit 44947fbf71114e241c96de194f4b382b5dd330d0).
+
+Why it is its own family: one draft forward proposes the **whole block**. The reference's loop, in
+this project's terms (p = the last accepted position, x[p+1] = the bonus / root):
+
+* the draft's KV cache holds, per draft layer, the K/V of the target's fused features c[j] for the
+  committed positions j = 0..p (``past_key_values_draft`` cropped to ``start`` after every block: the
+  block's own K/V are dropped);
+* propose: the block [x[p+1], M, ..., M] (K masks) at positions p+1..p+K+1, bidirectional inside,
+  attending the whole cache; position k >= 1's logits (target LM head) are the draft for x[p+1+k];
+* update: the target's taps of the accepted nodes (``VerifyOutput.h_cat_btc`` along the accepted
+  path: positions p+1..p+a) become new context entries (``extract_context_feature(...)[:, :a]``).
+
+``init`` commits the prompt's taps (``PrefillView.h_cat_btc``, positions 0..n-1). The cache therefore
+always has length p+1 when a block is drafted.
+
+**Drafts and q.** Every block position's distribution is computed in the one forward from the root
+and masks only: it does not depend on the other drafted tokens. So
+
+* ``chain:K`` is the per-position argmax — what the reference drafts at every temperature
+  (``sample(draft_logits)`` with its default temperature 0); verified by the greedy rule at T = 0 and
+  by the deterministic-draft (point-mass q) rule at T > 0, which accepts a draft with the target's
+  probability of it, as the reference's "accept iff the target's sample equals the draft" does;
+* ``sampled_chain:K`` (ours; T > 0) draws position k from q_k = its softmax after the target's
+  temperature / top-p, independently, and Leviathan's rule uses exactly that q_k (the q a drafted
+  token was drawn from; conditioning on the earlier drafts changes nothing);
+* ``tree:k1,...,kD`` (ours) is the Cartesian tree of per-position top-k (Medusa's shape, since like
+  Medusa's heads the positions do not see each other's tokens), and ``dynamic:D,K,N`` EAGLE-2's
+  selection over it.
+
+The block always has D+1 tokens for a depth-D plan (the reference's ``block_size`` argument of
+``dflash_generate``; its published drafters are trained with 16). Verification is the project's
+exact rules (§4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from confu_jax.decode import tree as tree_lib
+from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
+from confu_jax.decode.medusa import describe_cartesian, parse_cartesian_plan
+from confu_jax.decode.plans import DraftPlan
+from confu_jax.models.dflash import (block_hidden, block_logits, check_dflash_params, context_features, context_kv,
+                                     embed_block, model_params)
+from confu_jax.models.kv_cache import KVCache, commit, init_cache
+from confu_jax.models.vocab_map import to_target_vocab
+
+DFLASH_FORMS = ("chain:K (a block of K+1: the root and K masks), sampled_chain:K, dynamic:D,K,N or tree:k1,...,kD "
+                "(top-k_i of block position i)")
+
+
+@flax.struct.dataclass(kw_only=True)
+class DFlashState:
+    draft_cache: KVCache  # [L_d, B, Hkv_d, S, hd_d]: the context K/V of positions 0..p (length p+1)
+
+
+def dflash_params(params) -> dict:
+    p = (params.draft or {}).get("dflash")
+    if p is None:
+        raise ValueError("a DFlash drafter needs params.draft['dflash'] (models.dflash.init_dflash, a trained "
+                         "configs/*_dflash.py workdir, or an imported DFlash directory: decode.heads.decode_head)")
+    if "mask_token_id" not in p:
+        raise ValueError("params.draft['dflash'] needs 'mask_token_id' (the block's mask token)")
+    return p
+
+
+def draft_spec(spec):
+    """The draft's LlamaConfig (``ModelSpec.draft_model``; ``decode.heads.dflash_head`` sets it)."""
+    if spec.draft_model is None:
+        raise ValueError("a DFlash drafter needs ModelSpec.draft_model (the draft's layer config; "
+                         "decode.heads.decode_head('dflash', ...) sets it)")
+    return spec.draft_model
+
+
+def parse_dflash_plan(text: str) -> DraftPlan:
+    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
+    return parse_cartesian_plan(text, "DFlash", DFLASH_FORMS)
+
+
+def context_entries(spec, p: dict, taps_btc, positions_bt):
+    """Every draft layer's K/V of the target taps ``taps_btc`` at ``positions_bt`` ([L_d,B,T,Hkv,hd])."""
+    dcfg = draft_spec(spec)
+    return context_kv(p, dcfg, context_features(p, dcfg, taps_btc), positions_bt)
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashDrafter(PlanDrafter):
+    """A DFlash draft drafting the trees of ``plan`` from one block forward (module docstring)."""
+
+    plan: DraftPlan
+    what = "a DFlash draft"
+
+    def describe(self) -> str:
+        return describe_cartesian(self.plan)
+
+    def init(self, spec, params, view: PrefillView) -> DFlashState:
+        p = dflash_params(params)
+        dcfg = draft_spec(spec)
+        check_dflash_params(p, dcfg, len(spec.taps))
+        b, w = view.tokens_bt.shape
+        cache = init_cache(dcfg.n_layers, b, view.max_len, dcfg.n_kv_heads, dcfg.head_dim, jnp.dtype(dcfg.dtype))
+        k, v = context_entries(spec, p, view.h_cat_btc, jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)))
+        return DFlashState(draft_cache=commit(cache, k, v, view.lengths_b))
+
+    def propose(self, spec, params, st: DFlashState, inp: DraftInput) -> Proposal:
+        p = dflash_params(params)
+        dcfg = draft_spec(spec)
+        depth = self.max_depth
+        b = inp.root_b.shape[0]
+        blk = jnp.full((b, depth + 1), p["mask_token_id"], jnp.int32).at[:, 0].set(inp.root_b)
+        pos = inp.anchor_b[:, None] + 1 + jnp.arange(depth + 1, dtype=jnp.int32)[None]
+        cache = st.draft_cache
+        h = block_hidden(model_params(p), dcfg, embed_block(params.target, blk), pos,
+                         jnp.ones((b, depth + 1, depth + 1), bool), cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
+        logits = to_target_vocab(block_logits(spec.target, params.target, h[:, 1:]), spec.target.vocab_size)
+        logp_bkv = jax.nn.log_softmax(logits, axis=-1)
+
+        def expand_fn(s, fr: tree_lib.Frontier):
+            """Every node at depth d gets block position d+1's distribution, whatever its parent."""
+            lp = logp_bkv[:, fr.depth][:, None, :]
+            return jnp.broadcast_to(lp, (b, fr.tokens_bk.shape[1], lp.shape[-1])), s
+
+        tree, q, _ = self.draft(expand_fn, None, inp)
+        return full_proposal(tree, q, st)
+
+    def update(self, spec, params, st: DFlashState, v: VerifiedPass) -> DFlashState:
+        """The accepted nodes' taps (positions p+1..p+a) join the context; inactive rows commit nothing."""
+        p = dflash_params(params)
+        ver = v.verification
+        path = jnp.maximum(ver.path_bd, 0)
+        taps = jnp.take_along_axis(v.target.h_cat_btc, path[..., None], axis=1)
+        pos = v.anchor_b[:, None] + 1 + jnp.arange(path.shape[1], dtype=jnp.int32)[None]
+        k, vv = context_entries(spec, p, taps, pos)
+        n_new = jnp.where(v.active_b, ver.n_accepted_b, 0)
+        return st.replace(draft_cache=commit(st.draft_cache, k, vv, n_new))

@@ -1,0 +1,325 @@
+"""DFlash: a block-diffusion draft model conditioned on target features (Chen, Liang, Liu 2026,
+"DFlash: Block Diffusion for Flash Speculative Decoding", arXiv:2602.06036).
+
+Reference (read for this transcription): z-lab/dflash ``dflash/model.py`` at commit
+44947fbf71114e241c96de194f4b382b5dd330d0 (``DFlashDraftModel``, ``Qwen3DFlashAttention``,
+``Qwen3DFlashDecoderLayer``, ``build_target_layer_ids``, ``extract_context_feature``,
+``dflash_generate``); the training objective is SpecForge's (sgl-project/SpecForge
+``specforge/algorithms/common/dflash_family_model.py`` ``OnlineDFlashModel`` at commit
+a6b6b0230009d15ec2a97a57384e6f53f0f96946, the reference's recipe is not published); vLLM's
+tpu-inference ``tpu_inference/models/jax/qwen3_dflash.py`` (commit b8692ff0) is the same model in JAX.
+
+Why a separate family: the draft drafts a **whole block in one forward**. Its input is the block
+[x[p+1], M, M, ..., M] (the bonus token then ``K`` copies of the mask token M, embedded by the
+target's frozen embedding) at positions p+1..p+K+1; block position k >= 1 predicts x[p+1+k] through
+the target's LM head. Attention inside the block is **bidirectional**; every draft layer also
+attends the **context**: the target's features of every committed position j <= p, injected as
+extra K/V:
+
+    c[j]      = hidden_norm( fc( [h_{l1}[j] ; ... ; h_{lm}[j]] ) )   # m target layers -> d
+    layer i:  q = rope(q_norm(q_proj(n(x))))  over the block
+              K = rope(k_norm(k_proj([c ; n(x)])))   V = v_proj([c ; n(x)])   # context, then block
+              x = x + o_proj(attn(q, K, V));  x = x + mlp(post_norm(x))
+    out       = norm(x);  logits = target.lm_head(out)
+
+The context K/V are **not** normed by the layer's input norm (the reference projects c directly);
+each draft layer is a Qwen3 decoder layer (Llama's plus a per-head RMS norm of q and k, ``q_norm``
+/ ``k_norm``). h_l[j] is the target's hidden state after layer l (HF ``hidden_states[l + 1]``): the
+hidden state **entering** layer l+1, i.e. this project's tap ``l + 1`` (``models.llama`` taps are
+the states entering a layer). ``build_target_layer_ids`` picks the reference's default layers.
+
+The decode form caches the context K/V per draft layer (the reference's ``past_key_values_draft``
+cropped to ``start`` after each block: only the context stays): ``context_kv`` computes them for
+newly accepted positions, ``block_hidden`` runs the block against the cache. The training form runs
+many blocks of one row at once with the same function (``masked_attention``: each query block sees
+the context slots before its anchor, within its conversation, and its own block).
+
+Parameters (``SpecParams.draft['dflash']``; kernels [in, out] as flax, torch ``Linear.weight`` is
+[out, in]; layers stacked on a leading axis)::
+
+    {'fc': {'kernel': [m*d, d]}, 'hidden_norm': {'scale': [d]}, 'norm': {'scale': [d]},
+     'layers': {'attn_norm': {'scale': [L,d]}, 'q_proj': {'kernel': [L,d,Hq*hd]},
+                'k_proj': {'kernel': [L,d,Hkv*hd]}, 'v_proj': {'kernel': [L,d,Hkv*hd]},
+                'q_norm': {'scale': [L,hd]}, 'k_norm': {'scale': [L,hd]}, 'o_proj': {'kernel': [L,Hq*hd,d]},
+                'mlp_norm': {'scale': [L,d]}, 'gate_proj'/'up_proj': {'kernel': [L,d,F]},
+                'down_proj': {'kernel': [L,F,d]}}}
+
+plus, in a decode tree, ``'mask_token_id'`` (an int32 scalar: M). The draft's width is the target's
+(its block input is the target's embedding and its output goes to the target's LM head); its layer
+count, heads, FFN width, RoPE and norm epsilon are its own ``LlamaConfig`` (``ModelSpec.draft_model``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from confu_jax.models.attention import masked_attention
+from confu_jax.models.llama import LlamaConfig, apply_rope, rope_cos_sin
+from confu_jax.models.unrolled import shared_params, target_logits
+
+LAYER_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj", "mlp_norm", "gate_proj",
+               "up_proj", "down_proj")
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list:
+    """The reference's default target layers (``dflash/model.py`` ``build_target_layer_ids``): the middle
+    layer for a one-layer draft, else ``num_draft_layers`` layers spread evenly over [1, L-3]."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + (i * span) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def taps_for_layer_ids(layer_ids) -> tuple:
+    """The reference's ``target_layer_ids`` (outputs of layer l) as this project's taps (states entering l+1)."""
+    return tuple(int(i) + 1 for i in layer_ids)
+
+
+def layer_ids_for_taps(taps) -> list:
+    return [int(t) - 1 for t in taps]
+
+
+def draft_config(target: LlamaConfig, num_layers: int, **overrides) -> LlamaConfig:
+    """The draft's LlamaConfig: the target's layer shape (the reference's published drafters copy the
+    target's heads and FFN width) with ``num_layers`` layers; ``overrides`` (heads, ffn_dim, rope_theta,
+    rms_eps, ...) as a published config.json sets them."""
+    return target.replace(n_layers=int(num_layers), **overrides)
+
+
+def param_shapes(dcfg: LlamaConfig, n_taps: int) -> dict:
+    """{'path/to/leaf': shape} of a DFlash draft (without ``mask_token_id``)."""
+    L, d, hq, hkv, hd, f = dcfg.n_layers, dcfg.d_model, dcfg.n_heads, dcfg.n_kv_heads, dcfg.head_dim, dcfg.ffn_dim
+    out = {"fc/kernel": (n_taps * d, d), "hidden_norm/scale": (d,), "norm/scale": (d,)}
+    layer = {"attn_norm/scale": (d,), "q_proj/kernel": (d, hq * hd), "k_proj/kernel": (d, hkv * hd),
+             "v_proj/kernel": (d, hkv * hd), "q_norm/scale": (hd,), "k_norm/scale": (hd,),
+             "o_proj/kernel": (hq * hd, d), "mlp_norm/scale": (d,), "gate_proj/kernel": (d, f),
+             "up_proj/kernel": (d, f), "down_proj/kernel": (f, d)}
+    out.update({f"layers/{k}": (L,) + s for k, s in layer.items()})
+    return out
+
+
+def _leaves(params: dict) -> dict:
+    return {"/".join(str(k.key) for k in path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def _tree(flat: dict) -> dict:
+    out: dict = {}
+    for path, x in flat.items():
+        node = out
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = x
+    return out
+
+
+def model_params(params: dict) -> dict:
+    """The float tree of a decode tree (``mask_token_id`` dropped)."""
+    return {k: v for k, v in params.items() if k != "mask_token_id"}
+
+
+def check_dflash_params(params: dict, dcfg: LlamaConfig, n_taps: int) -> None:
+    """Raise unless ``params`` (``mask_token_id`` aside) is exactly a DFlash draft of ``dcfg`` reading
+    ``n_taps`` target layers."""
+    want = param_shapes(dcfg, n_taps)
+    got = {k: tuple(np.shape(v)) for k, v in _leaves(model_params(params)).items()}
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    bad = {k: (got[k], want[k]) for k in set(want) & set(got) if got[k] != want[k]}
+    if missing or extra or bad:
+        raise ValueError(f"DFlash params do not fit the draft config ({dcfg.n_layers} layers, d={dcfg.d_model}, "
+                         f"heads {dcfg.n_heads}/{dcfg.n_kv_heads} x {dcfg.head_dim}, ffn {dcfg.ffn_dim}, "
+                         f"{n_taps} target layers): missing {missing}, unexpected {extra}, shape (got, expected) {bad}")
+
+
+def trainable_shapes(dcfg: LlamaConfig, n_taps: int, dtype=np.float32) -> dict:
+    """ShapeDtypeStructs of a DFlash draft (what a run's checkpoint holds)."""
+    return _tree({k: jax.ShapeDtypeStruct(s, dtype) for k, s in param_shapes(dcfg, n_taps).items()})
+
+
+def init_dflash(rng: jax.Array, dcfg: LlamaConfig, n_taps: int, *, init_std: float = 0.02,
+                param_dtype=jnp.float32) -> dict:
+    """An untrained draft: every kernel N(0, init_std) (HF ``initializer_range``, the reference's
+    ``post_init``), every norm scale 1."""
+    shapes = param_shapes(dcfg, n_taps)
+    keys = iter(jax.random.split(rng, len(shapes)))
+    flat = {}
+    for path, shape in shapes.items():
+        key = next(keys)
+        flat[path] = (jnp.ones(shape, param_dtype) if path.endswith("scale")
+                      else (init_std * jax.random.normal(key, shape)).astype(param_dtype))
+    return _tree(flat)
+
+
+# ----------------------------------------------------------------------------- the forward
+
+
+def _rms(x, scale, eps):
+    """``models.llama.RMSNorm``: float32 statistics, result in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (scale.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def _dense(x, kernel, cd):
+    return jnp.einsum("...i,io->...o", x.astype(cd), kernel.astype(cd))
+
+
+def _layer(p: dict, i: int) -> dict:
+    return jax.tree_util.tree_map(lambda x: x[i], p["layers"])
+
+
+def embed_block(target_params, tokens_bt) -> jax.Array:
+    """The target's (frozen) embeddings of the block tokens (the reference's ``noise_embedding``)."""
+    return jnp.take(jax.lax.stop_gradient(shared_params(target_params)["embed"]["embedding"]), tokens_bt, axis=0)
+
+
+def context_features(p: dict, dcfg: LlamaConfig, taps_btc: jax.Array) -> jax.Array:
+    """c = hidden_norm(fc(taps)) [B,S,d]: the fused target features every layer reads as K/V."""
+    cd = jnp.dtype(dcfg.dtype)
+    return _rms(_dense(taps_btc, p["fc"]["kernel"], cd), p["hidden_norm"]["scale"], dcfg.rms_eps)
+
+
+def _kv(lp: dict, dcfg: LlamaConfig, x_btd, cos, sin):
+    cd = jnp.dtype(dcfg.dtype)
+    b, t, _ = x_btd.shape
+    k = _dense(x_btd, lp["k_proj"]["kernel"], cd).reshape(b, t, dcfg.n_kv_heads, dcfg.head_dim)
+    v = _dense(x_btd, lp["v_proj"]["kernel"], cd).reshape(b, t, dcfg.n_kv_heads, dcfg.head_dim)
+    return apply_rope(_rms(k, lp["k_norm"]["scale"], dcfg.rms_eps), cos, sin), v
+
+
+def context_kv(p: dict, dcfg: LlamaConfig, ctx_btd: jax.Array, positions_bt: jax.Array):
+    """Every layer's post-norm, post-RoPE K and V of context features ``ctx_btd`` at ``positions_bt``
+    -> (k, v) [L,B,T,Hkv,hd] (``kv_cache.commit``'s token-major form)."""
+    cos, sin = rope_cos_sin(positions_bt.astype(jnp.int32), dcfg)
+    ks, vs = zip(*(_kv(_layer(p, i), dcfg, ctx_btd, cos, sin) for i in range(dcfg.n_layers)))
+    return jnp.stack(ks), jnp.stack(vs)
+
+
+def block_hidden(p: dict, dcfg: LlamaConfig, noise_btd: jax.Array, positions_bt: jax.Array,
+                 block_mask_btt: jax.Array, ctx_k_lbhsd, ctx_v_lbhsd, ctx_len_bt, ctx_start_bt=None) -> jax.Array:
+    """The draft over query blocks ``noise_btd`` [B,T,d] at ``positions_bt``: query t sees the block keys
+    under ``block_mask_btt`` and context slots [ctx_start, ctx_len) of the per-layer context K/V
+    (``ctx_k_lbhsd`` [L,B,Hkv,S,hd], head-major like ``kv_cache``; a stacked array or per-layer list)
+    -> norm(x) [B,T,d], what the target's LM head reads."""
+    cd = jnp.dtype(dcfg.dtype)
+    b, t, _ = noise_btd.shape
+    cos, sin = rope_cos_sin(positions_bt.astype(jnp.int32), dcfg)
+    x = noise_btd.astype(cd)
+    for i in range(dcfg.n_layers):
+        lp = _layer(p, i)
+        h = _rms(x, lp["attn_norm"]["scale"], dcfg.rms_eps)
+        q = _dense(h, lp["q_proj"]["kernel"], cd).reshape(b, t, dcfg.n_heads, dcfg.head_dim)
+        q = apply_rope(_rms(q, lp["q_norm"]["scale"], dcfg.rms_eps), cos, sin)
+        k, v = _kv(lp, dcfg, h, cos, sin)
+        attn = masked_attention(q, k, v, block_mask_btt, ctx_k_lbhsd[i], ctx_v_lbhsd[i], ctx_len_bt,
+                                cache_start_bt=ctx_start_bt)
+        x = x + _dense(attn.reshape(b, t, -1), lp["o_proj"]["kernel"], cd)
+        h = _rms(x, lp["mlp_norm"]["scale"], dcfg.rms_eps)
+        gate, up = _dense(h, lp["gate_proj"]["kernel"], cd), _dense(h, lp["up_proj"]["kernel"], cd)
+        x = x + _dense(jax.nn.silu(gate) * up, lp["down_proj"]["kernel"], cd)
+    return _rms(x, p["norm"]["scale"], dcfg.rms_eps)
+
+
+def block_logits(target_cfg: LlamaConfig, target_params, hidden_btd: jax.Array) -> jax.Array:
+    """Float32 logits of the target's (frozen) LM head."""
+    return target_logits(jax.lax.stop_gradient(target_params), target_cfg, hidden_btd)
+
+
+def sequence_context(p: dict, dcfg: LlamaConfig, taps_bsc: jax.Array, positions_bs: Optional[jax.Array] = None):
+    """The context K/V of a whole row (training, tests): (k, v) [L,B,Hkv,S,hd] of c at every position."""
+    b, s = taps_bsc.shape[:2]
+    if positions_bs is None:
+        positions_bs = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    k, v = context_kv(p, dcfg, context_features(p, dcfg, taps_bsc), positions_bs)
+    return jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
+
+
+def draft_blocks(p: dict, dcfg: LlamaConfig, target_cfg: LlamaConfig, target_params, taps_bsc, tokens_bs,
+                 anchors_bn: jax.Array, mask_token_id: int, block_size: int, positions_bs=None, segment_start_bs=None):
+    """N blocks per row, block i = [x[a_i], M, ..., M] at positions a_i..a_i+bs-1 (``positions_bs`` of the
+    anchor + offset), each seeing the context strictly before its anchor (within the anchor's
+    conversation, ``segment_start_bs``) and itself bidirectionally (SpecForge's
+    ``create_dflash_block_mask``) -> final-normed hidden [B,N,bs,d]."""
+    b, n = anchors_bn.shape
+    k_ctx, v_ctx = sequence_context(p, dcfg, taps_bsc, positions_bs)
+    rows = jnp.arange(b)[:, None]
+    first = tokens_bs[rows, anchors_bn]  # [B,N]
+    blk = jnp.full((b, n, block_size), mask_token_id, jnp.int32).at[:, :, 0].set(first)
+    pos0 = anchors_bn if positions_bs is None else positions_bs[rows, anchors_bn]
+    pos = (pos0[..., None] + jnp.arange(block_size, dtype=jnp.int32)).reshape(b, n * block_size)
+    blk_id = jnp.arange(n * block_size) // block_size
+    mask = jnp.broadcast_to(blk_id[:, None] == blk_id[None, :], (b, n * block_size, n * block_size))
+    ctx_len = jnp.repeat(anchors_bn, block_size, axis=1)
+    ctx_start = None if segment_start_bs is None else jnp.repeat(segment_start_bs[rows, anchors_bn], block_size, axis=1)
+    h = block_hidden(p, dcfg, embed_block(target_params, blk.reshape(b, -1)), pos, mask, k_ctx, v_ctx, ctx_len,
+                     ctx_start)
+    return h.reshape(b, n, block_size, -1)
+
+
+# ----------------------------------------------------------------------------- the published layout
+
+_TOP = {"fc/kernel": "fc.weight", "hidden_norm/scale": "hidden_norm.weight", "norm/scale": "norm.weight"}
+_LAYER = {"attn_norm/scale": "input_layernorm.weight", "q_proj/kernel": "self_attn.q_proj.weight",
+          "k_proj/kernel": "self_attn.k_proj.weight", "v_proj/kernel": "self_attn.v_proj.weight",
+          "q_norm/scale": "self_attn.q_norm.weight", "k_norm/scale": "self_attn.k_norm.weight",
+          "o_proj/kernel": "self_attn.o_proj.weight", "mlp_norm/scale": "post_attention_layernorm.weight",
+          "gate_proj/kernel": "mlp.gate_proj.weight", "up_proj/kernel": "mlp.up_proj.weight",
+          "down_proj/kernel": "mlp.down_proj.weight"}
+
+
+def to_reference_state_dict(params: dict) -> dict:
+    """numpy state dict in the reference's ``DFlashDraftModel`` names (``fc``, ``hidden_norm``, ``norm``,
+    ``layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+    post_attention_layernorm, mlp.{gate,up,down}_proj}.weight``; ``Linear.weight`` [out, in])."""
+    leaves = _leaves(model_params(params))
+    out = {}
+    for path, name in _TOP.items():
+        x = np.asarray(leaves[path])
+        out[name] = np.ascontiguousarray(x.T if path.endswith("kernel") else x)
+    n_layers = np.shape(leaves["layers/q_proj/kernel"])[0]
+    for path, name in _LAYER.items():
+        x = np.asarray(leaves[f"layers/{path}"])
+        for i in range(n_layers):
+            out[f"layers.{i}.{name}"] = np.ascontiguousarray(x[i].T if path.endswith("kernel") else x[i])
+    return out
+
+
+def from_reference_state_dict(sd: dict, dcfg: LlamaConfig, n_taps: int, dtype=np.float32) -> dict:
+    """Our tree from a reference state dict (an optional ``model.`` prefix is dropped; ``rotary_emb``
+    buffers ignored). Every key is required with the shape ``dcfg`` / ``n_taps`` give."""
+    sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()
+          if not k.endswith("rotary_emb.inv_freq")}
+    want = dict(_TOP)
+    for path, name in _LAYER.items():
+        for i in range(dcfg.n_layers):
+            want[f"layers/{path}@{i}"] = f"layers.{i}.{name}"
+    missing = sorted(set(want.values()) - set(sd))
+    extra = sorted(set(sd) - set(want.values()))
+    if missing or extra:
+        raise ValueError(f"DFlash state dict: missing keys {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+                         f"unexpected keys {extra[:6]}{'...' if len(extra) > 6 else ''}")
+    shapes = param_shapes(dcfg, n_taps)
+    flat = {}
+    for path, shape in shapes.items():
+        is_kernel = path.endswith("kernel")
+        if path.startswith("layers/"):
+            sub = path[len("layers/"):]
+            xs = [np.asarray(sd[f"layers.{i}.{_LAYER[sub]}"], dtype) for i in range(dcfg.n_layers)]
+            x = np.stack([a.T if is_kernel else a for a in xs])
+            name = f"layers.*.{_LAYER[sub]}"
+        else:
+            a = np.asarray(sd[_TOP[path]], dtype)
+            x, name = (a.T if is_kernel else a), _TOP[path]
+        if x.shape != shape:
+            raise ValueError(f"DFlash tensor {name}: expected shape {shape} (ours; torch's is transposed for "
+                             f"kernels), got {x.shape}")
+        flat[path] = np.ascontiguousarray(x)
+    return _tree(flat)
