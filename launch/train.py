@@ -39,6 +39,11 @@ _CPU_DEVICES = flags.DEFINE_integer(
 _CPU_COLLECTIVES = flags.DEFINE_enum(
     "cpu_collectives", "gloo", ["gloo", "mpi", "none"],
     "Cross-process collectives for CPU devices (multi-process CPU runs need gloo or mpi).")
+_COMPILE_ONLY = flags.DEFINE_bool(
+    "compile_only", False, "Build the task and its first batch, compile the train step, print what "
+    "one device would hold (XLA's buffer assignment: arguments, temporaries, outputs) as JSON and "
+    "write it to <workdir>/train_step_memory.json; no training. Plans a batch size for a device "
+    "on any machine: a CPU compile of the GPU shapes overestimates rather than underestimates.")
 _INIT_TIMEOUT = flags.DEFINE_integer(
     "distributed_timeout", 300, "Seconds to wait for all processes to join.")
 
@@ -80,10 +85,19 @@ def main(argv):
 
     import jax
 
-    from confu_jax.train.loop import train
+    from confu_jax.train.loop import compile_report, describe_memory, train
 
     logging.info("process %d/%d (%s start), %d local / %d global devices", jax.process_index(),
                  jax.process_count(), spec.mode, jax.local_device_count(), jax.device_count())
+    if _COMPILE_ONLY.value:
+        report = compile_report(config)
+        if jax.process_index() == 0:
+            logging.info("train step %s", describe_memory(report["memory_per_device"]))
+            os.makedirs(_WORKDIR.value, exist_ok=True)
+            with open(os.path.join(_WORKDIR.value, "train_step_memory.json"), "w") as f:
+                json.dump(report, f, indent=1, sort_keys=True)
+            print(json.dumps(report, indent=1, sort_keys=True))
+        return
     result = train(config, os.path.abspath(_WORKDIR.value))
     if jax.process_index() == 0:
         summary = {"step": result.step, "start_step": result.start_step,

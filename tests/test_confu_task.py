@@ -102,12 +102,18 @@ def _run_tiny_confu(mesh_shape, n_steps=2, ttt_steps=3):
 
 
 @pytest.mark.slow
-def test_confu_step_on_a_2x2x2_mesh_equals_single_device():
+def test_confu_step_on_a_2x2x2_mesh_equals_single_device(monkeypatch):
     """The whole ConFu step (anchors, contemplate pass, TTT, AdamW) sharded over data×fsdp×tensor.
 
     With all three mesh axes > 1, XLA:CPU (jax 0.10.2) got the draft layer's gradient wrong by
-    1-90 % until draft_ttt pinned its activations to batch-sharded rows (``shd.constrain``)."""
+    1-90 % until draft_ttt pinned its activations to batch-sharded rows (``shd.constrain``).
+    The sharded run also attends in query chunks (remat under lax.map, as rows longer than
+    ``Q_CHUNK`` do), the reference in one dense pass: chunking changes nothing either."""
+    import confu_jax.models.draft_attention as da
+
+    monkeypatch.setattr(da, "Q_CHUNK", 0)
     ref_m, ref_p, _ = _run_tiny_confu((1, 1, 1), n_steps=1, ttt_steps=2)
+    monkeypatch.setattr(da, "Q_CHUNK", 7)
     got_m, got_p, live = _run_tiny_confu((2, 2, 2), n_steps=1, ttt_steps=2)
     for a, b in zip(ref_m, got_m):
         assert a.keys() == b.keys()

@@ -273,3 +273,82 @@ def test_draft_vocab_maps():
         draft_vocab_from_d2t(np.array([1, 1]), 12)
     with pytest.raises(ValueError, match=r"\[0, 12\)"):
         draft_vocab_from_d2t(np.array([1, 12]), 12)
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_chunked_draft_attention_equals_one_dense_pass(extra):
+    """Query chunks under lax.map (remat in the backward pass) give the dense pass's output and
+    gradients: a length that is not a multiple of the chunk, a query that sees nothing, GQA."""
+    from confu_jax.models.draft_attention import draft_attention
+
+    rng = np.random.default_rng(0)
+    b, t, hq, hkv, d, x = 2, 11, 4, 2, 8, 3
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32)
+    seg = jnp.asarray([[0] * 5 + [1] * 6, [0] * 11])
+    mask = jnp.tril(jnp.ones((t, t), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+    mask = mask.at[1, 4].set(False)  # row 1, query 4 sees no shared key
+    args = (q, k, v, mask)
+    if extra:
+        kx = jnp.asarray(rng.normal(size=(b, t, x, hkv, d)), jnp.float32)
+        vx = jnp.asarray(rng.normal(size=(b, t, x, hkv, d)), jnp.float32)
+        mx = jnp.asarray(rng.random((b, t, x)) < 0.6).at[1, 4].set(False)
+        args = args + (kx, vx, mx)
+    w = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
+
+    def loss(q, k, v, *rest, q_chunk):
+        if extra:
+            out = draft_attention(q, k, v, mask, rest[0], rest[1], args[6], q_chunk=q_chunk)
+        else:
+            out = draft_attention(q, k, v, mask, q_chunk=q_chunk)
+        return jnp.sum(out * w), out
+
+    diff = (0, 1, 2) + ((3, 4) if extra else ())
+    inputs = args[:3] + ((args[4], args[5]) if extra else ())
+    (l0, o0), g0 = jax.value_and_grad(lambda *a: loss(*a, q_chunk=0), argnums=diff, has_aux=True)(*inputs)
+    (l1, o1), g1 = jax.value_and_grad(lambda *a: loss(*a, q_chunk=4), argnums=diff, has_aux=True)(*inputs)
+    np.testing.assert_allclose(np.asarray(o1), np.asarray(o0), rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(o0[1, 4]).max()) == float(jnp.abs(o1[1, 4]).max()) == 0.0  # sees nothing
+    for a, c in zip(g1, g0):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-5)
+
+
+def test_layer_remat_changes_neither_values_nor_gradients_nor_params():
+    """``remat_layers`` (the contemplate pass's per-layer recompute) gives the plain scan's hidden
+    states and gradients w.r.t. what training differentiates (input embeddings, soft-prompt K/V),
+    with the same parameter tree."""
+    from confu_jax.models.llama import Llama
+    from confu_jax.models.unrolled import apply_target
+
+    spec = tiny_spec("confu")
+    target, trainable = tiny_params(spec)
+    cfg = spec.target
+    rng = np.random.default_rng(3)
+    b, t, s = 2, 5, 9
+    emb = jnp.asarray(rng.normal(size=(b, t, cfg.d_model)), jnp.float32)
+    pk = trainable["confu"]["soft_prompt_k_lphd"]
+    pv = trainable["confu"]["soft_prompt_v_lphd"]
+    ck = jnp.asarray(rng.normal(size=(cfg.n_layers, b, cfg.n_kv_heads, s, cfg.head_dim)), jnp.float32)
+    cv = jnp.asarray(rng.normal(size=ck.shape), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(b, t, cfg.d_model)), jnp.float32)
+
+    def f(emb, pk, pv, remat):
+        out = apply_target(target, cfg, None, jnp.full((b, t), s, jnp.int32), embeds_btd=emb,
+                           block_mask_btt=jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t)),
+                           cache_k_lbhsd=ck, cache_v_lbhsd=cv, cache_len_bt=jnp.full((b, t), s - 2),
+                           prefix_k_lphd=pk, prefix_v_lphd=pv, prefix_visible_bt=jnp.ones((b, t), bool),
+                           return_logits=False, remat_layers=remat)
+        return jnp.sum(out.hidden_btd * w), out.hidden_btd
+
+    (_, h0), g0 = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(emb, pk, pv, False)
+    (_, h1), g1 = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(emb, pk, pv, True)
+    np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), rtol=1e-6, atol=1e-6)
+    for a, c in zip(g1, g0):
+        assert float(jnp.abs(c).max()) > 0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+    tok = jnp.zeros((1, 3), jnp.int32)
+    pos = jnp.arange(3)[None]
+    shapes = [jax.tree.map(lambda x: x.shape, jax.eval_shape(
+        lambda: Llama(cfg, remat_layers=r).init(jax.random.PRNGKey(0), tok, pos))) for r in (False, True)]
+    assert shapes[0] == shapes[1]

@@ -73,3 +73,17 @@ def test_a_run_learns(tmp_path):
     assert np.mean([r["loss"] for r in train_rows[-10:]]) < train_rows[0]["loss"] - 0.3
     assert ev[-1]["loss"] < ev[0]["loss"] and ev[-1]["acceptance_length"] > 1.3
     assert os.listdir(os.path.join(tmp_path, "checkpoints")) == ["60"]  # every=0: only the end
+
+
+def test_compile_only_reports_the_step_memory_and_trains_nothing(tmp_path):
+    """``--compile_only``: the compiled step's per-device memory as JSON (how a batch size is
+    planned for a GPU from any machine), and no run: no checkpoint, no metrics."""
+    p = _train("--workdir", str(tmp_path), "--compile_only")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert os.listdir(tmp_path) == ["train_step_memory.json"]
+    with open(tmp_path / "train_step_memory.json") as f:
+        rep = json.load(f)
+    m = rep["memory_per_device"]
+    assert m["temp"] > 0 and m["arguments"] > 0
+    assert m["peak_estimate"] == m["arguments"] + m["outputs"] - m["aliased"] + m["temp"]
+    assert rep["backend"] == "cpu" and "per device: ~" in p.stderr

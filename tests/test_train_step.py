@@ -203,3 +203,21 @@ def test_upstream_three_axis_gradient_bug_reproducer():
     ref = grad_on((1, 1, 1), [(), (), (), ()])
     got = grad_on((2, 2, 2), [("fsdp", "tensor"), (), (("data", "fsdp"),), ("tensor", "fsdp")])
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_memory_report_counts_exactly_the_state_frozen_params_and_batch():
+    """XLA's accounting behind ``launch.train --compile_only``: the step's arguments are the state,
+    the frozen params and the batch fields it reads, and the donated state is reused for the new
+    state (aliased) byte for byte, so a report can be trusted to plan a device's batch."""
+    got = _run((1, 1, 1))
+    run = got["run"]
+    batch = next(run.task.train_iterator(0, 1))
+
+    def nbytes(tree):
+        return sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+    m = got["step"].memory_report()
+    held = nbytes(run.abstract_state) + nbytes(run.frozen)
+    assert held <= m["arguments"] <= held + nbytes(batch)  # jit drops batch fields the loss never reads
+    assert m["aliased"] == nbytes(run.abstract_state)
+    assert m["temp"] > 0

@@ -4,6 +4,12 @@ The target's attention (``kernels.attention_reference``) has one key set per row
 training-time test needs, per query, the entries of its own index at earlier TTT steps (the TTT
 diagonal) and its own future entry, which a dense mask would make O(T · T·L_ttt). Here they are a
 per-query block of X extra keys: O(T · X).
+
+Long rows are attended ``q_chunk`` queries at a time under ``lax.map``, each chunk rematerialised
+in the backward pass: the [T, T] float32 scores of a TTT step (4.8 GB for 32 rows × 2048 tokens ×
+9 heads) and their softmax were otherwise kept for the backward pass at every step, and they —
+not the matrix work — made 64 rows of 2048 tokens run out of an H200's 139 GiB
+(docs/RESULTS.md, "H200: the GPU campaign trains both heads").
 """
 
 from __future__ import annotations
@@ -16,15 +22,48 @@ import jax.numpy as jnp
 from confu_jax.kernels.attention_reference import NEG_INF
 
 
+Q_CHUNK = 512  # queries per chunk for rows longer than this (training rows of 1024-2048 tokens)
+
+
 def draft_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, mask_bts: jax.Array,
                     k_btxhd: Optional[jax.Array] = None, v_btxhd: Optional[jax.Array] = None,
-                    mask_btx: Optional[jax.Array] = None) -> jax.Array:
+                    mask_btx: Optional[jax.Array] = None, *, q_chunk: Optional[int] = None) -> jax.Array:
     """Softmax attention over keys shared by all queries [B,S] and per-query keys [B,T,X].
 
     The per-query block is what makes TTT's diagonal (query (j,s) sees entries (j,1..s) of its
     own index only) and per-position future entries cost O(T·X) instead of a dense [T, T·L] mask.
-    float32 scores; a query that sees nothing returns zeros.
+    float32 scores; a query that sees nothing returns zeros. ``q_chunk`` > 0 and T > q_chunk:
+    queries in chunks (the last one padded with queries that see nothing), each recomputed in the
+    backward pass, so only [chunk, S] scores exist at a time; 0: one dense pass; None: ``Q_CHUNK``
+    (read at trace time).
     """
+    q_chunk = Q_CHUNK if q_chunk is None else q_chunk
+    t = q_bthd.shape[1]
+    if q_chunk <= 0 or t <= q_chunk:
+        return _dense_attention(q_bthd, k_bshd, v_bshd, mask_bts, k_btxhd, v_btxhd, mask_btx)
+    n_c = -(-t // q_chunk)
+    pad = n_c * q_chunk - t
+
+    def chunks(x):  # [B, T, ...] -> [n_c, B, q_chunk, ...]; padding is zeros / False
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((x.shape[0], n_c, q_chunk) + x.shape[2:]), 1, 0)
+
+    per_query = (k_btxhd, v_btxhd, mask_btx)
+    xs = (chunks(q_bthd), chunks(mask_bts)) + (tuple(chunks(x) for x in per_query) if k_btxhd is not None else ())
+
+    @jax.checkpoint
+    def one(x):
+        if k_btxhd is None:
+            return _dense_attention(x[0], k_bshd, v_bshd, x[1])
+        return _dense_attention(x[0], k_bshd, v_bshd, x[1], x[2], x[3], x[4])
+
+    out = jax.lax.map(one, xs)  # [n_c, B, q_chunk, H, D]
+    out = jnp.moveaxis(out, 0, 1).reshape((q_bthd.shape[0], n_c * q_chunk) + q_bthd.shape[2:])
+    return out[:, :t]
+
+
+def _dense_attention(q_bthd, k_bshd, v_bshd, mask_bts, k_btxhd=None, v_btxhd=None, mask_btx=None):
+    """``draft_attention`` in one pass: [B, H, T, S] scores."""
     b, t, hq, d = q_bthd.shape
     hkv = k_bshd.shape[2]
     g = hq // hkv

@@ -224,6 +224,12 @@ class DecoderLayer(nn.Module):
 
 class Llama(nn.Module):
     cfg: LlamaConfig
+    # Recompute each layer in the backward pass (``nn.remat`` inside the layer scan), keeping only
+    # the layer inputs. For passes differentiated through the frozen layers: ConFu's contemplate
+    # pass, whose K queries x S keys scores at every one of the L layers were otherwise kept for
+    # the backward pass (~50 GiB at 32 rows x 2048 tokens, K = 256, SmolLM2). No effect on a
+    # forward that nothing differentiates, and none on the parameter tree.
+    remat_layers: bool = False
 
     def setup(self):
         cfg = self.cfg
@@ -238,7 +244,7 @@ class Llama(nn.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _dense(cfg.vocab_size, cfg, "lm_head", dot_general=F32_ACCUMULATE)
         self.layers = nn.scan(
-            DecoderLayer,
+            nn.remat(DecoderLayer, prevent_cse=False) if self.remat_layers else DecoderLayer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast),

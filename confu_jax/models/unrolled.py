@@ -98,10 +98,12 @@ def apply_unrolled(
 
 def apply_target(params, cfg: LlamaConfig, tokens_bt, positions_bt, **kw) -> LlamaOutput:
     """The target forward on either layout: the stacked tree (``Llama``'s layer scan) or
-    ``SplitParams`` (layer-unrolled). Keyword arguments as ``Llama.__call__``."""
+    ``SplitParams`` (layer-unrolled). Keyword arguments as ``Llama.__call__``, plus
+    ``remat_layers`` (``Llama.remat_layers``, stacked layout only)."""
+    remat_layers = kw.pop("remat_layers", False)  # Llama.remat_layers; the unrolled form is never trained
     if isinstance(params, SplitParams):
         return apply_unrolled(params, cfg, tokens_bt, positions_bt, **kw)
-    return Llama(cfg).apply({"params": params}, tokens_bt, positions_bt, **kw)
+    return Llama(cfg, remat_layers=remat_layers).apply({"params": params}, tokens_bt, positions_bt, **kw)
 
 
 def shared_params(params) -> dict:

@@ -83,6 +83,33 @@ class RunSetup:
                               frozen_shardings=self.frozen_shardings, batch=batch)
 
 
+def describe_memory(report: Optional[dict]) -> str:
+    """One log line from ``CompiledStep.memory_report``."""
+    if not report:
+        return "no memory analysis from this backend"
+    gib = {k: v / 2**30 for k, v in report.items()}
+    return ("per device: ~{peak_estimate:.2f} GiB peak (arguments {arguments:.2f}, temporaries "
+            "{temp:.2f}, outputs {outputs:.2f}, donated {aliased:.2f})").format(**gib)
+
+
+def compile_report(config, task: Optional[TrainTask] = None, mesh=None) -> dict:
+    """Compile the train step for ``config`` on this process's devices and report what one device
+    would hold, without training: how a batch size is planned for a device before a run (a CPU
+    compile of the GPU shapes answers "do 64 rows of 2048 tokens fit in 80 GB?"). Builds the task
+    and its first batch, so the data and the target must be reachable."""
+    t0 = time.time()
+    run = setup_run(config, task, mesh)
+    batch = shd.global_batch(next(run.task.train_iterator(jax.process_index(), jax.process_count())),
+                             run.mesh)
+    t1 = time.time()
+    step = run.compile_train_step(batch)
+    return {"memory_per_device": step.memory_report(), "compile_s": round(time.time() - t1, 1),
+            "setup_s": round(t1 - t0, 1), "backend": jax.default_backend(),
+            "devices": jax.device_count(), "mesh": dict(run.mesh.shape),
+            "batch": {k: list(v.shape) for k, v in batch.items()},
+            "trainable_params": param_count(run.abstract_state.params)}
+
+
 def setup_run(config, task: Optional[TrainTask] = None, mesh=None) -> RunSetup:
     task = task if task is not None else load_task(config)
     tc = config.train
@@ -321,7 +348,8 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
                 with progress.phase("compiling the train step", enabled=main and bool(tc.progress_bar)):
                     train_step = run.compile_train_step(batch)
                 if main:
-                    logging.info("compiled train step in %.1fs", time.time() - t0)
+                    logging.info("compiled train step in %.1fs; %s", time.time() - t0,
+                                 describe_memory(train_step.memory_report()))
             state, metrics = train_step(state, batch)
             step += 1
             if main and step == start + 1:

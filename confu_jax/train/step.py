@@ -79,6 +79,21 @@ class CompiledStep:
     def __call__(self, state, batch):
         return self.compiled(state, self.frozen, batch)
 
+    def memory_report(self) -> Optional[dict]:
+        """Bytes one device holds while the step runs, from XLA's buffer assignment: ``arguments``
+        (state + frozen + batch shards), ``outputs``, ``temp`` (activations, gradients, scratch),
+        ``aliased`` (outputs written into donated arguments) and ``peak_estimate`` = arguments +
+        outputs − aliased + temp. None where the backend reports nothing. On GPU, XLA
+        rematerialises further when the peak exceeds the device, so a CPU compile overestimates
+        a GPU's need rather than underestimating it."""
+        m = self.compiled.memory_analysis()
+        if m is None:
+            return None
+        r = dict(arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
+                 temp=int(m.temp_size_in_bytes), aliased=int(m.alias_size_in_bytes))
+        r["peak_estimate"] = r["arguments"] + r["outputs"] - r["aliased"] + r["temp"]
+        return r
+
 
 def _compile(fn, mesh: Mesh, state, state_shardings, frozen, frozen_shardings, batch,
              out_state: bool, donate: bool) -> CompiledStep:
