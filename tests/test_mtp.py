@@ -9,12 +9,15 @@ same but for zeroing the embedding at position 0): eh_proj(cat(enorm(emb), hnorm
 enorm / hnorm / eh_proj / shared_head.norm, so its state dict keys are exactly DeepSeek-V3's
 layer-relative MTP names: our export loads into it with strict=True.
 
-(1) forward (sequence form, decode form against a cache, recursive depths) and initialisation;
-(2) in the loop: greedy output equals AR (chain, static tree, dynamic tree, sampled chain at T=0; two
-prompts of different lengths, EOS inside a draft), the tree's children differ per parent, chi-square at
-T=1 against the exact joint, sharded equals single-device; (3) the DeepSeek-layout round trip and
-decoding from it; (4) the loss equals a hand computation, a short run lowers it and decodes losslessly,
-and a killed run resumes with identical losses and exports through ``launch.export_head --format mtp``.
+(1) forward (sequence form, decode form against a cache) and initialisation; (2) the drafts are the
+recursion on the module's own output (chain; a tree's children differ per parent); in the loop, greedy
+output equals AR (chain, static tree, dynamic tree; two prompts of different lengths, EOS inside a
+draft), sampled output passes the chi-square test at T=1 against the exact joint (sampled chain, static
+tree), sharded equals single-device; (3) the DeepSeek-layout round trip (bf16, shared embedding / LM head
+checked against the target, a file holding the main model's layers too) and decoding from it; (4) the
+loss equals a hand computation with the torch reference, packed rows equal padded rows, a short run
+lowers it and loads for decoding, and a killed run resumes with identical losses and exports through
+``launch.export_head --format mtp`` (subprocess).
 """
 
 import json
@@ -196,15 +199,20 @@ def _first_proposal(spec, tp, params, plan, prompt):
     from confu_jax.models.target import real_forward
 
     n = len(prompt)
-    toks = jnp.asarray([prompt], jnp.int32)
-    out = real_forward(spec, tp, toks)
-    root = jnp.argmax(out.logits_btv[:, -1], axis=-1).astype(jnp.int32)
     drafter = parse_drafter("mtp", plan)
-    st = drafter.init(spec, params, PrefillView(toks, jnp.array([n]), root, out.taps_btc, None, 32,
-                                                out.hidden_btd[:, -1], out.hidden_btd))
-    inp = DraftInput(root, jnp.array([n - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0), jnp.float32(0.0),
-                     jnp.float32(1.0))
-    return drafter.propose(spec, params, st, inp), np.asarray(out.hidden_btd[0]), int(root[0])
+
+    @jax.jit
+    def first(params, toks):
+        out = real_forward(spec, tp, toks)
+        root = jnp.argmax(out.logits_btv[:, -1], axis=-1).astype(jnp.int32)
+        st = drafter.init(spec, params, PrefillView(toks, jnp.array([n]), root, out.taps_btc, None, 32,
+                                                    out.hidden_btd[:, -1], out.hidden_btd))
+        inp = DraftInput(root, jnp.array([n - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0), jnp.float32(0.0),
+                         jnp.float32(1.0))
+        return drafter.propose(spec, params, st, inp), out.hidden_btd[0], root[0]
+
+    prop, hidden, root = first(params, jnp.asarray([prompt], jnp.int32))
+    return prop, np.asarray(hidden), int(root)
 
 
 def _recursive_reference(spec, tp, m, prompt, hidden, path):
@@ -245,7 +253,7 @@ def test_drafts_are_the_recursive_module():
     assert len(set(below.values())) > 1, below
 
 
-PLANS = ["chain:3", "tree:2,2,1", "dynamic:3,2,5", "sampled_chain:2"]
+PLANS = ["chain:3", "tree:2,2,1", "dynamic:3,2,5"]  # sampled chains: test_sampling_lossless_joint
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -272,7 +280,7 @@ def test_sampling_lossless_joint(plan):
     drafter = parse_drafter("mtp", plan)
     prompt = [1, 3, 1, 3, 2, 1]
     joint = _exact_joint(spec, tp, prompt, 1.0, 1.0)
-    n_per, reps = 25_000, 4
+    n_per, reps = 25_000, 2  # 50k samples over 64 outcomes
     samples = []
     for r in range(reps):
         res = loop.generate_speculative(spec, params, drafter, [prompt] * n_per, max_new_tokens=3, eos_ids=(),
@@ -287,14 +295,13 @@ def test_sampling_lossless_joint(plan):
 def test_sharded_equals_single_device():
     prompts = PROMPTS * 2
     spec, tp, params = setup(6)
-    for plan in ("chain:3", "tree:2,2"):
-        drafter = parse_drafter("mtp", plan)
-        single = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=16, eos_ids=())
-        out = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=16, eos_ids=(),
-                                        mesh=sharded.parse_mesh("data=2,tensor=2"))
-        assert _rows(out, 4) == _rows(single, 4)
-        np.testing.assert_array_equal(np.asarray(out.accept_log_bi), np.asarray(single.accept_log_bi))
-        assert np.all(np.asarray(out.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
+    drafter = parse_drafter("mtp", "tree:2,2")  # the draft cache, the scratch and the tree, rows over data
+    single = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=16, eos_ids=())
+    out = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=16, eos_ids=(),
+                                    mesh=sharded.parse_mesh("data=2,tensor=2"))
+    assert _rows(out, 4) == _rows(single, 4)
+    np.testing.assert_array_equal(np.asarray(out.accept_log_bi), np.asarray(single.accept_log_bi))
+    assert np.all(np.asarray(out.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
 
 
 # ----------------------------------------------------------------------------- import / export
@@ -385,23 +392,22 @@ def test_loss_equals_hand_computation():
     the answer positions, averaged over depths, times λ."""
     import torch
 
-    from confu_jax.models.spec import model_spec_from_config
     from confu_jax.models.target import real_forward
-    from confu_jax.train.loop import setup_run
     from confu_jax.train.mtp_task import mtp_loss
-    from confu_jax.train.target_loading import load_target
 
-    config = _config()
-    run = setup_run(config)
-    batch = next(run.task.train_iterator(0, 1))
-    spec, tp = load_target(config, model_spec_from_config(config))
+    spec, tp, _ = make("eagle3", 24, seed=2)
     cfg = spec.target
     m = module_for(cfg, tp, seed=2)
-    loss, metrics = mtp_loss(spec, m, tp, batch, num_depths=3, loss_weight=0.3)
-    toks = np.asarray(batch["tokens"])
-    mask = np.asarray(batch["loss_mask"]).astype(bool)
-    if "attention_mask" in batch:
-        mask &= np.asarray(batch["attention_mask"]).astype(bool)
+    rng = np.random.default_rng(5)
+    toks = rng.integers(0, 24, (2, 20)).astype(np.int32)
+    mask = np.zeros((2, 20), bool)
+    mask[0, 6:20], mask[1, 4:20] = True, True
+    attention = np.ones((2, 20), np.int32)
+    attention[1, 15:] = 0  # row 1: right padding after 15 tokens (the loss mask is cut by it)
+    batch = {"tokens": toks, "loss_mask": mask.astype(np.int32), "attention_mask": attention}
+    mask &= attention.astype(bool)
+    loss, metrics = mtp_loss(spec, m, tp, jax.tree_util.tree_map(jnp.asarray, batch), num_depths=3, loss_weight=0.3)
+    assert float(metrics["count/head0"]) == mask[:, 2:].sum()
     n_layers = cfg.n_layers
     sd = {k[len(f"model.layers.{n_layers}."):]: v for k, v in mtp_lib.to_reference_state_dict(m, n_layers).items()}
     ref = _torch_reference(cfg, sd, tp["embed"]["embedding"])
@@ -451,28 +457,25 @@ def test_packed_rows_equal_padded_rows():
     packed["attention_mask"][0, :20] = 1
     packed["segment_ids"][0, :20] = np.r_[np.ones(9), 2 * np.ones(11)]
     packed["positions"][0, :20] = np.r_[np.arange(9), np.arange(11)]
-    _, mp = mtp_loss(spec, m, tp, jax.tree_util.tree_map(jnp.asarray, packed), num_depths=3, loss_weight=1.0)
-    _, mq = mtp_loss(spec, m, tp, jax.tree_util.tree_map(jnp.asarray, padded), num_depths=3, loss_weight=1.0)
+    loss = jax.jit(lambda batch: mtp_loss(spec, m, tp, batch, num_depths=3, loss_weight=1.0)[1])
+    mp, mq = loss(packed), loss(padded)
     for k in range(3):
         assert float(mp[f"count/head{k}"]) == float(mq[f"count/head{k}"]) > 0
         np.testing.assert_allclose(float(mp[f"ce/head{k}"]), float(mq[f"ce/head{k}"]), rtol=1e-5)
         np.testing.assert_allclose(float(mp[f"acc/head{k}"]), float(mq[f"acc/head{k}"]), rtol=1e-6)
 
 
-def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
-    import ml_dtypes
-
+def test_training_lowers_the_loss_and_the_run_loads(tmp_path):
     from confu_jax.decode.heads import decode_head
     from confu_jax.models.spec import model_spec_from_config
-    from confu_jax.runs.mtp import export_mtp_run, is_mtp_workdir
+    from confu_jax.runs.mtp import is_mtp_workdir
     from confu_jax.train.loop import train
     from confu_jax.train.metric_writers import read_csv
     from confu_jax.train.target_loading import load_target
-    from confu_jax.weights.mtp_format import load_mtp_dir
 
     workdir = str(tmp_path / "mtp")
-    config = _config(**{"train.steps": 30, "train.eval_every": 15, "train.checkpoint.every": 15})
-    assert train(config, workdir).step == 30
+    config = _config(**{"train.steps": 20, "train.eval_every": 10, "train.checkpoint.every": 10})
+    assert train(config, workdir).step == 20
     rows = read_csv(os.path.join(workdir, "metrics.csv"))
     first, last = np.mean([r["loss"] for r in rows[:3]]), np.mean([r["loss"] for r in rows[-3:]])
     assert last < 0.85 * first, (first, last)
@@ -482,17 +485,11 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     assert is_mtp_workdir(workdir)
     spec, tp = load_target(config, model_spec_from_config(config))
     head = decode_head("mtp", spec.target, tp, workdir)
-    assert head.trained and "step 30" in head.source
-    out = str(tmp_path / "exported")
-    run = export_mtp_run(workdir, out, spec.target, tp, dtype="bfloat16")
-    rounded = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32),
-                                     run.params)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, load_mtp_dir(out).params, rounded)
-    prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
-    ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
-    res = loop.generate_speculative(head.spec, head.params, parse_drafter("mtp", "tree:2,2,1"), prompts,
-                                    max_new_tokens=16, eos_ids=())
-    assert _rows(res, 2) == _rows(ar, 2)
+    assert head.trained and "step 20" in head.source
+    trained = head.params.draft["mtp"]
+    assert np.abs(np.asarray(trained["eh_proj"]["kernel"]) - np.asarray(
+        mtp_lib.init_mtp(jax.random.PRNGKey(0), spec.target, tp)["eh_proj"]["kernel"])).max() > 0
+    mtp_lib.check_mtp_params(trained, spec.target)  # decodes as any module does (test_greedy_equals_ar)
 
 
 @pytest.mark.slow
