@@ -6,6 +6,7 @@
     python -m launch.export_head --workdir runs/smollm2_medusa --format medusa --out exports/medusa --dtype bfloat16
     python -m launch.export_head --workdir runs/smollm2_mlp_speculator --format mlp_speculator --out exports/mlp
     python -m launch.export_head --workdir runs/smollm2_mtp --format mtp --out exports/mtp
+    python -m launch.export_head --workdir runs/smollm2_dflash --format dflash --out exports/dflash
 
 ``--format eagle3`` writes the official EAGLE-3 layout (config.json + model.safetensors, tensors
 ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` as offsets, ``t2d``), which SGLang and SpecForge
@@ -21,7 +22,10 @@ as the published fms-extras / vLLM layout (``config.json`` with model_type ``mlp
 writes an MTP run in DeepSeek-V3's MTP layout (``model.layers.{N}.enorm`` / ``hnorm`` / ``eh_proj`` /
 ``shared_head.norm`` + the Llama layer's names, ``weights.mtp_format``; ``--mtp_shared`` adds the
 target's embedding and LM head as ``embed_tokens`` / ``shared_head.head``), which loads back here
-(``--heads mtp=DIR``).
+(``--heads mtp=DIR``). ``--format dflash`` writes a DFlash run as z-lab's released layout
+(``DFlashDraftModel`` config.json with ``block_size`` / ``dflash_config`` + ``model.safetensors``,
+``weights.dflash_format``), which loads back here (``--heads dflash=DIR``) and in the reference's
+``AutoModel.from_pretrained(..., trust_remote_code=True)`` with its ``dflash.py``.
 
 A ConFu head exports its EAGLE-3 part only (fc, the draft layer, LM head): serving engines have no
 contemplate tokens, so its future path (soft prompts, MoE_con, MoE_f) is dropped, with a warning.
@@ -38,11 +42,12 @@ from absl import app, flags
 flags.DEFINE_string("workdir", None, "a launch.train workdir (config.json + checkpoints/) holding the head",
                     required=True)
 flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
-flags.DEFINE_enum("format", "eagle3", ["eagle3", "speculators", "medusa", "mlp_speculator", "mtp"],
+flags.DEFINE_enum("format", "eagle3", ["eagle3", "speculators", "medusa", "mlp_speculator", "mtp", "dflash"],
                   "eagle3: official EAGLE-3 layout (SGLang, SpecForge); speculators: vLLM's format; "
                   "medusa: FasterDecoding's medusa_lm_head.safetensors + config.json (a Medusa run); "
                   "mlp_speculator: fms-extras / vLLM model.safetensors + config.json (an MLP speculator run); "
-                  "mtp: DeepSeek-V3's MTP layer names around a Llama layer (an MTP run)")
+                  "mtp: DeepSeek-V3's MTP layer names around a Llama layer (an MTP run); "
+                  "dflash: z-lab's DFlashDraftModel model.safetensors + config.json (a DFlash run)")
 flags.DEFINE_string("out", None, "output directory (created; existing config.json / model.safetensors are "
                     "overwritten)", required=True)
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
@@ -72,6 +77,8 @@ def main(argv):
         return export_mlp_speculator(workdir)
     if FLAGS.format == "mtp":
         return export_mtp(workdir)
+    if FLAGS.format == "dflash":
+        return export_dflash(workdir)
     if FLAGS.embed_from and FLAGS.format != "speculators":
         raise app.UsageError("--embed_from is for --format speculators (the official format has no embedding)")
     head = load_trained_head(workdir, FLAGS.step)
@@ -149,6 +156,18 @@ def export_mtp(workdir: str) -> None:
     print(f"exported {workdir} (step {run.step}, MTP module: layer model.layers.{spec.target.n_layers}"
           f"{', with the shared embedding / LM head' if FLAGS.mtp_shared else ''}) to {FLAGS.out} in the mtp format "
           f"(DeepSeek-V3 names; model.safetensors + config.json, {FLAGS.dtype or 'float32'})")
+
+
+def export_dflash(workdir: str) -> None:
+    """A DFlash run (configs/*_dflash.py) in z-lab's published DFlash layout."""
+    from confu_jax.runs.dflash import export_dflash_run
+
+    config, spec, target_params = _run_target(workdir)
+    run = export_dflash_run(workdir, FLAGS.out, spec.target, target_params, step=FLAGS.step,
+                            dtype=FLAGS.dtype or "float32", target_source=str(config.model.source))
+    print(f"exported {workdir} (step {run.step}, DFlash: {run.draft.n_layers} layers over target layers "
+          f"{[t - 1 for t in run.taps]}, block {run.block_size}, mask {run.mask_token_id}) to {FLAGS.out} in the "
+          f"dflash format (DFlashDraftModel; model.safetensors + config.json, {FLAGS.dtype or 'float32'})")
 
 
 if __name__ == "__main__":

@@ -83,9 +83,9 @@ STAGES = ("setup", "model", "data", "release", "eagle3", "confu", "families", "b
 # the drafter families the campaign can train beside the heads (their configs: configs/smollm2_<family>.py);
 # their tasks read padded rows (no packing)
 FAMILY_CONFIGS = {"medusa": "configs/smollm2_medusa.py", "mlp_speculator": "configs/smollm2_mlp_speculator.py",
-                  "mtp": "configs/smollm2_mtp.py"}
+                  "mtp": "configs/smollm2_mtp.py", "dflash": "configs/smollm2_dflash.py"}
 # the families whose training reads padded rows only (the others pack rows as EAGLE-3 and ConFu do)
-PADDED_FAMILIES = ("medusa", "mlp_speculator")
+PADDED_FAMILIES = ("medusa", "mlp_speculator", "dflash")  # dflash: its packed-row path is not yet tested
 
 # Device limits (/work/.library/device/README.md): what travels and what comes back per call.
 TRAVEL_LIMIT = 64 * 2**20
@@ -155,6 +155,7 @@ class Scale:
     medusa_cost: float = 0.6  # Medusa step time / EAGLE-3's (the planner's assumption: no TTT)
     mlp_speculator_cost: float = 0.6  # likewise for the MLP speculator
     mtp_cost: float = 0.8  # likewise for the MTP module (one target-shaped layer, 3 depths, full-vocabulary CE)
+    dflash_cost: float = 1.0  # likewise for DFlash (3 target-shaped layers, 32 blocks of 16 a row, full-vocab CE)
     train_s: int = 540  # time box of both trainings, seconds (compiles included)
     min_steps: int = 100  # the planner never goes below E = P = min_steps / 2
     ttt_steps: int = 4
@@ -1620,7 +1621,8 @@ def auto_candidates(scale: Scale, family: str) -> Optional[tuple]:
     """(chains, trees) budget auto measures for a drafter family (None: bench.budget's defaults). The MTP
     module drafts at any depth with its one module: the head's plans."""
     text = {"lookup": scale.auto_lookup_plans, "medusa": scale.auto_medusa_plans,
-            "mlp_speculator": scale.auto_medusa_plans}.get(family, scale.auto_head_plans)
+            "mlp_speculator": scale.auto_medusa_plans,
+            "dflash": scale.auto_medusa_plans}.get(family, scale.auto_head_plans)
     plans = [p for p in text.split(";") if p]
     if not plans:
         return None

@@ -312,3 +312,179 @@ def test_sharded_equals_single_device():
         assert _rows(out, 4) == _rows(single, 4)
         np.testing.assert_array_equal(np.asarray(out.accept_log_bi), np.asarray(single.accept_log_bi))
         assert np.all(np.asarray(out.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
+
+
+# ----------------------------------------------------------------------------- import / export
+
+
+def test_published_layout_round_trip(tmp_path):
+    import ml_dtypes
+
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.weights.dflash_format import is_dflash_dir, load_dflash_dir, save_dflash_dir
+    from confu_jax.weights.safetensors_io import SafetensorsFile, save_file
+
+    spec, tp, params = setup(6)
+    dcfg, p = spec.draft_model, D.model_params(params.draft["dflash"])
+    d = str(tmp_path / "dflash")
+    save_dflash_dir(d, p, dcfg, taps=spec.taps, mask_token_id=MASK, block_size=4,
+                    num_target_layers=spec.target.n_layers)
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
+    assert c["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": D.layer_ids_for_taps(spec.taps)}
+    assert (c["block_size"], c["num_target_layers"], c["num_hidden_layers"], c["rope_theta"]) == (
+        4, spec.target.n_layers, 2, 50000.0)
+    f = SafetensorsFile(os.path.join(d, "model.safetensors"))
+    assert set(f.names()) == set(D.to_reference_state_dict(p))
+    assert "layers.1.self_attn.k_norm.weight" in set(f.names())
+    np.testing.assert_array_equal(f.get("fc.weight"), np.asarray(p["fc"]["kernel"]).T)  # torch [out, in]
+    assert is_dflash_dir(d) and not is_dflash_dir(str(tmp_path))
+    imp = load_dflash_dir(d)
+    assert (imp.mask_token_id, imp.block_size, imp.taps, imp.draft.rms_eps) == (MASK, 4, spec.taps, 1e-6)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, imp.params, p)
+    # bf16, with the HF "model." prefix some exports carry: rounded values back
+    db = str(tmp_path / "bf16")
+    save_dflash_dir(db, p, dcfg, taps=spec.taps, mask_token_id=MASK, block_size=4,
+                    num_target_layers=spec.target.n_layers, dtype=ml_dtypes.bfloat16)
+    fb = SafetensorsFile(os.path.join(db, "model.safetensors"))
+    sd = {f"model.{k}": np.array(fb.get(k)) for k in fb.names()}
+    save_file(sd, os.path.join(db, "model.safetensors"))
+    rounded = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), p)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, load_dflash_dir(db).params, rounded)
+    # decode_head: the spec carries the draft's config and taps; it decodes exactly as the in-memory draft
+    head = decode_head("dflash", spec.target, tp, d)
+    assert head.trained and head.spec.draft_model.n_layers == 2 and head.spec.taps == spec.taps
+    drafter = parse_drafter("dflash", "chain:3")
+    a = loop.generate_speculative(head.spec, head.params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    assert _rows(a, 2) == _rows(b, 2)
+    np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
+    with pytest.raises(ValueError, match="cannot read a target of width"):
+        decode_head("dflash", spec.target.replace(d_model=32, n_heads=2, n_kv_heads=1), tp, d)
+    with pytest.raises(ValueError, match="neither a DFlash"):
+        decode_head("dflash", spec.target, tp, str(tmp_path))
+    assert not decode_head("dflash", spec.target, tp, None).trained
+
+
+# ----------------------------------------------------------------------------- training
+
+OVERRIDES = {"train.steps": 12, "train.checkpoint.every": 3, "train.eval_every": 6, "train.progress_bar": False,
+             "train.log_every": 1}
+
+
+def _config(**extra):
+    from configs.tiny_dflash import get_config
+
+    c = get_config()
+    for key, value in {**OVERRIDES, **extra}.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for q in parents:
+            node = node[q]
+        node[leaf] = value
+    return c
+
+
+def test_loss_equals_hand_computation():
+    """SpecForge's block objective recomputed block by block: anchors = the rng's uniform draw among the t
+    with x[t], x[t+1] answer tokens; each block alone over the context before its anchor; CE of position
+    k >= 1 against x[a+k] where that is an answer token, weighted exp(-(k-1)/γ)."""
+    from confu_jax.train.dflash_task import dflash_loss, dflash_spec
+    from confu_jax.train.loop import setup_run
+    from confu_jax.train.loss import sample_anchors
+    from confu_jax.train.target_loading import load_target
+    from confu_jax.models.target import real_forward
+
+    config = _config()
+    run = setup_run(config)
+    batch = next(run.task.train_iterator(0, 1))
+    spec, tp = load_target(config, dflash_spec(config))
+    dcfg = spec.draft_model
+    p = draft_for(dcfg, len(spec.taps), seed=2, std=0.2)
+    bs, n_anchor, gamma, mask_id = 4, 5, 4.0, 127
+    rng = jax.random.PRNGKey(7)
+    loss, metrics = dflash_loss(spec, p, tp, batch, rng, block_size=bs, num_anchors=n_anchor,
+                                mask_token_id=mask_id, gamma=gamma)
+    toks = np.asarray(batch["tokens"])
+    mask = np.asarray(batch["loss_mask"]).astype(bool)
+    if "attention_mask" in batch:
+        mask &= np.asarray(batch["attention_mask"]).astype(bool)
+    b, n = toks.shape
+    cand = mask & np.r_["1", mask[:, 1:], np.zeros((b, 1), bool)]
+    anchors, valid = (np.asarray(x) for x in sample_anchors(rng, jnp.asarray(cand), n_anchor))
+    assert valid.sum() > 0 and np.all(cand[np.arange(b)[:, None], anchors][valid])
+    taps = real_forward(spec, tp, jnp.asarray(toks), return_logits=False).taps_btc
+    k_ctx, v_ctx = D.sequence_context(p, dcfg, taps)
+    num = den = 0.0
+    per_pos = {i: [] for i in range(1, bs)}
+    for r in range(b):
+        for j in np.flatnonzero(valid[r]):
+            a = int(anchors[r, j])
+            blk = jnp.asarray([[toks[r, a]] + [mask_id] * (bs - 1)])
+            h = D.block_hidden(p, dcfg, D.embed_block(tp, blk), jnp.arange(a, a + bs)[None],
+                               jnp.ones((1, bs, bs), bool), k_ctx[:, r:r + 1], v_ctx[:, r:r + 1], jnp.array([a]))
+            lp = np.asarray(jax.nn.log_softmax(D.block_logits(spec.target, tp, h), -1))[0]
+            for i in range(1, bs):
+                if a + i < n and mask[r, a + i]:
+                    w = np.exp(-(i - 1) / gamma)
+                    num -= w * lp[i, toks[r, a + i]]
+                    den += w
+                    per_pos[i].append(-lp[i, toks[r, a + i]])
+    np.testing.assert_allclose(float(loss), num / den, rtol=2e-4)
+    for i in range(1, bs):
+        np.testing.assert_allclose(float(metrics[f"ce/head{i - 1}"]), np.mean(per_pos[i]), rtol=2e-4)
+    assert 1.0 <= float(metrics["acceptance_length"]) <= bs
+
+
+def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
+    import ml_dtypes
+
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.runs.dflash import export_dflash_run, is_dflash_workdir
+    from confu_jax.train.dflash_task import dflash_spec
+    from confu_jax.train.loop import train
+    from confu_jax.train.metric_writers import read_csv
+    from confu_jax.train.target_loading import load_target
+    from confu_jax.weights.dflash_format import load_dflash_dir
+
+    workdir = str(tmp_path / "dflash")
+    config = _config(**{"train.steps": 30, "train.eval_every": 15, "train.checkpoint.every": 15})
+    assert train(config, workdir).step == 30
+    rows = read_csv(os.path.join(workdir, "metrics.csv"))
+    first, last = np.mean([r["loss"] for r in rows[:3]]), np.mean([r["loss"] for r in rows[-3:]])
+    assert last < 0.95 * first, (first, last)  # block drafting sees no drafted token: slower than MTP
+    ev = read_csv(os.path.join(workdir, "eval.csv"))
+    assert ev[-1]["loss"] < ev[0]["loss"]
+    assert {"acc/head0", "acc/head2", "acceptance_length"} <= set(ev[-1])
+    assert is_dflash_workdir(workdir)
+    spec, tp = load_target(config, dflash_spec(config))
+    head = decode_head("dflash", spec.target, tp, workdir)
+    assert head.trained and "step 30" in head.source and head.spec.taps == spec.taps
+    out = str(tmp_path / "exported")
+    run = export_dflash_run(workdir, out, spec.target, tp, dtype="bfloat16")
+    imp = load_dflash_dir(out)
+    assert (imp.mask_token_id, imp.block_size, imp.taps) == (127, 4, spec.taps)
+    rounded = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32),
+                                     run.params)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, imp.params, rounded)
+    prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
+    ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
+    res = loop.generate_speculative(head.spec, head.params, parse_drafter("dflash", "chain:3"), prompts,
+                                    max_new_tokens=16, eos_ids=())
+    assert _rows(res, 2) == _rows(ar, 2)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_identical_losses(tmp_path):
+    from train_resume import assert_killed_run_resumes
+
+    workdir, env = assert_killed_run_resumes(tmp_path, "test_dflash")
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["dflash"]["block_size"] == 4
+    # the CLI export of the resumed run (subprocess: no launch module in-process)
+    out = str(tmp_path / "export")
+    p = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", workdir, "--format", "dflash",
+                        "--out", out], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step 12" in p.stdout and "dflash format" in p.stdout

@@ -65,6 +65,8 @@ def default_candidates(method: str) -> tuple:
         return DEFAULT_CHAINS[:3], DEFAULT_MEDUSA_TREES
     if family == "mlp_speculator":  # depth <= n_predict (3 in configs/tiny_mlp_speculator.py, 4 in smollm2's)
         return DEFAULT_CHAINS[:3], DEFAULT_MLP_SPECULATOR_TREES
+    if family == "dflash":  # one block of any size; trees are Cartesian (block position i's top-k_i)
+        return DEFAULT_CHAINS, DEFAULT_MEDUSA_TREES
     return DEFAULT_CHAINS, DEFAULT_TREES  # head, draft models, the MTP module (drafts at any depth)
 
 

@@ -27,14 +27,14 @@ def parse_budgets(text: str) -> list[str]:
 
 def plan_families(plan: str) -> tuple:
     """The drafter families whose plan text ``plan`` is (``head``, ``lookup``, ``hybrid``,
-    ``draft_model``, ``sd2``, ``medusa``, ``mlp_speculator``, ``mtp``); a benchmark runs each method only under
+    ``draft_model``, ``sd2``, ``medusa``, ``mlp_speculator``, ``mtp``, ``dflash``); a benchmark runs each method only under
     the budgets its family reads."""
     from confu_jax.decode.drafters import parse_drafter
 
     fams = []
     for family, method in (("head", "eagle3"), ("lookup", "lookup"), ("hybrid", "hybrid"),
                            ("draft_model", "draft_model"), ("sd2", "sd2"), ("medusa", "medusa"),
-                           ("mlp_speculator", "mlp_speculator"), ("mtp", "mtp")):
+                           ("mlp_speculator", "mlp_speculator"), ("mtp", "mtp"), ("dflash", "dflash")):
         try:
             parse_drafter(method, plan)
             fams.append(family)

@@ -258,6 +258,57 @@ def mtp_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[str]
                       trained, desc)
 
 
+def dflash_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[str] = None, seed: int = 0,
+                target_source: str = "the loaded target", num_layers: int = 3) -> DecodeHead:
+    """What DFlash (family ``dflash``) decodes with: the draft of a ``launch.train`` DFlash workdir
+    (``runs.dflash``, target checked), of a published z-lab DFlash directory (config.json with
+    ``DFlashDraftModel`` / ``dflash_config`` + model.safetensors: ``weights.dflash_format``; its width must be
+    the target's and it must read 3 target layers, this project's tap count), or, with no source, an
+    untrained draft (``num_layers`` layers of the target's shape over the reference's default layers, the
+    last token id as the mask; ``trained`` False). The spec carries the draft's layer config
+    (``ModelSpec.draft_model``) and its taps."""
+    from confu_jax.models.dflash import check_dflash_params, default_taps, draft_config, init_dflash
+    from confu_jax.runs.dflash import is_dflash_workdir, load_dflash_run
+    from confu_jax.weights.dflash_format import is_dflash_dir, load_dflash_dir
+
+    if source is None:
+        dcfg, taps = draft_config(target_cfg, num_layers), default_taps(target_cfg.n_layers)
+        params = jax.device_get(init_dflash(jax.random.PRNGKey(seed), dcfg, len(taps)))
+        mask, trained = target_cfg.vocab_size - 1, False
+        desc = f"DFlash initialisation ({num_layers} layers, seed {seed})"
+    else:
+        path = os.path.abspath(os.path.expanduser(source))
+        if is_dflash_workdir(path):
+            run = load_dflash_run(path, target_cfg, target_params, target_source=target_source)
+            params, dcfg, taps, mask, desc = run.params, run.draft, run.taps, run.mask_token_id, run.source
+        elif is_dflash_dir(path):
+            imp = load_dflash_dir(path)
+            if imp.draft.d_model != target_cfg.d_model:
+                raise ValueError(f"{source}: a DFlash draft of width {imp.draft.d_model} cannot read a target of width "
+                                 f"{target_cfg.d_model} (its block input is the target's embedding)")
+            if imp.num_target_layers and imp.num_target_layers != target_cfg.n_layers:
+                raise ValueError(f"{source}: a DFlash draft for a {imp.num_target_layers}-layer target; the target has "
+                                 f"{target_cfg.n_layers}")
+            if len(imp.taps) != 3 or max(imp.taps) >= target_cfg.n_layers:
+                raise ValueError(f"{source}: target_layer_ids {[t - 1 for t in imp.taps]}: this project's target "
+                                 f"passes tap 3 layers below layer {target_cfg.n_layers - 1} (ModelSpec.taps)")
+            params, dcfg, taps, mask = imp.params, imp.draft, imp.taps, imp.mask_token_id
+            dcfg = dcfg.replace(vocab_size=target_cfg.vocab_size, dtype=target_cfg.dtype,
+                                param_dtype=target_cfg.param_dtype)
+            desc = f"{path} (z-lab DFlash format, block {imp.block_size})"
+        else:
+            raise ValueError(f"{source}: neither a DFlash launch.train workdir (config.json with a 'dflash' section + "
+                             "checkpoints/) nor a published DFlash directory (config.json with architectures "
+                             "['DFlashDraftModel'] + model.safetensors)")
+        trained = True
+    check_dflash_params(params, dcfg, len(taps))
+    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size,
+                                            tap_layers=tuple(taps)), draft_model=dcfg)
+    draft = {**params, "mask_token_id": np.int32(mask)}
+    return DecodeHead(spec, SpecParams(target=target_params, draft={"dflash": draft}, confu={}, draft_vocab={}),
+                      trained, desc)
+
+
 def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workdir: Optional[str] = None,
                 seed: int = 0, target_source: str = "the loaded target", target_tokenizer=None) -> DecodeHead:
     """The head ``method`` drafts with: trained (``workdir``), random, none (model-free methods,
@@ -270,6 +321,8 @@ def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workd
         return mlp_speculator_head(target_cfg, target_params, workdir, seed, target_source=target_source)
     if m.family == "mtp":
         return mtp_head(target_cfg, target_params, workdir, seed, target_source=target_source)
+    if m.family == "dflash":
+        return dflash_head(target_cfg, target_params, workdir, seed, target_source=target_source)
     if m.family in ("draft_model", "sd2"):
         return draft_model_head(method, target_cfg, target_params, workdir, target_tokenizer=target_tokenizer,
                                 target_source=target_source)

@@ -83,6 +83,12 @@ def taps_for_layer_ids(layer_ids) -> tuple:
     return tuple(int(i) + 1 for i in layer_ids)
 
 
+def default_taps(num_target_layers: int, n: int = 3) -> tuple:
+    """The taps of the reference's default ``n`` target layers (this project's target passes 3 taps,
+    EAGLE-3's count: ``ModelSpec.taps``)."""
+    return taps_for_layer_ids(build_target_layer_ids(num_target_layers, n))
+
+
 def layer_ids_for_taps(taps) -> list:
     return [int(t) - 1 for t in taps]
 

@@ -1,0 +1,76 @@
+"""A trained DFlash run (``launch.train`` with ``configs/*_dflash.py``) as decode loads it.
+
+Why here: decode never imports train (docs/DESIGN.md §2); the run's checkpoint holds only the draft
+(``{'draft': {'dflash': ...}}``, ``models.dflash``), whose shapes follow from the target, the run's
+``dflash.num_layers`` and its taps; the mask token and block size are the run's config; its
+``target.json`` says which target it was trained on (the draft reads that target's taps and uses its
+embedding and LM head).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+import jax
+import numpy as np
+
+from confu_jax.models.dflash import default_taps, draft_config, trainable_shapes
+from confu_jax.models.llama import LlamaConfig
+
+
+class DFlashRun(NamedTuple):
+    params: dict  # numpy models.dflash tree (no mask_token_id)
+    draft: LlamaConfig
+    taps: tuple
+    mask_token_id: int
+    block_size: int
+    step: int
+    source: str
+
+
+def is_dflash_workdir(path: str) -> bool:
+    """A ``launch.train`` workdir whose config has a ``dflash`` section."""
+    from confu_jax.runs.heads import is_family_workdir
+
+    return is_family_workdir(path, "dflash")
+
+
+def _run_taps(config: dict, target_cfg: LlamaConfig) -> tuple:
+    taps = (config.get("draft") or {}).get("tap_layers")
+    return tuple(int(t) for t in taps) if taps is not None else default_taps(target_cfg.n_layers)
+
+
+def load_dflash_run(workdir: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
+                    target_source: str = "the loaded target") -> DFlashRun:
+    """The draft of a run (last checkpoint, or ``step``), target checked by fingerprint."""
+    from confu_jax.runs.heads import load_family_run
+
+    def abstract(config):
+        dcfg = draft_config(target_cfg, int(config["dflash"]["num_layers"]))
+        return {"draft": {"dflash": trainable_shapes(dcfg, len(_run_taps(config, target_cfg)))}}
+
+    params, step, config, workdir = load_family_run(
+        workdir, "dflash", abstract, target_params, step=step, target_source=target_source,
+        why="a DFlash draft reads its own target's taps, embedding and LM head")
+    dc = config["dflash"]
+    return DFlashRun(jax.tree_util.tree_map(np.asarray, params["draft"]["dflash"]),
+                     draft_config(target_cfg, int(dc["num_layers"])), _run_taps(config, target_cfg),
+                     int(dc["mask_token_id"]), int(dc["block_size"]), step, f"{workdir} (step {step})")
+
+
+def export_dflash_run(workdir: str, out: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
+                      dtype: str = "float32", target_source: str = "the loaded target") -> DFlashRun:
+    """Write a run's draft in the published DFlash layout (``weights.dflash_format``)."""
+    from confu_jax.weights.dflash_format import save_dflash_dir
+    from confu_jax.weights.head_dirs import store_dtype
+
+    store = store_dtype(dtype)
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    if not is_dflash_workdir(workdir):
+        raise ValueError(f"{workdir}: not a DFlash launch.train workdir (config.json with a 'dflash' section + "
+                         "checkpoints/)")
+    run = load_dflash_run(workdir, target_cfg, target_params, step=step, target_source=target_source)
+    save_dflash_dir(out, run.params, run.draft, taps=run.taps, mask_token_id=run.mask_token_id,
+                    block_size=run.block_size, num_target_layers=target_cfg.n_layers, dtype=store)
+    return run

@@ -1,0 +1,188 @@
+"""DFlash training: the block objective on the frozen target's taps (docs/DESIGN.md §11 "DFlash").
+
+The objective is SpecForge's DFlash recipe (sgl-project/SpecForge
+``specforge/algorithms/common/dflash_family_model.py`` ``OnlineDFlashModel``, loss_type ``dflash``, at
+commit a6b6b0230009d15ec2a97a57384e6f53f0f96946; z-lab has not published its own trainer), with the
+target frozen:
+
+* the target runs once per row (``real_forward``) and gives its taps at every position (the
+  context features, ``models.dflash``);
+* ``num_anchors`` anchors a per row are drawn uniformly without replacement among the positions t
+  with x[t] and x[t+1] answer tokens (``_sample_anchor_positions``: "anchors whose clean token and first
+  target are supervised"; packed rows: both in one conversation), fresh every step;
+* block i = [x[a_i], M, ..., M] (``block_size`` tokens) at positions a_i..a_i+bs-1 sees the context
+  strictly before its anchor (``kv_idx < anchor``, within the anchor's conversation) and its own block
+  bidirectionally (``create_dflash_block_mask``); all blocks of a row run in one draft forward;
+* block position k = 1..bs-1 predicts x[a_i+k] (``label_indices = anchor + k``; position 0, the clean
+  anchor, is not trained), weight w_k = exp(-(k-1)/γ) (``loss_decay_gamma``; none: 1) times the loss
+  mask of x[a_i+k] (answer token, inside the row and the anchor's conversation)::
+
+      L = Σ w · CE(lm_head(draft(block)), x[a+k]) / Σ w
+
+Trained: the whole draft (fc, hidden_norm, its layers, its final norm); the embedding (of the block
+tokens, M included) and the LM head are the target's, frozen. The anchors come from the step's rng,
+so an exact resume replays them (the train loop derives it from the step).
+
+Evaluation (held-out batches, fresh anchors from the eval rng): ``loss``, ``ce/head{i}`` / ``acc/head{i}``
+for block position i+1 (the families' names), and ``acceptance_length`` = 1 + the mean leading run of
+right positions per block (SpecForge's ``compute_accept_len`` + 1): what a greedy ``chain:bs-1`` accepts
+at those anchors when the text is the target's own greedy output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from confu_jax import sharding as shd
+from confu_jax.models.dflash import block_logits, default_taps, draft_blocks, draft_config, init_dflash
+from confu_jax.models.spec import model_spec_from_config
+from confu_jax.models.target import real_forward
+from confu_jax.models.vocab_map import to_target_vocab
+from confu_jax.runs.heads import target_fingerprint
+from confu_jax.train.acceptance import masked_head_terms
+from confu_jax.train.loss import _ahead, _batch_arrays, row_layout, same_segment_ahead, sample_anchors
+from confu_jax.train.target_loading import load_target
+from confu_jax.train.task import TrainTask
+
+
+def default_dflash_config() -> ml_collections.ConfigDict:
+    """``config.dflash`` (SpecForge's ``examples/configs/qwen3-8b-dflash-online.yaml`` where it sets one)."""
+    c = ml_collections.ConfigDict()
+    c.num_layers = 3  # draft layers (the published drafters: 5 over Qwen3-8B's 36); the target's layer shape
+    c.block_size = 16  # bs: the root + bs-1 drafted tokens
+    c.mask_token_id = 0  # M: a token whose (frozen) target embedding marks the masked positions
+    c.num_anchors = 512  # blocks per row
+    c.loss_decay_gamma = 7.0  # w_k = exp(-(k-1)/γ); 0: unweighted
+    c.init_std = 0.02
+    return c
+
+
+def apply_dflash_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Turn a ``configs.common.base_config`` into a DFlash config (the head sections stay, unread;
+    ``draft.tap_layers`` None = the reference's default 3 target layers of whatever target the run loads)."""
+    config.train.task = "confu_jax.train.dflash_task:build_task"
+    config.dflash = default_dflash_config()
+    return config
+
+
+def dflash_spec(config):
+    """The ModelSpec of a DFlash config: its draft's layer config as ``draft_model``, its taps
+    (``draft.tap_layers``, else ``models.dflash.default_taps`` of the target)."""
+    spec = model_spec_from_config(config)
+    taps = spec.taps if config.draft.get("tap_layers", None) is not None else default_taps(spec.target.n_layers)
+    return dataclasses.replace(spec, head=dataclasses.replace(spec.head, tap_layers=tuple(taps)),
+                               draft_model=draft_config(spec.target, int(config.dflash.num_layers)))
+
+
+def block_accept_length(hit_bnk: jax.Array, valid_bnk: jax.Array, block_valid_bn: jax.Array) -> jax.Array:
+    """1 + the mean over valid blocks of the leading run of right positions (invalid positions count as
+    right inside the run and add nothing: SpecForge's ``compute_accept_len``)."""
+    ok = (hit_bnk | ~valid_bnk).astype(jnp.int32)
+    run = jnp.sum(jnp.cumprod(ok, axis=-1) * valid_bnk, axis=-1).astype(jnp.float32)
+    w = block_valid_bn.astype(jnp.float32)
+    return 1.0 + jnp.sum(run * w) / jnp.maximum(w.sum(), 1.0)
+
+
+def dflash_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,
+                gamma: float):
+    """(loss, metrics) of one batch (module docstring)."""
+    tokens, mask = _batch_arrays(batch)
+    b, n = tokens.shape
+    if block_size < 2 or block_size >= n:
+        raise ValueError(f"DFlash: block_size={block_size} must be in [2, {n - 1}] for rows of {n} tokens")
+    layout = row_layout(batch)
+    tgt = real_forward(spec, target_params, tokens, layout.positions_bn, return_logits=False,
+                       segment_ids_bt=layout.segment_ids_bn)
+    taps = jax.lax.stop_gradient(tgt.taps_btc)
+    cand = mask & _ahead(mask, 1, False)
+    if layout.segment_ids_bn is not None:
+        cand = cand & same_segment_ahead(layout.segment_ids_bn, 1)
+    anchors, block_valid = sample_anchors(rng, cand, num_anchors)  # [B,N]
+    h = draft_blocks(p, spec.draft_model, spec.target, target_params, taps, tokens, anchors, mask_token_id,
+                     block_size, layout.positions_bn, layout.segment_start_bn)  # [B,N,bs,d]
+    k = jnp.arange(block_size)
+    idx = anchors[..., None] + k  # [B,N,bs]
+    inside = idx < n
+    safe = jnp.minimum(idx, n - 1)
+    rows = jnp.arange(b)[:, None, None]
+    labels = tokens[rows, safe]
+    valid = block_valid[..., None] & inside & (k > 0) & mask[rows, safe]
+    if layout.segment_ids_bn is not None:
+        valid = valid & (layout.segment_ids_bn[rows, safe] == layout.segment_ids_bn[rows, anchors[..., None]])
+    vocab = spec.target.vocab_size
+
+    @jax.checkpoint  # the [B, N, bs, V] logits are recomputed in the backward pass
+    def terms(h, labels):
+        flat = block_logits(spec.target, target_params, h.reshape(b, -1, h.shape[-1]))
+        logp = jax.nn.log_softmax(to_target_vocab(flat, vocab).reshape(h.shape[:3] + (-1,)), -1)
+        return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0], jnp.argmax(logp, axis=-1)
+
+    nll, top1 = terms(h, labels)
+    decay = jnp.exp(-jnp.maximum(k - 1, 0).astype(jnp.float32) / gamma) if gamma > 0 else jnp.ones((block_size,))
+    w = valid.astype(jnp.float32) * decay
+    loss = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1e-9)
+    metrics, hits = {}, []
+    for i in range(1, block_size):
+        _, hit = masked_head_terms(metrics, f"head{i - 1}", nll[..., i], top1[..., i], labels[..., i], valid[..., i])
+        hits.append(hit)
+    metrics["acceptance_length"] = block_accept_length(jnp.stack(hits, -1), valid[..., 1:], block_valid)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def build_task(config) -> TrainTask:
+    """The TrainTask of a DFlash config (``configs/tiny_dflash.py``, ``configs/smollm2_dflash.py``)."""
+    from confu_jax.train.confu_task import synthetic_data
+    from confu_jax.train.real_data import real_data
+
+    if config.model.attention_impl != "xla":
+        raise ValueError(f"config.model.attention_impl={config.model.attention_impl!r} cannot train; use 'xla'")
+    dc = config.dflash
+    bs, anchors, gamma = int(dc.block_size), int(dc.num_anchors), float(dc.loss_decay_gamma or 0.0)
+    mask_id = int(dc.mask_token_id)
+    if bs < 2 or anchors < 1 or int(dc.num_layers) < 1:
+        raise ValueError(f"config.dflash: need block_size >= 2, num_anchors >= 1, num_layers >= 1; got {bs}, "
+                         f"{anchors}, {dc.num_layers}")
+    spec, target_host = load_target(config, dflash_spec(config))
+    if not 0 <= mask_id < spec.target.vocab_size:
+        raise ValueError(f"config.dflash.mask_token_id={mask_id} outside the target's vocabulary "
+                         f"({spec.target.vocab_size})")
+    synthetic = config.model.source == "random"
+    if synthetic and config.data.get("pack", False):
+        raise ValueError("config.data.pack: the self-distilled random data are padded rows (turn data.pack off)")
+    _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
+                                       else real_data(config, spec))
+    pd = jnp.dtype(config.draft.get("param_dtype", "float32"))
+    n_taps = len(spec.taps)
+
+    def init_params(rng):
+        return {"draft": {"dflash": init_dflash(rng, spec.draft_model, n_taps, init_std=float(dc.init_std),
+                                                param_dtype=pd)}}
+
+    def loss_fn(trainable, frozen, batch, rng):
+        return dflash_loss(spec, trainable["draft"]["dflash"], frozen["target"], batch, rng, block_size=bs,
+                           num_anchors=anchors, mask_token_id=mask_id, gamma=gamma)
+
+    def eval_fn(trainable, frozen, batch, rng):
+        return loss_fn(trainable, frozen, batch, rng)[1]
+
+    frozen_host = {"target": target_host}
+    return TrainTask(
+        init_params=init_params,
+        frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen_host),
+        load_frozen=lambda shardings: shd.put_tree(frozen_host, shardings),
+        loss_fn=loss_fn,
+        train_iterator=train_iterator,
+        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
+        eval_fn=eval_fn,
+        axis_units=shd.llama_axis_units(spec.target.head_dim),
+        target_fingerprint=target_fingerprint(target_host),
+        target_source=str(config.model.source),
+        description=(f"DFlash: {dc.num_layers} {config.model.preset!r}-shaped layers over taps {spec.taps}, "
+                     f"blocks of {bs} (mask {mask_id}), {anchors} anchors a row, decay γ={gamma} "
+                     f"({'self-distilled random data' if synthetic else config.data.train_files})"),
+    )
