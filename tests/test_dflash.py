@@ -262,7 +262,7 @@ def test_block_is_the_reference_loop():
     assert kids[0] == kids[1] and len(kids[0]) == 2
 
 
-PLANS = ["chain:3", "tree:2,2,1", "sampled_chain:2"]
+PLANS = ["chain:3", "tree:2,2,1"]  # sampled_chain at T = 0 drafts chain:K's argmax
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -283,7 +283,7 @@ def test_greedy_equals_ar(plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["sampled_chain:2", "chain:2"])
+@pytest.mark.parametrize("plan", ["sampled_chain:2"])
 def test_sampling_lossless_joint(plan):
     spec, tp, params = setup(4, seed=3, n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     drafter = parse_drafter("dflash", plan)
@@ -304,7 +304,7 @@ def test_sampling_lossless_joint(plan):
 def test_sharded_equals_single_device():
     prompts = PROMPTS * 2
     spec, tp, params = setup(6)
-    for plan in ("chain:3", "tree:2,2"):
+    for plan in ("tree:2,2",):
         drafter = parse_drafter("dflash", plan)
         single = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=16, eos_ids=())
         out = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=16, eos_ids=(),
