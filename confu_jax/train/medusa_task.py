@@ -31,16 +31,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from confu_jax import sharding as shd
 from confu_jax.models.medusa import init_medusa, medusa_logits
-from confu_jax.models.spec import model_spec_from_config
 from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
-from confu_jax.runs.heads import target_fingerprint
 from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
 from confu_jax.train.loss import lm_head_layout
-from confu_jax.train.target_loading import load_target
-from confu_jax.train.task import TrainTask
+from confu_jax.train.task import TrainTask, frozen_target_task
 
 
 def default_medusa_config() -> ml_collections.ConfigDict:
@@ -104,49 +100,24 @@ def medusa_loss(spec, heads, target_params, batch, *, decay: float, distill: boo
 
 def build_task(config) -> TrainTask:
     """The TrainTask of a Medusa config (``configs/tiny_medusa.py``, ``configs/smollm2_medusa.py``)."""
-    from confu_jax.train.confu_task import synthetic_data
-    from confu_jax.train.real_data import real_data
-
-    if config.data.get("pack", False):
-        raise ValueError("config.data.pack: Medusa training reads padded rows only (turn data.pack off)")
-    if config.model.attention_impl != "xla":
-        raise ValueError(f"config.model.attention_impl={config.model.attention_impl!r} cannot train; use 'xla'")
     mc = config.medusa
     k, layers, decay, distill = int(mc.num_heads), int(mc.num_layers), float(mc.decay_coefficient), bool(mc.distill)
     if k < 1 or layers < 0 or not 0 < decay <= 1:
         raise ValueError(f"config.medusa: need num_heads >= 1, num_layers >= 0, 0 < decay_coefficient <= 1; "
                          f"got {k}, {layers}, {decay}")
-    spec, target_host = load_target(config, model_spec_from_config(config))
-    synthetic = config.model.source == "random"
-    _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
-                                       else real_data(config, spec))
     pd = jnp.dtype(config.draft.get("param_dtype", "float32")) if "draft" in config else jnp.float32
 
-    def init_params(rng):
-        w, axis = lm_head_layout(spec, target_host)
-        return {"draft": {"medusa": init_medusa(rng, k, layers, jnp.asarray(w), axis, pd)}}
+    def build(spec, target_host):
+        def init_params(rng):
+            w, axis = lm_head_layout(spec, target_host)
+            return {"draft": {"medusa": init_medusa(rng, k, layers, jnp.asarray(w), axis, pd)}}
 
-    def loss_fn(trainable, frozen, batch, rng):
-        del rng
-        return medusa_loss(spec, trainable["draft"]["medusa"], frozen["target"], batch, decay=decay,
-                           distill=distill)
+        def loss_fn(trainable, frozen, batch, rng):
+            del rng
+            return medusa_loss(spec, trainable["draft"]["medusa"], frozen["target"], batch, decay=decay,
+                               distill=distill)
 
-    def eval_fn(trainable, frozen, batch, rng):
-        return loss_fn(trainable, frozen, batch, rng)[1]
+        return init_params, loss_fn, (f"Medusa-1: {k} heads x {layers} ResBlock(s) on '{config.model.preset}', "
+                                      f"{'KL to the target' if distill else 'CE'} weighted {decay}^k")
 
-    frozen_host = {"target": target_host}
-    return TrainTask(
-        init_params=init_params,
-        frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen_host),
-        load_frozen=lambda shardings: shd.put_tree(frozen_host, shardings),
-        loss_fn=loss_fn,
-        train_iterator=train_iterator,
-        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
-        eval_fn=eval_fn,
-        axis_units=shd.llama_axis_units(spec.target.head_dim),
-        target_fingerprint=target_fingerprint(target_host),
-        target_source=str(config.model.source),
-        description=(f"Medusa-1: {k} heads x {layers} ResBlock(s) on '{config.model.preset}' "
-                     f"({'self-distilled random data' if synthetic else config.data.train_files}), "
-                     f"{'KL to the target' if distill else 'CE'} weighted {decay}^k"),
-    )
+    return frozen_target_task(config, pack_ok=False, what="Medusa", build=build)

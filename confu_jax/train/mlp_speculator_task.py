@@ -36,16 +36,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from confu_jax import sharding as shd
 from confu_jax.models.mlp_speculator import (MLPSpeculatorConfig, from_trainable, init_mlp_speculator, input_state,
                                              make_config, stage_logits, stage_state, to_trainable)
-from confu_jax.models.spec import model_spec_from_config
 from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
-from confu_jax.runs.heads import target_fingerprint
 from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
-from confu_jax.train.target_loading import load_target
-from confu_jax.train.task import TrainTask
+from confu_jax.train.task import TrainTask, frozen_target_task
 
 
 def default_mlp_speculator_config() -> ml_collections.ConfigDict:
@@ -114,45 +110,21 @@ def speculator_config(config, spec) -> MLPSpeculatorConfig:
 def build_task(config) -> TrainTask:
     """The TrainTask of an MLP speculator config (``configs/tiny_mlp_speculator.py``,
     ``configs/smollm2_mlp_speculator.py``)."""
-    from confu_jax.train.confu_task import synthetic_data
-    from confu_jax.train.real_data import real_data
-
-    if config.data.get("pack", False):
-        raise ValueError("config.data.pack: MLP speculator training reads padded rows only (turn data.pack off)")
-    if config.model.attention_impl != "xla":
-        raise ValueError(f"config.model.attention_impl={config.model.attention_impl!r} cannot train; use 'xla'")
-    spec, target_host = load_target(config, model_spec_from_config(config))
-    c = speculator_config(config, spec)
-    synthetic = config.model.source == "random"
-    data_desc = "self-distilled random data" if synthetic else config.data.train_files
-    _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
-                                       else real_data(config, spec))
     pd = jnp.dtype(config.draft.get("param_dtype", "float32")) if "draft" in config else jnp.float32
 
-    def init_params(rng):
-        return {"draft": {"mlp_speculator": to_trainable(init_mlp_speculator(rng, c, pd), c)}}
+    def build(spec, target_host):
+        c = speculator_config(config, spec)
 
-    def loss_fn(trainable, frozen, batch, rng):
-        del rng
-        return mlp_speculator_loss(spec, from_trainable(trainable["draft"]["mlp_speculator"], c), frozen["target"],
-                                   batch)
+        def init_params(rng):
+            return {"draft": {"mlp_speculator": to_trainable(init_mlp_speculator(rng, c, pd), c)}}
 
-    def eval_fn(trainable, frozen, batch, rng):
-        return loss_fn(trainable, frozen, batch, rng)[1]
+        def loss_fn(trainable, frozen, batch, rng):
+            del rng
+            return mlp_speculator_loss(spec, from_trainable(trainable["draft"]["mlp_speculator"], c),
+                                       frozen["target"], batch)
 
-    frozen_host = {"target": target_host}
-    return TrainTask(
-        init_params=init_params,
-        frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen_host),
-        load_frozen=lambda shardings: shd.put_tree(frozen_host, shardings),
-        loss_fn=loss_fn,
-        train_iterator=train_iterator,
-        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
-        eval_fn=eval_fn,
-        axis_units=shd.llama_axis_units(spec.target.head_dim),
-        target_fingerprint=target_fingerprint(target_host),
-        target_source=str(config.model.source),
-        description=(f"MLP speculator: {c.n_predict} stages, inner_dim {c.inner_dim}"
-                     f"{', tied' if c.tie_weights else ''}{', scale_input' if c.scale_input else ''} on "
-                     f"'{config.model.preset}' ({data_desc}), per-stage CE summed"),
-    )
+        return init_params, loss_fn, (f"MLP speculator: {c.n_predict} stages, inner_dim {c.inner_dim}"
+                                      f"{', tied' if c.tie_weights else ''}{', scale_input' if c.scale_input else ''}"
+                                      f" on '{config.model.preset}', per-stage CE summed")
+
+    return frozen_target_task(config, pack_ok=False, what="MLP speculator", build=build)

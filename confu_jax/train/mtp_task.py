@@ -36,16 +36,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from confu_jax import sharding as shd
 from confu_jax.models.mtp import init_mtp, mtp_logits, mtp_sequence
-from confu_jax.models.spec import model_spec_from_config
 from confu_jax.models.target import real_forward, segment_causal_mask
 from confu_jax.models.vocab_map import to_target_vocab
-from confu_jax.runs.heads import target_fingerprint
 from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
 from confu_jax.train.loss import _ahead, _batch_arrays, row_layout, same_segment_ahead
-from confu_jax.train.target_loading import load_target
-from confu_jax.train.task import TrainTask
+from confu_jax.train.task import TrainTask, frozen_target_task
 
 
 def default_mtp_config() -> ml_collections.ConfigDict:
@@ -105,48 +101,23 @@ def mtp_loss(spec, mtp, target_params, batch, *, num_depths: int, loss_weight: f
 
 def build_task(config) -> TrainTask:
     """The TrainTask of an MTP config (``configs/tiny_mtp.py``, ``configs/smollm2_mtp.py``)."""
-    from confu_jax.train.confu_task import synthetic_data
-    from confu_jax.train.real_data import real_data
-
-    if config.model.attention_impl != "xla":
-        raise ValueError(f"config.model.attention_impl={config.model.attention_impl!r} cannot train; use 'xla'")
     mc = config.mtp
     depths, weight = int(mc.num_depths), float(mc.loss_weight)
     if depths < 1 or weight <= 0:
         raise ValueError(f"config.mtp: need num_depths >= 1 and loss_weight > 0; got {depths}, {weight}")
-    spec, target_host = load_target(config, model_spec_from_config(config))
-    synthetic = config.model.source == "random"
-    if synthetic and config.data.get("pack", False):
-        raise ValueError("config.data.pack: the self-distilled random data are padded rows (turn data.pack off)")
-    _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
-                                       else real_data(config, spec))
     pd = jnp.dtype(config.draft.get("param_dtype", "float32")) if "draft" in config else jnp.float32
 
-    def init_params(rng):
-        return {"draft": {"mtp": init_mtp(rng, spec.target, target_host, init_block=str(mc.init_block),
-                                          init_std=float(mc.init_std), param_dtype=pd)}}
+    def build(spec, target_host):
+        def init_params(rng):
+            return {"draft": {"mtp": init_mtp(rng, spec.target, target_host, init_block=str(mc.init_block),
+                                              init_std=float(mc.init_std), param_dtype=pd)}}
 
-    def loss_fn(trainable, frozen, batch, rng):
-        del rng
-        return mtp_loss(spec, trainable["draft"]["mtp"], frozen["target"], batch, num_depths=depths,
-                        loss_weight=weight)
+        def loss_fn(trainable, frozen, batch, rng):
+            del rng
+            return mtp_loss(spec, trainable["draft"]["mtp"], frozen["target"], batch, num_depths=depths,
+                            loss_weight=weight)
 
-    def eval_fn(trainable, frozen, batch, rng):
-        return loss_fn(trainable, frozen, batch, rng)[1]
+        return init_params, loss_fn, (f"MTP module (DeepSeek-V3): one {config.model.preset!r} decoder layer "
+                                      f"(init {mc.init_block}), {depths} recursive depths, CE x {weight}/{depths}")
 
-    frozen_host = {"target": target_host}
-    return TrainTask(
-        init_params=init_params,
-        frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen_host),
-        load_frozen=lambda shardings: shd.put_tree(frozen_host, shardings),
-        loss_fn=loss_fn,
-        train_iterator=train_iterator,
-        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
-        eval_fn=eval_fn,
-        axis_units=shd.llama_axis_units(spec.target.head_dim),
-        target_fingerprint=target_fingerprint(target_host),
-        target_source=str(config.model.source),
-        description=(f"MTP module (DeepSeek-V3): one {config.model.preset!r} decoder layer "
-                     f"(init {mc.init_block}), {depths} recursive depths, CE x {weight}/{depths} "
-                     f"({'self-distilled random data' if synthetic else config.data.train_files})"),
-    )
+    return frozen_target_task(config, pack_ok=True, what="MTP", build=build)

@@ -108,3 +108,49 @@ def load_task(config) -> TrainTask:
     if not isinstance(task, TrainTask):
         raise TypeError(f"config.train.task={spec!r} returned {type(task).__name__}, expected TrainTask")
     return task
+
+
+def frozen_target_task(config, *, pack_ok: bool, what: str, build) -> TrainTask:
+    """The task of a drafter family trained on a frozen target alone (Medusa, the MLP speculator, the
+    MTP module): the target loaded as ``config.model`` says, the data (self-distilled random prompts
+    for ``source='random'``, else ``config.data``'s conversations; packed rows only when ``pack_ok``),
+    held-out evaluation with the loss function's metrics, the target's fingerprint.
+
+    ``build(spec, target_host) -> (init_params, loss_fn, description)``: the family's parameters
+    (rng -> ``{'draft': ...}``), its ``loss_fn(trainable, frozen, batch, rng)`` (``frozen['target']``
+    is the target) and the run's description (the data source is appended)."""
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.runs.heads import target_fingerprint
+    from confu_jax.train.confu_task import synthetic_data
+    from confu_jax.train.real_data import real_data
+    from confu_jax.train.target_loading import load_target
+
+    synthetic = config.model.source == "random"
+    if config.data.get("pack", False) and (synthetic or not pack_ok):
+        why = "the self-distilled random data are padded rows" if pack_ok else f"{what} training reads padded rows only"
+        raise ValueError(f"config.data.pack: {why} (turn data.pack off)")
+    if config.model.attention_impl != "xla":
+        raise ValueError(f"config.model.attention_impl={config.model.attention_impl!r} cannot train; use 'xla'")
+    spec, target_host = load_target(config, model_spec_from_config(config))
+    _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
+                                       else real_data(config, spec))
+    init_params, loss_fn, description = build(spec, target_host)
+
+    def eval_fn(trainable, frozen, batch, rng):
+        return loss_fn(trainable, frozen, batch, rng)[1]
+
+    frozen_host = {"target": target_host}
+    data = "self-distilled random data" if synthetic else config.data.train_files
+    return TrainTask(
+        init_params=init_params,
+        frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen_host),
+        load_frozen=lambda shardings: shd.put_tree(frozen_host, shardings),
+        loss_fn=loss_fn,
+        train_iterator=train_iterator,
+        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
+        eval_fn=eval_fn,
+        axis_units=shd.llama_axis_units(spec.target.head_dim),
+        target_fingerprint=target_fingerprint(target_host),
+        target_source=str(config.model.source),
+        description=f"{description} ({data})",
+    )
