@@ -1530,63 +1530,20 @@ def _count_chunk(args) -> tuple:
 
 
 def export_confu(workdir: str, out: str, dtype: str = "bfloat16") -> dict:
-    """A ConFu (or any) head of a launch.train workdir as ``out/model.safetensors`` (every trainable
-    leaf under its '/'-joined path, in ``dtype``), ``draft_vocab.npz`` (d2t: int32 target ids of the
-    draft rows, t2d: bool over the target vocabulary), ``config.json`` (the run's), ``target.json``
-    (the target's fingerprint) and ``export.json`` (step, variant, parameter count)."""
-    import jax
-    import numpy as np
+    """A ConFu (or any) head of a launch.train workdir as a trainable-tree export
+    (``confu_jax.weights.trainable_export``: every trainable leaf in ``dtype``, the draft vocabulary,
+    the run's config and target record)."""
+    from confu_jax.weights.trainable_export import export_trainable
 
-    from confu_jax.runs.heads import load_trained_head
-    from confu_jax.weights.safetensors_io import save_file
-
-    head = load_trained_head(workdir)
-    tensors = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(head.trainable):
-        key = "/".join(str(getattr(k, "key", k)) for k in path)
-        a = np.asarray(leaf)
-        tensors[key] = a.astype(jax.numpy.dtype(dtype)) if a.dtype.kind == "f" else a
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "model.safetensors"))
-    np.savez(os.path.join(out, "draft_vocab.npz"), d2t=np.asarray(head.draft_vocab["d2t"], np.int32),
-             t2d=np.asarray(head.draft_vocab["t2d"], bool))
-    shutil.copyfile(os.path.join(workdir, "config.json"), os.path.join(out, "config.json"))
-    if os.path.isfile(os.path.join(workdir, "target.json")):
-        shutil.copyfile(os.path.join(workdir, "target.json"), os.path.join(out, "target.json"))
-    meta = {"format": "confu_jax.trainable_bf16", "dtype": dtype, "step": head.step, "variant": head.spec.head.variant,
-            "n_params": int(sum(np.size(x) for x in jax.tree_util.tree_leaves(head.trainable)))}
-    write_json(os.path.join(out, "export.json"), meta)
-    return meta
+    return export_trainable(workdir, out, dtype=dtype)
 
 
 def load_exported(directory: str):
     """``(config, trainable, draft_vocab, step)`` of an ``export_confu`` directory (float32 leaves)."""
-    import jax
-    import ml_collections
-    import numpy as np
+    from confu_jax.weights.trainable_export import load_trainable_export
 
-    from confu_jax.models.params import trainable_shapes
-    from confu_jax.models.spec import model_spec_from_config
-    from confu_jax.weights.safetensors_io import SafetensorsFile
-
-    config = ml_collections.ConfigDict(read_json(os.path.join(directory, "config.json")))
-    meta = read_json(os.path.join(directory, "export.json"))
-    f = SafetensorsFile(os.path.join(directory, "model.safetensors"))
-    tensors = {name: f.get(name) for name in f.names()}
-    spec = model_spec_from_config(config, backend="cpu")
-    shapes = trainable_shapes(spec)
-
-    def leaf(path, x):
-        key = "/".join(str(getattr(k, "key", k)) for k in path)
-        a = np.asarray(tensors[key]).astype(x.dtype)
-        if a.shape != tuple(x.shape):
-            raise ValueError(f"{directory}: {key} has shape {a.shape}, the config's head wants {tuple(x.shape)}")
-        return a
-
-    trainable = jax.tree_util.tree_map_with_path(leaf, shapes)
-    with np.load(os.path.join(directory, "draft_vocab.npz")) as z:
-        vocab = {"d2t": np.asarray(z["d2t"], np.int32), "t2d": np.asarray(z["t2d"], bool)}
-    return config, trainable, vocab, int(meta["step"])
+    head = load_trainable_export(directory)
+    return head.config, head.trainable, head.draft_vocab, head.step
 
 
 def rebuild_workdir(export_dir: str, workdir: str) -> str:

@@ -1,13 +1,15 @@
-"""Release a trained EAGLE-3 head into the repo: ``python -m launch.release_head``.
+"""Release a trained EAGLE-3 or ConFu head into the repo: ``python -m launch.release_head``.
 
     python -m launch.release_head --workdir ~/.cache/confu_jax/heads/e3 --release releases/heads/smollm2_eagle3 \
         --data releases/data/sharegpt_smollm2 --tau heldout_decode_chain3=1.62,mtbench_chain3=1.28
 
-Exports the head (bf16, official EAGLE-3 layout: ``launch.export_head``'s path) into the release folder
-and writes its manifest (``confu_jax.runs.head_release``: file hashes, the data release's manifest hash
+Exports the head in bf16 into the release folder — EAGLE-3 in the official layout
+(``launch.export_head``'s path), ConFu, which has no published layout, as its whole trainable tree
+(``confu_jax.weights.trainable_export``) — and writes its manifest (``confu_jax.runs.head_release``: file hashes, the data release's manifest hash
 and totals, steps, tokens seen, the target fingerprint, τ). An existing release is replaced only if
-some τ metric both report improves by >= 0.05 (``--force`` overrides). Decoding loads the folder like
-any EAGLE-3 head (``--heads eagle3=releases/heads/smollm2_eagle3``) after checking the hashes.
+some τ metric both report improves by >= 0.05 (``--force`` overrides). Decoding loads the folder
+wherever a head is accepted (``--heads eagle3=releases/heads/smollm2_eagle3``,
+``--heads confu=releases/heads/smollm2_confu``) after checking the hashes and the target.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import tempfile
 
 from absl import app, flags
 
-flags.DEFINE_string("workdir", None, "the launch.train workdir of an EAGLE-3 head", required=True)
+flags.DEFINE_string("workdir", None, "the launch.train workdir of an EAGLE-3 or ConFu head", required=True)
 flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
 flags.DEFINE_string("release", None, "release folder, e.g. releases/heads/smollm2_eagle3", required=True)
 flags.DEFINE_string("data", "", "the data release the head was trained on (its manifest is hashed into ours)")
@@ -77,6 +79,7 @@ def main(argv):
     from confu_jax.runs.head_release import better_than_released, write_head_manifest
     from confu_jax.runs.heads import load_trained_head, read_target_record
     from confu_jax.weights.eagle3_formats import eagle3_part, export_head
+    from confu_jax.weights.trainable_export import export_trainable
 
     tau = {}
     for pair in FLAGS.tau:
@@ -90,15 +93,17 @@ def main(argv):
         return 1
     workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
     head = load_trained_head(workdir, FLAGS.step)
-    if head.spec.head.has_future:
-        raise app.UsageError(f"{workdir} holds a {head.spec.head.variant!r} head; this releases EAGLE-3 heads")
-    spec, draft = eagle3_part(head.spec, head.trainable)
+    spec = head.spec
     record = read_target_record(workdir) or {}
     parent = os.path.dirname(os.path.abspath(FLAGS.release))
     os.makedirs(parent, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=parent) as tmp:
-        export_head(tmp, "eagle3", spec, draft, head.draft_vocab["d2t"], head.draft_vocab["t2d"],
-                    dtype="bfloat16", verifier=record.get("source"))
+        if head.spec.head.has_future:  # ConFu: no published layout; its whole trainable tree
+            export_trainable(workdir, tmp, step=head.step, dtype="bfloat16")
+        else:
+            spec, draft = eagle3_part(head.spec, head.trainable)
+            export_head(tmp, "eagle3", spec, draft, head.draft_vocab["d2t"], head.draft_vocab["t2d"],
+                        dtype="bfloat16", verifier=record.get("source"))
         data = None
         if FLAGS.data:
             with open(os.path.join(FLAGS.data, "manifest.json"), "rb") as f:

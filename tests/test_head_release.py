@@ -127,3 +127,62 @@ def test_tokens_seen_follow_the_init_from_lineage(tmp_path):
     chain = json.loads(r.stdout.strip().splitlines()[-1])
     assert [c["tokens_seen"] for c in chain] == [7, 200 * 250, 196220]
     assert chain[1]["workdir"] == str(big) and chain[1]["step"] == 250 and chain[2]["release"] == str(rel)
+
+
+def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_path):
+    """A ConFu head (no published layout) is released as its whole trainable tree in bf16
+    (``weights.trainable_export``): it loads back as the run's head rounded to bf16, decodes equal to
+    AR wherever a head is accepted, and is refused when a file is altered or the target differs."""
+    import ml_dtypes
+
+    from confu_jax.decode.generate import generate_ar
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.loop import generate_speculative
+    from confu_jax.decode.plans import parse_plan
+    from confu_jax.runs.heads import load_trained_head
+    from confu_jax.train.target_loading import load_target
+
+    workdir = str(tmp_path / "confu")
+    config = get_config("confu")
+    config.train.steps = 2
+    config.train.eval_every = 0
+    config.train.checkpoint.async_save = False
+    config.train.progress_bar = False
+    config.train.tensorboard = "off"
+    train(config, workdir)
+    release = str(tmp_path / "releases" / "heads" / "tiny_confu")
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "launch.release_head", "--workdir", workdir, "--release", release,
+                        "--tau", "mtbench_chain3=1.2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = hr.verify_head_release(release)
+    assert {e["file"] for e in m["files"]} == {"config.json", "model.safetensors", "draft_vocab.npz",
+                                               "export.json", "target.json"}
+    assert m["training"]["step"] == 2 and m["target"]["fingerprint"]
+
+    run, rel = load_trained_head(workdir), load_trained_head(release)
+    assert rel.step == 2 and rel.spec.head == run.spec.head
+    np.testing.assert_array_equal(rel.draft_vocab["d2t"], run.draft_vocab["d2t"])
+    np.testing.assert_array_equal(rel.draft_vocab["t2d"], run.draft_vocab["t2d"])
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(run.trainable), jax.tree_util.tree_leaves(rel.trainable)):
+        want = np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(b), want, err_msg=jax.tree_util.keystr(path))
+
+    spec, target = load_target(run.config, run.spec)
+    dh = decode_head("confu", spec.target, target, release)
+    assert dh.trained
+    prompts = [[3, 5, 7, 2, 9], [4, 4, 1]]
+    ar = generate_ar(target, spec.target, prompts, max_new_tokens=10, eos_ids=())
+    sp = generate_speculative(dh.spec, dh.params, parse_plan("chain:2"), prompts, max_new_tokens=10, eos_ids=())
+    for b in range(2):
+        assert np.asarray(sp.tokens_bn)[b].tolist() == np.asarray(ar.tokens_bn)[b].tolist()
+    with pytest.raises(ValueError, match="fingerprint"):
+        decode_head("confu", spec.target, jax.tree_util.tree_map(lambda x: x * 1.01, target), release)
+    with open(os.path.join(release, "draft_vocab.npz"), "r+b") as f:
+        f.seek(-4, 2)
+        tail = f.read(4)
+        f.seek(-4, 2)
+        f.write(bytes(b ^ 0xFF for b in tail))
+    with pytest.raises(hr.HeadReleaseError, match="draft_vocab.npz: sha256 mismatch"):
+        decode_head("confu", spec.target, target, release)

@@ -71,6 +71,7 @@ def trained_head(method: str, workdir: str, target_cfg: LlamaConfig, target_para
     workdir = os.path.abspath(os.path.expanduser(workdir))
     if detect_format(workdir) is not None:
         return imported_head(method, workdir, target_cfg, target_params)
+    _check_release(workdir, target_params)  # a released ConFu head (trainable-tree export)
     h = load_trained_head(workdir, step)
     if h.spec.head.variant not in accepted:
         raise ValueError(f"{workdir} holds a {h.spec.head.variant!r} head; --method {method} needs one of "
@@ -81,16 +82,22 @@ def trained_head(method: str, workdir: str, target_cfg: LlamaConfig, target_para
     return DecodeHead(spec, spec_params(target_params, h.trainable, vocab), True, f"{workdir} (step {h.step})")
 
 
+def _check_release(directory: str, target_params) -> None:
+    """A released head (releases/heads/...): its files' hashes and its target, before loading."""
+    if not is_head_release(directory):
+        return
+    manifest = verify_head_release(directory)
+    want = (manifest.get("target") or {}).get("fingerprint")
+    if want and want != target_fingerprint(target_params):
+        raise ValueError(f"{directory} was trained against a target with weights fingerprint {want[:16]}... "
+                         f"({manifest['target'].get('source')}); the loaded target differs")
+
+
 def imported_head(method: str, directory: str, target_cfg: LlamaConfig, target_params: dict) -> DecodeHead:
     """An EAGLE-3 head in the official (SGLang / SpecForge) or speculators (vLLM) format
     (``weights.eagle3_formats``), checked against this target: width, heads, vocabulary, taps."""
     accepted = _speculative_method(method).variants
-    if is_head_release(directory):  # a released head (releases/heads/...): hashes and target checked first
-        manifest = verify_head_release(directory)
-        want = (manifest.get("target") or {}).get("fingerprint")
-        if want and want != target_fingerprint(target_params):
-            raise ValueError(f"{directory} was trained against a target with weights fingerprint {want[:16]}... "
-                             f"({manifest['target'].get('source')}); the loaded target differs")
+    _check_release(directory, target_params)
     imp = load_head(directory)
     if imp.head.variant not in accepted:
         raise ValueError(f"{directory} holds an EAGLE-3 head ({imp.fmt} format); --method {method} needs one of "

@@ -56,8 +56,16 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def load_trained_head(workdir: str, step: Optional[int] = None) -> TrainedHead:
-    """(config, spec, trainable, draft_vocab, step) of ``workdir``'s latest (or ``step``) checkpoint."""
+    """(config, spec, trainable, draft_vocab, step) of ``workdir``'s latest (or ``step``) checkpoint,
+    or of a trainable-tree export (``weights.trainable_export``: ConFu releases) in its place."""
     workdir = os.path.abspath(os.path.expanduser(workdir))
+    from confu_jax.weights.trainable_export import is_trainable_export, load_trainable_export
+
+    if is_trainable_export(workdir):
+        head = load_trainable_export(workdir)
+        if step is not None and int(step) != head.step:
+            raise FileNotFoundError(f"{workdir} is an export of step {head.step}, not of step {step}")
+        return head
     config = read_config(workdir)
     try:
         spec = model_spec_from_config(config)
