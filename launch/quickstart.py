@@ -47,6 +47,8 @@ flags.DEFINE_string("model", "smollm2-135m-instruct", "target: asset name or .gg
 flags.DEFINE_bool("train", False, "train the heads here (self-distilled data + EAGLE-3 + ConFu, cached) instead of "
                   "decoding with the released ones (releases/heads/)")
 flags.DEFINE_string("releases", "", "released heads root (default: the repo's releases/heads)")
+flags.DEFINE_bool("released_confu", False, "also decode the released ConFu head (releases/heads/smollm2_confu): "
+                  "one more row and its compiles; off by default to keep command 1 within its time")
 flags.DEFINE_integer("n_calibration", 2, "held-out MT-Bench questions budget auto calibrates on (0 = no auto row)")
 flags.DEFINE_integer("train_steps", 120, "training budget per head (optimizer steps) when heads must be trained: "
                      "EAGLE-3 trains this many; ConFu starts from EAGLE-3 at half of them and trains the rest")
@@ -232,7 +234,7 @@ def released_heads(root: str = RELEASES) -> dict:
     hash-checked against its manifest here (``decode.heads`` checks again when it loads them)."""
     from confu_jax.runs.head_release import find_released_heads
 
-    found = find_released_heads(root, VARIANTS)
+    found = find_released_heads(root, VARIANTS if FLAGS.released_confu else ("eagle3",))
     for v, (path, manifest) in found.items():
         tau = ", ".join(f"{k} {x}" for k, x in (manifest.get("tau") or {}).items())
         print(f"[{v}] released head {path} ({manifest['training'].get('tokens_seen', '?')} tokens seen; "
