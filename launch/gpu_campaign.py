@@ -1531,16 +1531,16 @@ def _count_chunk(args) -> tuple:
 
 def export_confu(workdir: str, out: str, dtype: str = "bfloat16") -> dict:
     """A ConFu (or any) head of a launch.train workdir as a trainable-tree export
-    (``confu_jax.weights.trainable_export``: every trainable leaf in ``dtype``, the draft vocabulary,
+    (``confu_jax.runs.trainable_export``: every trainable leaf in ``dtype``, the draft vocabulary,
     the run's config and target record)."""
-    from confu_jax.weights.trainable_export import export_trainable
+    from confu_jax.runs.trainable_export import export_trainable
 
     return export_trainable(workdir, out, dtype=dtype)
 
 
 def load_exported(directory: str):
     """``(config, trainable, draft_vocab, step)`` of an ``export_confu`` directory (float32 leaves)."""
-    from confu_jax.weights.trainable_export import load_trainable_export
+    from confu_jax.runs.trainable_export import load_trainable_export
 
     head = load_trainable_export(directory)
     return head.config, head.trainable, head.draft_vocab, head.step

@@ -5,7 +5,7 @@
 
 Exports the head in bf16 into the release folder — EAGLE-3 in the official layout
 (``launch.export_head``'s path), ConFu, which has no published layout, as its whole trainable tree
-(``confu_jax.weights.trainable_export``) — and writes its manifest (``confu_jax.runs.head_release``: file hashes, the data release's manifest hash
+(``confu_jax.runs.trainable_export``) — and writes its manifest (``confu_jax.runs.head_release``: file hashes, the data release's manifest hash
 and totals, steps, tokens seen, the target fingerprint, τ). An existing release is replaced only if
 some τ metric both report improves by >= 0.05 (``--force`` overrides). Decoding loads the folder
 wherever a head is accepted (``--heads eagle3=releases/heads/smollm2_eagle3``,
@@ -79,7 +79,7 @@ def main(argv):
     from confu_jax.runs.head_release import better_than_released, write_head_manifest
     from confu_jax.runs.heads import load_trained_head, read_target_record
     from confu_jax.weights.eagle3_formats import eagle3_part, export_head
-    from confu_jax.weights.trainable_export import export_trainable
+    from confu_jax.runs.trainable_export import export_trainable
 
     tau = {}
     for pair in FLAGS.tau:

@@ -16,18 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.decode import loop, plans, sharded
+from confu_jax.decode import loop, plans
 from confu_jax.decode import draft_model as dm
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.spec_params import SpecParams
-from confu_jax.decode.stopping import StopReason
 from confu_jax.models import early_exit, steering as steer_lib
 from confu_jax.runs import draft_models
 from confu_jax.models.llama import Llama, param_shapes
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.unrolled import split_layers
 from model_fakes import _fill
-from test_spec_loop import _chi_square, _exact_joint, _rows, make
+from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
+from test_spec_loop import _rows, make
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 
@@ -186,19 +186,7 @@ def test_sampling_lossless_joint(which, plan, steered):
     kw = dict(seed=3, n_layers=4, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     spec, tp, params = _pair_for(which, 4, steered, **kw)
     drafter = dm.DraftModel(plans.parse_plan(plan), steered=steered)
-    prompt = [1, 3, 1, 3, 2, 1]
-    temperature, top_p = 1.0, 1.0
-    joint = _exact_joint(spec, tp, prompt, temperature, top_p)
-    n_per, reps = 25_000, 4
-    samples = []
-    for r in range(reps):
-        res = loop.generate_speculative(spec, params, drafter, [prompt] * n_per, max_new_tokens=3, eos_ids=(),
-                                        temperature=temperature, top_p=top_p, seed=300 + r, min_bucket=8)
-        assert np.all(np.asarray(res.n_generated_b) == 3)
-        samples.append(np.asarray(res.tokens_bn)[:, :3])
-        assert np.asarray(res.accept_log_bi).max() > 1
-    p = _chi_square(np.concatenate(samples), joint, n_per * reps)
-    assert p > 1e-3, p
+    assert_sampling_is_lossless(spec, tp, params, drafter)
 
 
 def test_sharded_draft_model_equals_single_device():
@@ -206,11 +194,7 @@ def test_sharded_draft_model_equals_single_device():
     for which, plan, steered in (("early3", "chain:3", False), ("other", "dynamic:3,2,5", True)):
         spec, tp, params = _pair_for(which, 6, steered)
         drafter = dm.DraftModel(plans.parse_plan(plan), steered=steered)
-        single = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=16, eos_ids=())
-        out = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=16, eos_ids=(),
-                                        mesh=sharded.parse_mesh("data=2,tensor=2"))
-        assert _rows(out, 4) == _rows(single, 4)
-        assert np.all(np.asarray(out.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
+        assert_sharded_equals_single_device(spec, params, drafter, prompts, same_accepts=False)
 
 
 def test_stacked_and_unrolled_loops_agree():

@@ -131,7 +131,7 @@ def test_tokens_seen_follow_the_init_from_lineage(tmp_path):
 
 def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_path):
     """A ConFu head (no published layout) is released as its whole trainable tree in bf16
-    (``weights.trainable_export``): it loads back as the run's head rounded to bf16, decodes equal to
+    (``runs.trainable_export``): it loads back as the run's head rounded to bf16, decodes equal to
     AR wherever a head is accepted, and is refused when a file is altered or the target differs."""
     import ml_dtypes
 

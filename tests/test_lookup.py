@@ -17,14 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.decode import drafters, loop, lookup, plans, sharded
+from confu_jax.decode import drafters, loop, lookup, plans
 from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.hybrid import Hybrid
 from confu_jax.decode.lookup import NO_TOKEN, PromptLookup
 from confu_jax.decode.spec_params import SpecParams
-from confu_jax.decode.stopping import StopReason
-from test_spec_loop import _chi_square, _exact_joint, _rows, make
+from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
+from test_spec_loop import _rows, make
 
 
 # ----------------------------------------------------------------------------- reference matcher
@@ -183,19 +183,7 @@ def test_sampling_lossless_joint(which):
         drafter, params = PromptLookup(k=2, branches=2, min_match=1), _lookup_params(spec, tp)
     else:
         drafter = Hybrid(HeadDrafter(plans.parse_plan("chain:2")), PromptLookup(k=2, min_match=1))
-    prompt = [1, 3, 1, 3, 2, 1]
-    temperature, top_p = 1.0, 1.0
-    joint = _exact_joint(spec, tp, prompt, temperature, top_p)
-    n_per, reps = 25_000, 4
-    samples = []
-    for r in range(reps):
-        res = loop.generate_speculative(spec, params, drafter, [prompt] * n_per, max_new_tokens=3, eos_ids=(),
-                                        temperature=temperature, top_p=top_p, seed=200 + r, min_bucket=8)
-        assert np.all(np.asarray(res.n_generated_b) == 3)
-        samples.append(np.asarray(res.tokens_bn)[:, :3])
-        assert np.asarray(res.accept_log_bi).max() > 1  # drafts were accepted
-    p = _chi_square(np.concatenate(samples), joint, n_per * reps)
-    assert p > 1e-3, p
+    assert_sampling_is_lossless(spec, tp, params, drafter, seed=200)
 
 
 def test_sharded_lookup_equals_single_device():
@@ -203,11 +191,7 @@ def test_sharded_lookup_equals_single_device():
     prompts = PROMPTS * 2
     for drafter, prm in ((PromptLookup(k=3, branches=2), _lookup_params(spec, tp)),
                          (Hybrid(HeadDrafter(plans.parse_plan("chain:3")), PromptLookup(k=3)), params)):
-        single = loop.generate_speculative(spec, prm, drafter, prompts, max_new_tokens=16, eos_ids=())
-        out = loop.generate_speculative(spec, prm, drafter, prompts, max_new_tokens=16, eos_ids=(),
-                                        mesh=sharded.parse_mesh("data=2,tensor=2"))
-        assert _rows(out, 4) == _rows(single, 4)
-        assert np.all(np.asarray(out.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
+        assert_sharded_equals_single_device(spec, prm, drafter, prompts, same_accepts=False)
 
 
 def test_parse_drafter():

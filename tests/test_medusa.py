@@ -21,16 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.decode import loop, sharded
+from confu_jax.decode import loop
 from confu_jax.decode.drafters import parse_drafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.medusa import MedusaDrafter, cartesian_paths, parse_medusa_plan
 from confu_jax.decode.spec_params import SpecParams
-from confu_jax.decode.stopping import StopReason
 from confu_jax.models import medusa as med
 from confu_jax.models.registry import get_method
 from confu_jax.train.metric_writers import read_csv
-from test_spec_loop import _chi_square, _exact_joint, _rows, make
+from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
+from test_spec_loop import _rows, make
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 
@@ -208,31 +208,14 @@ def test_state_follows_the_last_accepted_node():
 def test_sampling_lossless_joint(plan):
     spec, tp, params = setup(4, num_heads=2, seed=3, n_layers=4, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     drafter = parse_drafter("medusa", plan)
-    prompt = [1, 3, 1, 3, 2, 1]
-    joint = _exact_joint(spec, tp, prompt, 1.0, 1.0)
-    n_per, reps = 25_000, 4
-    samples = []
-    for r in range(reps):
-        res = loop.generate_speculative(spec, params, drafter, [prompt] * n_per, max_new_tokens=3, eos_ids=(),
-                                        temperature=1.0, top_p=1.0, seed=300 + r, min_bucket=8)
-        assert np.all(np.asarray(res.n_generated_b) == 3)
-        samples.append(np.asarray(res.tokens_bn)[:, :3])
-        assert np.asarray(res.accept_log_bi).max() > 1
-    p = _chi_square(np.concatenate(samples), joint, n_per * reps)
-    assert p > 1e-3, p
+    assert_sampling_is_lossless(spec, tp, params, drafter)
 
 
 def test_sharded_medusa_equals_single_device():
     prompts = PROMPTS * 2
     spec, tp, params = setup(6)
     for plan in ("chain:3", "tree:2,2"):
-        drafter = parse_drafter("medusa", plan)
-        single = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=16, eos_ids=())
-        out = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=16, eos_ids=(),
-                                        mesh=sharded.parse_mesh("data=2,tensor=2"))
-        assert _rows(out, 4) == _rows(single, 4)
-        np.testing.assert_array_equal(np.asarray(out.accept_log_bi), np.asarray(single.accept_log_bi))
-        assert np.all(np.asarray(out.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
+        assert_sharded_equals_single_device(spec, params, parse_drafter("medusa", plan), prompts)
 
 
 # ----------------------------------------------------------------------------- import / export

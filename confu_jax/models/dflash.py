@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from confu_jax.models.attention import masked_attention
-from confu_jax.models.llama import LlamaConfig, apply_rope, rope_cos_sin
+from confu_jax.models.llama import LlamaConfig, apply_rope, linear, rms_norm, rope_cos_sin
 from confu_jax.models.unrolled import shared_params, target_logits
 
 LAYER_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj", "mlp_norm", "gate_proj",
@@ -167,17 +167,6 @@ def init_dflash(rng: jax.Array, dcfg: LlamaConfig, n_taps: int, *, init_std: flo
 # ----------------------------------------------------------------------------- the forward
 
 
-def _rms(x, scale, eps):
-    """``models.llama.RMSNorm``: float32 statistics, result in x's dtype."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (scale.astype(jnp.float32) * xf).astype(x.dtype)
-
-
-def _dense(x, kernel, cd):
-    return jnp.einsum("...i,io->...o", x.astype(cd), kernel.astype(cd))
-
-
 def _layer(p: dict, i: int) -> dict:
     return jax.tree_util.tree_map(lambda x: x[i], p["layers"])
 
@@ -190,15 +179,15 @@ def embed_block(target_params, tokens_bt) -> jax.Array:
 def context_features(p: dict, dcfg: LlamaConfig, taps_btc: jax.Array) -> jax.Array:
     """c = hidden_norm(fc(taps)) [B,S,d]: the fused target features every layer reads as K/V."""
     cd = jnp.dtype(dcfg.dtype)
-    return _rms(_dense(taps_btc, p["fc"]["kernel"], cd), p["hidden_norm"]["scale"], dcfg.rms_eps)
+    return rms_norm(linear(taps_btc, p["fc"]["kernel"], cd), p["hidden_norm"]["scale"], dcfg.rms_eps)
 
 
 def _kv(lp: dict, dcfg: LlamaConfig, x_btd, cos, sin):
     cd = jnp.dtype(dcfg.dtype)
     b, t, _ = x_btd.shape
-    k = _dense(x_btd, lp["k_proj"]["kernel"], cd).reshape(b, t, dcfg.n_kv_heads, dcfg.head_dim)
-    v = _dense(x_btd, lp["v_proj"]["kernel"], cd).reshape(b, t, dcfg.n_kv_heads, dcfg.head_dim)
-    return apply_rope(_rms(k, lp["k_norm"]["scale"], dcfg.rms_eps), cos, sin), v
+    k = linear(x_btd, lp["k_proj"]["kernel"], cd).reshape(b, t, dcfg.n_kv_heads, dcfg.head_dim)
+    v = linear(x_btd, lp["v_proj"]["kernel"], cd).reshape(b, t, dcfg.n_kv_heads, dcfg.head_dim)
+    return apply_rope(rms_norm(k, lp["k_norm"]["scale"], dcfg.rms_eps), cos, sin), v
 
 
 def context_kv(p: dict, dcfg: LlamaConfig, ctx_btd: jax.Array, positions_bt: jax.Array):
@@ -221,17 +210,17 @@ def block_hidden(p: dict, dcfg: LlamaConfig, noise_btd: jax.Array, positions_bt:
     x = noise_btd.astype(cd)
     for i in range(dcfg.n_layers):
         lp = _layer(p, i)
-        h = _rms(x, lp["attn_norm"]["scale"], dcfg.rms_eps)
-        q = _dense(h, lp["q_proj"]["kernel"], cd).reshape(b, t, dcfg.n_heads, dcfg.head_dim)
-        q = apply_rope(_rms(q, lp["q_norm"]["scale"], dcfg.rms_eps), cos, sin)
+        h = rms_norm(x, lp["attn_norm"]["scale"], dcfg.rms_eps)
+        q = linear(h, lp["q_proj"]["kernel"], cd).reshape(b, t, dcfg.n_heads, dcfg.head_dim)
+        q = apply_rope(rms_norm(q, lp["q_norm"]["scale"], dcfg.rms_eps), cos, sin)
         k, v = _kv(lp, dcfg, h, cos, sin)
         attn = masked_attention(q, k, v, block_mask_btt, ctx_k_lbhsd[i], ctx_v_lbhsd[i], ctx_len_bt,
                                 cache_start_bt=ctx_start_bt)
-        x = x + _dense(attn.reshape(b, t, -1), lp["o_proj"]["kernel"], cd)
-        h = _rms(x, lp["mlp_norm"]["scale"], dcfg.rms_eps)
-        gate, up = _dense(h, lp["gate_proj"]["kernel"], cd), _dense(h, lp["up_proj"]["kernel"], cd)
-        x = x + _dense(jax.nn.silu(gate) * up, lp["down_proj"]["kernel"], cd)
-    return _rms(x, p["norm"]["scale"], dcfg.rms_eps)
+        x = x + linear(attn.reshape(b, t, -1), lp["o_proj"]["kernel"], cd)
+        h = rms_norm(x, lp["mlp_norm"]["scale"], dcfg.rms_eps)
+        gate, up = linear(h, lp["gate_proj"]["kernel"], cd), linear(h, lp["up_proj"]["kernel"], cd)
+        x = x + linear(jax.nn.silu(gate) * up, lp["down_proj"]["kernel"], cd)
+    return rms_norm(x, p["norm"]["scale"], dcfg.rms_eps)
 
 
 def block_logits(target_cfg: LlamaConfig, target_params, hidden_btd: jax.Array) -> jax.Array:

@@ -149,6 +149,20 @@ def check_mlp_bias(cfg: LlamaConfig, bias_lbtf: jax.Array, bt: tuple) -> jax.Arr
 # ----------------------------------------------------------------------------- modules
 
 
+def rms_norm(x, scale, eps):
+    """RMSNorm of ``x`` with its ``scale``: float32 statistics, the result in x's dtype. ``RMSNorm``'s
+    math, for code that holds raw parameter trees (the MTP module, DFlash)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (scale.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def linear(x, kernel, compute_dtype):
+    """``x @ kernel`` ([..., in] x [in, out]) with both operands in ``compute_dtype``: a bias-free
+    ``nn.Dense(dtype=compute_dtype)`` on a raw kernel."""
+    return jnp.einsum("...i,io->...o", x.astype(compute_dtype), kernel.astype(compute_dtype))
+
+
 class RMSNorm(nn.Module):
     eps: float = 1e-5
     param_dtype: Any = jnp.float32
@@ -156,9 +170,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (scale.astype(jnp.float32) * xf).astype(x.dtype)
+        return rms_norm(x, scale, self.eps)
 
 
 def _dense(features, cfg, name, **kw):

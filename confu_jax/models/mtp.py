@@ -55,7 +55,7 @@ import numpy as np
 from confu_jax.models.attention import masked_attention
 from confu_jax.models.draft_decode import DraftBlockOutput, attend_blocks
 from confu_jax.models.kv_cache import KVCache
-from confu_jax.models.llama import LlamaConfig, apply_rope, rope_cos_sin
+from confu_jax.models.llama import LlamaConfig, apply_rope, linear, rms_norm, rope_cos_sin
 from confu_jax.models.unrolled import shared_params, target_logits
 
 BLOCK_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "gate_proj", "up_proj", "down_proj")
@@ -140,18 +140,6 @@ def init_mtp(rng: jax.Array, cfg: LlamaConfig, target_params, *, init_block: str
 # ----------------------------------------------------------------------------- the layer
 
 
-def _rms(x, scale, eps):
-    """``models.llama.RMSNorm``: float32 statistics, result in x's dtype."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (scale.astype(jnp.float32) * xf).astype(x.dtype)
-
-
-def _dense(x, kernel, cd):
-    """``nn.Dense(use_bias=False, dtype=cd)``: operands in the compute dtype."""
-    return jnp.einsum("...i,io->...o", x.astype(cd), kernel.astype(cd))
-
-
 def embed(target_params, tokens_bt) -> jax.Array:
     """The target's (frozen) token embeddings."""
     return jnp.take(jax.lax.stop_gradient(shared_params(target_params)["embed"]["embedding"]), tokens_bt, axis=0)
@@ -161,15 +149,15 @@ def project(mtp: dict, cfg: LlamaConfig, emb_btd, hidden_btd, positions_bt):
     """u = eh_proj([enorm(emb); hnorm(h)]) and the layer's post-RoPE q [B,T,Hq,hd], k / v [B,T,Hkv,hd]
     -> (u, q, k, v)."""
     cd = jnp.dtype(cfg.dtype)
-    x = jnp.concatenate([_rms(emb_btd.astype(cd), mtp["enorm"]["scale"], cfg.rms_eps),
-                         _rms(hidden_btd.astype(cd), mtp["hnorm"]["scale"], cfg.rms_eps)], axis=-1)
-    u = _dense(x, mtp["eh_proj"]["kernel"], cd)
+    x = jnp.concatenate([rms_norm(emb_btd.astype(cd), mtp["enorm"]["scale"], cfg.rms_eps),
+                         rms_norm(hidden_btd.astype(cd), mtp["hnorm"]["scale"], cfg.rms_eps)], axis=-1)
+    u = linear(x, mtp["eh_proj"]["kernel"], cd)
     blk = mtp["block"]
     b, t, _ = u.shape
-    h = _rms(u, blk["attn_norm"]["scale"], cfg.rms_eps)
-    q = _dense(h, blk["q_proj"]["kernel"], cd).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    k = _dense(h, blk["k_proj"]["kernel"], cd).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = _dense(h, blk["v_proj"]["kernel"], cd).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    h = rms_norm(u, blk["attn_norm"]["scale"], cfg.rms_eps)
+    q = linear(h, blk["q_proj"]["kernel"], cd).reshape(b, t, cfg.n_heads, cfg.head_dim)
+    k = linear(h, blk["k_proj"]["kernel"], cd).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = linear(h, blk["v_proj"]["kernel"], cd).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     cos, sin = rope_cos_sin(positions_bt.astype(jnp.int32), cfg)
     return u, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -179,15 +167,15 @@ def finish(mtp: dict, cfg: LlamaConfig, u_btd, attn_bthd) -> jax.Array:
     cd = jnp.dtype(cfg.dtype)
     blk = mtp["block"]
     b, t = attn_bthd.shape[:2]
-    x = u_btd + _dense(attn_bthd.reshape(b, t, -1), blk["o_proj"]["kernel"], cd)
-    h = _rms(x, blk["mlp_norm"]["scale"], cfg.rms_eps)
-    gate, up = _dense(h, blk["gate_proj"]["kernel"], cd), _dense(h, blk["up_proj"]["kernel"], cd)
-    return x + _dense(jax.nn.silu(gate) * up, blk["down_proj"]["kernel"], cd)
+    x = u_btd + linear(attn_bthd.reshape(b, t, -1), blk["o_proj"]["kernel"], cd)
+    h = rms_norm(x, blk["mlp_norm"]["scale"], cfg.rms_eps)
+    gate, up = linear(h, blk["gate_proj"]["kernel"], cd), linear(h, blk["up_proj"]["kernel"], cd)
+    return x + linear(jax.nn.silu(gate) * up, blk["down_proj"]["kernel"], cd)
 
 
 def head_norm(mtp: dict, cfg: LlamaConfig, h_out_btd) -> jax.Array:
     """shared_head.norm: what the (target's) LM head reads."""
-    return _rms(h_out_btd, mtp["shared_head"]["norm"]["scale"], cfg.rms_eps)
+    return rms_norm(h_out_btd, mtp["shared_head"]["norm"]["scale"], cfg.rms_eps)
 
 
 def mtp_logits(mtp: dict, cfg: LlamaConfig, target_params, h_out_btd) -> jax.Array:

@@ -57,9 +57,9 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
 
 def load_trained_head(workdir: str, step: Optional[int] = None) -> TrainedHead:
     """(config, spec, trainable, draft_vocab, step) of ``workdir``'s latest (or ``step``) checkpoint,
-    or of a trainable-tree export (``weights.trainable_export``: ConFu releases) in its place."""
+    or of a trainable-tree export (``runs.trainable_export``: ConFu releases) in its place."""
     workdir = os.path.abspath(os.path.expanduser(workdir))
-    from confu_jax.weights.trainable_export import is_trainable_export, load_trainable_export
+    from confu_jax.runs.trainable_export import is_trainable_export, load_trainable_export
 
     if is_trainable_export(workdir):
         head = load_trainable_export(workdir)

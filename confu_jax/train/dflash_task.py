@@ -37,16 +37,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from confu_jax import sharding as shd
 from confu_jax.models.dflash import block_logits, default_taps, draft_blocks, draft_config, init_dflash
 from confu_jax.models.spec import model_spec_from_config
 from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
-from confu_jax.runs.heads import target_fingerprint
 from confu_jax.train.acceptance import masked_head_terms
-from confu_jax.train.loss import _ahead, _batch_arrays, row_layout, same_segment_ahead, sample_anchors
-from confu_jax.train.target_loading import load_target
-from confu_jax.train.task import TrainTask
+from confu_jax.train.loss import shift_ahead, batch_arrays, row_layout, same_segment_ahead, sample_anchors
+from confu_jax.train.task import TrainTask, frozen_target_task
 
 
 def default_dflash_config() -> ml_collections.ConfigDict:
@@ -90,7 +87,7 @@ def block_accept_length(hit_bnk: jax.Array, valid_bnk: jax.Array, block_valid_bn
 def dflash_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,
                 gamma: float):
     """(loss, metrics) of one batch (module docstring)."""
-    tokens, mask = _batch_arrays(batch)
+    tokens, mask = batch_arrays(batch)
     b, n = tokens.shape
     if block_size < 2 or block_size >= n:
         raise ValueError(f"DFlash: block_size={block_size} must be in [2, {n - 1}] for rows of {n} tokens")
@@ -98,7 +95,7 @@ def dflash_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anch
     tgt = real_forward(spec, target_params, tokens, layout.positions_bn, return_logits=False,
                        segment_ids_bt=layout.segment_ids_bn)
     taps = jax.lax.stop_gradient(tgt.taps_btc)
-    cand = mask & _ahead(mask, 1, False)
+    cand = mask & shift_ahead(mask, 1, False)
     if layout.segment_ids_bn is not None:
         cand = cand & same_segment_ahead(layout.segment_ids_bn, 1)
     anchors, block_valid = sample_anchors(rng, cand, num_anchors)  # [B,N]
@@ -136,53 +133,30 @@ def dflash_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anch
 
 def build_task(config) -> TrainTask:
     """The TrainTask of a DFlash config (``configs/tiny_dflash.py``, ``configs/smollm2_dflash.py``)."""
-    from confu_jax.train.confu_task import synthetic_data
-    from confu_jax.train.real_data import real_data
-
-    if config.model.attention_impl != "xla":
-        raise ValueError(f"config.model.attention_impl={config.model.attention_impl!r} cannot train; use 'xla'")
     dc = config.dflash
     bs, anchors, gamma = int(dc.block_size), int(dc.num_anchors), float(dc.loss_decay_gamma or 0.0)
     mask_id = int(dc.mask_token_id)
     if bs < 2 or anchors < 1 or int(dc.num_layers) < 1:
         raise ValueError(f"config.dflash: need block_size >= 2, num_anchors >= 1, num_layers >= 1; got {bs}, "
                          f"{anchors}, {dc.num_layers}")
-    spec, target_host = load_target(config, dflash_spec(config))
-    if not 0 <= mask_id < spec.target.vocab_size:
-        raise ValueError(f"config.dflash.mask_token_id={mask_id} outside the target's vocabulary "
-                         f"({spec.target.vocab_size})")
-    synthetic = config.model.source == "random"
-    if synthetic and config.data.get("pack", False):
-        raise ValueError("config.data.pack: the self-distilled random data are padded rows (turn data.pack off)")
-    _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
-                                       else real_data(config, spec))
     pd = jnp.dtype(config.draft.get("param_dtype", "float32"))
-    n_taps = len(spec.taps)
 
-    def init_params(rng):
-        return {"draft": {"dflash": init_dflash(rng, spec.draft_model, n_taps, init_std=float(dc.init_std),
-                                                param_dtype=pd)}}
+    def build(spec, target_host):
+        if not 0 <= mask_id < spec.target.vocab_size:
+            raise ValueError(f"config.dflash.mask_token_id={mask_id} outside the target's vocabulary "
+                             f"({spec.target.vocab_size})")
+        n_taps = len(spec.taps)
 
-    def loss_fn(trainable, frozen, batch, rng):
-        return dflash_loss(spec, trainable["draft"]["dflash"], frozen["target"], batch, rng, block_size=bs,
-                           num_anchors=anchors, mask_token_id=mask_id, gamma=gamma)
+        def init_params(rng):
+            return {"draft": {"dflash": init_dflash(rng, spec.draft_model, n_taps, init_std=float(dc.init_std),
+                                                    param_dtype=pd)}}
 
-    def eval_fn(trainable, frozen, batch, rng):
-        return loss_fn(trainable, frozen, batch, rng)[1]
+        def loss_fn(trainable, frozen, batch, rng):
+            return dflash_loss(spec, trainable["draft"]["dflash"], frozen["target"], batch, rng, block_size=bs,
+                               num_anchors=anchors, mask_token_id=mask_id, gamma=gamma)
 
-    frozen_host = {"target": target_host}
-    return TrainTask(
-        init_params=init_params,
-        frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen_host),
-        load_frozen=lambda shardings: shd.put_tree(frozen_host, shardings),
-        loss_fn=loss_fn,
-        train_iterator=train_iterator,
-        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
-        eval_fn=eval_fn,
-        axis_units=shd.llama_axis_units(spec.target.head_dim),
-        target_fingerprint=target_fingerprint(target_host),
-        target_source=str(config.model.source),
-        description=(f"DFlash: {dc.num_layers} {config.model.preset!r}-shaped layers over taps {spec.taps}, "
-                     f"blocks of {bs} (mask {mask_id}), {anchors} anchors a row, decay γ={gamma} "
-                     f"({'self-distilled random data' if synthetic else config.data.train_files})"),
-    )
+        return init_params, loss_fn, (f"DFlash: {dc.num_layers} {config.model.preset!r}-shaped layers over "
+                                      f"taps {spec.taps}, blocks of {bs} (mask {mask_id}), {anchors} anchors "
+                                      f"a row, decay γ={gamma}")
+
+    return frozen_target_task(config, pack_ok=True, what="DFlash", build=build, spec_fn=dflash_spec)

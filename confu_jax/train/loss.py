@@ -273,7 +273,7 @@ class AnchorPlan(NamedTuple):
     index_bn: jax.Array  # [B,N] int32 anchor whose future entry draft index j uses (-1: none)
 
 
-def _ahead(x_bn: jax.Array, s: int, fill) -> jax.Array:
+def shift_ahead(x_bn: jax.Array, s: int, fill) -> jax.Array:
     """[B,N]: x[:, n + s] at n (``fill`` past the end)."""
     b, n = x_bn.shape
     return jnp.concatenate([x_bn[:, s:], jnp.full((b, min(s, n)), fill, x_bn.dtype)], axis=1)[:, :n]
@@ -283,14 +283,14 @@ def same_segment_ahead(segment_ids_bn, s: int):
     """[B,N] bool: position n + s lies in n's segment (None: unpacked rows, always True)."""
     if segment_ids_bn is None:
         return None
-    return _ahead(segment_ids_bn, s, -1) == segment_ids_bn
+    return shift_ahead(segment_ids_bn, s, -1) == segment_ids_bn
 
 
 def anchor_candidates(loss_mask_bn: jax.Array, segment_ids_bn=None) -> jax.Array:
     """[B,N] bool: t may be an anchor iff x[t+1] and x[t+2] are answer tokens (see module doc) of
     t's own conversation (packed rows: ``segment_ids_bn``)."""
     m = loss_mask_bn.astype(bool)
-    cand = _ahead(m, 1, False) & _ahead(m, 2, False)
+    cand = shift_ahead(m, 1, False) & shift_ahead(m, 2, False)
     if segment_ids_bn is not None:
         cand = cand & same_segment_ahead(segment_ids_bn, 2)
     return cand
@@ -420,7 +420,7 @@ def row_layout(batch: dict) -> RowLayout:
     return RowLayout(seg, pos, start)
 
 
-def _batch_arrays(batch: dict):
+def batch_arrays(batch: dict):
     """(tokens [B,N] int32, loss mask [B,N] bool with right padding removed) of a training batch."""
     tokens_bn = batch["tokens"].astype(jnp.int32)
     loss_mask_bn = batch["loss_mask"].astype(bool)
@@ -518,7 +518,7 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     ``{'d2t', 't2d'}``. ``rng`` draws the anchors and lags (unused by EAGLE-3). Gradients reach
     only ``trainable``: the target and its embedding enter under ``stop_gradient``.
     """
-    tokens_bn, loss_mask_bn = _batch_arrays(batch)
+    tokens_bn, loss_mask_bn = batch_arrays(batch)
     rows = row_layout(batch)
     b, n = tokens_bn.shape
     target_params = jax.lax.stop_gradient(target_params)

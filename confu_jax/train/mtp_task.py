@@ -40,7 +40,7 @@ from confu_jax.models.mtp import init_mtp, mtp_logits, mtp_sequence
 from confu_jax.models.target import real_forward, segment_causal_mask
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
-from confu_jax.train.loss import _ahead, _batch_arrays, row_layout, same_segment_ahead
+from confu_jax.train.loss import shift_ahead, batch_arrays, row_layout, same_segment_ahead
 from confu_jax.train.task import TrainTask, frozen_target_task
 
 
@@ -64,7 +64,7 @@ def apply_mtp_defaults(config: ml_collections.ConfigDict) -> ml_collections.Conf
 def mtp_loss(spec, mtp, target_params, batch, *, num_depths: int, loss_weight: float):
     """(loss, metrics) of one batch (module docstring); metrics: ``ce/head{i}``, ``acc/head{i}``,
     ``count/head{i}`` (depth i+1) and the chain ``acceptance_length``."""
-    tokens, mask = _batch_arrays(batch)
+    tokens, mask = batch_arrays(batch)
     b, n = tokens.shape
     if num_depths < 1 or num_depths + 1 >= n:
         raise ValueError(f"MTP: num_depths={num_depths} must be in [1, {n - 2}] for rows of {n} tokens")
@@ -84,9 +84,9 @@ def mtp_loss(spec, mtp, target_params, batch, *, num_depths: int, loss_weight: f
     metrics, hits = {}, []
     for k in range(1, num_depths + 1):
         # depth k at i reads x[i+k] (teacher forcing) and h^{k-1}[i]; predicts x[i+k+1]
-        h = mtp_sequence(mtp, spec.target, target_params, _ahead(tokens, k, 0), h, layout.positions_bn, block_mask)
-        labels = _ahead(tokens, k + 1, 0)
-        valid = _ahead(mask, k + 1, False)
+        h = mtp_sequence(mtp, spec.target, target_params, shift_ahead(tokens, k, 0), h, layout.positions_bn, block_mask)
+        labels = shift_ahead(tokens, k + 1, 0)
+        valid = shift_ahead(mask, k + 1, False)
         if layout.segment_ids_bn is not None:
             valid = valid & same_segment_ahead(layout.segment_ids_bn, k + 1)
         nll, top1 = depth_terms(mtp, h, labels)

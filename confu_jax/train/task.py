@@ -110,15 +110,16 @@ def load_task(config) -> TrainTask:
     return task
 
 
-def frozen_target_task(config, *, pack_ok: bool, what: str, build) -> TrainTask:
+def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None) -> TrainTask:
     """The task of a drafter family trained on a frozen target alone (Medusa, the MLP speculator, the
-    MTP module): the target loaded as ``config.model`` says, the data (self-distilled random prompts
+    MTP module, DFlash): the target loaded as ``config.model`` says, the data (self-distilled random prompts
     for ``source='random'``, else ``config.data``'s conversations; packed rows only when ``pack_ok``),
     held-out evaluation with the loss function's metrics, the target's fingerprint.
 
     ``build(spec, target_host) -> (init_params, loss_fn, description)``: the family's parameters
     (rng -> ``{'draft': ...}``), its ``loss_fn(trainable, frozen, batch, rng)`` (``frozen['target']``
-    is the target) and the run's description (the data source is appended)."""
+    is the target) and the run's description (the data source is appended). ``spec_fn(config)``: the
+    family's ``ModelSpec`` (default ``model_spec_from_config``; DFlash sizes its draft model there)."""
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.heads import target_fingerprint
     from confu_jax.train.confu_task import synthetic_data
@@ -131,7 +132,7 @@ def frozen_target_task(config, *, pack_ok: bool, what: str, build) -> TrainTask:
         raise ValueError(f"config.data.pack: {why} (turn data.pack off)")
     if config.model.attention_impl != "xla":
         raise ValueError(f"config.model.attention_impl={config.model.attention_impl!r} cannot train; use 'xla'")
-    spec, target_host = load_target(config, model_spec_from_config(config))
+    spec, target_host = load_target(config, (spec_fn or model_spec_from_config)(config))
     _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
                                        else real_data(config, spec))
     init_params, loss_fn, description = build(spec, target_host)
