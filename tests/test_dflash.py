@@ -352,21 +352,11 @@ def test_published_layout_round_trip(tmp_path):
 
 # ----------------------------------------------------------------------------- training
 
-OVERRIDES = {"train.steps": 12, "train.checkpoint.every": 3, "train.eval_every": 6, "train.progress_bar": False,
-             "train.log_every": 1}
-
-
 def _config(**extra):
     from configs.tiny_dflash import get_config
+    from train_resume import short_run_config
 
-    c = get_config()
-    for key, value in {**OVERRIDES, **extra}.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for q in parents:
-            node = node[q]
-        node[leaf] = value
-    return c
+    return short_run_config(get_config, **extra)
 
 
 def test_loss_equals_hand_computation():

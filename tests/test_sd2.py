@@ -18,21 +18,11 @@ import pytest
 
 from confu_jax.train.metric_writers import read_csv
 
-OVERRIDES = {"train.steps": 12, "train.checkpoint.every": 3, "train.eval_every": 6, "train.progress_bar": False,
-             "train.log_every": 1}
-
-
 def _config(**extra):
     from configs.tiny_sd2 import get_config
+    from train_resume import short_run_config
 
-    c = get_config()
-    for key, value in {**OVERRIDES, **extra}.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return c
+    return short_run_config(get_config, **extra)
 
 
 def test_initial_loss_is_the_unsteered_drafters():

@@ -21,6 +21,23 @@ from confu_jax.train.metric_writers import read_csv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# the families' short training runs: 12 steps, a checkpoint every 3, held-out evaluation every 6
+SHORT_RUN = {"train.steps": 12, "train.checkpoint.every": 3, "train.eval_every": 6, "train.progress_bar": False,
+             "train.log_every": 1}
+
+
+def short_run_config(get_config, **extra):
+    """``get_config()`` with ``SHORT_RUN`` and ``extra`` applied (dotted keys, 'train.steps')."""
+    c = get_config()
+    for key, value in {**SHORT_RUN, **extra}.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
 _RUNNER = r"""
 import os, signal, sys
 sys.path.insert(0, {tests!r})
