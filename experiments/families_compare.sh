@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Issue 25's comparison at equal training compute, CPU scale: EAGLE-3, ConFu, Medusa-1, the MLP
+# speculator, the MTP module and DFlash trained on the same batches (the repository's two data
+# releases, padded rows so every family reads exactly the same tokens), then benchmarked side by
+# side on MT-Bench and on held-out conversations (docs/RESULTS.md "Six drafter families at equal
+# training compute").
+#
+#   bash experiments/families_compare.sh train    # background-friendly; resumes after a kill
+#   bash experiments/families_compare.sh bench    # on a quiet CPU (nothing else running)
+#   bash experiments/families_compare.sh table    # the RESULTS table and figure
+#
+# Budget: E + P steps of ROWS x LEN padded rows for every family. ConFu follows the paper's protocol
+# (experiments/headline.sh, launch.gpu_campaign): it starts from EAGLE-3's step E and trains P steps,
+# so it too has seen E + P steps of batches. One learning rate for all (the GPU campaign's), cosine
+# over each run with a short warm-up; every family starts from its reference initialisation (Medusa's
+# and the MLP speculator's LM heads from the target's, MTP sharing the target's embedding and head).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${FAMILIES_OUT:-runs/families}
+E=${FAMILIES_E:-100}
+P=${FAMILIES_P:-100}
+ROWS=${FAMILIES_ROWS:-4}
+LEN=${FAMILIES_LEN:-512}
+DATA=releases/data/sharegpt_smollm2,releases/data/sharegpt_smollm2_gpu
+STEPS=$((E + P))
+mkdir -p "$OUT"
+
+common="--config.data.train_files=$DATA --config.data.max_length=$LEN --config.data.global_batch_size=$ROWS \
+ --config.data.pack=False --config.data.num_workers=0 \
+ --config.draft.draft_vocab_size=4096 --config.data.draft_vocab_size=4096 --config.draft.ttt_steps=4 \
+ --config.train.optim.lr=0.001 --config.train.optim.warmup_steps=10 \
+ --config.train.checkpoint.every=$E --config.train.checkpoint.keep=100 --config.train.log_every=5 \
+ --config.train.eval_every=0 --config.train.progress_bar=False --config.train.tensorboard=off"
+
+train() {  # name config steps [extra flags]: skipped when its last checkpoint exists
+    local name=$1 config=$2 steps=$3
+    shift 3
+    if [ -d "$OUT/$name/checkpoints/$steps" ]; then echo "$name: done"; return; fi
+    echo "$name: $steps steps ($(date -u +%H:%M:%S))"
+    /usr/bin/time -f "$name wall %e s" nice -n 5 python -m launch.train --config "$config" --workdir "$OUT/$name" \
+        $common --config.train.steps="$steps" "$@" > "$OUT/$name.log" 2>&1
+}
+
+case "${1:-train}" in
+train)
+    train eagle3 configs/smollm2_eagle3.py $STEPS
+    train confu configs/smollm2_confu.py $P --config.objective.k_train=64 --config.confu.max_lag=4 \
+        --config.train.checkpoint.init_from="$OUT/eagle3/checkpoints" --config.train.checkpoint.init_from_step=$E
+    for family in medusa mlp_speculator mtp dflash; do
+        train $family configs/smollm2_$family.py $STEPS
+    done
+    ;;
+bench)
+    heads="eagle3=$OUT/eagle3,confu=$OUT/confu,medusa=$OUT/medusa,mlp_speculator=$OUT/mlp_speculator,mtp=$OUT/mtp,dflash=$OUT/dflash"
+    methods=ar,eagle3,confu,medusa,mlp_speculator,mtp,dflash
+    python -m launch.heldout_questions --data "$DATA" --n 12 --out "$OUT/heldout.jsonl"
+    python -m launch.decode_bench --methods $methods --heads "$heads" --prompts mtbench --n_per_category 1 \
+        --budgets chain:3 --max_new_tokens 128 --temperatures 0 --out docs/results/families_equal_mtbench.json
+    python -m launch.decode_bench --methods $methods --heads "$heads" --prompts "$OUT/heldout.jsonl" \
+        --n_per_category 0 --budgets chain:3 --max_new_tokens 128 --temperatures 0 \
+        --out docs/results/families_equal_heldout.json
+    ;;
+*)
+    echo "usage: $0 train|bench" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,66 @@
+"""The equal-compute comparison of drafter families as a table and a figure (issue 25).
+
+    python -m launch.families_table --runs runs/families --methods eagle3,confu,medusa,mlp_speculator,mtp,dflash \\
+        --branch confu=eagle3@100 --mtbench docs/results/families_equal_mtbench.json \\
+        --heldout docs/results/families_equal_heldout.json --out docs/results/families_equal
+
+Reads each family's ``launch.train`` workdir under ``--runs`` (steps, rows, length; the wall time
+and trainable parameters from ``<runs>/<method>.log``, as experiments/families_compare.sh writes it)
+and two ``decode_bench`` results files (MT-Bench and held-out conversations, each with an AR row),
+and writes ``<out>.json``, ``<out>.md`` and ``<out>.png``. What the columns mean:
+``confu_jax.bench.families``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+
+from confu_jax.bench import families
+from confu_jax.bench.report import load_results
+
+flags.DEFINE_string("runs", "runs/families", "folder of the families' launch.train workdirs and logs")
+flags.DEFINE_list("methods", ["eagle3", "confu", "medusa", "mlp_speculator", "mtp", "dflash"],
+                  "the families, in table order (decode_bench method names = workdir names)")
+flags.DEFINE_list("branch", ["confu=eagle3@100"], "METHOD=PARENT@STEP: runs started from a parent's checkpoint "
+                  "(their steps and wall time include the parent's up to STEP)")
+flags.DEFINE_string("mtbench", None, "decode_bench results on MT-Bench", required=True)
+flags.DEFINE_string("heldout", None, "decode_bench results on held-out conversations", required=True)
+flags.DEFINE_string("reference", "eagle3", "the family τ ratios are taken against")
+flags.DEFINE_string("out", "docs/results/families_equal", "output prefix (.json, .md, .png)")
+FLAGS = flags.FLAGS
+
+
+def _branches(specs) -> dict:
+    out = {}
+    for spec in specs:
+        try:
+            method, rest = spec.split("=")
+            parent, step = rest.split("@")
+            out[method] = (parent, int(step))
+        except ValueError:
+            raise app.UsageError(f"--branch: expected METHOD=PARENT@STEP (e.g. confu=eagle3@100); got {spec!r}")
+    return out
+
+
+def main(argv):
+    del argv
+    branches = _branches(FLAGS.branch)
+    records = {}
+    for method in sorted(FLAGS.methods, key=lambda m: m in branches):  # parents first
+        records[method] = families.read_training(FLAGS.runs, method, branches.get(method), records)
+    rows = families.comparison([records[m] for m in FLAGS.methods], load_results(FLAGS.mtbench),
+                               load_results(FLAGS.heldout), reference=FLAGS.reference)
+    table = families.markdown(rows, FLAGS.reference)
+    with open(FLAGS.out + ".json", "w") as f:
+        json.dump({"rows": rows, "mtbench": FLAGS.mtbench, "heldout": FLAGS.heldout, "runs": FLAGS.runs}, f, indent=1)
+    with open(FLAGS.out + ".md", "w") as f:
+        f.write(table)
+    families.plot(rows, FLAGS.out + ".png")
+    print(table)
+    print(f"wrote {FLAGS.out}.json, .md, .png")
+
+
+if __name__ == "__main__":
+    app.run(main)
