@@ -54,14 +54,19 @@ bench)
     heads="eagle3=$OUT/eagle3,confu=$OUT/confu,medusa=$OUT/medusa,mlp_speculator=$OUT/mlp_speculator,mtp=$OUT/mtp,dflash=$OUT/dflash"
     methods=ar,eagle3,confu,medusa,mlp_speculator,mtp,dflash
     python -m launch.heldout_questions --data "$DATA" --n 12 --out "$OUT/heldout.jsonl"
-    python -m launch.decode_bench --methods $methods --heads "$heads" --prompts mtbench --n_per_category 1 \
+    python -m launch.decode_bench --methods $methods --heads "$heads" --prompts mtbench --n_per_category 2 \
         --budgets chain:3 --max_new_tokens 128 --temperatures 0 --out docs/results/families_equal_mtbench.json
     python -m launch.decode_bench --methods $methods --heads "$heads" --prompts "$OUT/heldout.jsonl" \
         --n_per_category 0 --budgets chain:3 --max_new_tokens 128 --temperatures 0 \
         --out docs/results/families_equal_heldout.json
     ;;
+table)
+    python -m launch.families_table --runs "$OUT" --branch confu=eagle3@$E \
+        --mtbench docs/results/families_equal_mtbench.json --heldout docs/results/families_equal_heldout.json \
+        --out docs/results/families_equal
+    ;;
 *)
-    echo "usage: $0 train|bench" >&2
+    echo "usage: $0 train|bench|table" >&2
     exit 2
     ;;
 esac
