@@ -9,11 +9,16 @@
 #   bash experiments/families_compare.sh bench    # on a quiet CPU (nothing else running)
 #   bash experiments/families_compare.sh table    # the RESULTS table and figure
 #
-# Budget: E + P steps of ROWS x LEN padded rows for every family. ConFu follows the paper's protocol
-# (experiments/headline.sh, launch.gpu_campaign): it starts from EAGLE-3's step E and trains P steps,
-# so it too has seen E + P steps of batches. One learning rate for all (the GPU campaign's), cosine
-# over each run with a short warm-up; every family starts from its reference initialisation (Medusa's
-# and the MLP speculator's LM heads from the target's, MTP sharing the target's embedding and head).
+# Budget: ROWS x LEN padded rows a step, one learning rate for all (the GPU campaign's), warm-up then
+# cosine over E + P steps; every family starts from its reference initialisation (Medusa's and the MLP
+# speculator's LM heads from the target's, MTP sharing the target's embedding and head).
+# Two comparisons:
+#   * the families at step FAMILY_STEPS (default E) of that E + P schedule, against EAGLE-3's checkpoint
+#     at the same step: identical batches, identical learning rates (optim.schedule_steps). On 2 CPU
+#     cores the four families' full-vocabulary heads cost 2-4x an EAGLE-3 step (4096-token draft
+#     vocabulary), which is why they stop at E here; FAMILIES_FAMILY_STEPS=$((E + P)) runs them to the end;
+#   * ConFu against EAGLE-3 after E + P steps, the paper's protocol (experiments/headline.sh,
+#     launch.gpu_campaign): ConFu starts from EAGLE-3's step E and trains P steps on its own schedule.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${FAMILIES_OUT:-runs/families}
@@ -23,6 +28,7 @@ ROWS=${FAMILIES_ROWS:-4}
 LEN=${FAMILIES_LEN:-512}
 DATA=releases/data/sharegpt_smollm2,releases/data/sharegpt_smollm2_gpu
 STEPS=$((E + P))
+FAMILY_STEPS=${FAMILIES_FAMILY_STEPS:-$E}
 mkdir -p "$OUT"
 
 common="--config.data.train_files=$DATA --config.data.max_length=$LEN --config.data.global_batch_size=$ROWS \
@@ -47,23 +53,36 @@ train)
     train confu configs/smollm2_confu.py $P --config.objective.k_train=64 --config.confu.max_lag=4 \
         --config.train.checkpoint.init_from="$OUT/eagle3/checkpoints" --config.train.checkpoint.init_from_step=$E
     for family in medusa mlp_speculator mtp dflash; do
-        train $family configs/smollm2_$family.py $STEPS
+        train $family configs/smollm2_$family.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS
     done
     ;;
 bench)
-    heads="eagle3=$OUT/eagle3,confu=$OUT/confu,medusa=$OUT/medusa,mlp_speculator=$OUT/mlp_speculator,mtp=$OUT/mtp,dflash=$OUT/dflash"
-    methods=ar,eagle3,confu,medusa,mlp_speculator,mtp,dflash
+    # EAGLE-3 at the families' step: a workdir holding that checkpoint alone (decode loads the latest)
+    at="$OUT/eagle3_at_$FAMILY_STEPS"
+    if [ "$FAMILY_STEPS" != "$STEPS" ] && [ ! -d "$at/checkpoints/$FAMILY_STEPS" ]; then
+        mkdir -p "$at/checkpoints"
+        cp "$OUT/eagle3/config.json" "$OUT/eagle3/target.json" "$at/"
+        cp -r "$OUT/eagle3/checkpoints/$FAMILY_STEPS" "$at/checkpoints/"
+    fi
+    [ "$FAMILY_STEPS" = "$STEPS" ] && at="$OUT/eagle3"
     python -m launch.heldout_questions --data "$DATA" --n 12 --out "$OUT/heldout.jsonl"
-    python -m launch.decode_bench --methods $methods --heads "$heads" --prompts mtbench --n_per_category 2 \
-        --budgets chain:3 --max_new_tokens 128 --temperatures 0 --out docs/results/families_equal_mtbench.json
-    python -m launch.decode_bench --methods $methods --heads "$heads" --prompts "$OUT/heldout.jsonl" \
-        --n_per_category 0 --budgets chain:3 --max_new_tokens 128 --temperatures 0 \
-        --out docs/results/families_equal_heldout.json
+    bench() {  # results-name methods heads
+        python -m launch.decode_bench --methods "$2" --heads "$3" --prompts mtbench --n_per_category 2 \
+            --budgets chain:3 --max_new_tokens 128 --temperatures 0 --out "docs/results/$1_mtbench.json"
+        python -m launch.decode_bench --methods "$2" --heads "$3" --prompts "$OUT/heldout.jsonl" \
+            --n_per_category 0 --budgets chain:3 --max_new_tokens 128 --temperatures 0 --out "docs/results/$1_heldout.json"
+    }
+    bench families_equal ar,eagle3,medusa,mlp_speculator,mtp,dflash \
+        "eagle3=$at,medusa=$OUT/medusa,mlp_speculator=$OUT/mlp_speculator,mtp=$OUT/mtp,dflash=$OUT/dflash"
+    bench confu_equal ar,eagle3,confu "eagle3=$OUT/eagle3,confu=$OUT/confu"
     ;;
 table)
-    python -m launch.families_table --runs "$OUT" --branch confu=eagle3@$E \
-        --mtbench docs/results/families_equal_mtbench.json --heldout docs/results/families_equal_heldout.json \
-        --out docs/results/families_equal
+    python -m launch.families_table --runs "$OUT" --methods eagle3,medusa,mlp_speculator,mtp,dflash \
+        --at_step eagle3=$FAMILY_STEPS --mtbench docs/results/families_equal_mtbench.json \
+        --heldout docs/results/families_equal_heldout.json --out docs/results/families_equal
+    python -m launch.families_table --runs "$OUT" --methods eagle3,confu --branch confu=eagle3@$E \
+        --mtbench docs/results/confu_equal_mtbench.json --heldout docs/results/confu_equal_heldout.json \
+        --out docs/results/confu_equal
     ;;
 *)
     echo "usage: $0 train|bench|table" >&2

@@ -1,7 +1,7 @@
 """The equal-compute comparison of drafter families as a table and a figure (issue 25).
 
-    python -m launch.families_table --runs runs/families --methods eagle3,confu,medusa,mlp_speculator,mtp,dflash \\
-        --branch confu=eagle3@100 --mtbench docs/results/families_equal_mtbench.json \\
+    python -m launch.families_table --runs runs/families --methods eagle3,medusa,mlp_speculator,mtp,dflash \\
+        --at_step eagle3=100 --mtbench docs/results/families_equal_mtbench.json \\
         --heldout docs/results/families_equal_heldout.json --out docs/results/families_equal
 
 Reads each family's ``launch.train`` workdir under ``--runs`` (steps, rows, length; the wall time
@@ -23,8 +23,10 @@ from confu_jax.bench.report import load_results
 flags.DEFINE_string("runs", "runs/families", "folder of the families' launch.train workdirs and logs")
 flags.DEFINE_list("methods", ["eagle3", "confu", "medusa", "mlp_speculator", "mtp", "dflash"],
                   "the families, in table order (decode_bench method names = workdir names)")
-flags.DEFINE_list("branch", ["confu=eagle3@100"], "METHOD=PARENT@STEP: runs started from a parent's checkpoint "
+flags.DEFINE_list("branch", [], "METHOD=PARENT@STEP: runs started from a parent's checkpoint "
                   "(their steps and wall time include the parent's up to STEP)")
+flags.DEFINE_list("at_step", [], "METHOD=STEP: a run's checkpoint at STEP instead of its last (the head "
+                  "decode_bench measured for it; wall time prorated)")
 flags.DEFINE_string("mtbench", None, "decode_bench results on MT-Bench", required=True)
 flags.DEFINE_string("heldout", None, "decode_bench results on held-out conversations", required=True)
 flags.DEFINE_string("reference", "eagle3", "the family τ ratios are taken against")
@@ -44,12 +46,20 @@ def _branches(specs) -> dict:
     return out
 
 
+def _at_steps(specs) -> dict:
+    try:
+        return {m: int(s) for m, s in (spec.split("=") for spec in specs)}
+    except ValueError:
+        raise app.UsageError(f"--at_step: expected METHOD=STEP entries (e.g. eagle3=100); got {specs!r}")
+
+
 def main(argv):
     del argv
-    branches = _branches(FLAGS.branch)
+    branches, at_steps = _branches(FLAGS.branch), _at_steps(FLAGS.at_step)
     records = {}
     for method in sorted(FLAGS.methods, key=lambda m: m in branches):  # parents first
-        records[method] = families.read_training(FLAGS.runs, method, branches.get(method), records)
+        records[method] = families.read_training(FLAGS.runs, method, branches.get(method), records,
+                                                 at_step=at_steps.get(method))
     rows = families.comparison([records[m] for m in FLAGS.methods], load_results(FLAGS.mtbench),
                                load_results(FLAGS.heldout), reference=FLAGS.reference)
     table = families.markdown(rows, FLAGS.reference)

@@ -47,6 +47,10 @@ def test_training_records_count_the_parent_share(tmp_path):
     # 100 own steps + EAGLE-3's first 100 (half its 800 s)
     assert (confu.steps, confu.wall_s, confu.row_tokens) == (200, 1400.0, e3.row_tokens)
     assert families.read_training(root, "medusa").trainable_params is None  # the log did not say
+    at100 = families.read_training(root, "eagle3", at_step=100)  # its step-100 checkpoint, half its wall time
+    assert (at100.steps, at100.wall_s, at100.row_tokens) == (100, 400.0, 100 * 4 * 512)
+    with pytest.raises(FileNotFoundError, match="step 150"):
+        families.read_training(root, "eagle3", at_step=150)
 
 
 def test_training_records_refuse_packed_rows_and_a_missing_parent(tmp_path):

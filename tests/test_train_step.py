@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, AxisType
 
 from confu_jax import sharding as shd
 from confu_jax.train.loop import setup_run
-from confu_jax.train.optim import make_optimizer, make_schedule
+from confu_jax.train.optim import make_optimizer, make_schedule, schedule_length
 from confu_jax.train.acceptance import chain_acceptance_length as simulated_acceptance_length
 from tests.toy_task import get_toy_config
 
@@ -120,6 +120,19 @@ def test_schedule_is_linear_warmup_then_cosine():
     cfg.warmup_steps = 8  # a run shorter than its warm-up: linear ramp only, no error
     np.testing.assert_allclose([make_schedule(cfg, 4)(s) for s in range(4)],
                                [1e-3 * s / 8 for s in range(4)], rtol=1e-6)
+
+
+def test_schedule_steps_keep_a_longer_recipes_schedule():
+    """optim.schedule_steps = 200 with a 100-step run: the 200-step run's learning rates, step for step."""
+    cfg = _config().train.optim
+    cfg.lr, cfg.warmup_steps = 1e-3, 10
+    assert schedule_length(cfg, 100) == 100  # 0: the run's own length
+    _, long_run = make_optimizer(cfg, 200)
+    cfg.schedule_steps = 200
+    assert schedule_length(cfg, 100) == 200
+    _, short_run = make_optimizer(cfg, 100)
+    np.testing.assert_array_equal([short_run(s) for s in range(0, 101, 5)], [long_run(s) for s in range(0, 101, 5)])
+    assert float(short_run(100)) > 0.4e-3  # mid-cosine, not annealed as a 100-step schedule would be
 
 
 def test_clipping_and_decay_mask():

@@ -77,13 +77,15 @@ def _metrics_steps(workdir: str) -> Optional[int]:
 
 
 def read_training(runs_dir: str, method: str, parent: Optional[tuple[str, int]] = None,
-                  records: Optional[Mapping[str, TrainingRecord]] = None) -> TrainingRecord:
+                  records: Optional[Mapping[str, TrainingRecord]] = None,
+                  at_step: Optional[int] = None) -> TrainingRecord:
     """The ``TrainingRecord`` of ``runs_dir/method`` (a ``launch.train`` workdir) and its log
     ``runs_dir/method.log`` (the wall-time line ``<method> wall <s> s`` that
     experiments/families_compare.sh appends, and the loop's ``trainable N params``).
 
     ``parent=(name, step)``: the run branched from ``name``'s checkpoint ``step``; its record (in
-    ``records``) contributes ``step`` steps and that share of its wall time.
+    ``records``) contributes ``step`` steps and that share of its wall time. ``at_step``: the run's
+    checkpoint at that step rather than its last (the wall time prorated: steps cost alike).
     """
     workdir = os.path.join(runs_dir, method)
     if not os.path.exists(os.path.join(workdir, "config.json")):
@@ -94,17 +96,23 @@ def read_training(runs_dir: str, method: str, parent: Optional[tuple[str, int]] 
     if cfg["data"].get("pack"):
         raise ValueError(f"{workdir}: packed rows (data.pack=True) hold more tokens per row than padded ones; "
                          "the equal-compute table expects every family on padded rows")
-    steps = _last_checkpoint(workdir)
+    last = steps = _last_checkpoint(workdir)
+    if at_step is not None:
+        if not os.path.isdir(os.path.join(workdir, "checkpoints", str(at_step))):
+            raise FileNotFoundError(f"{workdir}: expected a checkpoint at step {at_step} (checkpoints/{at_step})")
+        steps = int(at_step)
     wall = params = None
     log = os.path.join(runs_dir, f"{method}.log")
     if os.path.exists(log):
         with open(log, errors="replace") as f:
             text = f.read()
         walls = [float(s) for name, s in _WALL_RE.findall(text) if name == method]
-        wall = sum(walls) if walls else None
+        wall = sum(walls) * steps / last if walls else None
         m = _PARAMS_RE.search(text)
         params = int(m.group(1).replace(",", "")) if m else None
     if parent is not None:
+        if at_step is not None:
+            raise ValueError(f"{method}: at_step and parent together are not supported")
         name, at = parent
         if records is None or name not in records:
             raise ValueError(f"{method}: branched from {name!r}, whose training record is not given")

@@ -29,6 +29,10 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.optim.warmup_steps = -1  # -1: warmup_ratio × steps
     c.optim.warmup_ratio = 0.02
     c.optim.end_lr_ratio = 0.0  # cosine floor as a fraction of lr
+    # Length of the warm-up + cosine schedule; 0 = train.steps. Set it to stop a run on a longer
+    # recipe's exact schedule (heads compared at step 100 of a 200-step recipe) or to change
+    # train.steps on resume without changing the learning rate of the steps already planned.
+    c.optim.schedule_steps = 0
     c.optim.b1 = 0.9
     c.optim.b2 = 0.95
     c.optim.eps = 1e-8

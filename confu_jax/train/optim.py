@@ -37,8 +37,14 @@ def _decay_mask(params):
     return jax.tree_util.tree_map(lambda p: getattr(p, "ndim", 0) > 1, params)
 
 
+def schedule_length(optim_cfg, train_steps: int) -> int:
+    """The schedule's length: ``optim.schedule_steps`` when set (> 0), else the run's ``train_steps``."""
+    return int(optim_cfg.get("schedule_steps", 0) or 0) or int(train_steps)
+
+
 def make_optimizer(optim_cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    schedule = make_schedule(optim_cfg, total_steps)
+    """AdamW on the schedule of ``schedule_length(optim_cfg, total_steps)`` (``total_steps``: train.steps)."""
+    schedule = make_schedule(optim_cfg, schedule_length(optim_cfg, total_steps))
     parts = []
     if optim_cfg.clip_norm and optim_cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(float(optim_cfg.clip_norm)))
