@@ -350,6 +350,37 @@ def test_published_layout_round_trip(tmp_path):
     assert not decode_head("dflash", spec.target, tp, None).trained
 
 
+def test_five_tap_drafter_imports_and_decodes(tmp_path):
+    """z-lab's 8B drafters read 5 target layers (build_target_layer_ids(L, 5)): one in their layout,
+    on the 8-layer tiny target, imports with its 5 taps and decodes exactly as AR and as in memory."""
+    from confu_jax.decode.heads import decode_head
+    from confu_jax.weights.dflash_format import save_dflash_dir
+
+    spec, tp, _ = setup(6)
+    taps = D.default_taps(spec.target.n_layers, 5)
+    assert len(taps) == 5 and max(taps) < spec.target.n_layers
+    spec = dataclasses.replace(spec, head=dataclasses.replace(spec.head, tap_layers=taps))
+    p = draft_for(spec.draft_model, 5, seed=1)
+    assert np.asarray(p["fc"]["kernel"]).shape == (5 * spec.target.d_model, spec.target.d_model)
+    params = SpecParams(target=tp, draft={"dflash": {**p, "mask_token_id": np.int32(MASK)}}, confu={}, draft_vocab={})
+    d = str(tmp_path / "dflash5")
+    save_dflash_dir(d, D.model_params(p), spec.draft_model, taps=taps, mask_token_id=MASK, block_size=4,
+                    num_target_layers=spec.target.n_layers)
+    head = decode_head("dflash", spec.target, tp, d)
+    assert head.spec.taps == taps
+    drafter = parse_drafter("dflash", "chain:3")
+    ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=20, eos_ids=())
+    a = loop.generate_speculative(head.spec, head.params, drafter, PROMPTS, max_new_tokens=20, eos_ids=())
+    b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=20, eos_ids=())
+    assert _rows(a, 2) == _rows(ar, 2) == _rows(b, 2)
+    np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
+    # a drafter reading the target's last layer's output (no tap exists after it) is refused, naming the ids
+    save_dflash_dir(d, D.model_params(p), spec.draft_model, taps=taps[:4] + (spec.target.n_layers,),
+                    mask_token_id=MASK, block_size=4, num_target_layers=spec.target.n_layers)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        decode_head("dflash", spec.target, tp, d)
+
+
 # ----------------------------------------------------------------------------- training
 
 def _config(**extra):

@@ -296,9 +296,9 @@ def dflash_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[s
             if imp.num_target_layers and imp.num_target_layers != target_cfg.n_layers:
                 raise ValueError(f"{source}: a DFlash draft for a {imp.num_target_layers}-layer target; the target has "
                                  f"{target_cfg.n_layers}")
-            if len(imp.taps) != 3 or max(imp.taps) >= target_cfg.n_layers:
-                raise ValueError(f"{source}: target_layer_ids {[t - 1 for t in imp.taps]}: this project's target "
-                                 f"passes tap 3 layers below layer {target_cfg.n_layers - 1} (ModelSpec.taps)")
+            if not imp.taps or max(imp.taps) >= target_cfg.n_layers:
+                raise ValueError(f"{source}: target_layer_ids {[t - 1 for t in imp.taps]}: expected outputs of layers "
+                                 f"below the last ({target_cfg.n_layers - 1}) of this {target_cfg.n_layers}-layer target")
             params, dcfg, taps, mask = imp.params, imp.draft, imp.taps, imp.mask_token_id
             dcfg = dcfg.replace(vocab_size=target_cfg.vocab_size, dtype=target_cfg.dtype,
                                 param_dtype=target_cfg.param_dtype)

@@ -84,8 +84,8 @@ def taps_for_layer_ids(layer_ids) -> tuple:
 
 
 def default_taps(num_target_layers: int, n: int = 3) -> tuple:
-    """The taps of the reference's default ``n`` target layers (this project's target passes 3 taps,
-    EAGLE-3's count: ``ModelSpec.taps``)."""
+    """The taps of the reference's default ``n`` target layers (3 unless a drafter says otherwise:
+    z-lab's Qwen3-8B and LLaMA-3.1-8B drafters read 5)."""
     return taps_for_layer_ids(build_target_layer_ids(num_target_layers, n))
 
 
