@@ -65,7 +65,7 @@ bench)
         cp -r "$OUT/eagle3/checkpoints/$FAMILY_STEPS" "$at/checkpoints/"
     fi
     [ "$FAMILY_STEPS" = "$STEPS" ] && at="$OUT/eagle3"
-    python -m launch.heldout_questions --data "$DATA" --n 12 --out "$OUT/heldout.jsonl"
+    python -m launch.heldout_questions --data "$DATA" --n 8 --out "$OUT/heldout.jsonl"
     bench() {  # results-name methods heads
         python -m launch.decode_bench --methods "$2" --heads "$3" --prompts mtbench --n_per_category 2 \
             --budgets chain:3 --max_new_tokens 128 --temperatures 0 --out "docs/results/$1_mtbench.json"

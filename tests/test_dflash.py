@@ -383,6 +383,23 @@ def test_five_tap_drafter_imports_and_decodes(tmp_path):
 
 # ----------------------------------------------------------------------------- training
 
+
+@pytest.mark.slow
+def test_the_smollm2_target_keeps_the_draft_model():
+    """Loading a real checkpoint replaces the preset's target config and keeps the spec's draft model
+    (SmolLM2's DFlash run once failed at init: the loaded spec had lost it; the tiny target, random
+    weights, never went through that path)."""
+    from configs.smollm2_dflash import get_config
+    from confu_jax.train.dflash_task import dflash_spec
+    from confu_jax.train.target_loading import load_target
+
+    config = get_config()
+    spec = dflash_spec(config)
+    loaded, params = load_target(config, spec)
+    assert loaded.draft_model == spec.draft_model and loaded.draft_model.n_layers == 3
+    assert loaded.taps == spec.taps and loaded.target.n_layers == spec.target.n_layers == 30
+    assert jax.tree_util.tree_leaves(params["embed"])[0].shape[0] == loaded.target.vocab_size
+
 def _config(**extra):
     from configs.tiny_dflash import get_config
     from train_resume import short_run_config

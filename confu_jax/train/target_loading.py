@@ -7,6 +7,8 @@ runs). The loaded checkpoint's LlamaConfig replaces the preset's, keeping the co
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from confu_jax.models.llama import init_params as llama_init, param_shapes
@@ -40,4 +42,4 @@ def load_target(config, spec: ModelSpec) -> tuple[ModelSpec, dict]:
                          f"(path, expected, found): {bad or 'different tree structure'}")
     target = cfg.replace(dtype=spec.target.dtype, param_dtype=spec.target.param_dtype,
                          attention_impl=spec.target.attention_impl)
-    return ModelSpec(target, spec.head), params
+    return dataclasses.replace(spec, target=target), params  # keeps the spec's draft_model (DFlash, SD²)
