@@ -84,7 +84,8 @@ flags.DEFINE_string("auto_candidates", "", "speculative mode, budget auto: the c
 flags.DEFINE_integer("n_per_category", 2, "speculative mode: questions sampled per category (seeded; 0 = all)")
 flags.DEFINE_integer("turns", 1, "speculative mode: conversation turns per question (MT-Bench has 2)")
 flags.DEFINE_string("heads", "", "speculative mode: trained heads as METHOD=WORKDIR,... (launch.train "
-                    "workdirs, or for eagle3 an EAGLE-3 head in the official / SGLang / SpecForge or "
+                    "workdirs, their latest step; WORKDIR@STEP for one step of an EAGLE-3 / ConFu run; or for eagle3 an "
+                    "EAGLE-3 head in the official / SGLang / SpecForge or "
                     "speculators format); a method without one uses a random head (flagged in the output). "
                     "draft_model / sd2 take their draft model here: draft_model=self:8 (the target's first 8 layers), "
                     "a GGUF / HF directory with the target's tokenizer, or sd2=<launch.train SD² workdir>")

@@ -14,13 +14,14 @@ wherever a head is accepted (``--heads eagle3=releases/heads/smollm2_eagle3``,
 
 from __future__ import annotations
 
-import csv
 import os
 import shutil
 import sys
 import tempfile
 
 from absl import app, flags
+
+from confu_jax.runs.lineage import lineage, tokens_seen  # noqa: F401  (tokens_seen: re-export)
 
 flags.DEFINE_string("workdir", None, "the launch.train workdir of an EAGLE-3 or ConFu head", required=True)
 flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
@@ -29,44 +30,6 @@ flags.DEFINE_string("data", "", "the data release the head was trained on (its m
 flags.DEFINE_list("tau", [], "measured tau as METRIC=VALUE pairs (e.g. heldout_decode_chain3=1.62)")
 flags.DEFINE_bool("force", False, "replace an existing release even without a tau gain of >= 0.05")
 FLAGS = flags.FLAGS
-
-
-def tokens_seen(workdir: str, step: int) -> int | None:
-    """Trained positions (step 0 of TTT: the loss tokens a step sees) per logged step of metrics.csv,
-    averaged and scaled to ``step`` (None without the column)."""
-    path = os.path.join(workdir, "metrics.csv")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("step")]
-    col = next((c for c in ("positions/step0", "loss_tokens") if rows and c in rows[0]), None)
-    if not rows or col is None:
-        return None
-    per_step = sum(float(r[col]) for r in rows) / len(rows)
-    return int(per_step * step)
-
-
-def lineage(workdir: str, step: int, _depth: int = 0) -> list[dict]:
-    """This run's tokens seen up to ``step`` and those of every run or released head it was
-    initialised from (``init_from.json``, followed back), newest first: a head continued from a
-    release, or pruned from another run, has seen what its ancestors saw."""
-    out = [{"workdir": workdir, "step": step, "tokens_seen": tokens_seen(workdir, step)}]
-    path = os.path.join(workdir, "init_from.json")
-    if _depth > 16 or not os.path.isfile(path):
-        return out
-    import json
-
-    with open(path) as f:
-        src = json.load(f)
-    source = os.path.abspath(src.get("source") or "")
-    manifest = os.path.join(source, "manifest.json")
-    if os.path.isfile(manifest):  # a released head (confu_jax.runs.head_release)
-        with open(manifest) as f:
-            training = json.load(f).get("training", {})
-        out.append({"release": source, "step": training.get("step"), "tokens_seen": training.get("tokens_seen")})
-    elif os.path.basename(source.rstrip("/")) == "checkpoints":  # another launch.train run
-        out += lineage(os.path.dirname(source.rstrip("/")), int(src.get("step", 0)), _depth + 1)
-    return out
 
 
 def main(argv):

@@ -121,6 +121,36 @@ def test_keep_n_and_incomplete_checkpoints_are_ignored(tmp_path):
     ck.close()
 
 
+def test_milestones_are_saved_and_never_pruned(tmp_path):
+    state = {"w": jnp.arange(6.0)}
+    ck = Checkpointer(str(tmp_path), every=4, keep=2, async_save=False, milestones=(1, 3, 6))
+    for s in range(1, 15):
+        ck.save(s, state, {"position": s})
+    ck.wait()
+    # saved: the milestones and every 4th step; kept: the milestones and the newest 2 (4 pruned)
+    assert ck.all_steps() == [1, 3, 6, 8, 12]
+    ck.close()
+
+
+def test_a_run_with_milestones_evaluates_and_keeps_them(tmp_path):
+    """The scaling-curve points: evaluated (the held-out metrics at exactly those steps, equal to
+    the reference run's where both evaluate) and kept, with periodic evaluation off."""
+    from confu_jax.train.loop import parse_milestones
+
+    workdir = str(tmp_path)
+    train(_config(**{"train.steps": 9, "train.eval_every": 0, "train.checkpoint.every": 4,
+                     "train.checkpoint.keep": 1, "train.milestones": "2,3,6"}), workdir)
+    assert [r["step"] for r in read_csv(os.path.join(workdir, "eval.csv"))] == [2, 3, 6, 9]
+    ck = Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    assert ck.all_steps() == [2, 3, 6, 9]  # 4 and 8 pruned by keep=1; 9 is the end of the run
+    ck.close()
+    with pytest.raises(ValueError, match="comma-separated step numbers"):
+        parse_milestones("8;16")
+    with pytest.raises(ValueError, match=">= 1"):
+        parse_milestones("0,8")
+    assert parse_milestones(" 8, 16 ,") == {8, 16}
+
+
 def test_init_from_copies_shared_params_and_reports_the_rest(tmp_path):
     """EAGLE-3 -> ConFu: same-path same-shape params copied, new / reshaped ones keep init."""
     mesh = shd.make_mesh(2, 2, 2)

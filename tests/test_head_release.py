@@ -119,7 +119,7 @@ def test_tokens_seen_follow_the_init_from_lineage(tmp_path):
     (rel / "manifest.json").write_text(json.dumps({"training": {"step": 320, "tokens_seen": 196220}}))
     big = run("big", [100, 300], {"source": str(rel), "step": 0})
     pruned = run("pruned", [7], {"source": str(big / "checkpoints"), "step": 250})
-    code = ("import json, sys; from launch.release_head import lineage; "
+    code = ("import json, sys; from confu_jax.runs.lineage import lineage; "
             "print(json.dumps(lineage(sys.argv[1], 1)))")
     r = subprocess.run([sys.executable, "-c", code, str(pruned)], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
@@ -127,6 +127,13 @@ def test_tokens_seen_follow_the_init_from_lineage(tmp_path):
     chain = json.loads(r.stdout.strip().splitlines()[-1])
     assert [c["tokens_seen"] for c in chain] == [7, 200 * 250, 196220]
     assert chain[1]["workdir"] == str(big) and chain[1]["step"] == 250 and chain[2]["release"] == str(rel)
+    # every step logged (log_every 1): the exact sum up to the step, not a mean scaled to it
+    from confu_jax.runs.lineage import tokens_seen
+
+    exact = tmp_path / "exact"
+    exact.mkdir()
+    (exact / "metrics.csv").write_text("step,positions/step0\n1,10\n2,30\n3,50\n4,70\n")
+    assert [tokens_seen(str(exact), s) for s in (1, 2, 3, 4)] == [10, 40, 90, 160]
 
 
 def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_path):

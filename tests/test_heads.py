@@ -149,3 +149,27 @@ def test_random_head_with_a_smaller_draft_vocabulary():
     assert {x.shape[-1] for x in jax.tree_util.tree_leaves(head.params.draft["lm_head"])} == {16}
     with pytest.raises(ValueError, match="draft_vocab_size must be in"):
         random_head("eagle3", cfg, tp, draft_vocab_size=cfg.vocab_size + 1)
+
+
+def test_a_head_source_can_name_one_checkpoint_step(trained):
+    """``WORKDIR@STEP`` (decode_bench --heads, launch.scaling_curve) decodes that step's head."""
+    from confu_jax.decode.heads import decode_head, split_step
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.train.target_loading import load_target
+
+    workdir, seen = trained
+    assert split_step("runs/e3@64") == ("runs/e3", 64)
+    assert split_step("runs/e3") == ("runs/e3", None)
+    assert split_step("runs/a@b/e3") == ("runs/a@b/e3", None)  # not digits after the last '@'
+    assert split_step(None) == (None, None)
+    config = load_trained_head(workdir).config
+    spec, target_params = load_target(config, model_spec_from_config(config))
+    for source, step in ((f"{workdir}@1", 1), (f"{workdir}@2", 2), (workdir, 2)):
+        head = decode_head("eagle3", spec.target, target_params, source)
+        assert head.source.endswith(f"(step {step})")
+        np.testing.assert_array_equal(np.asarray(head.params.draft["fc"]["kernel"]),
+                                      seen[step]["draft"]["fc"]["kernel"])
+    with pytest.raises(FileNotFoundError, match="step 9"):
+        decode_head("eagle3", spec.target, target_params, f"{workdir}@9")
+    with pytest.raises(ValueError, match="EAGLE-3 / ConFu heads only"):
+        decode_head("medusa", spec.target, target_params, f"{workdir}@1")

@@ -122,6 +122,25 @@ def test_schedule_is_linear_warmup_then_cosine():
                                [1e-3 * s / 8 for s in range(4)], rtol=1e-6)
 
 
+def test_wsd_schedule_holds_the_peak_then_decays_linearly():
+    cfg = _config().train.optim
+    cfg.lr, cfg.warmup_steps, cfg.end_lr_ratio = 1e-3, 10, 0.1
+    cfg.schedule, cfg.decay_ratio = "wsd", 0.2
+    sched = make_schedule(cfg, 110)  # warm-up 0..10, stable 10..88, decay 88..110 (22 = 0.2 x 110)
+    for s in (0, 5, 10):
+        np.testing.assert_allclose(sched(s), 1e-3 * s / 10, rtol=1e-6)
+    for s in (10, 50, 88):
+        np.testing.assert_allclose(sched(s), 1e-3, rtol=1e-6)
+    for s in (99, 110):
+        np.testing.assert_allclose(sched(s), 1e-3 - (1e-3 - 1e-4) * (s - 88) / 22, rtol=1e-5)
+    # extending the run (a longer schedule_steps) leaves every step before the old decay unchanged
+    longer = make_schedule(cfg, 220)
+    np.testing.assert_allclose([longer(s) for s in range(0, 89, 4)], [sched(s) for s in range(0, 89, 4)], rtol=1e-6)
+    cfg.schedule = "linear"
+    with pytest.raises(ValueError, match=r"expected one of \('cosine', 'wsd'\), got 'linear'"):
+        make_schedule(cfg, 110)
+
+
 def test_schedule_steps_keep_a_longer_recipes_schedule():
     """optim.schedule_steps = 200 with a 100-step run: the 200-step run's learning rates, step for step."""
     cfg = _config().train.optim

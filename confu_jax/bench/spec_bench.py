@@ -347,3 +347,61 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                 del programs
                 budget_lib.release_compiled()  # one row's programs are never reused (mmap limit)
     return rows
+
+
+def checkpoint_rows(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, method: str,
+                    sources: Sequence[tuple[str, str]], budgets: Sequence[str],
+                    log: Callable[[str], None] = print, progress_factory=None) -> list[dict]:
+    """Greedy rows of one method's heads at several checkpoints (``sources``: (label, head source),
+    e.g. ('step 64', 'runs/e3@64')) against one AR baseline — the points of a scaling curve.
+
+    Why not ``run_benchmark`` once per checkpoint: the heads of one run share their architecture, so
+    a budget's program is compiled once and every checkpoint's parameters go through it (compiles
+    cost more than decoding a few held-out questions on a CPU). Each row is ``run_benchmark``'s (τ
+    with its interval, lossless check against AR, speed-up) plus ``label``.
+    """
+    import jax
+
+    from confu_jax.bench import budget as budget_lib
+    from confu_jax.decode.drafters import parse_drafter
+    from confu_jax.decode.heads import decode_head
+
+    def bar(desc):
+        if progress_factory is None:
+            return None, lambda: None
+        b = progress_factory(total=len(prompts), desc=desc)
+        return b, b.update
+
+    turns_index = [(p.question_id, t) for p in prompts for t in range(min(setup.turns, len(p.turns)))]
+    programs = _Programs()
+    b, tick = bar("ar")
+    ar_logs, ar_tokens = _run_all(prompts, setup, programs, _ar_decoder(setup, programs, 0.0), tick)
+    if b is not None:
+        b.close()
+    ar = metrics.summarize("ar", ar_logs, ar_logs, temperature=0.0)
+    rows = [intervals.annotate(dict(dataclasses.asdict(ar), compile_s=programs.compile_s, budget=None, head=None,
+                                    trained=None, lossless_greedy=None, label="ar"), ar_logs, ar_logs,
+                               seed=setup.seed)]
+    log(f"[ar] {rows[0]['tokens_per_s']:.2f} tokens/s")
+    del programs
+    for bud in budgets:
+        plan = parse_drafter(method, bud)
+        programs = _Programs()  # shared by every checkpoint of this budget
+        for label, source in sources:
+            head = decode_head(method, setup.target_cfg, setup.target_params, source, seed=setup.seed,
+                               target_tokenizer=setup.tokenizer)
+            head = head._replace(params=jax.device_put(head.params))
+            b, tick = bar(f"{label} {bud}")
+            sp_logs, sp_tokens = _run_all(prompts, setup, programs, _spec_decoder(setup, programs, head, plan, 0.0),
+                                          tick)
+            if b is not None:
+                b.close()
+            res = metrics.summarize(method, sp_logs, ar_logs, nodes=plan.n_nodes, temperature=0.0,
+                                    depth=plan.max_depth, setting={"plan": bud, "budget": bud})
+            row = dict(dataclasses.asdict(res), compile_s=programs.compile_s, budget=bud, head=head.source,
+                       trained=head.trained, label=label, **_compare(setup, ar_tokens, sp_tokens, turns_index))
+            rows.append(intervals.annotate(row, sp_logs, ar_logs, seed=setup.seed))
+            log(f"[{method} {label}] {bud}: tau {row['tau']:.3f} {row['tau_ci']}, lossless={row['lossless_greedy']}")
+        del programs
+        budget_lib.release_compiled()
+    return rows

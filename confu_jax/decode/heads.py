@@ -322,6 +322,10 @@ def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workd
     which refuse a workdir), or for draft-model methods the draft model of source ``workdir``
     (``draft_model_head``; ``target_tokenizer`` checks an external model's tokenizer)."""
     m = get_method(method)
+    workdir, step = split_step(workdir)
+    if step is not None and m.family not in ("head", "hybrid"):
+        raise ValueError(f"{workdir}@{step}: a checkpoint step (WORKDIR@STEP) is read for EAGLE-3 / ConFu "
+                         f"heads only; method {method!r} (family {m.family}) loads its run's latest step")
     if m.family == "medusa":
         return medusa_head(target_cfg, target_params, workdir, seed, target_source=target_source)
     if m.family == "mlp_speculator":
@@ -339,5 +343,17 @@ def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workd
         return model_free(target_cfg, target_params)
     _speculative_method(method)
     if workdir:
-        return trained_head(method, workdir, target_cfg, target_params, target_source=target_source)
+        return trained_head(method, workdir, target_cfg, target_params, step=step, target_source=target_source)
     return random_head(method, target_cfg, target_params, seed)
+
+
+def split_step(source: Optional[str]) -> tuple[Optional[str], Optional[int]]:
+    """``runs/e3@64`` -> ('runs/e3', 64): a head source naming one checkpoint step of a training
+    run (the points of a scaling curve; a run's latest step otherwise). A path whose last '@' is not
+    followed by digits alone is returned whole."""
+    if not source or "@" not in source:
+        return source, None
+    path, _, tail = source.rpartition("@")
+    if not tail.isdigit() or not path:
+        return source, None
+    return path, int(tail)

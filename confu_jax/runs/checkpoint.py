@@ -22,11 +22,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy
 from jax.experimental import multihost_utils
 from etils import epath
 
@@ -138,9 +139,13 @@ class Checkpointer:
     """Thin policy layer over ``ocp.CheckpointManager`` for training runs."""
 
     def __init__(self, directory: str, every: int = 500, keep: int = 3, async_save: bool = True,
-                 read_only: bool = False):
+                 read_only: bool = False, milestones: Sequence[int] = ()):
+        """``every``: save period in steps (<= 0: only forced saves); ``keep``: the newest
+        checkpoints kept (<= 0: all); ``milestones``: steps that are always saved and never pruned
+        (the points of a scaling curve, evaluated long after the run moved on)."""
         self.directory = epath.Path(directory).absolute()
         self.every = int(every) if every and every > 0 else 0
+        self.milestones = frozenset(int(m) for m in milestones)
         if read_only:
             options = ocp.CheckpointManagerOptions(read_only=True, create=False,
                                                    save_interval_steps=0)
@@ -148,11 +153,17 @@ class Checkpointer:
         else:
             # The save policy is ours (save(): every N steps, or forced); orbax's own would also
             # save the very first step of a run and react to preemption behind the loop's back.
+            keep_n = int(keep) if keep and keep > 0 else None
+            pruning = dict(max_to_keep=keep_n)
+            if self.milestones and keep_n is not None:  # the newest ``keep`` plus every milestone
+                pruning = dict(preservation_policy=preservation_policy.AnyPreservationPolicy([
+                    preservation_policy.LatestN(keep_n),
+                    preservation_policy.CustomSteps(sorted(self.milestones))]))
             options = ocp.CheckpointManagerOptions(
                 save_interval_steps=1,
-                max_to_keep=int(keep) if keep and keep > 0 else None,
                 enable_async_checkpointing=bool(async_save),
                 cleanup_tmp_directories=True,
+                **pruning,
             )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
@@ -174,8 +185,10 @@ class Checkpointer:
     # -- save
     def save(self, step: int, state, data_state: Any, extras: Optional[dict] = None,
              force: bool = False) -> bool:
-        """Save if ``step`` is a multiple of ``every`` or ``force`` (preemption, end of run)."""
-        if not force and (self.every <= 0 or step % self.every):
+        """Save if ``step`` is a multiple of ``every``, a milestone, or ``force`` (preemption, end
+        of run)."""
+        periodic = self.every > 0 and step % self.every == 0
+        if not (force or periodic or step in self.milestones):
             return False
         items = {"state": ocp.args.PyTreeSave(state), "data": DataStateSave(data_state)}
         if extras:

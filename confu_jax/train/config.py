@@ -33,6 +33,12 @@ def default_train_config() -> ml_collections.ConfigDict:
     # recipe's exact schedule (heads compared at step 100 of a 200-step recipe) or to change
     # train.steps on resume without changing the learning rate of the steps already planned.
     c.optim.schedule_steps = 0
+    # 'cosine': warm-up, then cosine decay over the whole schedule. 'wsd' (warm-up, stable, decay):
+    # the peak lr held until the last decay_ratio of the schedule, then a linear decay to
+    # lr·end_lr_ratio — the long-run schedule whose every checkpoint before the decay sits at the
+    # same lr (the points of a scaling curve), and which a run extends by moving schedule_steps.
+    c.optim.schedule = "cosine"
+    c.optim.decay_ratio = 0.2
     c.optim.b1 = 0.9
     c.optim.b2 = 0.95
     c.optim.eps = 1e-8
@@ -50,6 +56,9 @@ def default_train_config() -> ml_collections.ConfigDict:
 
     c.log_every = 10
     c.eval_every = 100  # <= 0 disables held-out evaluation
+    # Steps at which the run also evaluates and saves a checkpoint that is never pruned, e.g.
+    # '8,16,32,64,128' (tokens seen doubling): the points of launch.scaling_curve. '' = none.
+    c.milestones = ""
     c.tensorboard = "auto"  # 'auto' (if tensorboardX/tensorflow importable) | 'on' | 'off'
     c.progress_bar = True
     return c

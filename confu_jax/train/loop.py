@@ -189,7 +189,7 @@ def evaluate(eval_step: CompiledStep, state, batches: Sequence) -> dict:
 # Settings a resumed run may change: how long it runs, how it logs, evaluates and checkpoints, and
 # how it is laid out on devices (checkpoints restore into any mesh). Everything else changes what
 # is trained, so resuming a workdir with it changed is refused.
-RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.tensorboard",
+RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.milestones", "train.tensorboard",
                      "train.progress_bar", "train.checkpoint.every", "train.checkpoint.keep",
                      "train.checkpoint.async_save", "train.checkpoint.init_from",
                      "train.checkpoint.init_from_step", "train.mesh.", "data.num_threads",
@@ -283,9 +283,22 @@ def _restore_or_init(config, workdir: str, run: RunSetup, ckpt: Checkpointer, it
     return state, 0, init_report
 
 
-def _eval_setup(run: RunSetup, eval_every: int, pidx: int, pcount: int):
+def parse_milestones(text) -> frozenset:
+    """``train.milestones`` ('8,16,32' or a sequence of ints) as a set of positive steps."""
+    items = text.split(",") if isinstance(text, str) else list(text or ())
+    try:
+        steps = frozenset(int(str(m).strip()) for m in items if str(m).strip())
+    except ValueError:
+        raise ValueError(f"train.milestones: expected comma-separated step numbers such as '8,16,32', "
+                         f"got {text!r}") from None
+    if any(m <= 0 for m in steps):
+        raise ValueError(f"train.milestones: steps must be >= 1, got {sorted(steps)}")
+    return steps
+
+
+def _eval_setup(run: RunSetup, enabled: bool, pidx: int, pcount: int):
     """(compiled eval step or None, this process's held-out batches on the mesh)."""
-    if eval_every <= 0 or run.task.eval_batches is None:
+    if not enabled or run.task.eval_batches is None:
         return None, []
     batches = [shd.global_batch(b, run.mesh) for b in run.task.eval_batches(pidx, pcount)]
     return (run.compile_eval_step(batches[0]) if batches else None), batches
@@ -308,8 +321,9 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     tc = config.train
     pidx, pcount = jax.process_index(), jax.process_count()
     main = pidx == 0
+    milestones = parse_milestones(tc.get("milestones", ""))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint.every,
-                        keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
+                        keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save, milestones=milestones)
     if ckpt.latest_step() is not None:
         try:
             check_resume_config(workdir, config)
@@ -329,7 +343,7 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     writers = make_writers(workdir, "metrics", tc.tensorboard, start) if main else None
     eval_writers = make_writers(workdir, "eval", tc.tensorboard, start) if main else None
     t_eval = time.time()
-    eval_step, eval_batches = _eval_setup(run, tc.eval_every, pidx, pcount)
+    eval_step, eval_batches = _eval_setup(run, tc.eval_every > 0 or bool(milestones), pidx, pcount)
     if main and eval_step is not None:  # each phase before the first step is logged: a stall names its phase
         logging.info("held-out batches and eval step ready in %.1fs", time.time() - t_eval)
 
@@ -360,7 +374,8 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
                 if main:
                     writers.write(step, last)
                     pbar.set_postfix(loss=f"{last['loss']:.4f}", refresh=False)
-            if eval_step is not None and (step % tc.eval_every == 0 or step == tc.steps):
+            periodic_eval = tc.eval_every > 0 and step % tc.eval_every == 0
+            if eval_step is not None and (periodic_eval or step in milestones or step == tc.steps):
                 last_eval = evaluate(eval_step, state, eval_batches)
                 if main:
                     eval_writers.write(step, last_eval)

@@ -18,12 +18,31 @@ def warmup_steps(optim_cfg, total_steps: int) -> int:
     return int(round(optim_cfg.warmup_ratio * total_steps))
 
 
+SCHEDULES = ("cosine", "wsd")
+
+
 def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
-    """0 → lr linearly over the warm-up, then cosine to lr·end_lr_ratio at ``total_steps``."""
+    """0 → lr linearly over the warm-up, then (``optim.schedule``) cosine to lr·end_lr_ratio at
+    ``total_steps``, or 'wsd': lr held until the last ``decay_ratio`` of the steps, then linear to
+    lr·end_lr_ratio at ``total_steps``."""
     total_steps = max(int(total_steps), 1)
     warm = warmup_steps(optim_cfg, total_steps)
-    if warm >= total_steps:  # a run shorter than its warm-up never reaches the cosine part
+    kind = str(optim_cfg.get("schedule", "cosine"))
+    if kind not in SCHEDULES:
+        raise ValueError(f"train.optim.schedule: expected one of {SCHEDULES}, got {kind!r}")
+    if warm >= total_steps:  # a run shorter than its warm-up never reaches the decay
         return optax.linear_schedule(0.0, float(optim_cfg.lr), max(warm, 1))
+    lr, end = float(optim_cfg.lr), float(optim_cfg.lr) * float(optim_cfg.end_lr_ratio)
+    if kind == "wsd":
+        ratio = float(optim_cfg.get("decay_ratio", 0.2))
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"train.optim.decay_ratio: expected a fraction in [0, 1], got {ratio}")
+        decay = min(int(round(ratio * total_steps)), total_steps - warm)
+        stable = total_steps - warm - decay
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, max(warm, 1)), optax.constant_schedule(lr),
+             optax.linear_schedule(lr, end, max(decay, 1))],
+            boundaries=[warm, warm + stable])
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=float(optim_cfg.lr),
