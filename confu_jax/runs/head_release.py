@@ -38,15 +38,20 @@ def sha256_file(path: str) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-def is_head_release(directory: str) -> bool:
-    path = os.path.join(directory, MANIFEST)
+def declared_format(path: str) -> Optional[str]:
+    """The ``format`` field of the JSON file at ``path``; None when the file is missing, unreadable
+    or not a JSON object (how a folder says what it holds: a release, an export)."""
     if not os.path.isfile(path):
-        return False
+        return None
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f).get("format") == FORMAT
+            return json.load(f).get("format")
     except (json.JSONDecodeError, OSError, AttributeError):
-        return False
+        return None
+
+
+def is_head_release(directory: str) -> bool:
+    return declared_format(os.path.join(directory, MANIFEST)) == FORMAT
 
 
 def read_head_manifest(directory: str) -> dict:

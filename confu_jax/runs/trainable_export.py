@@ -38,14 +38,9 @@ def _key(path) -> str:
 
 
 def is_trainable_export(directory: str) -> bool:
-    path = os.path.join(directory, EXPORT_FILE)
-    if not os.path.isfile(path):
-        return False
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f).get("format") in _FORMATS
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False
+    from confu_jax.runs.head_release import declared_format
+
+    return declared_format(os.path.join(directory, EXPORT_FILE)) in _FORMATS
 
 
 def export_trainable(workdir: str, out: str, *, step=None, dtype: str = "bfloat16") -> dict:
