@@ -8,13 +8,16 @@
 #   bash experiments/scaling_curve.sh measure   # decodes every milestone (tau only: no timing is reported)
 #   bash experiments/scaling_curve.sh fit       # table, fit, figure -> docs/results/scaling_curve.*
 #
-# Schedule: warm-up, then the peak learning rate held (WSD, optim.schedule=wsd) until the last
-# DECAY of the run, so every milestone before the decay sits at the same learning rate (a cosine would
-# anneal the later points more than the earlier ones and bend the curve); the last point is annealed.
+# Schedule: warm-up, then the peak learning rate held (WSD, optim.schedule=wsd) until the last 20% of
+# SCHEDULE steps; the runs stop at STEPS, before the decay, so every milestone sits at the same learning
+# rate (a cosine would anneal the later points more than the earlier ones and bend the curve).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${SCALING_OUT:-runs/scaling}
-STEPS=${SCALING_STEPS:-64}
+STEPS=${SCALING_STEPS:-48}
+# the learning-rate schedule's length (optim.schedule_steps): longer than STEPS stops every run on
+# the stable part of one longer WSD schedule, so no point (the last included) is annealed
+SCHEDULE=${SCALING_SCHEDULE:-64}
 MILESTONES=${SCALING_MILESTONES:-4,8,16,32,48}
 ROWS=${SCALING_ROWS:-8}
 LEN=${SCALING_LEN:-1024}
@@ -38,7 +41,7 @@ train() {  # name config [extra flags]: skipped when its last checkpoint exists;
     echo "$name: $STEPS steps ($(date -u +%H:%M:%S))"
     local t0=$SECONDS
     nice -n 5 python -m launch.train --config "$config" --workdir "$OUT/$name" $common \
-        --config.train.steps="$STEPS" "$@" >> "$OUT/$name.log" 2>&1
+        --config.train.steps="$STEPS" --config.train.optim.schedule_steps="$SCHEDULE" "$@" >> "$OUT/$name.log" 2>&1
     echo $((SECONDS - t0)) >> "$OUT/$name.wall"  # one line per invocation (a resumed run adds one)
 }
 
@@ -57,19 +60,20 @@ fit)
     rates=$(python - "$OUT" <<'EOF'
 import os, sys
 from confu_jax.runs.checkpoint import Checkpointer
-from confu_jax.runs.lineage import tokens_seen
+from confu_jax.runs.lineage import row_tokens
 out, rates = sys.argv[1], []
 for name in ("eagle3", "confu"):
     wall = sum(float(x) for x in open(os.path.join(out, f"{name}.wall")).read().split())
     ck = Checkpointer(os.path.join(out, name, "checkpoints"), read_only=True)
     step = ck.latest_step()
     ck.close()
-    rates.append(f"{name}={tokens_seen(os.path.join(out, name), step) / wall:.1f}")
+    rates.append(f"{name}={row_tokens(os.path.join(out, name), step) / wall:.1f}")
 print(",".join(rates))
 EOF
 )
-    echo "training tokens seen per second (wall, compiles and evaluations included): $rates"
-    python -m launch.scaling_curve fit --points "$RESULTS.points.json" --tokens_per_s "$rates" --out "$RESULTS"
+    echo "training tokens (rows x length) per second (wall, compiles and evaluations included): $rates"
+    python -m launch.scaling_curve fit --points "$RESULTS.points.json${SCALING_EXTRA_POINTS:+,$SCALING_EXTRA_POINTS}" \
+        --tokens_per_s "$rates" --min_tokens "${SCALING_MIN_TOKENS:-0}" --out "$RESULTS"
     ;;
 *)
     echo "usage: $0 train|measure|fit" >&2

@@ -168,6 +168,10 @@ class Scale:
     ckpt_every: int = 50  # E is a multiple of it (ConFu starts from that checkpoint)
     eval_every: int = 100
     eval_batches: int = 1
+    # steps at which every run also evaluates and keeps a checkpoint (train.milestones): its eval.csv
+    # comes back with the held-out chain τ at doubling token counts, the scaling curve up to the
+    # campaign's token-steps (launch.scaling_curve measure --budgets '' on the unpacked runs)
+    milestones: str = "8,16,32,64,128,256,512,1024,2048"
     num_workers: int = 8  # data-loading processes (tokenisation holds the GIL)
     log_every: int = 10
     # XLA flags of the training launches only. The first campaign's EAGLE-3 launch logged nothing
@@ -198,7 +202,7 @@ TINY = dict(  # the CPU dry run: same stages and flags, a tiny model, a dozen co
     gen_batch=4, gen_max_new=8, gen_max_prompt=96, gen_fill_rows=2, gen_steps_per_sync=4, gen_target_tokens=10**9,
     data_s=900, release_level=3, model_preset="tiny-chat", train_len=128, train_batch=2, e3_steps=2, plus_steps=2,
     replan=0, train_s=900, min_steps=2, ttt_steps=2, k_train=8, draft_vocab=64, draft_vocab_records=0, warmup=1,
-    ckpt_every=2, eval_every=0, eval_batches=0, num_workers=0, log_every=1, bench_budgets="chain:3",
+    ckpt_every=2, eval_every=0, eval_batches=0, milestones="1", num_workers=0, log_every=1, bench_budgets="chain:3",
     bench_prompts="mtbench:1", bench_n_per_category=0, bench_max_new=8, bench_calibration="", bench_min_bucket=64,
     bench_s=900, call_s=1800, total_s=3600, margin_s=5, repo_releases="", families="medusa,mlp_speculator")
 # A lent machine with 15 minutes of device time (the usual loan since 2026-11): no generation (the
@@ -922,7 +926,7 @@ class Campaign:
             "draft.draft_vocab_size": s.draft_vocab, "draft.ttt_steps": s.ttt_steps,
             "model.attention_impl": "xla", "train.optim.lr": s.lr, "train.optim.warmup_steps": s.warmup,
             "train.checkpoint.every": s.ckpt_every, "train.checkpoint.keep": 1000,
-            "train.log_every": s.log_every, "train.eval_every": s.eval_every,
+            "train.log_every": s.log_every, "train.eval_every": s.eval_every, "train.milestones": s.milestones,
             "train.progress_bar": False, "train.tensorboard": "off", "objective.eval_batches": s.eval_batches,
         }
         if s.eval_batches == 0:

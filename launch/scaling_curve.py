@@ -28,14 +28,20 @@ from confu_jax.bench import scaling
 flags.DEFINE_list("runs", [], "measure: METHOD=WORKDIR pairs (launch.train workdirs of eagle3 / confu heads)")
 flags.DEFINE_string("prompts", "", "measure: question file of held-out conversations (launch.heldout_questions)")
 flags.DEFINE_string("budgets", "chain:3,dynamic:6,10,60", "measure: decode budgets (plans); '' = none")
-flags.DEFINE_list("steps", [], "measure: checkpoint steps (default: every step a run kept)")
+flags.DEFINE_list("steps", [], "measure: checkpoint steps (default: every step a run kept; with --budgets '': "
+                  "every step of its eval.csv)")
 flags.DEFINE_list("eval_depths", ["3"], "measure: training-evaluation chain depths read from eval.csv "
                   "(decode_tau/chain{D} at the same steps)")
+flags.DEFINE_enum("tokens", "rows", ["rows", "positions"], "measure: the x axis — 'rows': tokens of the "
+                  "training batches (rows x length x steps, the same for every head trained on the same batches); "
+                  "'positions': trained answer positions (ConFu trains sampled windows, so fewer than EAGLE-3)")
 flags.DEFINE_integer("max_new_tokens", 128, "measure: tokens decoded per question")
 flags.DEFINE_string("model", "smollm2-135m-instruct", "measure: the target the heads were trained on")
 flags.DEFINE_list("points", [], "fit: points files written by measure")
 flags.DEFINE_list("tokens_per_s", [], "fit: METHOD=RATE training tokens (seen) per second, to state goals in hours")
 flags.DEFINE_list("goals", ["2", "2.5", "3"], "fit: τ goals")
+flags.DEFINE_float("min_tokens", 0.0, "fit: leave out points below this many tokens seen (the warm-up's, "
+                   "where τ still climbs from the untrained head's ~1); they stay in the table and figure")
 flags.DEFINE_string("out", None, "measure: points .json; fit: output stem (.md, .json, .png)", required=True)
 FLAGS = flags.FLAGS
 
@@ -48,6 +54,13 @@ def _pairs(items, what: str) -> dict:
             raise app.UsageError(f"--{what}: {item!r} is not NAME=VALUE")
         out[key] = value
     return out
+
+
+def _eval_steps(workdir: str) -> list:
+    from confu_jax.train.metric_writers import read_csv
+
+    path = os.path.join(workdir, "eval.csv")
+    return sorted(int(r["step"]) for r in read_csv(path)) if os.path.isfile(path) else []
 
 
 def _eval_points(method: str, workdir: str, steps, depths, tokens_at) -> list:
@@ -85,16 +98,24 @@ def measure() -> None:
     points, rows_out = [], {}
     setup, prompts = None, None
     for method, workdir in runs.items():
-        ck = Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
-        kept = ck.all_steps()
-        ck.close()
+        if not budgets:  # the training evaluation alone: every step of eval.csv (also a run that came
+            kept = _eval_steps(workdir)  # back without its checkpoints, as the GPU campaign's do)
+        elif os.path.isdir(os.path.join(workdir, "checkpoints")):
+            ck = Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+            kept = ck.all_steps()
+            ck.close()
+        else:
+            raise app.UsageError(f"{workdir} has no checkpoints/ to decode; --budgets '' reads eval.csv alone")
         steps = [int(s) for s in FLAGS.steps] or kept
         missing = sorted(set(steps) - set(kept))
         if missing:
-            raise app.UsageError(f"{workdir} kept checkpoints {kept}; --steps asks for {missing} too")
+            what = "evaluated (eval.csv)" if not budgets else "kept checkpoints"
+            raise app.UsageError(f"{workdir} {what} at steps {kept}; --steps asks for {missing} too")
 
-        def tokens_at(step, workdir=workdir):
-            return float(sum(c["tokens_seen"] or 0 for c in lineage(workdir, step)))
+        key = "row_tokens" if FLAGS.tokens == "rows" else "tokens_seen"
+
+        def tokens_at(step, workdir=workdir):  # a released ancestor records trained positions only
+            return float(sum(c.get(key) or c.get("tokens_seen") or 0 for c in lineage(workdir, step)))
 
         points += _eval_points(method, workdir, steps, depths, tokens_at)
         if not budgets:
@@ -122,7 +143,7 @@ def measure() -> None:
                                         lossless=bool(r["lossless_greedy"])))
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     with open(FLAGS.out, "w") as f:
-        json.dump({"runs": runs, "prompts": FLAGS.prompts, "max_new_tokens": FLAGS.max_new_tokens,
+        json.dump({"runs": runs, "tokens": FLAGS.tokens, "prompts": FLAGS.prompts, "max_new_tokens": FLAGS.max_new_tokens,
                    "budgets": budgets, "points": [dataclasses.asdict(p) for p in points], "rows": rows_out},
                   f, indent=1)
     print(f"wrote {FLAGS.out}: {len(points)} points")
@@ -137,14 +158,14 @@ def fit() -> None:
         raise app.UsageError("fit needs --points FILE[,...] with points (launch.scaling_curve measure)")
     rates = {m: float(v) for m, v in _pairs(FLAGS.tokens_per_s, "tokens_per_s").items()}
     goals = [float(g) for g in FLAGS.goals]
-    md, fits = scaling.table(points, goals, rates)
+    md, fits = scaling.table(points, goals, rates, min_tokens=FLAGS.min_tokens)
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     with open(FLAGS.out + ".md", "w") as f:
         f.write(md)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump({"points": [dataclasses.asdict(p) for p in points], "fits": fits, "tokens_per_s": rates},
                   f, indent=1, default=str)
-    scaling.figure(points, FLAGS.out + ".png", goals)
+    scaling.figure(points, FLAGS.out + ".png", goals, min_tokens=FLAGS.min_tokens)
     print(md)
     print(f"wrote {FLAGS.out}.md, .json, .png")
 

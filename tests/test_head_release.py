@@ -127,6 +127,16 @@ def test_tokens_seen_follow_the_init_from_lineage(tmp_path):
     chain = json.loads(r.stdout.strip().splitlines()[-1])
     assert [c["tokens_seen"] for c in chain] == [7, 200 * 250, 196220]
     assert chain[1]["workdir"] == str(big) and chain[1]["step"] == 250 and chain[2]["release"] == str(rel)
+    # a run moved from where it trained (GPU campaign runs unpacked here): the ancestor of the same
+    # name beside it
+    moved = run("moved", [5], {"source": "/gone/elsewhere/big/checkpoints", "step": 250})
+    from confu_jax.runs.lineage import lineage
+
+    assert [c["tokens_seen"] for c in lineage(str(moved), 1)] == [5, 200 * 250, 196220]
+    # a run records its ancestors when it starts: a release replaced later does not change them
+    pinned = run("pinned", [9], {"source": str(rel), "step": 0,
+                                 "source_lineage": [{"release": str(rel), "step": 320, "tokens_seen": 1000}]})
+    assert [c["tokens_seen"] for c in lineage(str(pinned), 1)] == [9, 1000]
     # every step logged (log_every 1): the exact sum up to the step, not a mean scaled to it
     from confu_jax.runs.lineage import tokens_seen
 

@@ -65,7 +65,11 @@ def test_table_and_figure(tmp_path):
     assert set(fits) == {"eagle3|chain:3", "confu|chain:3"}
     assert fits["eagle3|chain:3"]["goals"]["2.0"]["tokens"] == pytest.approx(1e10, rel=1e-6)
     assert "tokens for τ 2 [95%]" in md and "1e+10" not in md and "10B" in md and "h |" in md
-    scaling.figure(pts, str(tmp_path / "curve.png"))
+    # points below min_tokens are listed, not fitted: the fit of the rest is the same line (exact data)
+    md2, fits2 = scaling.table(pts, goals=(2.0,), min_tokens=5e4)
+    assert fits2["eagle3|chain:3"]["n"] == 4 and md2.count("| eagle3 | chain:3 |") == 6 + 1  # 6 points, 1 fit
+    assert fits2["eagle3|chain:3"]["b"] == pytest.approx(0.1, abs=1e-9)
+    scaling.figure(pts, str(tmp_path / "curve.png"), min_tokens=5e4)
     assert (tmp_path / "curve.png").stat().st_size > 5000
 
 
@@ -98,7 +102,7 @@ def milestone_run(tmp_path_factory):
 
 
 def test_measure_and_fit_a_runs_milestones(milestone_run):
-    from confu_jax.runs.lineage import tokens_seen
+    from confu_jax.runs.lineage import row_tokens
     from confu_jax.train.metric_writers import read_csv
 
     gguf, workdir, tmp = milestone_run
@@ -116,7 +120,7 @@ def test_measure_and_fit_a_runs_milestones(milestone_run):
                                          "chain:3 (training eval)") for k in (1, 3, 4)}
     evals = {int(row["step"]): row for row in read_csv(os.path.join(workdir, "eval.csv"))}
     for (series, step), p in got.items():
-        assert p["tokens"] == tokens_seen(workdir, step) > 0
+        assert p["tokens"] == row_tokens(workdir, step) == 8 * 64 * step  # rows x length x steps
         if "training eval" in series:
             assert p["tau"] == pytest.approx(evals[step][f"decode_tau/chain{series[6]}"])
         else:
@@ -131,7 +135,19 @@ def test_measure_and_fit_a_runs_milestones(milestone_run):
     assert set(fits) == {"eagle3|chain:2", "eagle3|dynamic:2,2,4", "eagle3|chain:1 (training eval)",
                          "eagle3|chain:3 (training eval)"}
     assert (tmp / "curve.png").stat().st_size > 5000 and "| eagle3 | chain:2 |" in (tmp / "curve.md").read_text()
+    # a run that came back without its checkpoints (the GPU campaign): the training evaluation alone
+    bare = tmp / "bare"
+    bare.mkdir()
+    for f in ("config.json", "metrics.csv", "eval.csv"):
+        (bare / f).write_bytes(open(os.path.join(workdir, f), "rb").read())
+    r = subprocess.run([sys.executable, "-m", "launch.scaling_curve", "measure", "--runs", f"eagle3={bare}",
+                        "--budgets", "", "--out", str(tmp / "bare.json")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    bare_points = json.loads((tmp / "bare.json").read_text())["points"]
+    assert sorted((p["series"], p["step"], p["tau"]) for p in bare_points) == sorted(
+        (s, k, p["tau"]) for (s, k), p in got.items() if s == "chain:3 (training eval)")
     r = subprocess.run([sys.executable, "-m", "launch.scaling_curve", "measure", "--runs", f"eagle3={workdir}",
                         "--steps", "2", "--budgets", "", "--out", str(tmp / "x.json")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "kept checkpoints [1, 3, 4]" in r.stderr
+    assert r.returncode != 0 and "evaluated (eval.csv) at steps [1, 3, 4]" in r.stderr, r.stderr[-2000:]

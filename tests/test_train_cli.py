@@ -58,6 +58,11 @@ def test_init_from_another_run_copies_shared_params(tmp_path):
     assert report["copied"] == ["fc/kernel", "norm/scale"]
     assert sorted(m[0] for m in report["shape_mismatch"]) == ["heads/down/kernel", "heads/up/kernel"]
     assert report["kept_init"] == [] and report["ignored"] == []
+    # the source's lineage as it was when this run started (runs.lineage reads it, not the source now)
+    from confu_jax.runs.lineage import lineage
+
+    assert report["source_lineage"] == lineage(os.path.abspath(src), 2)
+    assert report["source_lineage"][0]["workdir"] == os.path.abspath(src) and report["source_lineage"][0]["step"] == 2
 
 
 def test_a_run_learns(tmp_path):

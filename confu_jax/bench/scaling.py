@@ -4,8 +4,9 @@ A point is one checkpoint of a training run (``train.milestones`` keeps them) me
 decoded τ on held-out questions at a budget (``bench.spec_bench.checkpoint_rows``), or the
 training evaluation's ``decode_tau/chain{D}`` (τ along the greedy chain-D decode path of the 64
 held-out conversations, ``train.acceptance.decode_path_acceptance_length``: exact for greedy chain
-decoding of the target's own greedy text). ``tokens`` is what the head has seen up to that step
-(``runs.lineage``: trained answer positions, ancestors included).
+decoding of the target's own greedy text). ``tokens`` is what the head has seen up to that step,
+ancestors included (``runs.lineage``): the tokens of its training batches by default, the same for
+every head trained on the same batches, or its trained answer positions.
 
 The fit is τ = a + b·log10(tokens) by least squares — the form the EAGLE papers' data-scaling
 tables follow over the range they cover — with a 95% confidence band for the mean line. The tokens
@@ -128,10 +129,11 @@ def fmt_tokens(n: float) -> str:
 
 
 def table(points: Sequence[Point], goals: Sequence[float] = (2.0, 2.5, 3.0),
-          tokens_per_s: Optional[dict] = None) -> tuple[str, dict]:
+          tokens_per_s: Optional[dict] = None, min_tokens: float = 0.0) -> tuple[str, dict]:
     """Markdown: one block of points per (method, series), then one line per fit with the tokens
     (and, given ``tokens_per_s`` {method: rate}, hours at that rate) each goal τ would take.
-    Returns (markdown, fits {'method|series': LogFit as dict with the goals})."""
+    Points below ``min_tokens`` are listed but not fitted. Returns (markdown, fits
+    {'method|series': LogFit as dict with the goals})."""
     groups = group(points)
     lines = ["| method | measured | step | tokens seen | τ [95% CI] | lossless |", "|---|---|---|---|---|---|"]
     for (m, s), pts in groups.items():
@@ -144,6 +146,7 @@ def table(points: Sequence[Point], goals: Sequence[float] = (2.0, 2.5, 3.0),
             "|---|---|---|---|" + "---|" * len(goals)]
     fits = {}
     for (m, s), pts in groups.items():
+        pts = [p for p in pts if p.tokens >= min_tokens]
         if len({p.tokens for p in pts}) < 2:
             continue
         f = fit_log_linear([p.tokens for p in pts], [p.tau for p in pts])
@@ -164,9 +167,10 @@ def table(points: Sequence[Point], goals: Sequence[float] = (2.0, 2.5, 3.0),
     return "\n".join(lines) + "\n\n" + "\n".join(head) + "\n", fits
 
 
-def figure(points: Sequence[Point], path: str, goals: Sequence[float] = (2.0, 2.5, 3.0)) -> None:
+def figure(points: Sequence[Point], path: str, goals: Sequence[float] = (2.0, 2.5, 3.0),
+           min_tokens: float = 0.0) -> None:
     """τ against tokens seen (log axis), one colour per method and one marker per series, each with
-    its fitted line and band extended a decade past the data."""
+    its fitted line (points from ``min_tokens`` on) and band extended a decade past the data."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,9 +190,10 @@ def figure(points: Sequence[Point], path: str, goals: Sequence[float] = (2.0, 2.
         err = None if np.all(np.isnan(lo)) else np.stack([y - lo, hi - y])
         ax.errorbar(x, y, yerr=err, fmt=markers[series.index(s) % len(markers)], color=colour, capsize=2,
                     label=f"{m}, {s}")
-        if len(set(x.tolist())) >= 2:
-            f = fit_log_linear(x, y)
-            grid = np.logspace(np.log10(x.min()), np.log10(x.max()) + 1, 50)
+        keep = x >= min_tokens
+        if len(set(x[keep].tolist())) >= 2:
+            f = fit_log_linear(x[keep], y[keep])
+            grid = np.logspace(np.log10(x[keep].min()), np.log10(x.max()) + 1, 50)
             ax.plot(grid, f.predict(grid), "-" if "eval" not in s else ":", color=colour, lw=1)
             if f.dof > 0:
                 b_lo, b_hi = f.band(grid)
@@ -196,7 +201,7 @@ def figure(points: Sequence[Point], path: str, goals: Sequence[float] = (2.0, 2.
     for g in goals:
         ax.axhline(g, color="grey", lw=0.5, ls="--")
     ax.set_xscale("log")
-    ax.set_xlabel("tokens seen (trained answer positions)")
+    ax.set_xlabel("training tokens seen")
     ax.set_ylabel("held-out τ (tokens per target pass)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")

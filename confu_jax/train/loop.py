@@ -277,9 +277,14 @@ def _restore_or_init(config, workdir: str, run: RunSetup, ckpt: Checkpointer, it
                                                model_spec=model_spec)
         state = state.replace(params=params)
         if main:
+            from confu_jax.runs.lineage import source_lineage
+
             logging.info("%s", init_report.summary())
+            # what the source had seen, fixed now: a release may be replaced later (runs.lineage)
+            record = dict(dataclasses.asdict(init_report),
+                          source_lineage=source_lineage(tc.checkpoint.init_from, init_report.step))
             with open(os.path.join(workdir, "init_from.json"), "w") as f:
-                json.dump(dataclasses.asdict(init_report), f, indent=2)
+                json.dump(record, f, indent=2)
     return state, 0, init_report
 
 
