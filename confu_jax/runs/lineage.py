@@ -73,7 +73,7 @@ def lineage(workdir: str, step: int, _depth: int = 0) -> list[dict]:
 
 def source_lineage(source: str, step: int, workdir: str = "", _depth: int = 0) -> list[dict]:
     """The lineage of what a run is initialised from (``train.checkpoint.init_from`` at ``step``):
-    a released head's manifest (its own recorded lineage, else its tokens), another run's
+    a released head's manifest (one entry: its tokens_seen already sums its own lineage), another run's
     checkpoints (that run's lineage up to ``step``), or [] (a head in another framework's format)."""
     source = os.path.abspath(source)
     if workdir and not os.path.exists(source) and os.path.basename(source.rstrip("/")) == "checkpoints":
