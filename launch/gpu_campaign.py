@@ -145,6 +145,11 @@ class Scale:
     train_batch: int = 64  # rows per step: 131k tokens
     e3_steps: int = 400  # E: EAGLE-3 steps before ConFu branches off
     plus_steps: int = 400  # P: steps every head trains after the branch point
+    # where EAGLE-3 starts from: '' = fresh; else a head or run in the working tree (e.g. the CPU
+    # release releases/heads/smollm2_eagle3, hash-checked on load, its draft LM head remapped by
+    # target id to this run's vocabulary): the GPU's tokens add to what the release has seen, and
+    # ConFu branches from that continued EAGLE-3 at step E as before
+    e3_init: str = ""
     replan: int = 1  # re-plan E and P once from EAGLE-3's measured step time
     confu_cost: float = 1.35  # ConFu step time / EAGLE-3's (the planner's assumption)
     # other drafter families trained at EAGLE-3's budget (same data, rows, length and E + P steps:
@@ -1017,6 +1022,11 @@ class Campaign:
 
         cmd = [sys.executable, "-m", "launch.train", "--config", "configs/smollm2_eagle3.py", "--workdir", workdir,
                *self.train_overrides("eagle3"), f"--config.train.steps={total}"]
+        if s.e3_init:
+            if not os.path.exists(s.e3_init):
+                raise CampaignError(f"eagle3: e3_init {s.e3_init!r} is not in the working tree that travelled "
+                                    f"(expected a head release or run directory)")
+            cmd.append(f"--config.train.checkpoint.init_from={s.e3_init}")
         budget = self.left()
         if budget < 60:
             return "later"

@@ -393,3 +393,30 @@ def test_gpu15_scale_trains_on_the_repository_releases(tmp_path, monkeypatch):
     assert overrides["draft.draft_vocab_size"] == "8192"
     # the second H200 loan: 64 rows x 2048 ran out of memory; workers off, as the run that trained
     assert overrides["data.global_batch_size"] == "32" and overrides["data.num_workers"] == "0"
+
+
+def test_eagle3_can_continue_a_release(tmp_path, monkeypatch):
+    """CAMPAIGN_E3_INIT: EAGLE-3's launch starts from that head (launch.train's init_from, which
+    checks the release's hashes and remaps its draft vocabulary); a path that did not travel is an
+    error naming it, before any launch."""
+    from launch.gpu_campaign import CampaignError
+
+    head = tmp_path / "releases" / "heads" / "smollm2_eagle3"
+    head.mkdir(parents=True)
+    launched = []
+
+    def fake_run(self, name, cmd, timeout, **kw):
+        launched.append(cmd)
+        return 0, True  # stopped by its time box: nothing trained
+
+    monkeypatch.setattr("launch.gpu_campaign.Campaign.run_cmd", fake_run)
+    c = _campaign(tmp_path / "a", scale="gpu15", env={"CAMPAIGN_E3_INIT": str(head)})
+    c.st_eagle3()
+    assert f"--config.train.checkpoint.init_from={head}" in launched[-1]
+    c = _campaign(tmp_path / "b", scale="gpu15")
+    c.st_eagle3()
+    assert not any("init_from" in a for a in launched[-1])
+    c = _campaign(tmp_path / "c", scale="gpu15", env={"CAMPAIGN_E3_INIT": str(tmp_path / "missing")})
+    with pytest.raises(CampaignError, match="missing"):
+        c.st_eagle3()
+    assert len(launched) == 2
