@@ -1588,6 +1588,46 @@ def rebuild_workdir(export_dir: str, workdir: str) -> str:
     return workdir
 
 
+def rebuild_eagle3_checkpoint(official_dir: str, run_dir: str, step: int) -> str:
+    """Give the unpacked EAGLE-3 run folder (config.json, metrics.csv, init_from.json came back; the
+    checkpoints stayed on the device) a checkpoint at ``step`` holding the official export's weights
+    and draft vocabulary, so the run is a whole launch.train workdir here: ``launch.release_head``
+    then releases it with its lineage (metrics.csv's positions plus what its init_from source had
+    seen), ``WORKDIR@STEP`` decodes it. The weights are the export's (bf16, widened to the run's
+    param dtype): the released head, not the device's float32 copy."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from confu_jax.models.params import trainable_shapes
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.runs.checkpoint import DataStateHandler, DataStateSave
+    from confu_jax.runs.heads import read_config
+    from confu_jax.weights.eagle3_formats import load_head
+
+    spec = model_spec_from_config(read_config(run_dir))
+    imp = load_head(official_dir)
+    want = trainable_shapes(spec)
+    got = {"draft": imp.draft, **{k: {} for k, v in want.items() if k != "draft" and not v}}  # EAGLE-3: empty 'confu'
+    if jax.tree_util.tree_structure(want) != jax.tree_util.tree_structure(got):
+        raise ValueError(f"{official_dir}: its tensors do not form the head {run_dir}/config.json describes "
+                         f"(expected {jax.tree_util.tree_structure(want)}, got {jax.tree_util.tree_structure(got)})")
+    params = jax.tree_util.tree_map(lambda w, a: np.asarray(a, w.dtype).reshape(w.shape), want, got)
+    mgr = ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")),
+                                options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
+                                item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                               "extras": ocp.PyTreeCheckpointHandler(),
+                                               "data": DataStateHandler()})
+    mgr.save(int(step), args=ocp.args.Composite(
+        state=ocp.args.PyTreeSave({"params": params}),
+        extras=ocp.args.PyTreeSave({"draft_vocab_d2t": np.asarray(imp.d2t, np.int32),
+                                    "draft_vocab_t2d": np.asarray(imp.t2d, bool)}),
+        data=DataStateSave({})))
+    mgr.wait_until_finished()
+    mgr.close()
+    return run_dir
+
+
 def auto_candidates(scale: Scale, family: str) -> Optional[tuple]:
     """(chains, trees) budget auto measures for a drafter family (None: bench.budget's defaults). The MTP
     module drafts at any depth with its one module: the head's plans."""
@@ -1672,6 +1712,16 @@ def cmd_unpack(args) -> int:
     if os.path.isdir(confu) and not args.no_rebuild:
         rebuild_workdir(confu, os.path.join(base, "heads", "confu_workdir"))
         report["confu_workdir"] = os.path.join(base, "heads", "confu_workdir")
+        run = os.path.join(base, "runs", "confu")
+        if os.path.isfile(os.path.join(run, "metrics.csv")):  # the run itself, for launch.release_head
+            rebuild_workdir(confu, run)
+            report["confu_run"] = run
+    eagle3 = os.path.join(base, "heads", "eagle3_official")
+    run = os.path.join(base, "runs", "eagle3")
+    if os.path.isdir(eagle3) and os.path.isfile(os.path.join(run, "config.json")) and not args.no_rebuild:
+        step = read_json(os.path.join(eagle3, "campaign_head.json"))["steps"]
+        rebuild_eagle3_checkpoint(eagle3, run, step)
+        report["eagle3_run"] = run
     print(json.dumps({"status": latest["status"], "call": latest["call"], "artifacts": report, "dest": base}, indent=1))
     for rel in sorted(glob.glob(os.path.join(base, "release", "*"))):
         print(f"data release: cp -r {rel} releases/data/  (then git add it: manifest and parts in one commit)")

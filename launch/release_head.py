@@ -26,7 +26,8 @@ from confu_jax.runs.lineage import lineage, tokens_seen  # noqa: F401  (tokens_s
 flags.DEFINE_string("workdir", None, "the launch.train workdir of an EAGLE-3 or ConFu head", required=True)
 flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
 flags.DEFINE_string("release", None, "release folder, e.g. releases/heads/smollm2_eagle3", required=True)
-flags.DEFINE_string("data", "", "the data release the head was trained on (its manifest is hashed into ours)")
+flags.DEFINE_string("data", "", "the data release(s) the head was trained on, comma-separated (each manifest is "
+                    "hashed into ours; several: a list)")
 flags.DEFINE_list("tau", [], "measured tau as METRIC=VALUE pairs (e.g. heldout_decode_chain3=1.62)")
 flags.DEFINE_bool("force", False, "replace an existing release even without a tau gain of >= 0.05")
 FLAGS = flags.FLAGS
@@ -67,13 +68,14 @@ def main(argv):
             spec, draft = eagle3_part(head.spec, head.trainable)
             export_head(tmp, "eagle3", spec, draft, head.draft_vocab["d2t"], head.draft_vocab["t2d"],
                         dtype="bfloat16", verifier=record.get("source"))
-        data = None
-        if FLAGS.data:
-            with open(os.path.join(FLAGS.data, "manifest.json"), "rb") as f:
+        data = []
+        for rel in [d for d in FLAGS.data.split(",") if d]:  # every data release the head read
+            with open(os.path.join(rel, "manifest.json"), "rb") as f:
                 raw = f.read()
             m = json.loads(raw)
-            data = {"release": FLAGS.data, "manifest_sha256": hashlib.sha256(raw).hexdigest(),
-                    "conversations": m.get("conversations"), "answer_tokens": m.get("answer_tokens")}
+            data.append({"release": rel, "manifest_sha256": hashlib.sha256(raw).hexdigest(),
+                         "conversations": m.get("conversations"), "answer_tokens": m.get("answer_tokens")})
+        data = data[0] if len(data) == 1 else (data or None)  # one release: the manifest's original form
         with open(os.path.join(workdir, "config.json")) as f:
             run_config = json.load(f)
         chain = lineage(workdir, head.step)

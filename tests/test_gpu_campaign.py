@@ -235,6 +235,20 @@ def test_unpacked_heads_load(campaign):
     for a, b in zip(jax.tree_util.tree_leaves(rebuilt.trainable), jax.tree_util.tree_leaves(trainable)):
         np.testing.assert_array_equal(a, b)
     assert glob.glob(str(campaign["dest"] / "heads" / "confu_bf16" / "*.safetensors"))
+    # the unpacked run folders get their heads back as checkpoints (launch.release_head reads them
+    # with their metrics: lineage); EAGLE-3's is the official export's weights and vocabulary
+    from confu_jax.runs.lineage import lineage
+
+    run = load_trained_head(str(campaign["dest"] / "runs" / "eagle3"))
+    assert run.step == trained.step
+    for a, b in zip(jax.tree_util.tree_leaves(run.trainable["draft"]), jax.tree_util.tree_leaves(e3.draft)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(run.draft_vocab["d2t"], e3.d2t)
+    confu_run = load_trained_head(str(campaign["dest"] / "runs" / "confu"))
+    for a, b in zip(jax.tree_util.tree_leaves(confu_run.trainable), jax.tree_util.tree_leaves(trainable)):
+        np.testing.assert_array_equal(a, b)
+    chain = lineage(str(campaign["dest"] / "runs" / "confu"), step)
+    assert chain[0]["tokens_seen"] > 0 and chain[1]["workdir"].endswith("eagle3") and chain[1]["tokens_seen"] > 0
 
 
 def test_scale_overrides_and_calls():

@@ -102,6 +102,29 @@ def test_altered_file_is_named_and_replacement_needs_a_gain(released, tmp_path):
     assert json.load(open(os.path.join(release, "manifest.json"))) == before
 
 
+def test_manifest_names_every_data_release(released, tmp_path):
+    """--data with several releases (a head trained on two): the manifest hashes each one's manifest."""
+    import hashlib
+    import shutil
+
+    workdir, release, cmd, env = released
+    copy = str(tmp_path / "rel")
+    shutil.copytree(release, copy)
+    data = []
+    for name, n in (("a", 3), ("b", 5)):
+        d = tmp_path / "data" / name
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text(json.dumps({"conversations": n, "answer_tokens": 10 * n}))
+        data.append(d)
+    cmd = [c if c != release else copy for c in cmd] + ["--force", "--data", ",".join(map(str, data))]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = hr.verify_head_release(copy)["data"]
+    assert [e["release"] for e in got] == [str(d) for d in data]
+    assert [e["conversations"] for e in got] == [3, 5] and [e["answer_tokens"] for e in got] == [30, 50]
+    assert got[1]["manifest_sha256"] == hashlib.sha256((data[1] / "manifest.json").read_bytes()).hexdigest()
+
+
 def test_tokens_seen_follow_the_init_from_lineage(tmp_path):
     """A head continued from a release and then pruned (a 1-step run initialised from it) has seen
     what its ancestors saw: lineage() sums metrics.csv's positions over the init_from.json chain."""
