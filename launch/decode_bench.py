@@ -58,6 +58,11 @@ flags.DEFINE_integer("threads", 0,
                      "slow down many-fold when another process takes one of their cores")
 flags.DEFINE_bool("hf", True, "also time transformers generate (needs torch + transformers + accelerate)")
 flags.DEFINE_bool("batched", True, "also time one batched call of ours over all prompts")
+flags.DEFINE_bool("ar_again", False, "speculative mode: decode AR again after each temperature's last row (row "
+                  "'ar_again', its speed-up against the first AR row: the machine's drift over the run)")
+flags.DEFINE_bool("interleave", False, "speculative mode: decode every row question by question in turn (who goes "
+                  "first rotating) instead of row after row, so a drift of the machine's speed falls on all rows "
+                  "alike; all rows' programs stay compiled together (a few rows)")
 flags.DEFINE_string("json_out", "", "write the figures to this JSON file as well")
 # --- speculative mode (any --methods given)
 flags.DEFINE_list("methods", [], "speculative benchmark mode: comma list of ar, eagle3, confu, confu_nomoe, "
@@ -218,7 +223,8 @@ def main_speculative():
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=FLAGS.turns,
                                   top_p=FLAGS.top_p, seed=FLAGS.seed, min_bucket=FLAGS.min_bucket,
                                   calibration=calibration, auto_chains=auto_candidates,
-                                  auto_trees=() if auto_candidates else None)
+                                  auto_trees=() if auto_candidates else None, ar_again=FLAGS.ar_again,
+                                  interleave=FLAGS.interleave)
     parts = None
     if FLAGS.resume:
         settings = {"model": FLAGS.model, "questions": [[p.category, p.question_id] for p in prompts],

@@ -57,6 +57,64 @@ def test_tiny_benchmark_rows(tmp_path):
     assert [r["lossless_greedy"] for r in doc["results"]] == [None, True, True, True, True]
 
 
+def test_interleaved_rows_decode_the_same_tokens(tmp_path):
+    """interleave: every row's questions decoded in turn give the rows of the row-after-row run
+    (same tokens, τ, losslessness; only timings differ), in the same order; compile time is still
+    kept out of the timed calls."""
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    gguf = tiny_chat_gguf(tmp_path)
+    cfg, params = load_model(gguf)
+    prompts = load_question_file(FIXTURE)[:2]
+    kw = dict(methods=["ar", "eagle3"], temperatures=[0.0], budgets=["chain:1", "chain:2"], heads={},
+              log=lambda m: None)
+    rows = {}
+    for mode in (False, True):
+        setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=12, min_bucket=64,
+                                      interleave=mode, ar_again=True)
+        rows[mode] = spec_bench.run_benchmark(setup, prompts, **kw)
+    seq, inter = rows[False], rows[True]
+    assert [(r["method"], r["budget"]) for r in inter] == [(r["method"], r["budget"]) for r in seq] == [
+        ("ar", None), ("eagle3", "chain:1"), ("eagle3", "chain:2"), ("ar_again", None)]
+    for a, b in zip(seq, inter):
+        assert (a["tau"], a["new_tokens"], a["n_target_passes"], a["lossless_greedy"]) == \
+            (b["tau"], b["new_tokens"], b["n_target_passes"], b["lossless_greedy"])
+    assert all(r["interleaved"] for r in inter[1:3]) and inter[1]["compile_s"] > 0
+    assert inter[-1]["lossless_greedy"] is True and inter[-1]["tau"] == pytest.approx(1.0)
+
+
+def test_interleaved_order_rotates():
+    """Question i is decoded by every row, the row going first rotating with i."""
+    calls = []
+
+    class Tok:
+        eos_ids = ()
+
+        def render(self, messages, add_generation_prompt=True):
+            return messages[-1]["content"]
+
+        def encode(self, text):
+            return [1, 2]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "x"
+
+    def decoder(name):
+        def decode_one(ids):
+            calls.append(name)
+            return [5, 6], [1], 0.01
+        return decode_one
+
+    from confu_jax.bench.prompts import BenchPrompt
+
+    setup = spec_bench.BenchSetup(None, None, Tok())
+    prompts = [BenchPrompt(question_id=i, category="c", turns=["q"]) for i in range(3)]
+    out = spec_bench._run_interleaved(prompts, setup, {k: decoder(k) for k in "abc"}, None)
+    assert calls == list("abc" "bca" "cab")
+    assert all(len(out[k][0]) == 3 and len(out[k][1]) == 3 for k in "abc")
+
+
 def test_decode_bench_cli_speculative_mode(tmp_path):
     """``python -m launch.decode_bench --methods ...`` on the tiny model: results + table + figure."""
     import subprocess
@@ -109,11 +167,17 @@ def test_budget_auto_row(tmp_path):
     gguf = tiny_chat_gguf(tmp_path)
     cfg, params = load_model(gguf)
     setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=10,
-                                  auto_chains=("chain:1", "chain:2"), auto_trees=())
+                                  auto_chains=("chain:1", "chain:2"), auto_trees=(), ar_again=True)
     messages = []
     rows = spec_bench.run_benchmark(setup, load_question_file(FIXTURE)[:1], methods=["ar", "eagle3"],
                                     temperatures=[0.0], budgets=["auto"], heads={}, log=messages.append)
     auto = rows[1]
+    # ar_again: AR decoded once more after the last row, its speed-up against the first AR row
+    again = rows[-1]
+    assert [r["method"] for r in rows] == ["ar", "eagle3", "ar_again"]
+    assert again["tau"] == pytest.approx(1.0) and again["lossless_greedy"] is True
+    assert again["speedup"] == pytest.approx(again["tokens_per_s"] / rows[0]["tokens_per_s"], rel=0.05)
+    assert any(m.startswith("[ar again]") for m in messages)
     assert auto["budget"] == "auto" and auto["setting"]["plan"] in ("ar", "chain:1", "chain:2")
     assert auto["nodes"] == (1 if auto["setting"]["plan"] == "ar" else int(auto["setting"]["plan"][-1]) + 1)
     assert auto["lossless_greedy"] is True
@@ -136,6 +200,8 @@ def test_budget_auto_calibrates_on_the_given_prompts(tmp_path, monkeypatch):
 
     def fake_auto_plan(spec, params, prompts, **kw):
         seen.append(prompts)
+        # calibrated at the decoding's own length and bucket (a step's cost depends on both)
+        assert (kw["max_new_tokens"], kw["min_bucket"]) == (6, 64)
         c = budget.Candidate(budget.AR, 1.0, 0.01)
         return c, [c]
 

@@ -185,18 +185,21 @@ def release_compiled() -> None:
 
 def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequence[str] = DEFAULT_CHAINS,
               trees: Sequence[str] = DEFAULT_TREES, max_new_tokens: int = 64, include_ar: bool = True,
-              log: Optional[Callable[[str], None]] = None, method: str = "eagle3"):
+              log: Optional[Callable[[str], None]] = None, method: str = "eagle3", min_bucket: int = 64):
     """Measure every candidate plan of ``method`` on the calibration prompts and choose -> (best,
     all Candidates). One compile per candidate; E[τ] is the candidate's own measured τ. With
-    ``include_ar`` plain AR (``AR``, τ = 1) competes too, so the choice may be to not speculate."""
+    ``include_ar`` plain AR (``AR``, τ = 1) competes too, so the choice may be to not speculate.
+    ``max_new_tokens`` and ``min_bucket`` should be the decoding's own: a step's cost grows with
+    the cache it attends (prompt bucket + answer length), AR's and a pass's differently."""
     cands = []
     if include_ar:
-        step_s = measure_ar(spec, params, prompts, max_new_tokens=max_new_tokens)
+        step_s = measure_ar(spec, params, prompts, max_new_tokens=max_new_tokens, min_bucket=min_bucket)
         cands.append(Candidate(AR, 1.0, step_s, method))
         if log:
             log(f"budget auto: ar: {step_s * 1e3:.1f} ms/token, {cands[-1].tokens_per_s:.1f} tokens/s")
     for plan in (*chains, *trees):
-        tau, _, pass_s = measure_plan(spec, params, plan, prompts, max_new_tokens=max_new_tokens, method=method)
+        tau, _, pass_s = measure_plan(spec, params, plan, prompts, max_new_tokens=max_new_tokens, method=method,
+                                      min_bucket=min_bucket)
         cands.append(Candidate(plan, tau, pass_s, method))
         release_compiled()
         if log:

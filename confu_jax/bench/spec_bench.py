@@ -60,6 +60,14 @@ class BenchSetup:
     # budget 'auto' calibrates on these token-id prompts, not on the measured questions (None: the
     # first two measured questions, with a warning that the choice is fitted to them)
     calibration: Optional[tuple] = None
+    # decode AR again after a temperature's last row ('ar_again'; its speed-up is against the first
+    # AR row, so ~1 when the machine kept its speed): every speed-up compares rows run minutes
+    # apart, and on a shared 2-core VM the same row has measured 10% apart in two runs
+    ar_again: bool = False
+    # run every row question by question, in turn (the first row rotating), instead of one row over
+    # all questions after another: a drift of the machine's speed then falls on every row alike
+    # (all rows' programs stay compiled together: a few rows, not dozens)
+    interleave: bool = False
 
 
 def _turn_runner(setup: BenchSetup, programs: _Programs, decode_one: Callable, record: list):
@@ -125,6 +133,22 @@ def _run_all(prompts, setup, programs, decode_one, progress):
         if progress:
             progress()
     return logs, tokens
+
+
+def _run_interleaved(prompts, setup, runs: dict, progress) -> dict:
+    """{key: (logs, tokens)} of every ``runs`` {key: decode_one}, question by question: question i
+    is decoded by every row, the row that goes first rotating with i."""
+    keys = list(runs)
+    out = {k: ([], []) for k in keys}
+    for i, p in enumerate(prompts):
+        for k in keys[i % len(keys):] + keys[:i % len(keys)]:
+            logs, tokens = out[k]
+            _, turn_logs = run_conversation(p, _turn_runner(setup, None, runs[k], tokens),
+                                            n_turns=setup.turns, system=setup.system)
+            logs.extend(turn_logs)
+        if progress:
+            progress()
+    return out
 
 
 class Parts:
@@ -256,8 +280,8 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             trees = tuple(c for c in trees if fam in plan_families(c))
             h = loaded[m]
             _, calibrations[m] = budget_lib.auto_plan(
-                h.spec, h.params, calib, max_new_tokens=min(setup.max_new_tokens, 64), log=log,
-                chains=chains, trees=trees, method=m)
+                h.spec, h.params, calib, max_new_tokens=setup.max_new_tokens, min_bucket=setup.min_bucket,
+                log=log, chains=chains, trees=trees, method=m)
         return calibrations[m]
 
     def resumed(key):
@@ -267,85 +291,150 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             log(f"[{key}] finished in an earlier run: {got[0]['tokens_per_s']:.2f} tokens/s (kept)")
         return got
 
+    def resolve(m, bud):
+        """The plan row (m, bud) decodes with -> None (skipped, logged), or (plan text, plan, head,
+        budget auto's choice or None); plan None: budget auto chose plain AR."""
+        family = get_method(m).family
+        head = loaded.get(m)
+        if family == "auto" and bud != "auto":
+            log(f"[{m}] chooses its own plan: budget {bud} skipped (only auto)")
+            return None
+        if bud != "auto" and family not in plan_families(bud):
+            log(f"[{m}] budget {bud} is not a {family} plan: skipped")
+            return None
+        best, plan_text = None, bud
+        if bud == "auto":
+            # across families (method auto): every candidate of every drafting method competes
+            cands = [c for x in (drafting if family == "auto" else [m]) for c in calibrate(x)]
+            best = budget_lib.choose(cands)
+            plan_text = best.plan
+            if family == "auto" and plan_text != budget_lib.AR:
+                head = loaded[best.method]
+            log(f"[{m}] budget auto -> {best.method if family == 'auto' else m} {plan_text} (expected "
+                f"tau {best.expected_tau:.2f}, {best.tokens_per_s:.1f} tokens/s)")
+            if plan_text == budget_lib.AR:  # speculation does not pay: decode as AR does
+                return plan_text, None, head, best
+        return plan_text, parse_drafter(best.method if family == "auto" else m, plan_text), head, best
+
     for temp in temperatures:
-        got = resumed(f"ar__T{temp:g}")
+        ar_key, again_key = f"ar__T{temp:g}", f"ar_again__T{temp:g}"
+        row_keys = [(m, bud, f"{m}__{bud}__T{temp:g}") for m in spec_methods
+                    for bud in (method_budgets or {}).get(m, budgets)]
+        resolved, pending, compiled = {}, {}, {}
+
+        def resolve_once(m, bud, key):
+            if key not in resolved:
+                resolved[key] = resolve(m, bud)
+            return resolved[key]
+
+        def done(key):
+            return parts is not None and parts.load(key) is not None
+
+        if setup.interleave:  # decode every unfinished row question by question, then assemble below
+            runs = {}
+            if not done(ar_key):
+                compiled[ar_key] = _Programs()
+                runs[ar_key] = _ar_decoder(setup, compiled[ar_key], temp)
+            for m, bud, key in row_keys:
+                r = None if done(key) else resolve_once(m, bud, key)
+                if r is not None and r[1] is not None:
+                    compiled[key] = _Programs()
+                    runs[key] = _spec_decoder(setup, compiled[key], r[2], r[1], temp)
+            if setup.ar_again and not done(again_key):
+                compiled[again_key] = _Programs()
+                runs[again_key] = _ar_decoder(setup, compiled[again_key], temp)
+            if runs:
+                b, tick = bar(f"{len(runs)} rows interleaved T={temp}")
+                pending = _run_interleaved(prompts, setup, runs, tick)
+                if b is not None:
+                    b.close()
+
+        def execute(key, make_decoder, desc):
+            """(logs, tokens, programs) of one row: from the interleaved pass, else decoded now."""
+            if key in pending:
+                logs, tokens = pending.pop(key)
+                return logs, tokens, compiled[key]
+            programs = _Programs()
+            b, tick = bar(desc)
+            logs, tokens = _run_all(prompts, setup, programs, make_decoder(programs), tick)
+            if b is not None:
+                b.close()
+            return logs, tokens, programs
+
+        got = resumed(ar_key)
         if got is not None:
             _, ar_logs, ar_tokens = got
         else:
-            programs = _Programs()
-            b, tick = bar(f"ar T={temp}")
-            ar_logs, ar_tokens = _run_all(prompts, setup, programs, _ar_decoder(setup, programs, temp), tick)
-            if b is not None:
-                b.close()
+            ar_logs, ar_tokens, programs = execute(ar_key, lambda pr: _ar_decoder(setup, pr, temp), f"ar T={temp}")
             row = metrics.summarize("ar", ar_logs, ar_logs, temperature=temp)
             row = dict(dataclasses.asdict(row), compile_s=programs.compile_s, budget=None, head=None,
                        trained=None, lossless_greedy=None)
             rows.append(intervals.annotate(row, ar_logs, ar_logs, seed=setup.seed))
             if parts is not None:
-                parts.save(f"ar__T{temp:g}", rows[-1], ar_logs, ar_tokens)
+                parts.save(ar_key, rows[-1], ar_logs, ar_tokens)
             log(f"[ar] T={temp}: {row['tokens_per_s']:.2f} tokens/s (compile {programs.compile_s:.1f} s)")
-        for m in spec_methods:
+        for m, bud, key in row_keys:
+            if resumed(key) is not None:
+                continue
             family = get_method(m).family
-            head = loaded.get(m)
-            for bud in (method_budgets or {}).get(m, budgets):
-                key = f"{m}__{bud}__T{temp:g}"
-                if resumed(key) is not None:
-                    continue
-                plan_text = bud
-                if family == "auto" and bud != "auto":
-                    log(f"[{m}] chooses its own plan: budget {bud} skipped (only auto)")
-                    continue
-                if bud != "auto" and family not in plan_families(bud):
-                    log(f"[{m}] budget {bud} is not a {family} plan: skipped")
-                    continue
-                if bud == "auto":
-                    # across families (method auto): every candidate of every drafting method competes
-                    cands = [c for x in (drafting if family == "auto" else [m]) for c in calibrate(x)]
-                    best = budget_lib.choose(cands)
-                    plan_text = best.plan
-                    if family == "auto" and plan_text != budget_lib.AR:
-                        head = loaded[best.method]
-                    log(f"[{m}] budget auto -> {best.method if family == 'auto' else m} {plan_text} (expected "
-                        f"tau {best.expected_tau:.2f}, {best.tokens_per_s:.1f} tokens/s)")
-                    if plan_text == budget_lib.AR:  # speculation does not pay: decode as AR does
-                        res = metrics.summarize(m, ar_logs, ar_logs, nodes=1, temperature=temp, depth=None,
-                                                setting={"plan": plan_text, "budget": bud})
-                        rows.append(intervals.annotate(
-                            dict(dataclasses.asdict(res), compile_s=0.0, budget=bud,
-                                 head=None if head is None else head.source,
-                                 trained=None if head is None else head.trained, lossless_greedy=True if temp == 0 else None,
-                                 n_mismatched_turns=0 if temp == 0 else None,
-                                 n_numerical_ties=0 if temp == 0 else None, first_mismatch=None),
-                            ar_logs, ar_logs, seed=setup.seed))
-                        if parts is not None:
-                            parts.save(key, rows[-1], ar_logs, ar_tokens)
-                        log(f"[{m}] {bud} (ar: speculation off) T={temp}: {rows[-1]['tokens_per_s']:.2f} tokens/s")
-                        continue
-                plan = parse_drafter(best.method if family == "auto" else m, plan_text)
-                programs = _Programs()
-                b, tick = bar(f"{m} {bud} T={temp}")
-                sp_logs, sp_tokens = _run_all(prompts, setup, programs,
-                                              _spec_decoder(setup, programs, head, plan, temp), tick)
-                if b is not None:
-                    b.close()
-                setting = {"plan": plan_text, "budget": bud}
-                if family == "auto":
-                    setting["method"] = best.method  # the family budget auto chose
-                res = metrics.summarize(m, sp_logs, ar_logs, nodes=plan.n_nodes, temperature=temp,
-                                        depth=plan.max_depth, setting=setting)
-                check = _compare(setup, ar_tokens, sp_tokens, turns_index) if temp == 0 else {
-                    "lossless_greedy": None, "n_mismatched_turns": None, "n_numerical_ties": None,
-                    "first_mismatch": None}
-                row = dict(dataclasses.asdict(res), compile_s=programs.compile_s, budget=bud,
-                           head=head.source, trained=head.trained, **check)
-                rows.append(intervals.annotate(row, sp_logs, ar_logs, seed=setup.seed))
+            r = resolve_once(m, bud, key)
+            if r is None:
+                continue
+            plan_text, plan, head, best = r
+            if plan is None:  # budget auto chose AR: the row is the AR decode itself
+                res = metrics.summarize(m, ar_logs, ar_logs, nodes=1, temperature=temp, depth=None,
+                                        setting={"plan": plan_text, "budget": bud})
+                rows.append(intervals.annotate(
+                    dict(dataclasses.asdict(res), compile_s=0.0, budget=bud,
+                         head=None if head is None else head.source,
+                         trained=None if head is None else head.trained, lossless_greedy=True if temp == 0 else None,
+                         n_mismatched_turns=0 if temp == 0 else None,
+                         n_numerical_ties=0 if temp == 0 else None, first_mismatch=None),
+                    ar_logs, ar_logs, seed=setup.seed))
                 if parts is not None:
-                    parts.save(key, rows[-1], sp_logs, sp_tokens)
-                log(f"[{m}] {bud} ({plan_text}) T={temp}: tau {row['tau']:.3f}, {row['tokens_per_s']:.2f} "
-                    f"tokens/s, speed-up {row['speedup']:.3f}, compile {programs.compile_s:.1f} s"
-                    + ("" if temp != 0 else f", lossless={row['lossless_greedy']}"))
-                del programs
+                    parts.save(key, rows[-1], ar_logs, ar_tokens)
+                log(f"[{m}] {bud} (ar: speculation off) T={temp}: {rows[-1]['tokens_per_s']:.2f} tokens/s")
+                continue
+            sp_logs, sp_tokens, programs = execute(
+                key, lambda pr, head=head, plan=plan: _spec_decoder(setup, pr, head, plan, temp), f"{m} {bud} T={temp}")
+            setting = {"plan": plan_text, "budget": bud}
+            if family == "auto":
+                setting["method"] = best.method  # the family budget auto chose
+            res = metrics.summarize(m, sp_logs, ar_logs, nodes=plan.n_nodes, temperature=temp,
+                                    depth=plan.max_depth, setting=setting)
+            check = _compare(setup, ar_tokens, sp_tokens, turns_index) if temp == 0 else {
+                "lossless_greedy": None, "n_mismatched_turns": None, "n_numerical_ties": None,
+                "first_mismatch": None}
+            row = dict(dataclasses.asdict(res), compile_s=programs.compile_s, budget=bud,
+                       head=head.source, trained=head.trained, **check)
+            if setup.interleave:
+                row["interleaved"] = True
+            rows.append(intervals.annotate(row, sp_logs, ar_logs, seed=setup.seed))
+            if parts is not None:
+                parts.save(key, rows[-1], sp_logs, sp_tokens)
+            log(f"[{m}] {bud} ({plan_text}) T={temp}: tau {row['tau']:.3f}, {row['tokens_per_s']:.2f} "
+                f"tokens/s, speed-up {row['speedup']:.3f}, compile {programs.compile_s:.1f} s"
+                + ("" if temp != 0 else f", lossless={row['lossless_greedy']}"))
+            del programs
+            if not pending:
                 budget_lib.release_compiled()  # one row's programs are never reused (mmap limit)
+        if setup.ar_again and resumed(again_key) is None:
+            again_logs, again_tokens, programs = execute(
+                again_key, lambda pr: _ar_decoder(setup, pr, temp), f"ar again T={temp}")
+            res = metrics.summarize("ar_again", again_logs, ar_logs, temperature=temp)
+            check = _compare(setup, ar_tokens, again_tokens, turns_index) if temp == 0 else {
+                "lossless_greedy": None, "n_mismatched_turns": None, "n_numerical_ties": None, "first_mismatch": None}
+            row = dict(dataclasses.asdict(res), compile_s=programs.compile_s, budget=None, head=None, trained=None,
+                       **check)
+            rows.append(intervals.annotate(row, again_logs, ar_logs, seed=setup.seed))
+            if parts is not None:
+                parts.save(again_key, rows[-1], again_logs, again_tokens)
+            ci = rows[-1].get("speedup_ci") or [float("nan")] * 2
+            log(f"[ar again] T={temp}: {row['tokens_per_s']:.2f} tokens/s, {row['speedup']:.3f}x the first AR row "
+                f"[{ci[0]:.3f}, {ci[1]:.3f}] (machine speed drift over the run)")
+            del programs
+        compiled.clear()
+        budget_lib.release_compiled()
     return rows
 
 
