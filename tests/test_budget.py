@@ -68,6 +68,45 @@ def test_auto_plan_on_tiny_model():
     assert 1.0 <= budget.tau_chain_from_accepts(accepted, 1, 3) <= 2.0
 
 
+def test_interleaved_calibration_measures_the_same_plans(monkeypatch):
+    """interleave: the candidates decode the prompts in turn (prompt by prompt, the first rotating),
+    with the same τ as one candidate after another; only the order of the timed calls changes."""
+    from confu_jax.decode import spec_params as spec_params_lib
+    from confu_jax.models.vocab_map import identity_draft_vocab
+    from confu_jax.models.presets import get_preset
+    from confu_jax.models.spec import HeadConfig, ModelSpec
+    from tests.model_fakes import tiny_params
+
+    vocab = 4
+    spec = ModelSpec(get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=()),
+                     HeadConfig(variant="eagle3", draft_vocab_size=vocab, init_std=0.2))
+    tp, tr = tiny_params(spec, 0)
+    params = spec_params_lib.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
+    prompts = [[1, 2, 3, 0, 1], [3, 3, 2], [2, 1]]
+    order = []
+    real_plan, real_ar = budget._plan_runner, budget._ar_runner
+
+    def spy(name, decode):
+        def run(prompt, timed=True):
+            if timed:
+                order.append((name, tuple(prompt)))
+            return decode(prompt, timed)
+        return run
+
+    monkeypatch.setattr(budget, "_plan_runner", lambda s, p, plan, **kw: spy(plan, real_plan(s, p, plan, **kw)))
+    monkeypatch.setattr(budget, "_ar_runner", lambda s, p, **kw: spy("ar", real_ar(s, p, **kw)))
+    kw = dict(chains=("chain:1", "chain:2"), trees=(), max_new_tokens=12, min_bucket=16)
+    _, seq = budget.auto_plan(spec, params, prompts, **kw)
+    order.clear()
+    _, inter = budget.auto_plan(spec, params, prompts, interleave=True, **kw)
+    assert [c.plan for c in inter] == [c.plan for c in seq] == ["ar", "chain:1", "chain:2"]
+    assert [c.expected_tau for c in inter] == [c.expected_tau for c in seq]
+    timed = order[-9:]
+    assert [n for n, _ in timed] == ["ar", "chain:1", "chain:2", "chain:1", "chain:2", "ar", "chain:2", "ar",
+                                     "chain:1"]
+    assert [p for _, p in timed] == [tuple(p) for p in prompts for _ in range(3)]
+
+
 def test_ar_wins_when_speculation_does_not_pay():
     """Budget auto can say no: a plan whose tau does not cover its pass cost loses to plain AR."""
     ar = Candidate(budget.AR, 1.0, 0.050)

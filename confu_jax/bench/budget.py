@@ -116,6 +116,68 @@ def choose(candidates: Sequence[Candidate]) -> Candidate:
     return min(candidates, key=lambda c: (-c.tokens_per_s, plan_nodes(c.plan, c.method)))
 
 
+def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: int, method: str):
+    """decode(prompt) -> (seconds, passes, accepted lengths incl. bonus) of ``method``'s ``plan``,
+    greedy, EOS off, batch 1; and the warm-up that compiles it for ``prompts``' buckets."""
+    import jax
+
+    from confu_jax.decode.drafters import parse_drafter
+    from confu_jax.decode.loop import generate_speculative
+
+    p = parse_drafter(method, plan)
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
+
+    def decode(prompt, timed=True):
+        if not timed:  # a warm-up call: compiles, is not measured
+            return jax.block_until_ready(generate_speculative(spec, params, p, [list(prompt)], **kw))
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(generate_speculative(spec, params, p, [list(prompt)], **kw))
+        seconds = time.perf_counter() - t0
+        n = int(np.asarray(res.n_passes_b)[0])
+        return seconds, n, np.asarray(res.accept_log_bi)[0, :n].tolist()
+
+    return decode
+
+
+def _ar_runner(spec, params, *, max_new_tokens: int, min_bucket: int):
+    """decode(prompt) -> (seconds, steps after the first token, [1] * steps) of plain AR decoding
+    of the target (greedy, EOS off, batch 1): the first token comes from the prefill."""
+    import jax
+
+    from confu_jax.decode.generate import generate_ar
+
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
+
+    def decode(prompt, timed=True):
+        if not timed:  # a warm-up call: compiles, is not measured
+            return jax.block_until_ready(generate_ar(params.target, spec.target, [list(prompt)], **kw))
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(generate_ar(params.target, spec.target, [list(prompt)], **kw))
+        seconds = time.perf_counter() - t0
+        steps = max(1, int(np.asarray(res.n_generated_b)[0]) - 1)
+        return seconds, steps, [1] * steps
+
+    return decode
+
+
+def _warm(decode, prompts, min_bucket: int) -> None:
+    """Compile ``decode``'s programs for every prompt bucket (one untimed call per bucket)."""
+    from confu_jax.decode.requests import one_prompt_per_bucket
+
+    for prompt in one_prompt_per_bucket(prompts, min_bucket):
+        decode(prompt, timed=False)
+
+
+def _summarise(timed, what: str):
+    """(mean τ, accepted drafts per pass, seconds per pass) of [(seconds, passes, accept log)]."""
+    seconds = sum(t[0] for t in timed)
+    passes = sum(t[1] for t in timed)
+    if not passes:
+        raise ValueError(f"calibration with {what} made no verification pass")
+    per_pass = np.asarray([a for t in timed for a in t[2]], np.float64)
+    return float(per_pass.mean()), per_pass - 1, seconds / passes
+
+
 def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                  min_bucket: int = 64, method: str = "eagle3"):
     """(mean τ, accepted-draft counts per pass, seconds per pass) of ``method``'s ``plan``, greedy,
@@ -126,28 +188,9 @@ def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, m
     (``decode.requests.one_prompt_per_bucket``; warming only the first prompt put the other buckets'
     compilation inside the timed calls and doubled SmolLM2's measured pass cost, docs/RESULTS.md),
     then every prompt is decoded once, batch 1, and timed."""
-    import jax
-
-    from confu_jax.decode.drafters import parse_drafter
-    from confu_jax.decode.loop import generate_speculative
-    from confu_jax.decode.requests import one_prompt_per_bucket
-
-    p = parse_drafter(method, plan)
-    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
-    for prompt in one_prompt_per_bucket(prompts, min_bucket):
-        jax.block_until_ready(generate_speculative(spec, params, p, [list(prompt)], **kw))
-    per_pass, seconds, passes = [], 0.0, 0
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        res = jax.block_until_ready(generate_speculative(spec, params, p, [list(prompt)], **kw))
-        seconds += time.perf_counter() - t0
-        n = int(np.asarray(res.n_passes_b)[0])
-        passes += n
-        per_pass.extend(np.asarray(res.accept_log_bi)[0, :n].tolist())
-    if not passes:
-        raise ValueError(f"calibration with {plan} made no verification pass")
-    per_pass = np.asarray(per_pass)
-    return float(per_pass.mean()), per_pass - 1, seconds / passes
+    decode = _plan_runner(spec, params, plan, max_new_tokens=max_new_tokens, min_bucket=min_bucket, method=method)
+    _warm(decode, prompts, min_bucket)
+    return _summarise([decode(p) for p in prompts], plan)
 
 
 def measure_ar(spec, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
@@ -155,21 +198,9 @@ def measure_ar(spec, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
     """Seconds per token of plain AR decoding of the target in ``params`` (greedy, EOS off, batch 1),
     on the same prompts and bucket as ``measure_plan``: the wall time over the tokens after the
     first (which comes from the prefill)."""
-    import jax
-
-    from confu_jax.decode.generate import generate_ar
-    from confu_jax.decode.requests import one_prompt_per_bucket
-
-    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
-    for prompt in one_prompt_per_bucket(prompts, min_bucket):
-        jax.block_until_ready(generate_ar(params.target, spec.target, [list(prompt)], **kw))
-    seconds, steps = 0.0, 0
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        res = jax.block_until_ready(generate_ar(params.target, spec.target, [list(prompt)], **kw))
-        seconds += time.perf_counter() - t0
-        steps += max(1, int(np.asarray(res.n_generated_b)[0]) - 1)
-    return seconds / steps
+    decode = _ar_runner(spec, params, max_new_tokens=max_new_tokens, min_bucket=min_bucket)
+    _warm(decode, prompts, min_bucket)
+    return _summarise([decode(p) for p in prompts], "ar")[2]
 
 
 def release_compiled() -> None:
@@ -185,24 +216,45 @@ def release_compiled() -> None:
 
 def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequence[str] = DEFAULT_CHAINS,
               trees: Sequence[str] = DEFAULT_TREES, max_new_tokens: int = 64, include_ar: bool = True,
-              log: Optional[Callable[[str], None]] = None, method: str = "eagle3", min_bucket: int = 64):
+              log: Optional[Callable[[str], None]] = None, method: str = "eagle3", min_bucket: int = 64,
+              interleave: bool = False):
     """Measure every candidate plan of ``method`` on the calibration prompts and choose -> (best,
     all Candidates). One compile per candidate; E[τ] is the candidate's own measured τ. With
     ``include_ar`` plain AR (``AR``, τ = 1) competes too, so the choice may be to not speculate.
     ``max_new_tokens`` and ``min_bucket`` should be the decoding's own: a step's cost grows with
-    the cache it attends (prompt bucket + answer length), AR's and a pass's differently."""
+    the cache it attends (prompt bucket + answer length), AR's and a pass's differently.
+
+    ``interleave``: every candidate decodes prompt 1, then every candidate prompt 2, ... (the first
+    rotating), instead of one candidate over all prompts after another: a change of the machine's
+    speed during calibration then moves every candidate alike instead of favouring the ones measured
+    while it was fast (on the shared 2-core VM, AR calibrated 7% apart in two runs: more than the
+    margin auto decides by, docs/RESULTS.md). All candidates' programs stay compiled together."""
+    kw = dict(max_new_tokens=max_new_tokens, min_bucket=min_bucket)
+    runners = ([(AR, _ar_runner(spec, params, **kw))] if include_ar else []) + [
+        (plan, _plan_runner(spec, params, plan, method=method, **kw)) for plan in (*chains, *trees)]
+    timed = {plan: [] for plan, _ in runners}
+    if interleave:
+        for _, decode in runners:
+            _warm(decode, prompts, min_bucket)
+        for i, prompt in enumerate(prompts):
+            r = i % len(runners)
+            for plan, decode in runners[r:] + runners[:r]:
+                timed[plan].append(decode(prompt))
+    else:
+        for plan, decode in runners:
+            _warm(decode, prompts, min_bucket)
+            timed[plan] = [decode(p) for p in prompts]
+            if plan != AR:
+                release_compiled()  # each candidate's programs are used once (mmap limit)
     cands = []
-    if include_ar:
-        step_s = measure_ar(spec, params, prompts, max_new_tokens=max_new_tokens, min_bucket=min_bucket)
-        cands.append(Candidate(AR, 1.0, step_s, method))
-        if log:
-            log(f"budget auto: ar: {step_s * 1e3:.1f} ms/token, {cands[-1].tokens_per_s:.1f} tokens/s")
-    for plan in (*chains, *trees):
-        tau, _, pass_s = measure_plan(spec, params, plan, prompts, max_new_tokens=max_new_tokens, method=method,
-                                      min_bucket=min_bucket)
-        cands.append(Candidate(plan, tau, pass_s, method))
-        release_compiled()
-        if log:
+    for plan, _ in runners:
+        tau, _, pass_s = _summarise(timed[plan], plan)
+        cands.append(Candidate(plan, 1.0 if plan == AR else tau, pass_s, method))
+        if log and plan == AR:
+            log(f"budget auto: ar: {pass_s * 1e3:.1f} ms/token, {cands[-1].tokens_per_s:.1f} tokens/s")
+        elif log:
             log(f"budget auto: {plan}: E[tau]={tau:.3f}, {pass_s * 1e3:.1f} ms/pass, "
                 f"{cands[-1].tokens_per_s:.1f} tokens/s expected")
+    if interleave:
+        release_compiled()
     return choose(cands), cands

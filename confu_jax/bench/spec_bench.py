@@ -281,7 +281,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             h = loaded[m]
             _, calibrations[m] = budget_lib.auto_plan(
                 h.spec, h.params, calib, max_new_tokens=setup.max_new_tokens, min_bucket=setup.min_bucket,
-                log=log, chains=chains, trees=trees, method=m)
+                log=log, chains=chains, trees=trees, method=m, interleave=setup.interleave)
         return calibrations[m]
 
     def resumed(key):
