@@ -216,8 +216,12 @@ TINY = dict(  # the CPU dry run: same stages and flags, a tiny model, a dozen co
 # call's 64 MiB together with the results.
 # The second loan (docs/RESULTS.md "H200: the GPU campaign trains both heads") trained with data
 # workers and autotuning off, and needed 32 rows: 64 rows x 2048 tokens ran out of the H200's memory.
+# The third loan continued the CPU release instead (e3_init): both heads beat the releases on
+# MT-Bench (docs/RESULTS.md "H200, third loan"), so the 15-minute scale now adds its steps to the
+# released EAGLE-3 head, at the release's 4096-token draft vocabulary (each loan's heads, when
+# released, are the next loan's start).
 GPU15 = dict(
-    gen_passes=0, draft_vocab=8192, num_workers=0, train_batch=32, e3_steps=100, plus_steps=100, train_s=390, min_steps=40, log_every=1,
+    gen_passes=0, draft_vocab=4096, e3_init="releases/heads/smollm2_eagle3", num_workers=0, train_batch=32, e3_steps=100, plus_steps=100, train_s=390, min_steps=40, log_every=1,
     train_xla_flags="--xla_gpu_autotune_level=0", bench_methods="eagle3,confu", bench_budgets="chain:3",
     bench_n_per_category=1, bench_calibration="", bench_s=110, total_s=820, call_s=565)
 SCALES = {"gpu": {}, "gpu15": GPU15, "tiny": TINY}

@@ -404,7 +404,7 @@ def test_gpu15_scale_trains_on_the_repository_releases(tmp_path, monkeypatch):
     assert "autotune" in s.train_xla_flags
     overrides = dict(o[len("--config."):].split("=", 1) for o in c.train_overrides("eagle3"))
     assert overrides["data.train_files"] == str(root / "releases" / "data" / "sharegpt_smollm2_gpu")
-    assert overrides["draft.draft_vocab_size"] == "8192"
+    assert overrides["draft.draft_vocab_size"] == "4096" and s.e3_init == "releases/heads/smollm2_eagle3"
     # the second H200 loan: 64 rows x 2048 ran out of memory; workers off, as the run that trained
     assert overrides["data.global_batch_size"] == "32" and overrides["data.num_workers"] == "0"
 
@@ -427,7 +427,7 @@ def test_eagle3_can_continue_a_release(tmp_path, monkeypatch):
     c = _campaign(tmp_path / "a", scale="gpu15", env={"CAMPAIGN_E3_INIT": str(head)})
     c.st_eagle3()
     assert f"--config.train.checkpoint.init_from={head}" in launched[-1]
-    c = _campaign(tmp_path / "b", scale="gpu15")
+    c = _campaign(tmp_path / "b", scale="gpu")
     c.st_eagle3()
     assert not any("init_from" in a for a in launched[-1])
     c = _campaign(tmp_path / "c", scale="gpu15", env={"CAMPAIGN_E3_INIT": str(tmp_path / "missing")})
