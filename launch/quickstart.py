@@ -30,7 +30,8 @@ With ``--train``, the heads are trained here first:
 Decoding (both paths): AR, the heads, model-free prompt lookup, hybrid (lookup where it matches,
 the EAGLE-3 head elsewhere) and ``auto`` (budget auto across those families: the drafter and plan
 measured fastest on ``--n_calibration`` held-out MT-Bench questions, or AR where nothing pays) on
-``--n_prompts`` MT-Bench questions (one per category first), greedy, ``--tree`` draft plan; prints
+``--n_prompts`` MT-Bench questions (one per category first), greedy, ``--tree`` draft plan, every
+question decoded by every row in turn (``BenchSetup.interleave``: speed-ups free of drift); prints
 the τ / SR table (``confu_jax.bench``), what ``auto`` chose, and whether every speculative output
 equals AR's token for token (the lossless check). Results also go to ``--out`` (JSON + .md + .png).
 """
@@ -286,10 +287,13 @@ def main(argv):
     calib = held_out[:: max(1, len(held_out) // max(FLAGS.n_calibration, 1))][: FLAGS.n_calibration]
     calibration = tuple(tok.encode(tok.render([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True))
                         for q in calib)
-    # budget auto's candidates: chains (trees do not pay on a CPU: docs/RESULTS.md) and AR
+    # budget auto's candidates: short chains (trees do not pay on a CPU; the released EAGLE-3 head is
+    # fastest at chain:1: docs/RESULTS.md "H200, third loan") and AR. Rows and calibration are
+    # interleaved question by question, so a change of the machine's speed during the run does not
+    # land on one row (the same row measured 14% apart in two row-after-row runs)
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=1,
-                                  calibration=calibration or None, auto_chains=("chain:2", "chain:3", "chain:4"),
-                                  auto_trees=())
+                                  calibration=calibration or None, auto_chains=("chain:1", "chain:2", "chain:3"),
+                                  auto_trees=(), interleave=True)
     # beside the heads: model-free prompt lookup, lookup + the EAGLE-3 head (hybrid), and auto
     heads["hybrid"] = heads["eagle3"]
     methods = ["ar", *variants, "lookup", "hybrid"] + (["auto"] if calibration else [])
