@@ -1568,28 +1568,33 @@ def rebuild_workdir(export_dir: str, workdir: str) -> str:
     """A launch.train-style workdir (config.json, target.json, checkpoints/<step> with the params and
     the draft vocabulary) from an ``export_confu`` directory, so ``decode_bench --heads confu=DIR``
     and ``launch.generate --draft_ckpt DIR`` load it here."""
-    import orbax.checkpoint as ocp
-
-    from confu_jax.runs.checkpoint import DataStateSave
-
     config, trainable, vocab, step = load_exported(export_dir)
     os.makedirs(workdir, exist_ok=True)
     for f in ("config.json", "target.json"):
         if os.path.isfile(os.path.join(export_dir, f)):
             shutil.copyfile(os.path.join(export_dir, f), os.path.join(workdir, f))
+    _save_head_checkpoint(workdir, step, trainable, vocab["d2t"], vocab["t2d"])
+    return workdir
+
+
+def _save_head_checkpoint(workdir: str, step: int, params, d2t, t2d) -> None:
+    """``workdir/checkpoints/<step>`` as launch.train lays it out for a head (the params, the draft
+    vocabulary as extras, an empty data state): what ``runs.heads.load_trained_head`` reads."""
+    import orbax.checkpoint as ocp
+
+    from confu_jax.runs.checkpoint import DataStateHandler, DataStateSave
+
     mgr = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
                                 options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
                                 item_handlers={"state": ocp.PyTreeCheckpointHandler(),
                                                "extras": ocp.PyTreeCheckpointHandler(),
-                                               "data": __import__("confu_jax.runs.checkpoint",
-                                                                  fromlist=["DataStateHandler"]).DataStateHandler()})
-    mgr.save(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeSave({"params": trainable}),
-        extras=ocp.args.PyTreeSave({"draft_vocab_d2t": vocab["d2t"], "draft_vocab_t2d": vocab["t2d"]}),
+                                               "data": DataStateHandler()})
+    mgr.save(int(step), args=ocp.args.Composite(
+        state=ocp.args.PyTreeSave({"params": params}),
+        extras=ocp.args.PyTreeSave({"draft_vocab_d2t": d2t, "draft_vocab_t2d": t2d}),
         data=DataStateSave({})))
     mgr.wait_until_finished()
     mgr.close()
-    return workdir
 
 
 def rebuild_eagle3_checkpoint(official_dir: str, run_dir: str, step: int) -> str:
@@ -1601,11 +1606,9 @@ def rebuild_eagle3_checkpoint(official_dir: str, run_dir: str, step: int) -> str
     param dtype): the released head, not the device's float32 copy."""
     import jax
     import numpy as np
-    import orbax.checkpoint as ocp
 
     from confu_jax.models.params import trainable_shapes
     from confu_jax.models.spec import model_spec_from_config
-    from confu_jax.runs.checkpoint import DataStateHandler, DataStateSave
     from confu_jax.runs.heads import read_config
     from confu_jax.weights.eagle3_formats import load_head
 
@@ -1617,18 +1620,7 @@ def rebuild_eagle3_checkpoint(official_dir: str, run_dir: str, step: int) -> str
         raise ValueError(f"{official_dir}: its tensors do not form the head {run_dir}/config.json describes "
                          f"(expected {jax.tree_util.tree_structure(want)}, got {jax.tree_util.tree_structure(got)})")
     params = jax.tree_util.tree_map(lambda w, a: np.asarray(a, w.dtype).reshape(w.shape), want, got)
-    mgr = ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")),
-                                options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
-                                item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                               "extras": ocp.PyTreeCheckpointHandler(),
-                                               "data": DataStateHandler()})
-    mgr.save(int(step), args=ocp.args.Composite(
-        state=ocp.args.PyTreeSave({"params": params}),
-        extras=ocp.args.PyTreeSave({"draft_vocab_d2t": np.asarray(imp.d2t, np.int32),
-                                    "draft_vocab_t2d": np.asarray(imp.t2d, bool)}),
-        data=DataStateSave({})))
-    mgr.wait_until_finished()
-    mgr.close()
+    _save_head_checkpoint(run_dir, step, params, np.asarray(imp.d2t, np.int32), np.asarray(imp.t2d, bool))
     return run_dir
 
 

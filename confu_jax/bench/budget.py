@@ -116,11 +116,21 @@ def choose(candidates: Sequence[Candidate]) -> Candidate:
     return min(candidates, key=lambda c: (-c.tokens_per_s, plan_nodes(c.plan, c.method)))
 
 
-def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: int, method: str):
-    """decode(prompt) -> (seconds, passes, accepted lengths incl. bonus) of ``method``'s ``plan``,
-    greedy, EOS off, batch 1; and the warm-up that compiles it for ``prompts``' buckets."""
+def _timed_call(run, timed: bool):
+    """(result, seconds) of ``run()`` blocked until ready; an untimed call (a warm-up: it compiles)
+    reads no clock."""
     import jax
 
+    if not timed:
+        return jax.block_until_ready(run()), None
+    t0 = time.perf_counter()
+    res = jax.block_until_ready(run())
+    return res, time.perf_counter() - t0
+
+
+def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: int, method: str):
+    """decode(prompt) -> (seconds, passes, accepted lengths incl. bonus) of ``method``'s ``plan``,
+    greedy, EOS off, batch 1 (``timed=False``: a warm-up call, nothing returned)."""
     from confu_jax.decode.drafters import parse_drafter
     from confu_jax.decode.loop import generate_speculative
 
@@ -128,11 +138,9 @@ def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: in
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
 
     def decode(prompt, timed=True):
-        if not timed:  # a warm-up call: compiles, is not measured
-            return jax.block_until_ready(generate_speculative(spec, params, p, [list(prompt)], **kw))
-        t0 = time.perf_counter()
-        res = jax.block_until_ready(generate_speculative(spec, params, p, [list(prompt)], **kw))
-        seconds = time.perf_counter() - t0
+        res, seconds = _timed_call(lambda: generate_speculative(spec, params, p, [list(prompt)], **kw), timed)
+        if not timed:
+            return None
         n = int(np.asarray(res.n_passes_b)[0])
         return seconds, n, np.asarray(res.accept_log_bi)[0, :n].tolist()
 
@@ -142,18 +150,14 @@ def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: in
 def _ar_runner(spec, params, *, max_new_tokens: int, min_bucket: int):
     """decode(prompt) -> (seconds, steps after the first token, [1] * steps) of plain AR decoding
     of the target (greedy, EOS off, batch 1): the first token comes from the prefill."""
-    import jax
-
     from confu_jax.decode.generate import generate_ar
 
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
 
     def decode(prompt, timed=True):
-        if not timed:  # a warm-up call: compiles, is not measured
-            return jax.block_until_ready(generate_ar(params.target, spec.target, [list(prompt)], **kw))
-        t0 = time.perf_counter()
-        res = jax.block_until_ready(generate_ar(params.target, spec.target, [list(prompt)], **kw))
-        seconds = time.perf_counter() - t0
+        res, seconds = _timed_call(lambda: generate_ar(params.target, spec.target, [list(prompt)], **kw), timed)
+        if not timed:
+            return None
         steps = max(1, int(np.asarray(res.n_generated_b)[0]) - 1)
         return seconds, steps, [1] * steps
 
@@ -249,7 +253,7 @@ def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequenc
     cands = []
     for plan, _ in runners:
         tau, _, pass_s = _summarise(timed[plan], plan)
-        cands.append(Candidate(plan, 1.0 if plan == AR else tau, pass_s, method))
+        cands.append(Candidate(plan, tau, pass_s, method))  # AR: τ = 1 (one token a step)
         if log and plan == AR:
             log(f"budget auto: ar: {pass_s * 1e3:.1f} ms/token, {cands[-1].tokens_per_s:.1f} tokens/s")
         elif log:
