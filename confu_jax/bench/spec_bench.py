@@ -219,6 +219,33 @@ def _compare(setup: BenchSetup, ar_turns, sp_turns, turns_index) -> dict:
     return compare_greedy(setup.target_params, setup.target_cfg, turns_index, ar_turns, sp_turns)
 
 
+def _bar(progress_factory, total: int, desc: str):
+    """(progress bar or None, its tick) over ``total`` questions."""
+    if progress_factory is None:
+        return None, lambda: None
+    b = progress_factory(total=total, desc=desc)
+    return b, b.update
+
+
+def _ar_row(method: str, logs, ar_logs, *, temperature: float, compile_s: float, seed: int, **extra) -> dict:
+    """A result row of an AR decode (the baseline, or AR again against it): no head, no plan."""
+    res = metrics.summarize(method, logs, ar_logs, temperature=temperature)
+    row = dict(dataclasses.asdict(res), compile_s=compile_s, budget=None, head=None, trained=None)
+    row.update({"lossless_greedy": None, **extra})
+    return intervals.annotate(row, logs, ar_logs, seed=seed)
+
+
+def _spec_row(method: str, logs, ar_logs, *, plan, setting: dict, budget: str, head, temperature: float,
+              compile_s: float, seed: int, **extra) -> dict:
+    """A result row of a speculative decode of ``head`` with drafter ``plan`` against the AR row;
+    ``extra``: the lossless check's fields and labels."""
+    res = metrics.summarize(method, logs, ar_logs, nodes=plan.n_nodes, temperature=temperature,
+                            depth=plan.max_depth, setting=setting)
+    row = dict(dataclasses.asdict(res), compile_s=compile_s, budget=budget, head=head.source,
+               trained=head.trained, **extra)
+    return intervals.annotate(row, logs, ar_logs, seed=seed)
+
+
 def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods: Sequence[str],
                   temperatures: Sequence[float], budgets: Sequence[str], heads: dict,
                   log: Callable[[str], None] = print, progress_factory=None,
@@ -254,10 +281,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
     rows = []
 
     def bar(desc):
-        if progress_factory is None:
-            return None, lambda: None
-        b = progress_factory(total=len(prompts), desc=desc)
-        return b, b.update
+        return _bar(progress_factory, len(prompts), desc)
 
     calibrations: dict = {}
 
@@ -373,13 +397,11 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             _, ar_logs, ar_tokens = got
         else:
             ar_logs, ar_tokens, programs = execute(ar_key, lambda pr: _ar_decoder(setup, pr, temp), f"ar T={temp}")
-            row = metrics.summarize("ar", ar_logs, ar_logs, temperature=temp)
-            row = dict(dataclasses.asdict(row), compile_s=programs.compile_s, budget=None, head=None,
-                       trained=None, lossless_greedy=None)
-            rows.append(intervals.annotate(row, ar_logs, ar_logs, seed=setup.seed))
+            rows.append(_ar_row("ar", ar_logs, ar_logs, temperature=temp, compile_s=programs.compile_s,
+                                seed=setup.seed))
             if parts is not None:
                 parts.save(ar_key, rows[-1], ar_logs, ar_tokens)
-            log(f"[ar] T={temp}: {row['tokens_per_s']:.2f} tokens/s (compile {programs.compile_s:.1f} s)")
+            log(f"[ar] T={temp}: {rows[-1]['tokens_per_s']:.2f} tokens/s (compile {programs.compile_s:.1f} s)")
         for m, bud, key in row_keys:
             if resumed(key) is not None:
                 continue
@@ -407,14 +429,10 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             setting = {"plan": plan_text, "budget": bud}
             if family == "auto":
                 setting["method"] = best.method  # the family budget auto chose
-            res = metrics.summarize(m, sp_logs, ar_logs, nodes=plan.n_nodes, temperature=temp,
-                                    depth=plan.max_depth, setting=setting)
-            check = lossless(sp_tokens)
-            row = dict(dataclasses.asdict(res), compile_s=programs.compile_s, budget=bud,
-                       head=head.source, trained=head.trained, **check)
-            if setup.interleave:
-                row["interleaved"] = True
-            rows.append(intervals.annotate(row, sp_logs, ar_logs, seed=setup.seed))
+            rows.append(_spec_row(m, sp_logs, ar_logs, plan=plan, setting=setting, budget=bud, head=head,
+                                  temperature=temp, compile_s=programs.compile_s, seed=setup.seed,
+                                  **lossless(sp_tokens), **({"interleaved": True} if setup.interleave else {})))
+            row = rows[-1]
             if parts is not None:
                 parts.save(key, rows[-1], sp_logs, sp_tokens)
             log(f"[{m}] {bud} ({plan_text}) T={temp}: tau {row['tau']:.3f}, {row['tokens_per_s']:.2f} "
@@ -426,14 +444,12 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
         if setup.ar_again and resumed(again_key) is None:
             again_logs, again_tokens, programs = execute(
                 again_key, lambda pr: _ar_decoder(setup, pr, temp), f"ar again T={temp}")
-            res = metrics.summarize("ar_again", again_logs, ar_logs, temperature=temp)
-            check = lossless(again_tokens)
-            row = dict(dataclasses.asdict(res), compile_s=programs.compile_s, budget=None, head=None, trained=None,
-                       **check)
-            rows.append(intervals.annotate(row, again_logs, ar_logs, seed=setup.seed))
+            rows.append(_ar_row("ar_again", again_logs, ar_logs, temperature=temp, compile_s=programs.compile_s,
+                                seed=setup.seed, **lossless(again_tokens)))
+            row = rows[-1]
             if parts is not None:
-                parts.save(again_key, rows[-1], again_logs, again_tokens)
-            ci = rows[-1].get("speedup_ci") or [float("nan")] * 2
+                parts.save(again_key, row, again_logs, again_tokens)
+            ci = row.get("speedup_ci") or [float("nan")] * 2
             log(f"[ar again] T={temp}: {row['tokens_per_s']:.2f} tokens/s, {row['speedup']:.3f}x the first AR row "
                 f"[{ci[0]:.3f}, {ci[1]:.3f}] (machine speed drift over the run)")
             del programs
@@ -460,10 +476,7 @@ def checkpoint_rows(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, method
     from confu_jax.decode.heads import decode_head
 
     def bar(desc):
-        if progress_factory is None:
-            return None, lambda: None
-        b = progress_factory(total=len(prompts), desc=desc)
-        return b, b.update
+        return _bar(progress_factory, len(prompts), desc)
 
     turns_index = [(p.question_id, t) for p in prompts for t in range(min(setup.turns, len(p.turns)))]
     programs = _Programs()
@@ -471,10 +484,8 @@ def checkpoint_rows(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, method
     ar_logs, ar_tokens = _run_all(prompts, setup, programs, _ar_decoder(setup, programs, 0.0), tick)
     if b is not None:
         b.close()
-    ar = metrics.summarize("ar", ar_logs, ar_logs, temperature=0.0)
-    rows = [intervals.annotate(dict(dataclasses.asdict(ar), compile_s=programs.compile_s, budget=None, head=None,
-                                    trained=None, lossless_greedy=None, label="ar"), ar_logs, ar_logs,
-                               seed=setup.seed)]
+    rows = [_ar_row("ar", ar_logs, ar_logs, temperature=0.0, compile_s=programs.compile_s, seed=setup.seed,
+                    label="ar")]
     log(f"[ar] {rows[0]['tokens_per_s']:.2f} tokens/s")
     del programs
     for bud in budgets:
@@ -489,11 +500,10 @@ def checkpoint_rows(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, method
                                           tick)
             if b is not None:
                 b.close()
-            res = metrics.summarize(method, sp_logs, ar_logs, nodes=plan.n_nodes, temperature=0.0,
-                                    depth=plan.max_depth, setting={"plan": bud, "budget": bud})
-            row = dict(dataclasses.asdict(res), compile_s=programs.compile_s, budget=bud, head=head.source,
-                       trained=head.trained, label=label, **_compare(setup, ar_tokens, sp_tokens, turns_index))
-            rows.append(intervals.annotate(row, sp_logs, ar_logs, seed=setup.seed))
+            rows.append(_spec_row(method, sp_logs, ar_logs, plan=plan, setting={"plan": bud, "budget": bud},
+                                  budget=bud, head=head, temperature=0.0, compile_s=programs.compile_s,
+                                  seed=setup.seed, label=label, **_compare(setup, ar_tokens, sp_tokens, turns_index)))
+            row = rows[-1]
             log(f"[{method} {label}] {bud}: tau {row['tau']:.3f} {row['tau_ci']}, lossless={row['lossless_greedy']}")
         del programs
         budget_lib.release_compiled()
