@@ -301,6 +301,22 @@ def test_replan_fits_the_time_box(tmp_path):
     assert c2.plan()["e3"] == 2 * s.e3_steps  # capped at twice the plan
 
 
+def test_gpu15_plan_needs_no_relaunch_at_the_measured_step_time(tmp_path):
+    """At the step time the third H200 loan measured (2.0 s, re-planned at step 6 after 81 s), the
+    15-minute scale's own plan is what the re-plan computes: EAGLE-3 keeps running (no relaunch);
+    a machine 4x faster gets more steps (a relaunch that pays)."""
+    c = _campaign(tmp_path, scale="gpu15")
+    c.stage("eagle3")["started_t"] = time.time() - 81
+    t0 = time.time()
+    watch = {"t": [t0 + 2.0 * i for i in range(7)], "step": list(range(7))}
+    before = (c.plan()["e3"], c.plan()["plus"])
+    assert c._replan(watch) is False and (c.plan()["e3"], c.plan()["plus"]) == before
+    fast = _campaign(tmp_path / "fast", scale="gpu15")
+    fast.stage("eagle3")["started_t"] = time.time() - 81
+    watch = {"t": [t0 + 0.5 * i for i in range(7)], "step": list(range(7))}
+    assert fast._replan(watch) is True and fast.plan()["e3"] > before[0]
+
+
 def test_delivery_spills_over_calls(tmp_path, monkeypatch):
     """Pieces that do not fit one call's $OUT (8 files, 64 MiB) wait for the next call."""
     import launch.gpu_campaign as gc
