@@ -308,8 +308,15 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                 log=log, chains=chains, trees=trees, method=m, interleave=setup.interleave)
         return calibrations[m]
 
+    kept: dict = {}  # parts.load per row key, read once (the interleaved pre-pass asks first)
+
+    def from_parts(key):
+        if key not in kept:
+            kept[key] = parts.load(key) if parts is not None else None
+        return kept[key]
+
     def resumed(key):
-        got = parts.load(key) if parts is not None else None
+        got = from_parts(key)
         if got is not None:
             rows.append(got[0])
             log(f"[{key}] finished in an earlier run: {got[0]['tokens_per_s']:.2f} tokens/s (kept)")
@@ -352,7 +359,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             return resolved[key]
 
         def done(key):
-            return parts is not None and parts.load(key) is not None
+            return from_parts(key) is not None
 
         if setup.interleave:  # decode every unfinished row question by question, then assemble below
             runs = {}
