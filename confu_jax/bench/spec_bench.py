@@ -436,10 +436,10 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             setting = {"plan": plan_text, "budget": bud}
             if family == "auto":
                 setting["method"] = best.method  # the family budget auto chose
-            rows.append(_spec_row(m, sp_logs, ar_logs, plan=plan, setting=setting, budget=bud, head=head,
-                                  temperature=temp, compile_s=programs.compile_s, seed=setup.seed,
-                                  **lossless(sp_tokens), **({"interleaved": True} if setup.interleave else {})))
-            row = rows[-1]
+            row = _spec_row(m, sp_logs, ar_logs, plan=plan, setting=setting, budget=bud, head=head,
+                            temperature=temp, compile_s=programs.compile_s, seed=setup.seed,
+                            **lossless(sp_tokens), **({"interleaved": True} if setup.interleave else {}))
+            rows.append(row)
             if parts is not None:
                 parts.save(key, rows[-1], sp_logs, sp_tokens)
             log(f"[{m}] {bud} ({plan_text}) T={temp}: tau {row['tau']:.3f}, {row['tokens_per_s']:.2f} "
@@ -451,9 +451,9 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
         if setup.ar_again and resumed(again_key) is None:
             again_logs, again_tokens, programs = execute(
                 again_key, lambda pr: _ar_decoder(setup, pr, temp), f"ar again T={temp}")
-            rows.append(_ar_row("ar_again", again_logs, ar_logs, temperature=temp, compile_s=programs.compile_s,
-                                seed=setup.seed, **lossless(again_tokens)))
-            row = rows[-1]
+            row = _ar_row("ar_again", again_logs, ar_logs, temperature=temp, compile_s=programs.compile_s,
+                          seed=setup.seed, **lossless(again_tokens))
+            rows.append(row)
             if parts is not None:
                 parts.save(again_key, row, again_logs, again_tokens)
             ci = row.get("speedup_ci") or [float("nan")] * 2
@@ -507,10 +507,10 @@ def checkpoint_rows(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, method
                                           tick)
             if b is not None:
                 b.close()
-            rows.append(_spec_row(method, sp_logs, ar_logs, plan=plan, setting={"plan": bud, "budget": bud},
-                                  budget=bud, head=head, temperature=0.0, compile_s=programs.compile_s,
-                                  seed=setup.seed, label=label, **_compare(setup, ar_tokens, sp_tokens, turns_index)))
-            row = rows[-1]
+            row = _spec_row(method, sp_logs, ar_logs, plan=plan, setting={"plan": bud, "budget": bud},
+                            budget=bud, head=head, temperature=0.0, compile_s=programs.compile_s,
+                            seed=setup.seed, label=label, **_compare(setup, ar_tokens, sp_tokens, turns_index))
+            rows.append(row)
             log(f"[{method} {label}] {bud}: tau {row['tau']:.3f} {row['tau_ci']}, lossless={row['lossless_greedy']}")
         del programs
         budget_lib.release_compiled()
