@@ -44,6 +44,10 @@ _COMPILE_ONLY = flags.DEFINE_bool(
     "one device would hold (XLA's buffer assignment: arguments, temporaries, outputs) as JSON and "
     "write it to <workdir>/train_step_memory.json; no training. Plans a batch size for a device "
     "on any machine: a CPU compile of the GPU shapes overestimates rather than underestimates.")
+_EVAL_ONLY = flags.DEFINE_bool(
+    "eval_only", False, "Evaluate on the held-out batches without training: the workdir's latest "
+    "checkpoint, else --config.train.checkpoint.init_from (a run, a release, an EAGLE-3 export); "
+    "prints the metrics as JSON and writes <workdir>/eval_only.json.")
 _INIT_TIMEOUT = flags.DEFINE_integer(
     "distributed_timeout", 300, "Seconds to wait for all processes to join.")
 
@@ -85,7 +89,7 @@ def main(argv):
 
     import jax
 
-    from confu_jax.train.loop import compile_report, describe_memory, train
+    from confu_jax.train.loop import compile_report, describe_memory, evaluate_only, train
 
     logging.info("process %d/%d (%s start), %d local / %d global devices", jax.process_index(),
                  jax.process_count(), spec.mode, jax.local_device_count(), jax.device_count())
@@ -97,6 +101,11 @@ def main(argv):
             with open(os.path.join(_WORKDIR.value, "train_step_memory.json"), "w") as f:
                 json.dump(report, f, indent=1, sort_keys=True)
             print(json.dumps(report, indent=1, sort_keys=True))
+        return
+    if _EVAL_ONLY.value:
+        result = evaluate_only(config, os.path.abspath(_WORKDIR.value))
+        if jax.process_index() == 0:
+            print(json.dumps(result, indent=1, sort_keys=True))
         return
     result = train(config, os.path.abspath(_WORKDIR.value))
     if jax.process_index() == 0:

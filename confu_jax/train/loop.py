@@ -288,6 +288,46 @@ def _restore_or_init(config, workdir: str, run: RunSetup, ckpt: Checkpointer, it
     return state, 0, init_report
 
 
+EVAL_ONLY_FILE = "eval_only.json"
+
+
+def evaluate_only(config, workdir: str, task: Optional[TrainTask] = None, mesh=None) -> dict:
+    """Evaluate a head on the run's held-out batches without training: the workdir's latest
+    checkpoint if it has one, else ``train.checkpoint.init_from`` (a run, a release, an EAGLE-3
+    export) in a fresh workdir. Returns ``{'step', 'source', 'eval': {metric: mean}}`` and writes it
+    to ``<workdir>/eval_only.json``. The metrics are those training writes to eval.csv at the same
+    parameters (plus, at any step, what the objective only computes in evaluation)."""
+    tc = config.train
+    pidx, pcount = jax.process_index(), jax.process_count()
+    main = pidx == 0
+    with workdir_lock(workdir, pidx):
+        ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint.every,
+                            keep=tc.checkpoint.keep, async_save=False)
+        try:
+            latest = ckpt.latest_step()
+            if latest is None and not tc.checkpoint.init_from:
+                raise ValueError(f"evaluate_only: {workdir!r} has no checkpoint and train.checkpoint.init_from "
+                                 "is empty; name the head to evaluate (a run, a release or an EAGLE-3 export)")
+            if latest is not None:
+                check_resume_config(workdir, config)
+            run = setup_run(config, task, mesh)
+            if run.task.eval_batches is None:
+                raise ValueError("evaluate_only: the task has no held-out batches (objective.eval_batches = 0?)")
+            if main and latest is None:  # a trained workdir keeps its own config.json
+                _write_run_files(config, workdir, run)
+            iterator = run.task.train_iterator(pidx, pcount)
+            state, step, _ = _restore_or_init(config, workdir, run, ckpt, iterator, main)
+            eval_step, batches = _eval_setup(run, True, pidx, pcount)
+            result = {"step": int(step), "source": os.path.join(workdir, "checkpoints") if latest is not None
+                      else str(tc.checkpoint.init_from), "eval": evaluate(eval_step, state, batches)}
+        finally:
+            ckpt.close()
+    if main:
+        with open(os.path.join(workdir, EVAL_ONLY_FILE), "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+    return result
+
+
 def parse_milestones(text) -> frozenset:
     """``train.milestones`` ('8,16,32' or a sequence of ints) as a set of positive steps."""
     items = text.split(",") if isinstance(text, str) else list(text or ())

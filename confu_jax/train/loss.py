@@ -87,6 +87,10 @@ class ObjectiveConfig:
     ttt_decay: float = 0.8  # weight of TTT step s is decay**s (EAGLE-3)
     vocab_chunk: int = 8192  # columns per chunk of the full-vocabulary argmax scan (<= 0: one chunk)
     remat: bool = True  # recompute each step's draft logits in the backward pass
+    # evaluation only (ConFu): also report what the future entry is worth — the same draft without
+    # it (``no_future/...``) and what the contemplate's f predicts by itself (``future/f_top1_x{s}``);
+    # one more TTT pass and a full-vocabulary argmax per anchor (:func:`future_probe_metrics`)
+    future_probe: bool = False
 
     def __post_init__(self):
         if self.ttt_steps < 1:
@@ -129,6 +133,7 @@ def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfi
         ttt_decay=float(config.draft.ttt_decay),
         vocab_chunk=int(o.vocab_chunk),
         remat=bool(o.remat),
+        future_probe=evaluation,
     )
 
 
@@ -505,6 +510,59 @@ def _ttt_losses(spec: ModelSpec, draft_params: dict, ttt, teacher, masks, sel_bm
     return loss, metrics, jnp.stack(correct), jnp.stack(answer), jnp.stack(in_draft)
 
 
+def _chain_metrics(correct, answer, in_draft, sel_bm, ok_bm, base_bn, loss_mask_bn, cfg: ObjectiveConfig,
+                   prefix: str = "") -> dict:
+    """Conditional accuracy per TTT step and (every index drafted: EAGLE-3, ConFu's evaluation form)
+    the decode-path τ at chain depths 1..L_ttt, from the per-step hits of :func:`_ttt_losses`."""
+    correct = jax.lax.stop_gradient(correct)
+    starts = _pick(sel_bm, base_bn) & ok_bm
+    cond_r = conditional_step_accuracy(correct, answer, in_draft, starts)
+    metrics = {f"{prefix}cond_acc/step{r}": cond_r[r] for r in range(cfg.ttt_steps)}
+    if sel_bm is None:  # walk the decode path
+        for depth in range(1, cfg.ttt_steps + 1):
+            metrics[f"{prefix}decode_tau/chain{depth}"] = decode_path_acceptance_length(
+                correct, answer, in_draft, base_bn & ok_bm, loss_mask_bn, depth)
+    return metrics
+
+
+FUTURE_PROBE_AHEAD = (1, 2, 3)  # f's top-1 is compared with x[t+s] for these s
+
+
+def future_probe_metrics(spec: ModelSpec, trainable: dict, target_params: dict, tokens_bn, loss_mask_bn, rows,
+                         h_cat_bnc, teacher, masks, plan: AnchorPlan, f_bkd, sel_bm, ok_bm, base_bn,
+                         cfg: ObjectiveConfig) -> dict:
+    """What ConFu's future entry is worth to its draft, and what it carries (evaluation only).
+
+    * ``no_future/decode_tau/chain{D}``, ``no_future/cond_acc/step{r}``: the same draft weights
+      drafting **without** the future entry (``draft_ttt(future=None)``: the EAGLE-3 forward), on the
+      same starting points. Equal to the metrics with the entry means the head ignores its future
+      (docs/RESULTS.md's decode ablation measures the same thing in the loop).
+    * ``future/f_top1_x{s}``: the share of anchors t whose f[t], read by the target's own LM head,
+      has top-1 x[t+s] (s = 1: the bonus the draft already gets as input; s = 2: the first drafted
+      token, what a pause token at t+1 would predict; s = 3: one further), counted where x[t+s] is
+      an answer token of t's conversation. Beside ``acc/step0`` (the draft's own accuracy on x[t+2]):
+      an f that predicts x[t+2] worse than the draft already does adds little.
+    """
+    no_future = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc,
+                          cfg.ttt_steps, positions_bn=rows.positions_bn, future=None, return_logits=False,
+                          segment_ids_bn=rows.segment_ids_bn)
+    _, _, correct, answer, in_draft = _ttt_losses(spec, trainable["draft"], no_future, teacher, masks,
+                                                  sel_bm, ok_bm, tokens_bn.shape[1], cfg)
+    metrics = _chain_metrics(correct, answer, in_draft, sel_bm, ok_bm, base_bn, loss_mask_bn, cfg, "no_future/")
+    w, axis = lm_head_layout(spec, target_params)
+    f_top1_bk, _ = full_vocab_argmax_lse(jax.lax.stop_gradient(f_bkd), w, axis, cfg.vocab_chunk)
+    b_idx = jnp.arange(tokens_bn.shape[0])[:, None]
+    for s in FUTURE_PROBE_AHEAD:
+        ahead = shift_ahead(loss_mask_bn.astype(bool), s, False)
+        if rows.segment_ids_bn is not None:
+            ahead = ahead & same_segment_ahead(rows.segment_ids_bn, s)
+        ok_bk = plan.valid_bk & ahead[b_idx, plan.anchor_bk]
+        hit_bk = f_top1_bk == shift_ahead(tokens_bn, s, -1)[b_idx, plan.anchor_bk]
+        w_bk = ok_bk.astype(jnp.float32)
+        metrics[f"future/f_top1_x{s}"] = jnp.sum(hit_bk * w_bk) / jnp.maximum(jnp.sum(w_bk), 1.0)
+    return metrics
+
+
 def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_vocab: dict, batch: dict,
                rng: jax.Array, cfg: ObjectiveConfig) -> tuple[jax.Array, dict]:
     """(loss, metrics) of ``trainable = {'draft', 'confu'}`` on a batch (see module doc).
@@ -561,14 +619,10 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
                                                            sel_bm, ok_bm, n, cfg)
     metrics["acceptance_length"] = simulated_acceptance_length(
         jax.lax.stop_gradient(correct), answer, in_draft, _pick(sel_bm, base_bn) & ok_bm)
-    cond_r = conditional_step_accuracy(jax.lax.stop_gradient(correct), answer, in_draft,
-                                       _pick(sel_bm, base_bn) & ok_bm)
-    for r in range(cfg.ttt_steps):
-        metrics[f"cond_acc/step{r}"] = cond_r[r]
-    if sel_bm is None:  # every index drafted (EAGLE-3; ConFu's evaluation form): walk the decode path
-        for depth in range(1, cfg.ttt_steps + 1):
-            metrics[f"decode_tau/chain{depth}"] = decode_path_acceptance_length(
-                jax.lax.stop_gradient(correct), answer, in_draft, base_bn & ok_bm, loss_mask_bn, depth)
+    metrics.update(_chain_metrics(correct, answer, in_draft, sel_bm, ok_bm, base_bn, loss_mask_bn, cfg))
+    if cfg.future_probe and future is not None:
+        metrics.update(future_probe_metrics(spec, trainable, target_params, tokens_bn, loss_mask_bn, rows,
+                                            h_cat_bnc, teacher, masks, plan, f_bkd, sel_bm, ok_bm, base_bn, cfg))
     answer_w = loss_mask_bn.astype(jnp.float32)
     n_ans = jnp.maximum(jnp.sum(answer_w), 1.0)
     metrics["teacher/draft_vocab_mass"] = jnp.sum(teacher.draft_mass_bn * answer_w) / n_ans
