@@ -45,6 +45,28 @@ def tiny_params(spec: ModelSpec, seed: int = 0):
     return target, trainable
 
 
+def tiny_objective_case(variant: str, seed: int = 3, vocab: int = 6, rows: int = 2, length: int = 24):
+    """A tiny target over a 6-token vocabulary with a random head over a 4-of-6 draft vocabulary (so
+    t2d matters; top-1 hits are common, so accuracy metrics are not vacuous) and a batch of two rows
+    with a prompt, two answers and right padding -> (spec, target params, trainable, draft vocab, batch)."""
+    from confu_jax.models.vocab_map import draft_vocab_from_d2t
+
+    target = get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=())
+    spec = ModelSpec(target, HeadConfig(variant=variant, draft_vocab_size=4, n_soft_prompts=4, n_expert=4,
+                                        expert_top_k=2, init_std=0.2, soft_prompt_init_std=1.0))
+    tp, tr = tiny_params(spec, seed)
+    dv = draft_vocab_from_d2t(np.array([0, 2, 3, 5]), vocab)
+    rng = np.random.default_rng(seed + 1)
+    lm = np.zeros((rows, length), bool)
+    lm[0, 4:14] = lm[0, 16:23] = True
+    lm[1, 6:19] = True
+    attention = np.ones((rows, length), bool)
+    attention[1, 20:] = False
+    batch = {"tokens": jnp.asarray(rng.integers(0, vocab, (rows, length)), jnp.int32), "loss_mask": jnp.asarray(lm),
+             "attention_mask": jnp.asarray(attention)}
+    return spec, tp, tr, dv, batch
+
+
 def random_parents(rng: np.random.Generator, t: int) -> np.ndarray:
     """A random tree in topological order: node 0 the root, parent[i] < i (often i-1 for depth)."""
     parents = np.full((t,), -1, np.int32)

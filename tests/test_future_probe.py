@@ -17,33 +17,17 @@ import numpy as np
 import pytest
 
 from confu_jax.models.kv_cache import to_cache_layout
-from confu_jax.models.presets import get_preset
-from confu_jax.models.spec import HeadConfig, ModelSpec
 from confu_jax.models.target import contemplate_queries, real_forward
-from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.train import loss as L
-from tests.model_fakes import tiny_params
+from tests.model_fakes import tiny_objective_case
 
-V, V_DRAFT, NB, NN, STEPS = 6, 4, 2, 24, 3  # a tiny vocabulary: top-1 hits are common, not vacuous
+V, NB, NN, STEPS = 6, 2, 24, 3  # a tiny vocabulary: top-1 hits are common, not vacuous
 CFG = L.ObjectiveConfig(ttt_steps=STEPS, k_train=L.ALL_POSITIONS, replication=0, max_lag=2, vocab_chunk=4,
                         future_probe=True)
 
 
 def _setup(variant, seed=3):
-    target = get_preset("tiny").replace(vocab_size=V, eos_token_ids=())
-    spec = ModelSpec(target, HeadConfig(variant=variant, draft_vocab_size=V_DRAFT, n_soft_prompts=4, n_expert=4,
-                                        expert_top_k=2, init_std=0.2, soft_prompt_init_std=1.0))
-    tp, tr = tiny_params(spec, seed)
-    dv = draft_vocab_from_d2t(np.array([0, 2, 3, 5]), V)
-    rng = np.random.default_rng(seed + 1)
-    lm = np.zeros((NB, NN), bool)
-    lm[0, 4:14] = lm[0, 16:23] = True
-    lm[1, 6:19] = True
-    attention = np.ones((NB, NN), bool)
-    attention[1, 20:] = False
-    batch = {"tokens": jnp.asarray(rng.integers(0, V, (NB, NN)), jnp.int32), "loss_mask": jnp.asarray(lm),
-             "attention_mask": jnp.asarray(attention)}
-    return spec, tp, tr, dv, batch
+    return tiny_objective_case(variant, seed, V, NB, NN)
 
 
 def _metrics(spec, tp, tr, dv, batch, cfg=CFG, key=0):

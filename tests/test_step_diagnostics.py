@@ -10,14 +10,11 @@ import numpy as np
 import pytest
 
 from confu_jax.models.draft_ttt import draft_ttt
-from confu_jax.models.presets import get_preset
-from confu_jax.models.spec import HeadConfig, ModelSpec
 from confu_jax.models.target import real_forward
-from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.train import loss as L
 from confu_jax.train.acceptance import (conditional_step_accuracy, simulated_acceptance_length,
                                         step_duplication_rate)
-from tests.model_fakes import tiny_params
+from tests.model_fakes import tiny_objective_case
 
 
 # ----------------------------------------------------------------------------- references
@@ -113,26 +110,13 @@ def test_steps_no_index_reaches_read_zero():
 
 # ----------------------------------------------------------------------------- in the loss
 
-V, V_DRAFT, NB, NN, STEPS = 6, 4, 2, 24, 3  # a tiny vocabulary: a random draft's top-1 is often right
+V, NB, NN, STEPS = 6, 2, 24, 3  # a tiny vocabulary: a random draft's top-1 is often right
 
 
 @functools.lru_cache(maxsize=None)
 def _tiny(variant, seed=3):
-    """Tiny target + random head over a 4-of-6 draft vocabulary (so t2d matters), and a batch of
-    two rows with a prompt, two answers and right padding."""
-    target = get_preset("tiny").replace(vocab_size=V, eos_token_ids=())
-    spec = ModelSpec(target, HeadConfig(variant=variant, draft_vocab_size=V_DRAFT, n_soft_prompts=4, n_expert=4,
-                                        expert_top_k=2, init_std=0.2, soft_prompt_init_std=1.0))
-    tp, tr = tiny_params(spec, seed)
-    dv = draft_vocab_from_d2t(np.array([0, 2, 3, 5]), V)
-    rng = np.random.default_rng(seed + 1)
-    lm = np.zeros((NB, NN), bool)
-    lm[0, 4:14] = lm[0, 16:23] = True
-    lm[1, 6:19] = True
-    attention = np.ones((NB, NN), bool)
-    attention[1, 20:] = False
-    batch = {"tokens": jnp.asarray(rng.integers(0, V, (NB, NN)), jnp.int32), "loss_mask": jnp.asarray(lm),
-             "attention_mask": jnp.asarray(attention)}
+    """tests.model_fakes.tiny_objective_case and its metrics under the evaluation-form objective."""
+    spec, tp, tr, dv, batch = tiny_objective_case(variant, seed, V, NB, NN)
     cfg = L.ObjectiveConfig(ttt_steps=STEPS, k_train=L.ALL_POSITIONS, replication=0, max_lag=2, vocab_chunk=4)
     _, metrics = jax.jit(lambda tr, batch: L.confu_loss(spec, tr, tp, dv, batch, jax.random.PRNGKey(0), cfg))(
         tr, batch)
