@@ -69,7 +69,7 @@ def _f_probe_reference(spec, tp, tr, batch, key):
     return shares
 
 
-@pytest.mark.parametrize("key", [0, 1])
+@pytest.mark.parametrize("key", [1])  # key 0: the other tests' anchors
 def test_f_probe_is_the_targets_lm_head_on_each_contemplate(key):
     spec, tp, tr, dv, batch = _setup("confu")
     assert spec.target.tie_embeddings
