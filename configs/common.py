@@ -60,6 +60,9 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     # to compare runs trained with different lag distributions under the same one.
     config.confu.eval_lag_weights = ()
     config.confu.soft_prompt_init_std = 0.02
+    # Not the paper's (unset = the paper): a learned per-head logit on the draft's attention score of
+    # its future entry, starting at this value (docs/DESIGN.md §4 "Future-entry bias").
+    config.confu.future_bias = config_dict.placeholder(float)
 
     config.draft = ml_collections.ConfigDict()
     config.draft.draft_vocab_size = draft_vocab

@@ -166,6 +166,9 @@ class Scale:
     ttt_steps: int = 4
     max_lag: int = 4
     k_train: int = 256  # ConFu anchors per row
+    # ConFu's future-entry bias (HeadConfig.future_bias, not the paper's): '' = the paper's head; a
+    # number = the learned per-head logit's start (docs/RESULTS.md "Does ConFu use its future?")
+    confu_future_bias: str = ""
     draft_vocab: int = 16384
     draft_vocab_records: int = 4000  # conversations counted for the draft vocabulary
     lr: float = 1e-3
@@ -1118,6 +1121,8 @@ class Campaign:
                    f"--config.objective.k_train={s.k_train}", f"--config.confu.max_lag={s.max_lag}",
                    f"--config.train.checkpoint.init_from={e3}/checkpoints",
                    f"--config.train.checkpoint.init_from_step={plan['e3']}"]
+            if s.confu_future_bias:
+                cmd.append(f"--config.confu.future_bias={float(s.confu_future_bias)}")
             if self.left() < 60:
                 return "later"
             rc, stopped = self.run_cmd("confu", cmd, self.left(), extra_env=self.train_env())

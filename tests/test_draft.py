@@ -314,6 +314,52 @@ def test_chunked_draft_attention_equals_one_dense_pass(extra):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_chunk", [0, 4])
+def test_draft_attention_bias_and_weights_equal_a_float64_softmax(q_chunk):
+    """``bias_hx`` (ConFu's future-entry bias) adds a logit per query head to a per-query key, and
+    ``extra_weights`` returns those keys' softmax weights: both equal a float64 softmax written out
+    query by query, dense or in chunks; a bias b on a key of weight w gives it w e^b / (1 - w + w e^b)."""
+    from confu_jax.models.draft_attention import draft_attention
+
+    rng = np.random.default_rng(1)
+    b, t, hq, hkv, d, x = 2, 7, 4, 2, 8, 3
+    q, k, v = (rng.normal(size=(b, t, h, d)) for h in (hq, hkv, hkv))
+    kx, vx = rng.normal(size=(2, b, t, x, hkv, d))
+    mask = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t)).copy()
+    mask[1, 3] = False  # a query that sees only its per-query keys
+    mx = rng.random((b, t, x)) < 0.7
+    mx[:, :, 0] = True
+    bias = np.zeros((hq, x))
+    bias[:, 0] = rng.normal(size=hq) * 2
+
+    def reference(bias):
+        out, w = np.zeros((b, t, hq, d)), np.zeros((b, t, hq, x))
+        for bi in range(b):
+            for ti in range(t):
+                for h in range(hq):
+                    kv = h // (hq // hkv)
+                    s_sh = np.where(mask[bi, ti], k[bi, :, kv] @ q[bi, ti, h] / np.sqrt(d), -np.inf)
+                    s_x = np.where(mx[bi, ti], kx[bi, ti, :, kv] @ q[bi, ti, h] / np.sqrt(d) + bias[h], -np.inf)
+                    p = np.exp(np.concatenate([s_sh, s_x]) - np.max(np.concatenate([s_sh, s_x])))
+                    p /= p.sum()
+                    out[bi, ti, h] = p[:t] @ v[bi, :, kv] + p[t:] @ vx[bi, ti, :, kv]
+                    w[bi, ti, h] = p[t:]
+        return out, w
+
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    args = (f32(q), f32(k), f32(v), jnp.asarray(mask), f32(kx), f32(vx), jnp.asarray(mx))
+    out0, w0 = draft_attention(*args, extra_weights=True, q_chunk=q_chunk)
+    out_b, w_b = draft_attention(*args, bias_hx=f32(bias), extra_weights=True, q_chunk=q_chunk)
+    for (out, w), (want_out, want_w) in (((out0, w0), reference(np.zeros_like(bias))), ((out_b, w_b), reference(bias))):
+        np.testing.assert_allclose(np.asarray(out), want_out, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(w), want_w, atol=1e-6)
+    w, e = np.asarray(w0, np.float64)[..., 0], np.exp(bias[:, 0])
+    np.testing.assert_allclose(np.asarray(w_b)[..., 0], w * e / (1 - w + w * e), atol=1e-6)
+    assert np.abs(np.asarray(w_b) - np.asarray(w0)).max() > 0.05  # the bias moved the weights
+    np.testing.assert_allclose(np.asarray(draft_attention(*args, bias_hx=f32(bias), q_chunk=q_chunk)),
+                               np.asarray(out_b), atol=0)
+
+
 def test_layer_remat_changes_neither_values_nor_gradients_nor_params():
     """``remat_layers`` (the contemplate pass's per-layer recompute) gives the plain scan's hidden
     states and gradients w.r.t. what training differentiates (input embeddings, soft-prompt K/V),

@@ -46,7 +46,30 @@ def test_no_future_metrics_equal_the_eagle3_objective_on_the_same_draft_weights(
         assert confu[f"no_future/{k}"] == pytest.approx(eagle3[k], abs=1e-6), k
     # a random head with a future entry drafts differently with it than without (not a vacuous case)
     assert any(abs(confu[k] - confu[f"no_future/{k}"]) > 1e-3 for k in keys)
+    weights = [confu[f"future/attn_weight/step{r}"] for r in range(STEPS)]
+    assert all(0.01 < w < 0.99 for w in weights), weights  # the entry is one key of several
     assert not any(k.startswith(("no_future/", "future/")) for k in eagle3)
+
+
+def _metrics_with_future_bias(spec, tp, tr, dv, batch, value):
+    """The same head with a future-entry bias (``HeadConfig.future_bias``) of ``value`` on every query head."""
+    spec = dataclasses.replace(spec, head=dataclasses.replace(spec.head, future_bias=float(value)))
+    bias = jnp.full((spec.target.n_heads,), value, jnp.float32)
+    return _metrics(spec, tp, {**tr, "draft": {**tr["draft"], "future_bias": bias}}, dv, batch)
+
+
+def test_future_attention_weight_and_the_future_bias():
+    """``future/attn_weight/step{r}`` is the share of attention the draft gives its future entry: a
+    future-entry bias of -60 drives it to 0 and the head then drafts exactly as without the entry
+    (its no_future metrics, which differ from the plain head's: see the test above); +60 drives it to 1."""
+    spec, tp, tr, dv, batch = _setup("confu")
+    starved = _metrics_with_future_bias(spec, tp, tr, dv, batch, -60.0)
+    keys = [f"cond_acc/step{r}" for r in range(STEPS)] + [f"decode_tau/chain{d}" for d in range(1, STEPS + 1)]
+    assert all(starved[f"future/attn_weight/step{r}"] < 1e-6 for r in range(STEPS))
+    for k in keys:
+        assert starved[k] == pytest.approx(starved[f"no_future/{k}"], abs=1e-6), k
+    flooded = _metrics_with_future_bias(spec, tp, tr, dv, batch, 60.0)
+    assert all(flooded[f"future/attn_weight/step{r}"] > 1 - 1e-6 for r in range(STEPS))
 
 
 def _f_probe_reference(spec, tp, tr, batch, key):

@@ -450,3 +450,18 @@ def test_eagle3_can_continue_a_release(tmp_path, monkeypatch):
     with pytest.raises(CampaignError, match="missing"):
         c.st_eagle3()
     assert len(launched) == 2
+
+
+def test_confu_future_bias_reaches_the_confu_launch(tmp_path, monkeypatch):
+    """CAMPAIGN_CONFU_FUTURE_BIAS: ConFu's launch sets confu.future_bias (the paper's head without it)."""
+    launched = []
+
+    def fake_run(self, name, cmd, timeout, **kw):
+        launched.append(cmd)
+        return 0, True  # stopped by its time box: nothing trained
+
+    monkeypatch.setattr("launch.gpu_campaign.Campaign.run_cmd", fake_run)
+    _campaign(tmp_path / "a", scale="gpu15", env={"CAMPAIGN_CONFU_FUTURE_BIAS": "4"}).st_confu()
+    assert "--config.confu.future_bias=4.0" in launched[-1]
+    _campaign(tmp_path / "b", scale="gpu15").st_confu()
+    assert len(launched) == 2 and not any(a.startswith("--config.confu.future_bias") for a in launched[-1])

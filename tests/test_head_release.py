@@ -172,13 +172,18 @@ def test_tokens_seen_follow_the_init_from_lineage(tmp_path):
 def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_path):
     """A ConFu head (no published layout) is released as its whole trainable tree in bf16
     (``runs.trainable_export``): it loads back as the run's head rounded to bf16, decodes equal to
-    AR wherever a head is accepted, and is refused when a file is altered or the target differs."""
+    AR wherever a head is accepted, and is refused when a file is altered or the target differs.
+    ``init_from`` the release (to train it further) copies every leaf; a leaf it lacks (here the
+    future-entry bias) keeps its init; an altered file is refused there too."""
     import ml_dtypes
 
     from confu_jax.decode.generate import generate_ar
     from confu_jax.decode.heads import decode_head
     from confu_jax.decode.loop import generate_speculative
     from confu_jax.decode.plans import parse_plan
+    from confu_jax.models.params import init_trainable
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.runs.checkpoint import init_params_from
     from confu_jax.runs.heads import load_trained_head
     from confu_jax.train.target_loading import load_target
 
@@ -209,6 +214,16 @@ def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_pa
         want = np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(np.asarray(b), want, err_msg=jax.tree_util.keystr(path))
 
+    biased = get_config("confu")
+    biased.confu.future_bias = 3.0
+    fresh = init_trainable(model_spec_from_config(biased), jax.random.PRNGKey(9))
+    params, report = init_params_from(release, fresh, draft_vocab_d2t=np.asarray(run.draft_vocab["d2t"]))
+    assert report.step == 2 and report.kept_init == ["draft/future_bias"] and not report.shape_mismatch
+    got = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(rel.trainable):
+        np.testing.assert_array_equal(np.asarray(got[jax.tree_util.keystr(path)]), np.asarray(leaf))
+    np.testing.assert_array_equal(np.asarray(params["draft"]["future_bias"]), 3.0)
+
     spec, target = load_target(run.config, run.spec)
     dh = decode_head("confu", spec.target, target, release)
     assert dh.trained
@@ -226,3 +241,5 @@ def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_pa
         f.write(bytes(b ^ 0xFF for b in tail))
     with pytest.raises(hr.HeadReleaseError, match="draft_vocab.npz: sha256 mismatch"):
         decode_head("confu", spec.target, target, release)
+    with pytest.raises(hr.HeadReleaseError, match="draft_vocab.npz: sha256 mismatch"):
+        init_params_from(release, fresh)

@@ -103,17 +103,22 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text):
         assert np.abs(wrong - got[0]).max() > 1e-3
 
 
-@pytest.mark.parametrize("variant", ["eagle3", "confu", "confu_nomoe"])
-def test_loop_deep_drafts_equal_training_steps(variant):
+@pytest.mark.parametrize("variant,head_kw", [("eagle3", {}), ("confu", {"future_bias": 1.0}), ("confu_nomoe", {})],
+                         ids=["eagle3", "confu_future_bias", "confu_nomoe"])
+def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
     """Depths 1..3: the loop's chain drafts, each fed the loop's own previous draft, equal TTT steps
     1..3 of ``draft_ttt`` at the anchor on (context, bonus, those drafts) — after the prefill and after
     a pass that accepted several tokens (ConFu: lag > 1). A sampled chain at T = 1 exposes every depth's q:
     q at node d+1 = softmax of the draft at depth d. Together with the depth-0 test above, the
-    loop's whole chain is the function training optimises (issue: deep steps accepted too rarely)."""
+    loop's whole chain is the function training optimises (issue: deep steps accepted too rarely).
+    ConFu here carries the learned future-entry logit (``future_bias``; the depth-0 test above and
+    confu_nomoe run without it): both forms add the same logit."""
     from confu_jax.decode.drafter import DraftInput
     from confu_jax.decode.drafting import HeadDrafter
 
-    spec, tp, params = make(variant, 4, seed=1)
+    spec, tp, params = make(variant, 4, seed=1, head_kw=head_kw)
+    if head_kw:  # the random init gives the bias values near 0: make it matter
+        params = params.replace(draft={**params.draft, "future_bias": jnp.linspace(-2.0, 3.0, spec.target.n_heads)})
     full = plans.parse_plan("dynamic:3,4,36")  # all of depth 1 and most of depths 2-3 of vocab 4
     chain = HeadDrafter(plans.parse_plan("sampled_chain:3"))
     prompt = [2, 0, 3, 1, 1, 2, 0]

@@ -31,10 +31,10 @@ from model_fakes import tiny_params
 PROMPTS = [[3, 5, 7, 2, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [4], [6, 6, 1, 0, 2, 3, 3]]
 
 
-def make(variant, vocab, seed=0, **target_kw):
+def make(variant, vocab, seed=0, head_kw=None, **target_kw):
     target = get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=(), **target_kw)
     head = HeadConfig(variant=variant, draft_vocab_size=vocab, n_soft_prompts=4, n_expert=4,
-                      expert_top_k=2, init_std=0.2, soft_prompt_init_std=1.0)
+                      expert_top_k=2, init_std=0.2, soft_prompt_init_std=1.0, **(head_kw or {}))
     spec = ModelSpec(target, head)
     tp, tr = tiny_params(spec, seed)
     return spec, tp, spec_params_lib.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))

@@ -10,7 +10,8 @@ docs/DESIGN.md §3; the future entry of ConFu: §4.
 
 ConFu adds one transient key/value per query, the **future entry**, built like a draft input with
 token slot [f] = MoE_f(g[p]) and hidden slot f[p] at RoPE position p+1 (``draft_future_entry``);
-``eagle3`` has no future path and no extra parameters.
+``eagle3`` has no future path and no extra parameters. ``HeadConfig.future_bias`` (not the paper's)
+adds a learned per-head logit to the entry's attention score (param ``future_bias`` [Hq]).
 
 The forwards that use this module live beside it: ``models.draft_ttt`` (training-time test over
 a whole sequence) and ``models.draft_decode`` (incremental forward of the decode loop); the
@@ -19,7 +20,7 @@ draft/target vocabulary maps are in ``models.vocab_map``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -64,6 +65,8 @@ class DraftHead(nn.Module):
         self.lm_head = dense(h.draft_vocab_size, "lm_head", dot_general=F32_ACCUMULATE)  # f32 logits
         if h.has_future:
             self.moe_f = make_token_embedder(h.uses_moe, h.n_expert, h.expert_top_k, d, h.init_std, cd, pd)
+        if h.has_future and h.future_bias is not None:
+            self.future_bias = self.param("future_bias", nn.initializers.constant(h.future_bias), (t.n_heads,), pd)
 
     def features(self, h_cat_btc):
         x = h_cat_btc.astype(jnp.dtype(self.spec.head.dtype))
@@ -151,6 +154,7 @@ def draft_logits(spec: ModelSpec, draft_params: dict, hidden_btd: jax.Array) -> 
 class DraftFuture(NamedTuple):
     k_bnhd: jax.Array  # [B,N,Hkv,hd] post-RoPE key of each future entry
     v_bnhd: jax.Array
+    bias_h: Optional[jax.Array] = None  # [Hq] logit added to every query head's score of the entry (HeadConfig.future_bias)
 
 
 def draft_future_entry(spec: ModelSpec, draft_params: dict, f_bnd: jax.Array, g_bnd: jax.Array,
@@ -164,4 +168,4 @@ def draft_future_entry(spec: ModelSpec, draft_params: dict, f_bnd: jax.Array, g_
         raise ValueError("draft_future_entry: variant 'eagle3' has no future token")
     tok = apply_head(spec, draft_params, g_bnd, method=DraftHead.future_token)
     _, k, v = apply_head(spec, draft_params, tok, f_bnd, anchor_bn.astype(jnp.int32) + 1, method=DraftHead.project)
-    return DraftFuture(k, v)
+    return DraftFuture(k, v, draft_params["future_bias"] if spec.head.future_bias is not None else None)

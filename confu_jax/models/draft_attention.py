@@ -27,20 +27,27 @@ Q_CHUNK = 512  # queries per chunk for rows longer than this (training rows of 1
 
 def draft_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, mask_bts: jax.Array,
                     k_btxhd: Optional[jax.Array] = None, v_btxhd: Optional[jax.Array] = None,
-                    mask_btx: Optional[jax.Array] = None, *, q_chunk: Optional[int] = None) -> jax.Array:
+                    mask_btx: Optional[jax.Array] = None, *, bias_hx: Optional[jax.Array] = None,
+                    extra_weights: bool = False, q_chunk: Optional[int] = None):
     """Softmax attention over keys shared by all queries [B,S] and per-query keys [B,T,X].
 
     The per-query block is what makes TTT's diagonal (query (j,s) sees entries (j,1..s) of its
     own index only) and per-position future entries cost O(T·X) instead of a dense [T, T·L] mask.
-    float32 scores; a query that sees nothing returns zeros. ``q_chunk`` > 0 and T > q_chunk:
+    float32 scores; a query that sees nothing returns zeros. ``bias_hx`` [Hq, X]: a logit added to
+    query head h's score of per-query key x (ConFu's learned future-entry bias, DESIGN.md §4).
+    ``extra_weights``: also return the softmax weights of the per-query keys, [B,T,Hq,X] float32
+    (what the draft gives its future entry: the future probe). ``q_chunk`` > 0 and T > q_chunk:
     queries in chunks (the last one padded with queries that see nothing), each recomputed in the
     backward pass, so only [chunk, S] scores exist at a time; 0: one dense pass; None: ``Q_CHUNK``
     (read at trace time).
     """
+    if (bias_hx is not None or extra_weights) and k_btxhd is None:
+        raise ValueError("draft_attention: bias_hx / extra_weights need per-query keys (k_btxhd)")
     q_chunk = Q_CHUNK if q_chunk is None else q_chunk
     t = q_bthd.shape[1]
     if q_chunk <= 0 or t <= q_chunk:
-        return _dense_attention(q_bthd, k_bshd, v_bshd, mask_bts, k_btxhd, v_btxhd, mask_btx)
+        out = _dense_attention(q_bthd, k_bshd, v_bshd, mask_bts, k_btxhd, v_btxhd, mask_btx, bias_hx)
+        return out if extra_weights else out[0]
     n_c = -(-t // q_chunk)
     pad = n_c * q_chunk - t
 
@@ -54,16 +61,19 @@ def draft_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, mas
     @jax.checkpoint
     def one(x):
         if k_btxhd is None:
-            return _dense_attention(x[0], k_bshd, v_bshd, x[1])
-        return _dense_attention(x[0], k_bshd, v_bshd, x[1], x[2], x[3], x[4])
+            return _dense_attention(x[0], k_bshd, v_bshd, x[1])[0]
+        out, w = _dense_attention(x[0], k_bshd, v_bshd, x[1], x[2], x[3], x[4], bias_hx)
+        return (out, w) if extra_weights else out
 
-    out = jax.lax.map(one, xs)  # [n_c, B, q_chunk, H, D]
-    out = jnp.moveaxis(out, 0, 1).reshape((q_bthd.shape[0], n_c * q_chunk) + q_bthd.shape[2:])
-    return out[:, :t]
+    def unchunk(y):  # [n_c, B, q_chunk, ...] -> [B, T, ...]
+        return jnp.moveaxis(y, 0, 1).reshape((y.shape[1], n_c * q_chunk) + y.shape[3:])[:, :t]
+
+    res = jax.lax.map(one, xs)
+    return (unchunk(res[0]), unchunk(res[1])) if extra_weights else unchunk(res)
 
 
-def _dense_attention(q_bthd, k_bshd, v_bshd, mask_bts, k_btxhd=None, v_btxhd=None, mask_btx=None):
-    """``draft_attention`` in one pass: [B, H, T, S] scores."""
+def _dense_attention(q_bthd, k_bshd, v_bshd, mask_bts, k_btxhd=None, v_btxhd=None, mask_btx=None, bias_hx=None):
+    """``draft_attention`` in one pass: [B, H, T, S] scores -> (out, per-query-key weights [B,T,Hq,X] or None)."""
     b, t, hq, d = q_bthd.shape
     hkv = k_bshd.shape[2]
     g = hq // hkv
@@ -73,6 +83,8 @@ def _dense_attention(q_bthd, k_bshd, v_bshd, mask_bts, k_btxhd=None, v_btxhd=Non
     parts = [s_sh]
     if k_btxhd is not None:
         s_extra = jnp.einsum("btkgd,btxkd->bkgtx", q, k_btxhd.astype(jnp.float32))
+        if bias_hx is not None:
+            s_extra = s_extra + bias_hx.astype(jnp.float32).reshape(hkv, g, 1, -1)
         parts.append(jnp.where(mask_btx[:, None, None], s_extra, NEG_INF))
     s_all = jnp.concatenate(parts, axis=-1)
     m = jnp.max(s_all, axis=-1, keepdims=True)
@@ -81,6 +93,8 @@ def _dense_attention(q_bthd, k_bshd, v_bshd, mask_bts, k_btxhd=None, v_btxhd=Non
     p = p / jnp.where(den == 0, 1.0, den)
     n_sh = k_bshd.shape[1]
     out = jnp.einsum("bkgts,bskd->btkgd", p[..., :n_sh], v_bshd.astype(jnp.float32))
+    w_bthx = None
     if k_btxhd is not None:
         out = out + jnp.einsum("bkgtx,btxkd->btkgd", p[..., n_sh:], v_btxhd.astype(jnp.float32))
-    return out.reshape(b, t, hq, d).astype(q_bthd.dtype)
+        w_bthx = jnp.moveaxis(p[..., n_sh:], 3, 1).reshape(b, t, hq, -1)
+    return out.reshape(b, t, hq, d).astype(q_bthd.dtype), w_bthx

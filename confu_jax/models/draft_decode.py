@@ -98,7 +98,10 @@ def attend_blocks(q_bthd, k_bthd, v_bthd, block_mask_btt, cache, scratch_k_bmhd,
     parts.append(softmax_block_state(scores(k_bthd, "bskd"), block_mask_btt[:, None, None], v_bthd, "bskd"))
     if future is not None:
         vis = jnp.ones((b, t), bool) if future_visible_bt is None else future_visible_bt
-        parts.append(softmax_block_state(scores(future.k_bnhd[:, :1], "bskd"), vis[:, None, None, :, None],
+        s_f = scores(future.k_bnhd[:, :1], "bskd")
+        if future.bias_h is not None:  # HeadConfig.future_bias: a learned logit per query head
+            s_f = s_f + future.bias_h.astype(f32).reshape(1, hkv, hq // hkv, 1, 1)
+        parts.append(softmax_block_state(s_f, vis[:, None, None, :, None],
                                          future.v_bnhd[:, :1], "bskd"))
     out = merge_block_states(parts)  # [B,Hkv,G,T,D] f32
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q_bthd.dtype)

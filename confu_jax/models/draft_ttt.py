@@ -46,12 +46,14 @@ class DraftTTTOutput(NamedTuple):
     logits_rbnv: Optional[jax.Array]  # [R,B,N,V_draft] float32 (None if return_logits=False)
     hidden_rbnd: jax.Array  # [R,B,N,d] final-normed (LM-head input); draft_logits() on a slice
     h_out_rbnd: jax.Array  # [R,B,N,d] pre-norm output (the recurrent state)
+    # [R,B,N,Hq] float32: each query head's softmax weight on the future entry (future_weights=True)
+    future_weight_rbnh: Optional[jax.Array] = None
 
 
 def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_bn: jax.Array,
               h_cat_bnc: jax.Array, n_steps: int, *, positions_bn: Optional[jax.Array] = None,
               future: Optional[TTTFuture] = None, return_logits: bool = True,
-              segment_ids_bn: Optional[jax.Array] = None) -> DraftTTTOutput:
+              segment_ids_bn: Optional[jax.Array] = None, future_weights: bool = False) -> DraftTTTOutput:
     """EAGLE-3 training-time test over a sequence, ``n_steps`` (L_ttt) unrolled steps.
 
     ``tokens_bn`` [B,N]: the sequence x (unshifted); ``h_cat_bnc`` [B,N,3d]: target taps at each
@@ -66,9 +68,14 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
     input token x[j+1+r] lies in the next segment computes garbage that no trained query reads:
     the loss masks (j, r) unless x[j+2+r] is in j's segment, and query (j, r) only sees step-0
     keys of its own segment at indices <= j and its own index's diagonal.
+
+    ``future_weights``: also return the softmax weight each query head gives its future entry
+    (``future_weight_rbnh``; 0 where a position has none) — the future probe's attention figure.
     """
     if future is not None and not spec.head.has_future:
         raise ValueError("draft_ttt: variant 'eagle3' takes no future entries")
+    if future_weights and future is None:
+        raise ValueError("draft_ttt: future_weights needs future entries")
     b, n = tokens_bn.shape
     if positions_bn is None:
         positions_bn = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
@@ -79,6 +86,7 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
     tok_pad = jnp.concatenate([tokens_bn, jnp.zeros((b, n_steps + 1), tokens_bn.dtype)], axis=1)
 
     extra_k, extra_v, extra_m = [], [], []
+    future_bias_h = None  # [Hq] learned logit of the future entry (HeadConfig.future_bias)
     if future is not None:
         rows = jnp.arange(b)[:, None]
         anchor_bk = future.anchor_bk.astype(jnp.int32)
@@ -88,10 +96,11 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
         extra_k.append(fut.k_bnhd[rows, idx])
         extra_v.append(fut.v_bnhd[rows, idx])
         extra_m.append(future.index_bn >= 0)
+        future_bias_h = fut.bias_h
 
     hidden = g_bnd
     k0 = v0 = None
-    logits_r, hid_r, hout_r = [], [], []
+    logits_r, hid_r, hout_r, weight_r = [], [], [], []
     for r in range(n_steps):
         emb = embed_tokens(embed_vd, tok_pad[:, 1 + r:1 + r + n])
         q, k, v = apply_head(spec, draft_params, emb, hidden, positions_bn + r, method=DraftHead.project)
@@ -103,8 +112,14 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
             extra_v.append(v)
             extra_m.append(jnp.ones((b, n), bool))
         if extra_k:
+            bias_hx = None
+            if future_bias_h is not None:  # the future entry is per-query key 0, then the diagonal
+                bias_hx = jnp.pad(future_bias_h.astype(jnp.float32)[:, None], ((0, 0), (0, len(extra_k) - 1)))
             attn = draft_attention(q, k0, v0, causal, jnp.stack(extra_k, 2), jnp.stack(extra_v, 2),
-                                   jnp.stack(extra_m, 2))
+                                   jnp.stack(extra_m, 2), bias_hx=bias_hx, extra_weights=future_weights)
+            if future_weights:
+                attn, w_bthx = attn
+                weight_r.append(w_bthx[..., 0])
         else:
             attn = draft_attention(q, k0, v0, causal)
         h_out, hid = apply_head(spec, draft_params, _rows(attn), hidden, method=DraftHead.finish)
@@ -114,4 +129,5 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
         if return_logits:
             logits_r.append(draft_logits(spec, draft_params, hid))
         hidden = h_out
-    return DraftTTTOutput(jnp.stack(logits_r) if return_logits else None, jnp.stack(hid_r), jnp.stack(hout_r))
+    return DraftTTTOutput(jnp.stack(logits_r) if return_logits else None, jnp.stack(hid_r), jnp.stack(hout_r),
+                          jnp.stack(weight_r) if future_weights else None)

@@ -33,6 +33,11 @@ class HeadConfig:
     expert_top_k: int = 2
     init_std: float = 0.02
     soft_prompt_init_std: float = 0.02
+    # ConFu only, a departure from the paper (None = the paper): a learned per-head logit added to the
+    # draft's attention score of its future entry, starting at this value. The entry joins a trained
+    # EAGLE-3 attention with a tiny softmax weight (~1e-3, docs/RESULTS.md "Does ConFu use its
+    # future?"), and a weight near 0 gets a gradient near 0; the bias starts it where training can see it.
+    future_bias: Optional[float] = None
     dtype: str = "float32"  # draft compute dtype
     param_dtype: str = "float32"  # trainable parameters (soft prompts, MoEs, draft)
     # The draft's own RoPE and norms. Our heads use the target's (None / False); a published EAGLE-3
@@ -138,6 +143,7 @@ def model_spec_from_config(config, backend: Optional[str] = None) -> ModelSpec:
         expert_top_k=int(c.expert_top_k),
         init_std=float(d.init_std),
         soft_prompt_init_std=float(c.soft_prompt_init_std),
+        future_bias=_opt(c, "future_bias", float),
         dtype=d.dtype,
         param_dtype=d.param_dtype,
         rope_theta=_opt(d, "rope_theta", float),

@@ -32,6 +32,8 @@ from jax.experimental import multihost_utils
 from etils import epath
 
 from confu_jax.runs.quiet_logs import quiet_read_only_warning
+from confu_jax.runs.head_release import is_head_release, verify_head_release
+from confu_jax.runs.trainable_export import is_trainable_export, load_trainable_export
 from confu_jax.sharding import path_str
 from confu_jax.weights.eagle3_formats import detect_format, head_settings_diff, load_head
 
@@ -302,10 +304,14 @@ def init_params_from(directory: str, params, step: int = -1,
     ``directory`` may also be an EAGLE-3 head in the official (SGLang / SpecForge) or speculators
     (vLLM) format (``weights.eagle3_formats``): the paper initialises ConFu from a published
     EAGLE-3 head. ``model_spec`` (this run's ``ModelSpec``) is then checked against the head's
-    RoPE and norm settings, which change what the copied weights compute.
+    RoPE and norm settings, which change what the copied weights compute. Or a trainable-tree export
+    (``runs.trainable_export``: the ConFu release, a GPU campaign's ConFu head), hash-checked when
+    it is a release; ``step`` is then the export's own.
     """
     if detect_format(directory) is not None:
         return _init_from_head(directory, params, draft_vocab_d2t, model_spec)
+    if is_trainable_export(directory):
+        return _init_from_trainable_export(directory, params, draft_vocab_d2t)
     ckpt = Checkpointer(directory, read_only=True)
     try:
         src_step = ckpt.latest_step() if step is None or step < 0 else int(step)
@@ -367,7 +373,23 @@ def _init_from_head(directory: str, params, draft_vocab_d2t, model_spec) -> tupl
             raise ValueError(f"init_from {directory}: the run's draft settings differ from the head's, so the "
                              f"copied weights would compute something else: {lines}. Set those config keys "
                              "to the head's values")
-    src = {f"draft/{k}": v for k, v in _flat(imp.draft).items()}
+    return _copy_host_leaves(directory, 0, {f"draft/{k}": v for k, v in _flat(imp.draft).items()}, imp.d2t,
+                             params, draft_vocab_d2t)
+
+
+def _init_from_trainable_export(directory: str, params, draft_vocab_d2t) -> tuple[Any, InitReport]:
+    """``init_params_from`` for a trainable-tree export (``runs.trainable_export``: a ConFu release or a
+    GPU campaign's ConFu head), hash-checked first when it is a release (``runs.head_release``)."""
+    if is_head_release(directory):
+        verify_head_release(directory)
+    head = load_trainable_export(directory)
+    return _copy_host_leaves(directory, head.step, _flat(head.trainable), head.draft_vocab["d2t"], params,
+                             draft_vocab_d2t)
+
+
+def _copy_host_leaves(directory: str, step: int, src: dict, src_d2t, params, draft_vocab_d2t) -> tuple[Any, InitReport]:
+    """The path-and-shape rule on a source already in host memory ({'/'-joined path: array}), the draft
+    LM head remapped by target id when the draft vocabularies differ."""
     dst = _flat(params)
     copy, mismatch = {}, []
     for p, leaf in dst.items():
@@ -376,15 +398,15 @@ def _init_from_head(directory: str, params, draft_vocab_d2t, model_spec) -> tupl
                 copy[p] = src[p]
             else:
                 mismatch.append((p, tuple(src[p].shape), tuple(leaf.shape)))
-    report = InitReport(source=str(directory), step=0, copied=sorted(copy),
+    report = InitReport(source=str(directory), step=int(step), copied=sorted(copy),
                         kept_init=sorted(p for p in dst if p not in src), shape_mismatch=mismatch,
                         ignored=sorted(p for p in src if p not in dst))
     if (draft_vocab_d2t is not None and LM_HEAD in dst and LM_HEAD in src
-            and not np.array_equal(imp.d2t, np.asarray(draft_vocab_d2t))):
+            and not np.array_equal(src_d2t, np.asarray(draft_vocab_d2t))):
         leaf = dst[LM_HEAD]
         init = (jax.device_get(leaf) if leaf.is_fully_addressable
                 else multihost_utils.process_allgather(leaf, tiled=True))
-        kernel, matched = _remap_lm_head(src[LM_HEAD], imp.d2t, np.asarray(draft_vocab_d2t), np.asarray(init))
+        kernel, matched = _remap_lm_head(src[LM_HEAD], src_d2t, np.asarray(draft_vocab_d2t), np.asarray(init))
         copy[LM_HEAD] = kernel
         report.copied = sorted(copy)
         report.shape_mismatch = [m for m in mismatch if m[0] != LM_HEAD]

@@ -530,7 +530,7 @@ FUTURE_PROBE_AHEAD = (1, 2, 3)  # f's top-1 is compared with x[t+s] for these s
 
 def future_probe_metrics(spec: ModelSpec, trainable: dict, target_params: dict, tokens_bn, loss_mask_bn, rows,
                          h_cat_bnc, teacher, masks, plan: AnchorPlan, f_bkd, sel_bm, ok_bm, base_bn,
-                         cfg: ObjectiveConfig) -> dict:
+                         cfg: ObjectiveConfig, future_weight_rbnh=None) -> dict:
     """What ConFu's future entry is worth to its draft, and what it carries (evaluation only).
 
     * ``no_future/decode_tau/chain{D}``, ``no_future/cond_acc/step{r}``: the same draft weights
@@ -542,6 +542,10 @@ def future_probe_metrics(spec: ModelSpec, trainable: dict, target_params: dict, 
       token, what a pause token at t+1 would predict; s = 3: one further), counted where x[t+s] is
       an answer token of t's conversation. Beside ``acc/step0`` (the draft's own accuracy on x[t+2]):
       an f that predicts x[t+2] worse than the draft already does adds little.
+    * ``future/attn_weight/step{r}``: the softmax weight TTT step r's queries give the future entry,
+      averaged over query heads and the starting points (``draft_ttt(future_weights=True)``). Beside
+      1 / (keys a query sees) it says whether the entry is attended at all; a weight near 0 also
+      means a gradient near 0 for everything behind it (f, MoE_f, the soft prompts).
     """
     no_future = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc,
                           cfg.ttt_steps, positions_bn=rows.positions_bn, future=None, return_logits=False,
@@ -560,6 +564,12 @@ def future_probe_metrics(spec: ModelSpec, trainable: dict, target_params: dict, 
         hit_bk = f_top1_bk == shift_ahead(tokens_bn, s, -1)[b_idx, plan.anchor_bk]
         w_bk = ok_bk.astype(jnp.float32)
         metrics[f"future/f_top1_x{s}"] = jnp.sum(hit_bk * w_bk) / jnp.maximum(jnp.sum(w_bk), 1.0)
+    if future_weight_rbnh is not None:
+        starts = (_pick(sel_bm, base_bn) & ok_bm).astype(jnp.float32)
+        n_starts = jnp.maximum(jnp.sum(starts), 1.0)
+        for r in range(future_weight_rbnh.shape[0]):
+            w_bm = _pick(sel_bm, jnp.mean(future_weight_rbnh[r], axis=-1))
+            metrics[f"future/attn_weight/step{r}"] = jnp.sum(w_bm * starts) / n_starts
     return metrics
 
 
@@ -610,7 +620,7 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
         future = TTTFuture(_rows(f_bkd), plan.anchor_bk, plan.index_bn)
     ttt = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc,
                     cfg.ttt_steps, positions_bn=rows.positions_bn, future=future, return_logits=False,
-                    segment_ids_bn=rows.segment_ids_bn)
+                    segment_ids_bn=rows.segment_ids_bn, future_weights=cfg.future_probe and future is not None)
     masks = ttt_masks(loss_mask_bn, teacher.in_draft_bn, cfg.ttt_steps, rows.segment_ids_bn)
     # verification starting points for the simulated τ: the bonus x[j+1] and the first drafted
     # token x[j+2] are answer tokens (the anchor candidates), for every variant alike
@@ -622,7 +632,8 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     metrics.update(_chain_metrics(correct, answer, in_draft, sel_bm, ok_bm, base_bn, loss_mask_bn, cfg))
     if cfg.future_probe and future is not None:
         metrics.update(future_probe_metrics(spec, trainable, target_params, tokens_bn, loss_mask_bn, rows,
-                                            h_cat_bnc, teacher, masks, plan, f_bkd, sel_bm, ok_bm, base_bn, cfg))
+                                            h_cat_bnc, teacher, masks, plan, f_bkd, sel_bm, ok_bm, base_bn, cfg,
+                                            jax.lax.stop_gradient(ttt.future_weight_rbnh)))
     answer_w = loss_mask_bn.astype(jnp.float32)
     n_ans = jnp.maximum(jnp.sum(answer_w), 1.0)
     metrics["teacher/draft_vocab_mass"] = jnp.sum(teacher.draft_mass_bn * answer_w) / n_ans

@@ -458,9 +458,10 @@ def head_settings_diff(head: HeadConfig, spec: ModelSpec) -> list:
 
 def eagle3_part(spec: ModelSpec, trainable: dict):
     """(spec, draft params) of the EAGLE-3 head inside any head: a ConFu head minus its future path
-    (MoE_f, soft prompts, MoE_con), which serving engines cannot run: they have no contemplate tokens."""
-    head = dataclasses.replace(spec.head, variant="eagle3")
-    draft = {k: v for k, v in trainable["draft"].items() if k != "moe_f"}
+    (MoE_f, the future-entry bias, soft prompts, MoE_con), which serving engines cannot run: they
+    have no contemplate tokens."""
+    head = dataclasses.replace(spec.head, variant="eagle3", future_bias=None)
+    draft = {k: v for k, v in trainable["draft"].items() if k not in ("moe_f", "future_bias")}
     return ModelSpec(spec.target, head), draft
 
 
