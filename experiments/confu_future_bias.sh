@@ -12,6 +12,8 @@
 #   bash experiments/confu_future_bias.sh                     # CPU: STEPS=40 of 4 x 1024 tokens
 #   STEPS=100 ROWS=32 LEN=2048 DTYPE=bfloat16 bash experiments/confu_future_bias.sh   # larger, where the deps are installed
 #
+# INIT (default: the ConFu release) must be a trainable-tree export or release: its draft_vocab.npz is
+# the runs' draft vocabulary, so its LM head is copied column for column.
 # Resumable: a finished stage (its eval_only.json or final checkpoint) is skipped; launch.train
 # resumes a stopped run. The table at the end is also written to $OUT/summary.json.
 set -euo pipefail

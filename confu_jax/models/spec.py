@@ -35,8 +35,8 @@ class HeadConfig:
     soft_prompt_init_std: float = 0.02
     # ConFu only, a departure from the paper (None = the paper): a learned per-head logit added to the
     # draft's attention score of its future entry, starting at this value. The entry joins a trained
-    # EAGLE-3 attention with a tiny softmax weight (~1e-3, docs/RESULTS.md "Does ConFu use its
-    # future?"), and a weight near 0 gets a gradient near 0; the bias starts it where training can see it.
+    # EAGLE-3 attention with a tiny softmax weight (~0.05% on the release, docs/RESULTS.md "Why ConFu
+    # ignores its future"), and a weight near 0 gets a gradient near 0; the bias starts it where training can see it.
     future_bias: Optional[float] = None
     dtype: str = "float32"  # draft compute dtype
     param_dtype: str = "float32"  # trainable parameters (soft prompts, MoEs, draft)
