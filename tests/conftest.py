@@ -5,6 +5,30 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _share_one_compilation_cache():
+    """One persistent XLA compilation cache for the whole test run: both xdist workers, and every
+    subprocess or spawned child a test starts, inherit it through the environment. Many test files
+    compile the same programs (the SmolLM2 target's prefill and decode steps, the jitted loop at the
+    same shapes); on 2 cores XLA:CPU compilation is most of the suite's time, so a program compiled
+    once is loaded from disk by every later process instead. Created by the process that starts the
+    run (the xdist controller, or a plain pytest) and removed when it exits; an already-set
+    ``JAX_COMPILATION_CACHE_DIR`` is respected."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    directory = tempfile.mkdtemp(prefix="confu_jax_test_xla_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("CONFU_JAX_COMPILE_CACHE", directory)  # the CLIs' own switch (compile_cache.py)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+
+
+_share_one_compilation_cache()
+
+
 import pytest  # noqa: E402
 
 

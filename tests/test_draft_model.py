@@ -156,18 +156,19 @@ def test_greedy_equals_ar(which, plan, steered):
 
 def test_zero_steering_equals_unsteered():
     """W_s = 0 (the paper's initialisation): the steered drafter proposes exactly what the plain
-    one does — same tokens and the same accepted lengths pass for pass, greedy and sampled."""
-    for which, plan in (("early3", "chain:3"), ("other", "dynamic:3,2,5")):
+    one does — same tokens and the same accepted lengths pass for pass, greedy (an early-exit chain)
+    and sampled (another model's tree). One temperature per drafter: each case compiles the whole
+    loop twice, and the greedy and sampled paths share the steering code."""
+    for which, plan, temp in (("early3", "chain:3", 0.0), ("other", "dynamic:3,2,5", 1.0)):
         spec, tp, params = _pair_for(which, 24, False)
         cfg = spec.draft_model
         steered = params.replace(draft=dict(params.draft, steering=steer_lib.init_steering(spec.target.d_model, 3, cfg)))
-        for temp in (0.0, 1.0):
-            kw = dict(max_new_tokens=20, eos_ids=(), temperature=temp, seed=3)
-            a = loop.generate_speculative(spec, params, dm.DraftModel(plans.parse_plan(plan)), PROMPTS, **kw)
-            b = loop.generate_speculative(spec, steered, dm.DraftModel(plans.parse_plan(plan), steered=True),
-                                          PROMPTS, **kw)
-            assert _rows(a, 2) == _rows(b, 2)
-            np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
+        kw = dict(max_new_tokens=20, eos_ids=(), temperature=temp, seed=3)
+        a = loop.generate_speculative(spec, params, dm.DraftModel(plans.parse_plan(plan)), PROMPTS, **kw)
+        b = loop.generate_speculative(spec, steered, dm.DraftModel(plans.parse_plan(plan), steered=True),
+                                      PROMPTS, **kw)
+        assert _rows(a, 2) == _rows(b, 2)
+        np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     # and non-zero steering changes what is drafted (so the test above is not vacuous)
     spec, tp, params = _pair_for("early3", 24, True)
     plain = params.replace(draft={})

@@ -57,8 +57,11 @@ if kill_at:
 
 
 def resume_env(tmp_path) -> dict:
-    """The subprocesses' environment: the repository on the path, one persistent compilation cache."""
-    return dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+    """The subprocesses' environment: the repository on the path, one persistent compilation cache
+    (the test run's own, set by conftest.py, so the family's other tests' programs are found too;
+    else one under ``tmp_path``)."""
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path / "jax_cache")
+    return dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=cache,
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
