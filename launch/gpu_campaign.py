@@ -227,10 +227,13 @@ TINY = dict(  # the CPU dry run: same stages and flags, a tiny model, a dozen co
 # re-planned to 50 + 50, which stopped EAGLE-3 and relaunched it (79 s of startup and compile, about
 # 35 steps' worth, and ConFu then no longer fit call 3). Starting at the measured plan, the re-plan
 # confirms it (a multiple of ckpt_every) and relaunches only on a machine fast enough for more.
+# ConFu with the future-entry bias (4): four loans measured the paper's head at ConFu / EAGLE-3
+# 1.002-1.007, its future entry unattended (docs/RESULTS.md "Why ConFu ignores its future"); the
+# next loan tests the bias at GPU scale instead (CAMPAIGN_CONFU_FUTURE_BIAS= runs the paper's head).
 GPU15 = dict(
     gen_passes=0, draft_vocab=4096, e3_init="releases/heads/smollm2_eagle3", num_workers=0, train_batch=32, e3_steps=50, plus_steps=50, train_s=390, min_steps=40, log_every=1,
     train_xla_flags="--xla_gpu_autotune_level=0", bench_methods="eagle3,confu", bench_budgets="chain:3",
-    bench_n_per_category=1, bench_calibration="", bench_s=110, total_s=820, call_s=565)
+    bench_n_per_category=1, bench_calibration="", bench_s=110, total_s=820, call_s=565, confu_future_bias="4")
 SCALES = {"gpu": {}, "gpu15": GPU15, "tiny": TINY}
 
 

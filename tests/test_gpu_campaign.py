@@ -453,7 +453,8 @@ def test_eagle3_can_continue_a_release(tmp_path, monkeypatch):
 
 
 def test_confu_future_bias_reaches_the_confu_launch(tmp_path, monkeypatch):
-    """CAMPAIGN_CONFU_FUTURE_BIAS: ConFu's launch sets confu.future_bias (the paper's head without it)."""
+    """ConFu's launch sets confu.future_bias: 4 by default at the 15-minute scale, CAMPAIGN_CONFU_FUTURE_BIAS
+    chooses it, empty = the paper's head (the full-scale campaign's default)."""
     launched = []
 
     def fake_run(self, name, cmd, timeout, **kw):
@@ -461,7 +462,11 @@ def test_confu_future_bias_reaches_the_confu_launch(tmp_path, monkeypatch):
         return 0, True  # stopped by its time box: nothing trained
 
     monkeypatch.setattr("launch.gpu_campaign.Campaign.run_cmd", fake_run)
-    _campaign(tmp_path / "a", scale="gpu15", env={"CAMPAIGN_CONFU_FUTURE_BIAS": "4"}).st_confu()
+    _campaign(tmp_path / "a", scale="gpu15").st_confu()
     assert "--config.confu.future_bias=4.0" in launched[-1]
-    _campaign(tmp_path / "b", scale="gpu15").st_confu()
-    assert len(launched) == 2 and not any(a.startswith("--config.confu.future_bias") for a in launched[-1])
+    _campaign(tmp_path / "b", scale="gpu15", env={"CAMPAIGN_CONFU_FUTURE_BIAS": "2.5"}).st_confu()
+    assert "--config.confu.future_bias=2.5" in launched[-1]
+    for name, kw in (("c", dict(scale="gpu15", env={"CAMPAIGN_CONFU_FUTURE_BIAS": ""})), ("d", dict(scale="gpu"))):
+        _campaign(tmp_path / name, **kw).st_confu()
+        assert not any(a.startswith("--config.confu.future_bias") for a in launched[-1]), name
+    assert len(launched) == 4
