@@ -9,6 +9,8 @@ at the anchor with [con] read from h_cat[anchor - lag], and step 0 of ``draft_tt
 with that future entry (docs/DESIGN.md §4).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,13 +22,47 @@ from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.kv_cache import to_cache_layout
 from test_spec_loop import make
 
+# Everything below runs under jit: run eagerly, the loop's and training's ~1000 primitives would each
+# be an XLA compile of its own (~40 ms apiece on 2 cores, most of this file's time).
+_prefill = jax.jit(loop._prefill, static_argnums=(0, 2), static_argnames=("max_new_tokens", "max_len"))
+_iteration = jax.jit(loop.iteration, static_argnums=(0, 2, 3), static_argnames=("max_new_tokens", "max_len"))
 
-def _loop_depth0_logprobs(spec, params, s):
-    """What ``drafting.draft_tree`` scores the root's children with: ingest at the anchor p."""
+
+_propose = jax.jit(lambda drafter, spec, params, state, inp: drafter.propose(spec, params, state, inp),
+                   static_argnums=(0, 1))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _depth0(spec, params, s):
     anchor_b = s.cache.length_b - 1
     future = drafting.future_entry(spec, params, s.drafter, anchor_b)
     logits, _, _ = drafting.ingest(spec, params, s.drafter, s.done_b, future, s.drafter.draft_cache)
-    return np.asarray(jax.nn.log_softmax(logits[:, 0], axis=-1)), np.asarray(anchor_b)
+    return jax.nn.log_softmax(logits[:, 0], axis=-1), anchor_b
+
+
+def _loop_depth0_logprobs(spec, params, s):
+    """What ``drafting.draft_tree`` scores the root's children with: ingest at the anchor p."""
+    logp, anchor_b = _depth0(spec, params, s)
+    return np.asarray(logp), np.asarray(anchor_b)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "steps", "zero_future"))
+def _training_form(params, x, anchor, lag, j, *, spec, steps, zero_future):
+    real = target_lib.real_forward(spec, params.target, x, return_logits=False)
+    h_cat = real.taps_btc
+    if not spec.head.has_future:  # EAGLE-3: no contemplate, no future entry
+        out = draft_ttt(spec, params.draft, params.embed_vd, x, h_cat, steps)
+        return jax.nn.log_softmax(out.logits_rbnv[:, 0, j], axis=-1)
+    anchors = jnp.reshape(anchor, (1, 1))
+    f_bkd = target_lib.contemplate_queries(
+        spec, params.target, params.confu, to_cache_layout(real.k_new_lbthd), to_cache_layout(real.v_new_lbthd),
+        anchors, jax.lax.dynamic_slice_in_dim(h_cat, anchor - lag, 1, axis=1))
+    if zero_future:
+        f_bkd = jnp.zeros_like(f_bkd)
+    window = jnp.where(jnp.arange(x.shape[1]) == j, 0, -1).astype(jnp.int32)[None]
+    out = draft_ttt(spec, params.draft, params.embed_vd, x, h_cat, steps,
+                    future=TTTFuture(f_bkd=f_bkd, anchor_bk=anchors, index_bn=window))
+    return jax.nn.log_softmax(out.logits_rbnv[:, 0, j], axis=-1)
 
 
 def _training_form_logprobs(spec, params, seq, anchor, lag, *, zero_future=False, index=None, steps=1):
@@ -35,23 +71,10 @@ def _training_form_logprobs(spec, params, seq, anchor, lag, *, zero_future=False
     future entry of ``anchor``, whose contemplate read h_cat[anchor - lag] — a replication window
     when index > anchor. ``steps`` > 1: [steps, V], TTT step r's log-probabilities at that index."""
     j = anchor if index is None else index
-    x = jnp.asarray([seq], jnp.int32)
-    real = target_lib.real_forward(spec, params.target, x, return_logits=False)
-    h_cat = real.taps_btc
-    if not spec.head.has_future:  # EAGLE-3: no contemplate, no future entry
-        out = draft_ttt(spec, params.draft, params.embed_vd, x, h_cat, steps)
-        return np.asarray(jax.nn.log_softmax(out.logits_rbnv[:, 0, j], axis=-1))
-    anchors = jnp.asarray([[anchor]], jnp.int32)
-    f_bkd = target_lib.contemplate_queries(
-        spec, params.target, params.confu, to_cache_layout(real.k_new_lbthd), to_cache_layout(real.v_new_lbthd),
-        anchors, h_cat[:, [anchor - lag]])
-    if zero_future:
-        f_bkd = jnp.zeros_like(f_bkd)
-    window = np.full((1, len(seq)), -1, np.int32)
-    window[0, j] = 0
-    out = draft_ttt(spec, params.draft, params.embed_vd, x, h_cat, steps,
-                    future=TTTFuture(f_bkd=f_bkd, anchor_bk=anchors, index_bn=jnp.asarray(window)))
-    logp = np.asarray(jax.nn.log_softmax(out.logits_rbnv[:, 0, j], axis=-1))
+    logp = np.asarray(_training_form(params, jnp.asarray([seq], jnp.int32), jnp.int32(anchor), jnp.int32(lag),
+                                     jnp.int32(j), spec=spec, steps=steps, zero_future=zero_future))
+    if not spec.head.has_future:
+        return logp
     return logp[0] if steps == 1 else logp
 
 
@@ -69,8 +92,8 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text):
     args, static = loop.prepare_spec_inputs(spec, plan, [prompt], max_new_tokens=16, eos_ids=())
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
-    s0 = loop._prefill(spec, params, plan, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
-    s1 = loop.iteration(spec, params, plan, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
+    s0 = _prefill(spec, params, plan, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
+    s1 = _iteration(spec, params, plan, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
 
     n = len(prompt)
     emitted = np.asarray(s1.tokens_bn)[0, : int(s1.n_generated_b[0])].tolist()
@@ -126,8 +149,8 @@ def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
     args, static = loop.prepare_spec_inputs(spec, full, [prompt], max_new_tokens=16, eos_ids=())
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
-    s0 = loop._prefill(spec, params, full, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
-    s1 = loop.iteration(spec, params, full, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
+    s0 = _prefill(spec, params, full, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
+    s1 = _iteration(spec, params, full, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
     emitted = np.asarray(s1.tokens_bn)[0, : int(s1.n_generated_b[0])].tolist()
     n_acc = int(s1.drafter.ingest_count_b[0])  # nodes accepted, root included: the next draft's lag
     assert n_acc >= 2 and len(emitted) == 1 + n_acc, emitted  # first token + accepted drafts + bonus
@@ -135,7 +158,7 @@ def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
     for s, context, lag in ((s0, prompt + emitted[:1], 1), (s1, prompt + emitted, n_acc)):
         anchor = int(s.cache.length_b[0]) - 1
         assert anchor == len(context) - 2  # the context ends with the bonus token x[p+1]
-        prop = chain.propose(spec, params, s.drafter, DraftInput(s.root_b, s.cache.length_b - 1, s.done_b,
+        prop = _propose(chain, spec, params, s.drafter, DraftInput(s.root_b, s.cache.length_b - 1, s.done_b,
                                                                  jax.random.PRNGKey(7), jnp.float32(1),
                                                                  jnp.float32(1)))
         tokens = np.asarray(prop.tree.tokens_bt)[0].tolist()
