@@ -15,7 +15,7 @@ from confu_jax.decode import drafters, loop, plans
 from confu_jax.decode import tree as tr
 from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.generate import generate_ar
-from test_spec_loop import _chi_square, _exact_joint, _rows, make
+from test_spec_loop import _chi_square, _exact_joint, _rows, jit_prefill, jit_propose, make
 
 PROMPTS = [[3, 5, 1, 2, 4, 0], [2, 2, 5]]
 
@@ -59,12 +59,6 @@ def test_gated_greedy_equals_ar(variant, text):
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
 
-# the pieces of the loop this test calls directly run under jit (eagerly, each primitive is a compile)
-_prefill = jax.jit(loop._prefill, static_argnums=(0, 2), static_argnames=("max_new_tokens", "max_len"))
-_propose = jax.jit(lambda drafter, spec, params, state, inp: drafter.propose(spec, params, state, inp),
-                   static_argnums=(0, 1))
-
-
 def test_gate_counts_the_confident_prefix_and_hybrid():
     spec, tp, params = make("eagle3", 6, seed=2)
     gated = HeadDrafter(plans.parse_plan("chain:3"), min_prob=0.3)
@@ -72,18 +66,18 @@ def test_gate_counts_the_confident_prefix_and_hybrid():
     args, static = loop.prepare_spec_inputs(spec, gated, PROMPTS, max_new_tokens=8, eos_ids=())
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
-    s0 = _prefill(spec, params, gated, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
+    s0 = jit_prefill(spec, params, gated, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
     from confu_jax.decode.drafter import DraftInput
     from confu_jax.decode.drafting import draft_tree
 
     inp = DraftInput(s0.root_b, s0.cache.length_b - 1, s0.done_b, key, jnp.float32(0), jnp.float32(1))
-    prop = _propose(gated, spec, params, s0.drafter, inp)
+    prop = jit_propose(gated, spec, params, s0.drafter, inp)
     scores = jax.jit(lambda params, state, inp: draft_tree(spec, params, gated.plan, state, inp, with_scores=True)[-1])
     score = scores(params, s0.drafter, inp)
     want = 1 + np.sum(np.asarray(score)[:, 1:] >= np.log(0.3), axis=1)
     assert np.array_equal(np.asarray(prop.n_nodes_b), want)
     # the gate changes only how much is verified, not what is drafted
-    full = _propose(ungated, spec, params, s0.drafter, inp)
+    full = jit_propose(ungated, spec, params, s0.drafter, inp)
     assert np.array_equal(np.asarray(prop.tree.tokens_bt), np.asarray(full.tree.tokens_bt))
     assert np.all(np.asarray(full.n_nodes_b) == 4)
     # hybrid with a gated head: lossless, and its widths are the head's

@@ -20,16 +20,9 @@ from confu_jax.decode import drafting, loop, plans
 from confu_jax.models import target as target_lib
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.kv_cache import to_cache_layout
-from test_spec_loop import make
+from test_spec_loop import jit_iteration, jit_prefill, jit_propose, make
 
-# Everything below runs under jit: run eagerly, the loop's and training's ~1000 primitives would each
-# be an XLA compile of its own (~40 ms apiece on 2 cores, most of this file's time).
-_prefill = jax.jit(loop._prefill, static_argnums=(0, 2), static_argnames=("max_new_tokens", "max_len"))
-_iteration = jax.jit(loop.iteration, static_argnums=(0, 2, 3), static_argnames=("max_new_tokens", "max_len"))
-
-
-_propose = jax.jit(lambda drafter, spec, params, state, inp: drafter.propose(spec, params, state, inp),
-                   static_argnums=(0, 1))
+# Everything here runs under jit (eagerly, the loop's and training's primitives would each be a compile).
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -92,8 +85,8 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text):
     args, static = loop.prepare_spec_inputs(spec, plan, [prompt], max_new_tokens=16, eos_ids=())
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
-    s0 = _prefill(spec, params, plan, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
-    s1 = _iteration(spec, params, plan, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
+    s0 = jit_prefill(spec, params, plan, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
+    s1 = jit_iteration(spec, params, plan, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
 
     n = len(prompt)
     emitted = np.asarray(s1.tokens_bn)[0, : int(s1.n_generated_b[0])].tolist()
@@ -149,8 +142,8 @@ def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
     args, static = loop.prepare_spec_inputs(spec, full, [prompt], max_new_tokens=16, eos_ids=())
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
-    s0 = _prefill(spec, params, full, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
-    s1 = _iteration(spec, params, full, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
+    s0 = jit_prefill(spec, params, full, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
+    s1 = jit_iteration(spec, params, full, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
     emitted = np.asarray(s1.tokens_bn)[0, : int(s1.n_generated_b[0])].tolist()
     n_acc = int(s1.drafter.ingest_count_b[0])  # nodes accepted, root included: the next draft's lag
     assert n_acc >= 2 and len(emitted) == 1 + n_acc, emitted  # first token + accepted drafts + bonus
@@ -158,9 +151,9 @@ def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
     for s, context, lag in ((s0, prompt + emitted[:1], 1), (s1, prompt + emitted, n_acc)):
         anchor = int(s.cache.length_b[0]) - 1
         assert anchor == len(context) - 2  # the context ends with the bonus token x[p+1]
-        prop = _propose(chain, spec, params, s.drafter, DraftInput(s.root_b, s.cache.length_b - 1, s.done_b,
-                                                                 jax.random.PRNGKey(7), jnp.float32(1),
-                                                                 jnp.float32(1)))
+        inp = DraftInput(s.root_b, s.cache.length_b - 1, s.done_b, jax.random.PRNGKey(7), jnp.float32(1),
+                         jnp.float32(1))
+        prop = jit_propose(chain, spec, params, s.drafter, inp)
         tokens = np.asarray(prop.tree.tokens_bt)[0].tolist()
         assert tokens[0] == context[-1]
         got = np.log(np.maximum(np.asarray(prop.q_btv)[0, 1:], 1e-30))  # [3,V] depths 0..2 of the chain

@@ -44,6 +44,14 @@ def prompts_for(vocab):
     return [[t % vocab for t in p] for p in PROMPTS]
 
 
+# The loop's pieces under jit, for tests that step it by hand (the loop-vs-training and gate tests):
+# run eagerly, each of their ~1000 primitives is an XLA compile of its own (~40 ms apiece on 2 cores).
+jit_prefill = jax.jit(loop._prefill, static_argnums=(0, 2), static_argnames=("max_new_tokens", "max_len"))
+jit_iteration = jax.jit(loop.iteration, static_argnums=(0, 2, 3), static_argnames=("max_new_tokens", "max_len"))
+jit_propose = jax.jit(lambda drafter, spec, params, state, inp: drafter.propose(spec, params, state, inp),
+                      static_argnums=(0, 1))
+
+
 def _rows(result, n_rows):
     toks = np.asarray(result.tokens_bn)
     n = np.asarray(result.n_generated_b)
