@@ -34,16 +34,21 @@ from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import dflash as D
 from confu_jax.models.registry import get_method
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
-from test_spec_loop import _rows, make
+from test_spec_loop import _rows, jit_propose, make
+from jitting import jit_static
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 MASK = 3  # the mask token of the tests' drafts
+# the draft's pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
+(block_hidden, block_logits, context_features, context_kv, draft_blocks, embed_block, sequence_context,
+ init_dflash) = (jit_static(f) for f in (D.block_hidden, D.block_logits, D.context_features, D.context_kv,
+                                          D.draft_blocks, D.embed_block, D.sequence_context, D.init_dflash))
 
 
 def draft_for(dcfg, n_taps, seed=0, std=0.3):
     """A DFlash draft with every term acting: kernels large, norm scales perturbed."""
-    p = jax.tree_util.tree_map(np.array, D.init_dflash(jax.random.PRNGKey(seed), dcfg, n_taps, init_std=std))
+    p = jax.tree_util.tree_map(np.array, init_dflash(jax.random.PRNGKey(seed), dcfg, n_taps, init_std=std))
     rng = np.random.default_rng(seed + 1)
     for path, x in list(D._leaves(p).items()):
         if path.endswith("scale"):
@@ -160,26 +165,26 @@ def test_forward_equals_reference():
         want = ref(torch.from_numpy(pos), torch.from_numpy(noise).double(), torch.from_numpy(taps).double(),
                    torch.ones(b, bs, s + bs, dtype=torch.bool)).numpy()
     assert np.abs(want).std() > 0.1
-    k, v = D.sequence_context(p, dcfg, jnp.asarray(taps), jnp.asarray(pos[:, :s]))
-    got = D.block_hidden(p, dcfg, jnp.asarray(noise), jnp.asarray(pos[:, s:]), jnp.ones((b, bs, bs), bool), k, v,
-                         jnp.full((b,), s))
+    k, v = sequence_context(p, dcfg, jnp.asarray(taps), jnp.asarray(pos[:, :s]))
+    got = block_hidden(p, dcfg, jnp.asarray(noise), jnp.asarray(pos[:, s:]), jnp.ones((b, bs, bs), bool), k, v,
+                       jnp.full((b,), s))
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
     # the context committed through the cache helpers in two pieces gives the same block
     from confu_jax.models.kv_cache import commit, init_cache
 
     cache = init_cache(dcfg.n_layers, b, 16, dcfg.n_kv_heads, dcfg.head_dim)
     for lo, hi in ((0, 4), (4, s)):
-        kk, vv = D.context_kv(p, dcfg, D.context_features(p, dcfg, jnp.asarray(taps[:, lo:hi])),
-                              jnp.asarray(pos[:, lo:hi]))
-        cache = commit(cache, kk, vv, jnp.full((b,), hi - lo))
-    got2 = D.block_hidden(p, dcfg, jnp.asarray(noise), jnp.asarray(pos[:, s:]), jnp.ones((b, bs, bs), bool),
-                          cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
+        kk, vv = context_kv(p, dcfg, context_features(p, dcfg, jnp.asarray(taps[:, lo:hi])),
+                            jnp.asarray(pos[:, lo:hi]))
+        cache = jit_static(commit)(cache, kk, vv, jnp.full((b,), hi - lo))
+    got2 = block_hidden(p, dcfg, jnp.asarray(noise), jnp.asarray(pos[:, s:]), jnp.ones((b, bs, bs), bool),
+                        cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
     np.testing.assert_allclose(np.asarray(got2), want, rtol=2e-4, atol=2e-4)
     # training blocks: anchors 2 and 5 of a row, each block sees the context before its anchor and itself
     tokens = rng.integers(0, 24, (b, s))
     anchors = np.array([[2, 5], [1, 4]])
-    h = D.draft_blocks(p, dcfg, spec.target, tp, jnp.asarray(taps), jnp.asarray(tokens), jnp.asarray(anchors), MASK,
-                       bs)
+    h = draft_blocks(p, dcfg, spec.target, tp, jnp.asarray(taps), jnp.asarray(tokens), jnp.asarray(anchors), MASK,
+                     bs)
     emb = np.asarray(tp["embed"]["embedding"])
     for r in range(b):
         for i, a in enumerate(anchors[r]):
@@ -241,22 +246,23 @@ def test_block_is_the_reference_loop():
     prompt = [3, 9, 4, 17, 3, 9]
     n = len(prompt)
     toks = jnp.asarray([prompt], jnp.int32)
-    out = real_forward(spec, tp, toks)
+    out = jit_static(real_forward)(spec, tp, toks)
     root = jnp.argmax(out.logits_btv[:, -1], axis=-1).astype(jnp.int32)
     drafter = parse_drafter("dflash", "chain:3")
-    st = drafter.init(spec, params, PrefillView(toks, jnp.array([n]), root, out.taps_btc, None, 32))
+    st = jax.jit(lambda params: drafter.init(spec, params, PrefillView(toks, jnp.array([n]), root, out.taps_btc, None,
+                                                                       32)))(params)
     inp = DraftInput(root, jnp.array([n - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0), jnp.float32(0.0),
                      jnp.float32(1.0))
-    prop = drafter.propose(spec, params, st, inp)
+    prop = jit_propose(drafter, spec, params, st, inp)
     chain = np.asarray(prop.tree.tokens_bt)[0].tolist()
-    k, v = D.sequence_context(p, spec.draft_model, out.taps_btc)
+    k, v = sequence_context(p, spec.draft_model, out.taps_btc)
     blk = jnp.asarray([[int(root[0]), MASK, MASK, MASK]])
-    h = D.block_hidden(p, spec.draft_model, D.embed_block(tp, blk), jnp.arange(n, n + 4)[None],
-                       jnp.ones((1, 4, 4), bool), k, v, jnp.array([n]))
-    want = np.argmax(np.asarray(D.block_logits(spec.target, tp, h))[0, 1:], -1)
+    h = block_hidden(p, spec.draft_model, embed_block(tp, blk), jnp.arange(n, n + 4)[None],
+                     jnp.ones((1, 4, 4), bool), k, v, jnp.array([n]))
+    want = np.argmax(np.asarray(block_logits(spec.target, tp, h))[0, 1:], -1)
     assert chain == [int(root[0])] + want.tolist()
     # a tree's depth-d nodes are position d's top-k, the same under every parent
-    prop = drafter.__class__(parse_dflash_plan("tree:2,2")).propose(spec, params, st, inp)
+    prop = jit_propose(drafter.__class__(parse_dflash_plan("tree:2,2")), spec, params, st, inp)
     toks, par = np.asarray(prop.tree.tokens_bt)[0], np.asarray(prop.tree.parents_bt)[0]
     kids = [sorted(int(toks[j]) for j in range(len(toks)) if par[j] == i) for i in (1, 2)]
     assert kids[0] == kids[1] and len(kids[0]) == 2
@@ -425,27 +431,27 @@ def test_loss_equals_hand_computation():
     p = draft_for(dcfg, len(spec.taps), seed=2, std=0.2)
     bs, n_anchor, gamma, mask_id = 4, 5, 4.0, 127
     rng = jax.random.PRNGKey(7)
-    loss, metrics = dflash_loss(spec, p, tp, batch, rng, block_size=bs, num_anchors=n_anchor,
-                                mask_token_id=mask_id, gamma=gamma)
+    loss, metrics = jit_static(dflash_loss)(spec, p, tp, batch, rng, block_size=bs, num_anchors=n_anchor,
+                                            mask_token_id=mask_id, gamma=gamma)
     toks = np.asarray(batch["tokens"])
     mask = np.asarray(batch["loss_mask"]).astype(bool)
     if "attention_mask" in batch:
         mask &= np.asarray(batch["attention_mask"]).astype(bool)
     b, n = toks.shape
     cand = mask & np.r_["1", mask[:, 1:], np.zeros((b, 1), bool)]
-    anchors, valid = (np.asarray(x) for x in sample_anchors(rng, jnp.asarray(cand), n_anchor))
+    anchors, valid = (np.asarray(x) for x in jit_static(sample_anchors)(rng, jnp.asarray(cand), n_anchor))
     assert valid.sum() > 0 and np.all(cand[np.arange(b)[:, None], anchors][valid])
-    taps = real_forward(spec, tp, jnp.asarray(toks), return_logits=False).taps_btc
-    k_ctx, v_ctx = D.sequence_context(p, dcfg, taps)
+    taps = jit_static(real_forward)(spec, tp, jnp.asarray(toks), return_logits=False).taps_btc
+    k_ctx, v_ctx = sequence_context(p, dcfg, taps)
     num = den = 0.0
     per_pos = {i: [] for i in range(1, bs)}
     for r in range(b):
         for j in np.flatnonzero(valid[r]):
             a = int(anchors[r, j])
             blk = jnp.asarray([[toks[r, a]] + [mask_id] * (bs - 1)])
-            h = D.block_hidden(p, dcfg, D.embed_block(tp, blk), jnp.arange(a, a + bs)[None],
-                               jnp.ones((1, bs, bs), bool), k_ctx[:, r:r + 1], v_ctx[:, r:r + 1], jnp.array([a]))
-            lp = np.asarray(jax.nn.log_softmax(D.block_logits(spec.target, tp, h), -1))[0]
+            h = block_hidden(p, dcfg, embed_block(tp, blk), jnp.arange(a, a + bs)[None],
+                             jnp.ones((1, bs, bs), bool), k_ctx[:, r:r + 1], v_ctx[:, r:r + 1], jnp.array([a]))
+            lp = np.asarray(jax.nn.log_softmax(block_logits(spec.target, tp, h), -1))[0]
             for i in range(1, bs):
                 if a + i < n and mask[r, a + i]:
                     w = np.exp(-(i - 1) / gamma)

@@ -24,7 +24,11 @@ from confu_jax.decode.hybrid import Hybrid
 from confu_jax.decode.lookup import NO_TOKEN, PromptLookup
 from confu_jax.decode.spec_params import SpecParams
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
+from jitting import jit_static
 from test_spec_loop import _rows, make
+
+# the matcher and the trie under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
+lookup_continuations, lookup_tree = jit_static(lookup.lookup_continuations), jit_static(lookup.lookup_tree)
 
 
 # ----------------------------------------------------------------------------- reference matcher
@@ -57,7 +61,7 @@ def _device_lookup(texts, width, **kw):
     hist = np.full((len(texts), width), NO_TOKEN, np.int32)
     for i, t in enumerate(texts):
         hist[i, : len(t)] = t
-    toks, match = lookup.lookup_continuations(jnp.asarray(hist), jnp.asarray([len(t) for t in texts], jnp.int32), **kw)
+    toks, match = lookup_continuations(jnp.asarray(hist), jnp.asarray([len(t) for t in texts], jnp.int32), **kw)
     return np.asarray(toks), np.asarray(match)
 
 
@@ -101,7 +105,7 @@ def test_trie_holds_distinct_continuations():
         cut = rng.integers(0, k + 1, (b, w))  # truncated continuations
         toks = np.where(np.arange(k)[None, None] >= cut[..., None], NO_TOKEN, toks)
         root = jnp.asarray(rng.integers(0, 3, b), jnp.int32)
-        tree, n_nodes = lookup.lookup_tree(root, jnp.asarray(toks))
+        tree, n_nodes = lookup_tree(root, jnp.asarray(toks))
         valid = np.asarray(tree.valid_bt)
         path = np.asarray(tree.path_btd)
         tokens = np.asarray(tree.tokens_bt)

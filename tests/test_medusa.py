@@ -30,7 +30,11 @@ from confu_jax.models import medusa as med
 from confu_jax.models.registry import get_method
 from confu_jax.train.metric_writers import read_csv
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
+from jitting import jit_static
 from test_spec_loop import _rows, make
+
+# the heads' pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
+init_medusa, medusa_logits = jit_static(med.init_medusa), jit_static(med.medusa_logits)
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 
@@ -38,8 +42,8 @@ PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 def heads_for(spec, tp, num_heads=3, num_layers=1, std=0.3, seed=0):
     """Reference-initialised heads with random (non-zero) ResBlock weights, so every term acts."""
     emb = tp["embed"]["embedding"] if spec.target.tie_embeddings else tp["lm_head"]["kernel"]
-    h = med.init_medusa(jax.random.PRNGKey(seed), num_heads, num_layers, jnp.asarray(emb),
-                        0 if spec.target.tie_embeddings else 1)
+    h = init_medusa(jax.random.PRNGKey(seed), num_heads, num_layers, jnp.asarray(emb),
+                    0 if spec.target.tie_embeddings else 1)
     rng = np.random.default_rng(seed + 1)
     h = jax.tree_util.tree_map(np.asarray, h)
     h["resblocks"]["kernel"] = (rng.standard_normal(h["resblocks"]["kernel"].shape) * std).astype(np.float32)
@@ -92,7 +96,7 @@ def test_forward_equals_reference_transcription(num_layers):
         np.float32)
     ref = _torch_reference(heads)
     h = np.random.default_rng(3).standard_normal((2, 5, spec.target.d_model)).astype(np.float32)
-    ours = np.asarray(med.medusa_logits(heads, jnp.asarray(h)))  # [K,2,5,V]
+    ours = np.asarray(medusa_logits(heads, jnp.asarray(h)))  # [K,2,5,V]
     with torch.no_grad():
         want = np.stack([ref[k](torch.from_numpy(h)).numpy() for k in range(3)])
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
@@ -104,7 +108,7 @@ def test_forward_equals_reference_transcription(num_layers):
 def test_reference_initialisation():
     spec, tp, _ = make("eagle3", 24)
     emb = jnp.asarray(tp["embed"]["embedding"])
-    heads = med.init_medusa(jax.random.PRNGKey(0), 2, 1, emb, 0)
+    heads = init_medusa(jax.random.PRNGKey(0), 2, 1, emb, 0)
     d = spec.target.d_model
     assert not np.any(np.asarray(heads["resblocks"]["kernel"]))  # W = 0 (reference zeros_)
     b = np.asarray(heads["resblocks"]["bias"])
@@ -113,7 +117,7 @@ def test_reference_initialisation():
         np.testing.assert_array_equal(np.asarray(heads["lm_head"]["kernel"][k]), np.asarray(emb).T)
     h = np.random.default_rng(0).standard_normal((3, d)).astype(np.float32)
     want = (h + jax.nn.silu(b[0, 0])) @ np.asarray(emb).T  # x + SiLU(0·x + b), then the target's LM head
-    np.testing.assert_allclose(np.asarray(med.medusa_logits(heads, h))[0], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(medusa_logits(heads, h))[0], want, rtol=1e-5, atol=1e-5)
 
 
 def test_plan_parsing():
@@ -181,7 +185,7 @@ def test_state_follows_the_last_accepted_node():
     target's LM head, head 0 at p predicts the target's argmax at p (= the root), so chain:1 drafts
     the root again; on the row's own greedy text it is accepted exactly where x[p+2] == x[p+1]."""
     spec, tp, _ = make("eagle3", 4)
-    heads = med.init_medusa(jax.random.PRNGKey(0), 1, 1, jnp.asarray(tp["embed"]["embedding"]), 0)
+    heads = init_medusa(jax.random.PRNGKey(0), 1, 1, jnp.asarray(tp["embed"]["embedding"]), 0)
     heads = jax.tree_util.tree_map(np.array, heads)
     heads["resblocks"]["bias"][:] = 0
     params = SpecParams(target=tp, draft={"medusa": heads}, confu={}, draft_vocab={})
@@ -277,14 +281,15 @@ def test_loss_equals_hand_computation():
     batch = next(run.task.train_iterator(0, 1))
     spec, tp = load_target(config, model_spec_from_config(config))
     heads = heads_for(spec, tp, num_heads=3)
+    medusa_loss = jit_static(medusa_loss)
     loss, m = medusa_loss(spec, heads, tp, batch, decay=0.8)
     toks = np.asarray(batch["tokens"])
     mask = np.asarray(batch["loss_mask"]).astype(bool)
     if "attention_mask" in batch:
         mask &= np.asarray(batch["attention_mask"]).astype(bool)
     from confu_jax.models.target import real_forward
-    h = np.asarray(real_forward(spec, tp, jnp.asarray(toks), return_logits=False).hidden_btd)
-    logits = np.asarray(med.medusa_logits(heads, h), np.float64)  # [K,B,N,V]
+    h = np.asarray(jit_static(real_forward)(spec, tp, jnp.asarray(toks), return_logits=False).hidden_btd)
+    logits = np.asarray(medusa_logits(heads, h), np.float64)  # [K,B,N,V]
     want = 0.0
     n = toks.shape[1]
     for k in range(3):

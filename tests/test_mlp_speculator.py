@@ -41,16 +41,21 @@ from confu_jax.models import mlp_speculator as ms
 from confu_jax.models.registry import get_method
 from confu_jax.train.metric_writers import read_csv
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
-from test_spec_loop import _rows, make
+from jitting import jit_static
+from test_spec_loop import _rows, jit_propose, make
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
+# the speculator's pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
+init_mlp_speculator, mlp_speculator_logits, input_state, stage_state, stage_logits = (
+    jit_static(f) for f in (ms.init_mlp_speculator, ms.mlp_speculator_logits, ms.input_state, ms.stage_state,
+                            ms.stage_logits))
 
 
 def speculator_for(d, vocab, n_predict=3, inner_dim=32, tie_weights=False, scale_input=False, std=0.4, seed=0):
     """Reference-initialised stages with LN scale / shift and weights perturbed, so every term acts."""
     c = ms.make_config(n_predict, d, vocab, inner_dim, tie_weights, scale_input)
-    p = jax.tree_util.tree_map(np.array, ms.init_mlp_speculator(jax.random.PRNGKey(seed), c))
+    p = jax.tree_util.tree_map(np.array, init_mlp_speculator(jax.random.PRNGKey(seed), c))
     rng = np.random.default_rng(seed + 1)
     t = jax.tree_util.tree_map(np.array, ms.to_trainable(p, c))
     t["ln"]["scale"] = (1 + 0.3 * rng.standard_normal(t["ln"]["scale"].shape)).astype(np.float32)
@@ -201,15 +206,15 @@ def test_forward_equals_reference_transcription(tie_weights, scale_input):
     rng = np.random.default_rng(3)
     h = (3 * rng.standard_normal((2, 5, 24))).astype(np.float32)
     inds = rng.integers(0, 20, (2, 5 + 4))
-    ours = np.asarray(ms.mlp_speculator_logits(p, jnp.asarray(h), jnp.asarray(inds)))  # [K,2,5,V]
+    ours = np.asarray(mlp_speculator_logits(p, jnp.asarray(h), jnp.asarray(inds)))  # [K,2,5,V]
     want = _reference(p, c).forward(h, inds)
     np.testing.assert_allclose(ours, want, rtol=2e-4, atol=2e-4)
     assert np.abs(want).max() > 1  # not a vanishing comparison
     # the stage functions the drafter uses give the same logits
-    s = ms.input_state(p, jnp.asarray(h))
+    s = input_state(p, jnp.asarray(h))
     for i in range(4):
-        s = ms.stage_state(p, i, s, jnp.asarray(inds[:, i:i + 5]))
-        np.testing.assert_allclose(np.asarray(ms.stage_logits(p, i, s)), want[i], rtol=2e-4, atol=2e-4)
+        s = stage_state(p, i, s, jnp.asarray(inds[:, i:i + 5]))
+        np.testing.assert_allclose(np.asarray(stage_logits(p, i, s)), want[i], rtol=2e-4, atol=2e-4)
     # the key names and tying are the reference module's: strict load of our export
     sd = {k: torch.from_numpy(np.array(v)) for k, v in ms.to_reference_state_dict(p).items()}
     _torch_reference_module(c).load_state_dict(sd, strict=True)
@@ -225,7 +230,7 @@ def test_reference_initialisation():
     c = ms.make_config(3, 64, 500, inner_dim=48)
     assert c.state_weight == pytest.approx(0.5 ** (0.5 / 3))
     assert c.emb_weight == pytest.approx(math.sqrt((1 - 0.5 ** (1 / 3)) * 24))
-    p = jax.tree_util.tree_map(np.asarray, ms.init_mlp_speculator(jax.random.PRNGKey(0), c))
+    p = jax.tree_util.tree_map(np.asarray, init_mlp_speculator(jax.random.PRNGKey(0), c))
     assert ms.config_of(p) == c and "ln0" not in p
     for a, b in (("emb", "embedding"), ("proj_in", "kernel"), ("proj", "kernel"), ("lm_head", "kernel")):
         # reset_parameters: N(0, 1/sqrt(inner_dim)) for every embedding and linear (proj.0 included)
@@ -239,7 +244,7 @@ def test_reference_initialisation():
         ms.make_config(1, 64, 10, tie_weights=True)
     # tied: one draw repeated; scale_input: ln0 = the constant 1/sqrt(2); trainable layout holds it once
     ct = ms.make_config(3, 64, 500, inner_dim=48, tie_weights=True, scale_input=True)
-    pt = jax.tree_util.tree_map(np.asarray, ms.init_mlp_speculator(jax.random.PRNGKey(1), ct))
+    pt = jax.tree_util.tree_map(np.asarray, init_mlp_speculator(jax.random.PRNGKey(1), ct))
     assert ms.is_tied(pt) and ms.config_of(pt).scale_input
     np.testing.assert_allclose(pt["ln0"]["scale"], 1 / math.sqrt(2))
     assert not np.array_equal(pt["proj_in"]["kernel"][:48], pt["proj"]["kernel"][0])  # proj.0 stays its own
@@ -260,8 +265,8 @@ def test_tied_gradient_is_the_sum_over_stages():
     def loss_stage(sp):
         return jnp.sum(jax.nn.log_softmax(ms.mlp_speculator_logits(sp, h, inds))[..., 0])
 
-    g_shared = jax.grad(lambda t: loss_stage(ms.from_trainable(t, c)))(t)
-    g_stage = jax.grad(loss_stage)(jax.tree_util.tree_map(jnp.asarray, p))
+    g_shared = jax.jit(jax.grad(lambda t: loss_stage(ms.from_trainable(t, c))))(t)
+    g_stage = jax.jit(jax.grad(loss_stage))(jax.tree_util.tree_map(jnp.asarray, p))
     np.testing.assert_allclose(g_shared["emb"]["embedding"][0], g_stage["emb"]["embedding"].sum(0), rtol=1e-4,
                                atol=1e-5)
     np.testing.assert_allclose(g_shared["proj"]["kernel"][0], g_stage["proj"]["kernel"].sum(0), rtol=1e-4, atol=1e-5)
@@ -273,7 +278,7 @@ def _propose(spec, tp, p, plan, h_bd, root_b):
     b = root_b.shape[0]
     inp = DraftInput(jnp.asarray(root_b, jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool),
                      jax.random.PRNGKey(0), jnp.float32(0.0), jnp.float32(1.0))
-    return parse_drafter("mlp_speculator", plan).propose(spec, params, MLPSpeculatorState(jnp.asarray(h_bd)), inp)
+    return jit_propose(parse_drafter("mlp_speculator", plan), spec, params, MLPSpeculatorState(jnp.asarray(h_bd)), inp)
 
 
 @pytest.mark.parametrize("scale_input", [False, True])
@@ -517,12 +522,12 @@ def test_loss_equals_hand_computation():
     batch = next(run.task.train_iterator(0, 1))
     spec, tp = load_target(config, model_spec_from_config(config))
     p, c = speculator_for(spec.target.d_model, spec.target.vocab_size, 3, 16, tie_weights=True, scale_input=True)
-    loss, m = mlp_speculator_loss(spec, p, tp, batch)
+    loss, m = jit_static(mlp_speculator_loss)(spec, p, tp, batch)
     toks = np.asarray(batch["tokens"])
     mask = np.asarray(batch["loss_mask"]).astype(bool)
     if "attention_mask" in batch:
         mask &= np.asarray(batch["attention_mask"]).astype(bool)
-    h = np.asarray(real_forward(spec, tp, jnp.asarray(toks), return_logits=False).hidden_btd)
+    h = np.asarray(jit_static(real_forward)(spec, tp, jnp.asarray(toks), return_logits=False).hidden_btd)
     bsz, n = toks.shape
     # the reference's teacher-forced forward, inds = x[1:] (padded: stage i at t reads x[t+i+1])
     inds = np.concatenate([toks[:, 1:], np.zeros((bsz, 4), toks.dtype)], axis=1)

@@ -39,16 +39,20 @@ from confu_jax.models import mtp as mtp_lib
 from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.registry import get_method
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
+from jitting import jit_static
 from test_spec_loop import _rows, make
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
+# the module's pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
+init_mtp, mtp_sequence, mtp_logits, mtp_block = (
+    jit_static(f) for f in (mtp_lib.init_mtp, mtp_lib.mtp_sequence, mtp_lib.mtp_logits, mtp_lib.mtp_block))
 
 
 def module_for(cfg, tp, seed=0, eh_std=0.3, init_block="random"):
     """An MTP module with every term acting: norm scales and the block perturbed, eh_proj large."""
-    m = jax.tree_util.tree_map(np.array, mtp_lib.init_mtp(jax.random.PRNGKey(seed), cfg, tp, init_block=init_block,
-                                                          init_std=0.2))
+    m = jax.tree_util.tree_map(np.array, init_mtp(jax.random.PRNGKey(seed), cfg, tp, init_block=init_block,
+                                                  init_std=0.2))
     rng = np.random.default_rng(seed + 1)
     for path in ("enorm", "hnorm", "shared_head/norm", "block/attn_norm", "block/mlp_norm"):
         node = m
@@ -127,17 +131,17 @@ def test_forward_equals_reference():
     with torch.no_grad():
         want_h, want_logits = (x.numpy() for x in ref.mtp(torch.from_numpy(tokens), torch.from_numpy(hidden).double(),
                                                           torch.from_numpy(np.ascontiguousarray(pos))))
-    h = mtp_lib.mtp_sequence(m, cfg, tp, jnp.asarray(tokens), jnp.asarray(hidden), jnp.asarray(pos))
+    h = mtp_sequence(m, cfg, tp, jnp.asarray(tokens), jnp.asarray(hidden), jnp.asarray(pos))
     np.testing.assert_allclose(np.asarray(h), want_h, rtol=2e-4, atol=2e-4)
-    np.testing.assert_allclose(np.asarray(mtp_lib.mtp_logits(m, cfg, tp, h)), want_logits, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(mtp_logits(m, cfg, tp, h)), want_logits, rtol=2e-4, atol=2e-4)
     assert np.abs(want_logits).std() > 0.1  # not a vanishing comparison
     # the decode form: the first 4 entries committed to a one-layer cache, the last 3 as a causal block
-    out = mtp_lib.mtp_block(m, cfg, tp, jnp.asarray(tokens), jnp.asarray(hidden), jnp.asarray(pos))
+    out = mtp_block(m, cfg, tp, jnp.asarray(tokens), jnp.asarray(hidden), jnp.asarray(pos))
     np.testing.assert_allclose(np.asarray(out.h_out_btd), want_h, rtol=2e-4, atol=2e-4)
     cache = init_cache(1, b, 16, cfg.n_kv_heads, cfg.head_dim)
-    cache = commit(cache, out.k_new_bthd[None, :, :4], out.v_new_bthd[None, :, :4], jnp.full((b,), 4))
-    tail = mtp_lib.mtp_block(m, cfg, tp, jnp.asarray(tokens[:, 4:]), jnp.asarray(hidden[:, 4:]),
-                             jnp.asarray(pos[:, 4:]), cache=cache, logits_index_b=jnp.array([2, 1]))
+    cache = jit_static(commit)(cache, out.k_new_bthd[None, :, :4], out.v_new_bthd[None, :, :4], jnp.full((b,), 4))
+    tail = mtp_block(m, cfg, tp, jnp.asarray(tokens[:, 4:]), jnp.asarray(hidden[:, 4:]),
+                     jnp.asarray(pos[:, 4:]), cache=cache, logits_index_b=jnp.array([2, 1]))
     np.testing.assert_allclose(np.asarray(tail.h_out_btd), want_h[:, 4:], rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(tail.logits_btv)[:, 0], want_logits[[0, 1], [6, 5]], rtol=2e-4, atol=2e-4)
     # names round trip; the shapes are the target's layer's
@@ -154,14 +158,14 @@ def test_forward_equals_reference():
 def test_initialisation():
     spec, tp, _ = make("eagle3", 24)
     cfg = spec.target
-    m = mtp_lib.init_mtp(jax.random.PRNGKey(0), cfg, tp)
+    m = init_mtp(jax.random.PRNGKey(0), cfg, tp)
     mtp_lib.check_mtp_params(m, cfg)
     # the block starts as the target's last decoder layer, shared_head.norm as its final norm
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(a, b[-1]), m["block"], dict(tp["layers"]))
     np.testing.assert_array_equal(m["shared_head"]["norm"]["scale"], tp["final_norm"]["scale"])
     np.testing.assert_array_equal(m["enorm"]["scale"], 1)
     assert np.std(np.asarray(m["eh_proj"]["kernel"])) == pytest.approx(0.02, rel=0.1)
-    r = mtp_lib.init_mtp(jax.random.PRNGKey(0), cfg, tp, init_block="random")
+    r = init_mtp(jax.random.PRNGKey(0), cfg, tp, init_block="random")
     assert not np.array_equal(r["block"]["q_proj"]["kernel"], tp["layers"]["q_proj"]["kernel"][-1])
     np.testing.assert_array_equal(r["block"]["attn_norm"]["scale"], 1)
     shapes = jax.tree_util.tree_map(lambda x: x.shape, mtp_lib.trainable_shapes(cfg))
@@ -223,11 +227,11 @@ def _recursive_reference(spec, tp, m, prompt, hidden, path):
     tokens = list(prompt[1:]) + [path[0]]
     hid = [hidden[j] for j in range(len(prompt))]
     for tok in path[1:]:
-        h = mtp_lib.mtp_sequence(m, cfg, tp, jnp.asarray([tokens]), jnp.asarray(np.stack(hid))[None])
+        h = mtp_sequence(m, cfg, tp, jnp.asarray([tokens]), jnp.asarray(np.stack(hid))[None])
         hid.append(np.asarray(h[0, -1]))
         tokens.append(tok)
-    h = mtp_lib.mtp_sequence(m, cfg, tp, jnp.asarray([tokens]), jnp.asarray(np.stack(hid))[None])
-    return np.asarray(mtp_lib.mtp_logits(m, cfg, tp, h[:, -1:]))[0, 0]
+    h = mtp_sequence(m, cfg, tp, jnp.asarray([tokens]), jnp.asarray(np.stack(hid))[None])
+    return np.asarray(mtp_logits(m, cfg, tp, h[:, -1:]))[0, 0]
 
 
 def test_drafts_are_the_recursive_module():
@@ -380,13 +384,14 @@ def test_loss_equals_hand_computation():
     attention[1, 15:] = 0  # row 1: right padding after 15 tokens (the loss mask is cut by it)
     batch = {"tokens": toks, "loss_mask": mask.astype(np.int32), "attention_mask": attention}
     mask &= attention.astype(bool)
-    loss, metrics = mtp_loss(spec, m, tp, jax.tree_util.tree_map(jnp.asarray, batch), num_depths=3, loss_weight=0.3)
+    loss, metrics = jit_static(mtp_loss)(spec, m, tp, jax.tree_util.tree_map(jnp.asarray, batch), num_depths=3,
+                                         loss_weight=0.3)
     assert float(metrics["count/head0"]) == mask[:, 2:].sum()
     n_layers = cfg.n_layers
     sd = {k[len(f"model.layers.{n_layers}."):]: v for k, v in mtp_lib.to_reference_state_dict(m, n_layers).items()}
     ref = _torch_reference(cfg, sd, tp["embed"]["embedding"])
-    h = torch.from_numpy(np.asarray(real_forward(spec, tp, jnp.asarray(toks), return_logits=False).hidden_btd,
-                                    np.float64))
+    hidden = jit_static(real_forward)(spec, tp, jnp.asarray(toks), return_logits=False).hidden_btd
+    h = torch.from_numpy(np.asarray(hidden, np.float64))
     bsz, n = toks.shape
     pos = torch.arange(n)[None].expand(bsz, n)
     total = 0.0
@@ -462,7 +467,7 @@ def test_training_lowers_the_loss_and_the_run_loads(tmp_path):
     assert head.trained and "step 20" in head.source
     trained = head.params.draft["mtp"]
     assert np.abs(np.asarray(trained["eh_proj"]["kernel"]) - np.asarray(
-        mtp_lib.init_mtp(jax.random.PRNGKey(0), spec.target, tp)["eh_proj"]["kernel"])).max() > 0
+        init_mtp(jax.random.PRNGKey(0), spec.target, tp)["eh_proj"]["kernel"])).max() > 0
     mtp_lib.check_mtp_params(trained, spec.target)  # decodes as any module does (test_greedy_equals_ar)
 
 

@@ -158,11 +158,14 @@ def _exact_joint(spec, tp, prompt, temperature, top_p, n_tok=3):
     v = spec.target.vocab_size
     model = Llama(spec.target)
 
-    def probs_of(prefixes):
-        arr = jnp.asarray(prefixes, jnp.int32)
+    @jax.jit  # one program per prefix count (eagerly, every primitive of the forward compiles alone)
+    def last_probs(params, arr):
         pos = jnp.broadcast_to(jnp.arange(arr.shape[1]), arr.shape)
-        logits = model.apply({"params": tp}, arr, pos).logits_btv[:, -1]
-        return np.asarray(target_probs(logits, temperature, top_p), np.float64)
+        logits = model.apply({"params": params}, arr, pos).logits_btv[:, -1]
+        return target_probs(logits, temperature, top_p)
+
+    def probs_of(prefixes):
+        return np.asarray(last_probs(tp, jnp.asarray(prefixes, jnp.int32)), np.float64)
 
     joint = {(): 1.0}
     for _ in range(n_tok):
