@@ -1,7 +1,9 @@
 import os
 
-# 8 fake CPU devices for sharding tests; must be set before JAX initialises its backend.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from xla_env import EIGHT_DEVICES
+
+# 8 fake CPU devices for sharding tests, LLVM at -O1 (tests/xla_env.py); set before JAX initialises.
+os.environ.setdefault("XLA_FLAGS", EIGHT_DEVICES)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

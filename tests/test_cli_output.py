@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from confu_jax.data import formats
+from xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "tests", "configs", "toy_train.py")
@@ -28,7 +29,7 @@ def _data(path, n_good=40):
 
 
 def _env():
-    return dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    return dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
 
 
 def test_bad_records_one_line_per_reason_and_every_record_in_the_log(tmp_path, caplog):

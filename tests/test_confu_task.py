@@ -17,6 +17,7 @@ from confu_jax.models.spec import model_spec_from_config
 from confu_jax.train.synthetic_data import SelfDistilledStream
 from confu_jax.train.target_loading import load_target
 from confu_jax.train.loss import ALL_POSITIONS, objective_from_config
+from xla_env import EIGHT_DEVICES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +61,7 @@ def test_self_distilled_stream_is_the_targets_greedy_chain():
 def test_launch_train_tiny_learns_and_saves_the_draft_vocab(tmp_path):
     """``python -m launch.train --config configs/tiny.py:eagle3`` over 8 CPU devices (data-parallel)."""
     work = tmp_path / "run"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=EIGHT_DEVICES)
     cmd = [sys.executable, "-m", "launch.train", "--config", "configs/tiny.py:eagle3", "--workdir", str(work),
            "--config.train.progress_bar=False", "--config.draft.draft_vocab_size=64",
            "--config.train.eval_every=1"]

@@ -13,6 +13,7 @@ import pytest
 
 from tests.fixtures.tiny_chat_model import TEMPLATE, tiny_chat_gguf
 from tests.fixtures.tiny_checkpoints import hf_llama, write_gguf
+from xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +32,7 @@ def models(tmp_path_factory):
 
 
 def _generate(model, *args, ok=True):
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "launch.generate", "--model", model, "--prompt",
                         "Hello world, 12345", "--max_new_tokens", "16", "--print_ids",
                         "--config.decode.top_p=1.0", "--temperature", "0", *args],

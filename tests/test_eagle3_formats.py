@@ -32,6 +32,7 @@ from confu_jax.weights.eagle3_formats import (bind_to_target, eagle3_part, expor
                                               save_safetensors)
 from confu_jax.weights.errors import CheckpointError
 from tests.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
+from xla_env import SINGLE_DEVICE
 
 torch = pytest.importorskip("torch")
 
@@ -520,7 +521,7 @@ def test_generate_cli_decodes_with_an_imported_head(tmp_path_factory):
     draft = jax.device_get(init_draft_params(spec, jax.random.PRNGKey(1)))
     d2t = np.arange(cfg.vocab_size // 2)
     export_head(str(head_dir), "speculators", spec, draft, d2t, np.arange(cfg.vocab_size) < cfg.vocab_size // 2)
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     ids = {}
     for method in (["--method", "ar"], ["--method", "eagle3", "--draft_ckpt", str(head_dir), "--tree", "chain:3"]):
         r = subprocess.run([sys.executable, "-m", "launch.generate", "--model", gguf, "--prompt", "Hello world",
@@ -549,7 +550,7 @@ def test_export_head_cli_on_a_confu_workdir(tmp_path):
     config.train.tensorboard = "off"
     train(config, workdir)
     head = load_trained_head(workdir)
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     for fmt in ("eagle3", "speculators"):
         out = str(tmp_path / fmt)
         r = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", workdir, "--format", fmt,

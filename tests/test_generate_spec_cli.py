@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.fixtures.tiny_chat_model import tiny_chat_gguf
+from xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,7 +21,7 @@ def tiny_gguf(tmp_path_factory):
 
 
 def _generate(model, *args):
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "launch.generate", "--model", model, "--prompt",
                         "Hello world, 12345", "--max_new_tokens", "20", "--print_ids",
                         "--config.decode.top_p=1.0", "--temperature", "0", *args],
@@ -42,7 +43,7 @@ def test_speculative_cli_equals_ar_and_prints_tau(tiny_gguf):
 
 
 def test_bad_tree_and_bad_ckpt_fail_with_a_message(tiny_gguf, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     base = [sys.executable, "-m", "launch.generate", "--model", tiny_gguf, "--prompt", "Hi",
             "--max_new_tokens", "4", "--method", "eagle3"]
     r = subprocess.run(base + ["--tree", "chain"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -63,7 +64,7 @@ def test_smollm2_speculative_cli_equals_ar():
 def test_quickstart_flags_documented():
     """launch.quickstart imports cleanly (no flag clashes with the modules it uses) and documents
     the flags that shrink it."""
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "launch.quickstart", "--help"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     for f in ("train", "train_steps", "n_prompts", "max_new_tokens", "tree", "cache", "out", "n_calibration"):

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from tests.fixtures.tiny_chat_model import tiny_chat_gguf
+from xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20
@@ -64,7 +65,7 @@ def campaign(tmp_path_factory):
     gguf = tiny_chat_gguf(tmp / "model", layers=8, max_pos=2048)
     sharegpt = tmp / "sharegpt.json"
     sharegpt.write_text(json.dumps(_conversations()))
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", CAMPAIGN_SCALE="tiny", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", CAMPAIGN_SCALE="tiny", PYTHONPATH=ROOT)
     bundle = tmp / "bundle"
     r = subprocess.run([sys.executable, "-m", "launch.gpu_campaign", "bundle", "--out", str(bundle),
                         "--model_file", gguf, "--sharegpt", str(sharegpt), "--no_wheels"],

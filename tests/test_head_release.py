@@ -15,6 +15,7 @@ import pytest
 from configs.tiny import get_config
 from confu_jax.runs import head_release as hr
 from confu_jax.train.loop import train
+from xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +33,7 @@ def released(tmp_path_factory):
     config.train.tensorboard = "off"
     train(config, workdir)
     release = str(base / "releases" / "heads" / "tiny_eagle3")
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "launch.release_head", "--workdir", workdir, "--release", release,
            "--tau", "heldout_decode_chain3=1.30"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -196,7 +197,7 @@ def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_pa
     config.train.tensorboard = "off"
     train(config, workdir)
     release = str(tmp_path / "releases" / "heads" / "tiny_confu")
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "launch.release_head", "--workdir", workdir, "--release", release,
                         "--tau", "mtbench_chain3=1.2"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)

@@ -15,6 +15,7 @@ import pytest
 
 from confu_jax.train import distributed
 from confu_jax.train.metric_writers import read_csv
+from xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy_train.py")
@@ -35,7 +36,7 @@ def _free_port() -> int:
 def _env(cache_dir):
     # conftest's 8 forced host devices must not leak into the children: they pick their own. The
     # persistent compilation cache lets the resumed run reuse the first run's executables.
-    return dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+    return dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
                 JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 

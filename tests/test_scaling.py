@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from confu_jax.bench import scaling
+from xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "specbench_sample.jsonl")
@@ -106,7 +107,7 @@ def test_measure_and_fit_a_runs_milestones(milestone_run):
     from confu_jax.train.metric_writers import read_csv
 
     gguf, workdir, tmp = milestone_run
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     points = tmp / "points.json"
     r = subprocess.run([sys.executable, "-m", "launch.scaling_curve", "measure", "--model", gguf,
                         "--runs", f"eagle3={workdir}", "--prompts", FIXTURE, "--budgets", "chain:2,dynamic:2,2,4",

@@ -10,6 +10,7 @@ import pytest
 from confu_jax.bench import cli_args, report, spec_bench
 from confu_jax.bench.prompts import load_question_file
 from tests.fixtures.tiny_chat_model import tiny_chat_gguf
+from xla_env import SINGLE_DEVICE
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "specbench_sample.jsonl")
 
@@ -126,7 +127,7 @@ def test_decode_bench_cli_speculative_mode(tmp_path):
     with open(FIXTURE) as f:
         questions.write_text("".join(f.readlines()[:2]))
     out = tmp_path / "res" / "bench.json"
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=root)
     r = subprocess.run([sys.executable, "-m", "launch.decode_bench", "--model", gguf, "--methods", "ar,confu",
                         "--prompts", str(questions), "--n_per_category", "5", "--budgets", "chain:2",
                         "--max_new_tokens", "12", "--out", str(out)],

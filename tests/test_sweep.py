@@ -12,13 +12,14 @@ import time
 import pytest
 
 from confu_jax.runs import sweep as sw
+from xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = os.path.join(REPO, "tests", "configs", "toy_sweep.py")
 
 
 def _env():
-    return dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    return dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
 
 
 def _sweep(*args, timeout=600):

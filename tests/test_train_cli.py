@@ -6,13 +6,14 @@ import subprocess
 import sys
 
 import numpy as np
+from xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy_train.py")
 
 
 def _train(*args, timeout=240):
-    env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "launch.train", "--config", TOY_CONFIG,
                            "--config.train.progress_bar=False", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -35,7 +36,7 @@ def test_ill_typed_config_value_names_the_flag(tmp_path):
 def test_missing_workdir_and_missing_config_file():
     p = _train()
     assert p.returncode != 0 and "--workdir is required" in p.stderr
-    env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=REPO)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, PYTHONPATH=REPO)
     p = subprocess.run([sys.executable, "-m", "launch.train", "--config", "configs/nope.py",
                         "--workdir", "x"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=120)
