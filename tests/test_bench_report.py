@@ -38,6 +38,8 @@ def test_write_results_has_required_fields_and_values(tmp_path):
     assert subprocess.run(["git", "merge-base", "--is-ancestor", e["git_commit"], "HEAD"]).returncode == 0
     assert e["command_line"] == ["launch/decode_bench.py", "--method", "ar"]
     assert isinstance(e["cpu_count"], int) and e["devices"]
+    with open("/proc/cpuinfo") as f:  # this run's processor, as cpu_description reads it
+        assert {k: e[k] for k in ("cpu_model", "cpu_isa")} == report.cpu_description(f.read())
     assert [r["method"] for r in doc["results"]] == ["ar", "eagle3", "confu"]
     for row, res in zip(doc["results"], results):
         assert (row["nodes"], row["temperature"]) == (res.nodes, res.temperature)
@@ -52,6 +54,21 @@ def test_write_results_has_required_fields_and_values(tmp_path):
     assert confu["setting"] == {"top_p": 1.0}
     assert confu["accept_length_histogram"] == [0, 0, 0, 4, 1, 1, 1]
     assert report.load_results(out) == doc["results"]
+
+
+def test_cpu_description_names_model_and_vector_extensions():
+    # two processors listed: the first one's lines are read; flags in /proc/cpuinfo's order
+    x86 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14\n"
+           "flags\t\t: fpu sse4_2 avx avx2 avx512f avx512_bf16 sha_ni\n\n"
+           "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n")
+    assert report.cpu_description(x86) == {"cpu_model": "AMD EPYC 9R14",
+                                           "cpu_isa": ["avx512_bf16", "avx512f", "avx2", "avx", "sse4_2"]}
+    # a machine with avx2 but no avx512 (the slower kind of host this project has been timed on)
+    assert report.cpu_description("model name : AMD EPYC\nflags : sse4_2 avx avx2 fma\n")["cpu_isa"] == \
+        ["avx2", "avx", "sse4_2"]
+    arm = "processor : 0\nFeatures : fp asimd sve atomics\nCPU part : 0xd40\n"
+    assert report.cpu_description(arm) == {"cpu_model": None, "cpu_isa": ["asimd", "sve"]}
+    assert report.cpu_description("") == {"cpu_model": None, "cpu_isa": None}
 
 
 def test_write_results_rejects_incomplete_input(tmp_path):

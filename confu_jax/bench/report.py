@@ -78,6 +78,30 @@ def _check_result(obj: Mapping, index: int) -> None:
             raise ValueError(f"results[{index}].per_category[{name!r}]: missing {cat_missing}")
 
 
+# the vector extensions that set much of XLA:CPU's speed, widest first: two hosts of this project's
+# development machine measured AR decoding ~3x apart (docs/RESULTS.md, fifth loan), and results files
+# that did not name the processor could not say why
+_CPU_ISA = ("amx_tile", "avx512_bf16", "avx512f", "avx2", "avx", "sse4_2", "asimd", "sve")
+
+
+def cpu_description(cpuinfo: str) -> dict:
+    """{'cpu_model', 'cpu_isa'} from the text of Linux's /proc/cpuinfo (first processor): the model
+    name and which of ``_CPU_ISA`` its flags list, so two results files say whether they were timed
+    on the same kind of processor; None for what the text does not say."""
+    model, flags = None, None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if model is None and key in ("model name", "cpu model", "hardware"):
+            model = value.strip() or None
+        elif flags is None and key in ("flags", "features"):
+            flags = set(value.split())
+        if model is not None and flags is not None:
+            break
+    isa = None if flags is None else [f for f in _CPU_ISA if f in flags]
+    return {"cpu_model": model, "cpu_isa": isa}
+
+
 def collect_environment(argv: Sequence[str] | None = None) -> dict:
     """Where and how the numbers were measured, so a results.json can be compared or reproduced."""
     import jax
@@ -102,6 +126,11 @@ def collect_environment(argv: Sequence[str] | None = None) -> dict:
         cpu_affinity = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpu_affinity = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = cpu_description(f.read())
+    except OSError:  # not on Linux
+        cpu = cpu_description("")
     return {
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
@@ -111,6 +140,7 @@ def collect_environment(argv: Sequence[str] | None = None) -> dict:
         "process_count": jax.process_count(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": cpu_affinity,
+        **cpu,
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "git_commit": git("rev-parse", "HEAD"),
