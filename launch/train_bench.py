@@ -17,7 +17,8 @@ same filter. Packed rows hold more real tokens per step, so compare ``real_token
 tokens per second) and ``trained_positions_per_s``, not ``tokens_per_s`` (B·N, layout-blind).
 ``--offline_features DIR`` adds ``eagle3+offline``: EAGLE-3 reading the target's taps and teacher from
 ``launch.target_features`` shards instead of running the target (padded rows: the store's first
-B·(steps+1) rows, written with the same --max_length and draft vocabulary size).
+B·(steps+1) rows, written with the same --max_length and draft vocabulary size), and with
+``packed`` among the layouts ``eagle3+offline@packed``: the store's rows in order, packed.
 
 ConFu evaluates the draft head only inside anchor windows (<= K·(l+1) indices per row), so with
 few anchors it trains fewer positions per step than EAGLE-3 and can be cheaper per step. The
@@ -122,13 +123,22 @@ def main(argv):
             raise SystemExit(f"--offline_features holds {len(offline)} rows; {b * (FLAGS.steps + 1)} needed")
         batches["offline"] = [{k: jnp.asarray(np.stack([r[k] for r in rows[i * b:(i + 1) * b]])) for k in rows[0]}
                               for i in range(FLAGS.steps + 1)]
+        if "packed" in FLAGS.layouts:
+            from confu_jax.data.target_features import feature_dataset
+
+            ds = feature_dataset(offline, per_host_batch_size=b, shuffle=False, pack=True, pack_bins=FLAGS.pack_bins)
+            batches["offline@packed"] = [{k: jnp.asarray(v) for k, v in x.items()}
+                                         for x in itertools.islice(iter(ds), FLAGS.steps + 1)]
 
     runs, results = {}, {}
     plan = [(v, layout) for v in FLAGS.variants for layout in FLAGS.layouts]
     if offline is not None:
-        plan.append(("eagle3+offline", "offline"))
+        plan += [("eagle3+offline", layout) for layout in ("offline", "offline@packed") if layout in batches]
     for variant, layout in plan:
-        run_name = variant if len(FLAGS.layouts) == 1 or layout == "offline" else f"{variant}@{layout}"
+        if layout.startswith("offline"):
+            run_name = variant + layout.removeprefix("offline")
+        else:
+            run_name = variant if len(FLAGS.layouts) == 1 else f"{variant}@{layout}"
         name, _, k = variant.partition(":")
         name = name.removesuffix("+offline")
         config = base_config("smollm2-135m", name)
@@ -139,7 +149,7 @@ def main(argv):
             config.draft.draft_vocab_size = FLAGS.draft_vocab_size
         head = model_spec_from_config(config).head
         spec = ModelSpec(cfg, head)
-        if layout == "offline":
+        if layout.startswith("offline"):
             vocab = offline.draft_vocab()
             if vocab.draft_size != head.draft_vocab_size:
                 raise SystemExit(f"--offline_features: draft vocabulary of {vocab.draft_size} ids; the "
@@ -207,7 +217,7 @@ def main(argv):
                "variants": results, "peak_rss_mib": _rss_mib()}
     for v in results:  # each run against EAGLE-3 on the same rows (same layout)
         lay = results[v]["layout"]
-        base = "eagle3" if "eagle3" in results else f"eagle3@{'padded' if lay == 'offline' else lay}"
+        base = "eagle3" if "eagle3" in results else f"eagle3@{ {'offline': 'padded', 'offline@packed': 'packed'}.get(lay, lay)}"
         if v == base or base not in results:
             continue
         paired = [c / e for c, e in zip(runs[v][2], runs[base][2])]

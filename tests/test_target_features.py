@@ -202,7 +202,8 @@ def test_training_reads_a_matching_store_only(tmp_path):
     config.data.max_length, config.data.global_batch_size = N, 2
     config.objective.eval_records, config.objective.eval_batches = 2, 1
     config.data.target_features = str(tmp_path)
-    got_vocab, train_it, eval_batches = offline_data(config, spec, "test")
+    got_vocab, train_it, eval_batches, rows_per_epoch = offline_data(config, spec, "test")
+    assert rows_per_epoch == ROWS - 2
     np.testing.assert_array_equal(got_vocab.d2t, vocab.d2t)
     batch = next(train_it(0, 1))
     assert batch["h_cat"].shape == (2, N, 3 * spec.target.d_model)
@@ -215,3 +216,112 @@ def test_training_reads_a_matching_store_only(tmp_path):
     confu.data.target_features = str(tmp_path)
     with pytest.raises(ValueError, match="eagle3 only"):
         build_task(confu)
+
+
+def test_train_rows_repeats_a_subset_every_epoch(tmp_path):
+    """``data.train_rows``: training reads exactly the store's first N rows, each once per epoch in
+    a new order, never a held-out row; more rows than the store's training part are refused."""
+    from configs.tiny import get_config
+    from confu_jax.train.target_features import offline_data
+
+    spec = _setup()[0]
+    store = _store(tmp_path)
+    config = get_config("eagle3")
+    config.data.max_length, config.data.global_batch_size = N, 1
+    config.objective.eval_records = 1  # the store's last row; rows 0..3 are its training part
+    config.data.target_features = str(tmp_path)
+    config.data.train_rows = 3
+    _, train_it, _, rows_per_epoch = offline_data(config, spec, "test")
+    assert rows_per_epoch == 3
+    it = train_it(0, 1)
+    by_tokens = {store[i]["tokens"].tobytes(): i for i in range(ROWS)}
+    read = [by_tokens[next(it)["tokens"][0].tobytes()] for _ in range(3 * 8)]
+    epochs = [read[i:i + 3] for i in range(0, len(read), 3)]
+    assert all(sorted(e) == [0, 1, 2] for e in epochs), epochs  # every epoch: each subset row once
+    assert len({tuple(e) for e in epochs}) > 1, epochs  # reshuffled between epochs
+    config.data.train_rows = 5
+    with pytest.raises(ValueError, match="holds 4 training rows"):
+        offline_data(config, spec, "test")
+
+
+def test_offline_training_logs_epochs_and_resumes_exactly(tmp_path):
+    """A run on a store, stopped after 3 steps and resumed to 6, takes the identical batches and
+    losses of one run of 6 (the store's grain iterator state is checkpointed), and logs the epoch."""
+    from configs.tiny import get_config
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.runs.heads import target_fingerprint
+    from confu_jax.train.loop import train
+    from confu_jax.train.metric_writers import read_csv
+    from confu_jax.train.target_loading import load_target
+
+    config = get_config("eagle3")
+    spec, target = load_target(config, model_spec_from_config(config))
+    n, v, dv = int(config.data.max_length), spec.target.vocab_size, spec.head.draft_vocab_size
+    d2t = np.arange(v - dv, v, dtype=np.int32)
+    t2d = np.zeros(v, bool)
+    t2d[d2t] = True
+    vocab = DraftVocab(d2t, t2d, np.zeros(dv, np.int64))
+    rng = np.random.default_rng(3)
+    rows = [{"tokens": rng.integers(2, v, n).astype(np.int32), "loss_mask": np.arange(n) >= 4,
+             "attention_mask": np.ones(n, bool)} for _ in range(16)]
+    settings = tf.StoreSettings(target_fingerprint=target_fingerprint(target), source="random", max_length=n,
+                                top_k=16, dtype="bfloat16", d_model=spec.target.d_model, taps=tuple(spec.taps),
+                                draft_vocab_size=dv, vocab_size=v)
+    store_dir = str(tmp_path / "store")
+    write_rows(tf.FeatureWriter(store_dir, settings, vocab, 4), spec, target, vocab, rows, batch_size=2,
+               vocab_chunk=48)
+    config.data.target_features = store_dir
+    config.data.global_batch_size, config.data.train_rows = 8, 10  # rows 0..9; 12..15 held out
+    config.objective.eval_records = 4
+    config.train.eval_every, config.train.log_every, config.train.progress_bar = 0, 1, False
+    config.train.checkpoint.every, config.train.checkpoint.async_save = 1, False
+    config.train.steps = 6
+    train(config, str(tmp_path / "whole"))
+    config.train.steps = 3
+    train(config, str(tmp_path / "resumed"))
+    config.train.steps = 6
+    train(config, str(tmp_path / "resumed"))
+    whole, resumed = (read_csv(str(tmp_path / w / "metrics.csv")) for w in ("whole", "resumed"))
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert [r["epoch"] for r in whole] == pytest.approx([s * 8 / 10 for s in range(1, 7)])
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in whole], rtol=1e-6)
+
+
+def test_packed_store_rows_train_as_the_online_packed_batch(tmp_path):
+    """``data.pack`` with a store: each packed segment carries its own conversation's stored features,
+    and the loss, metrics and gradients equal the online loss on the same packed rows (the target run
+    with segment masks and restarting positions) — float32, full top-k."""
+    spec, tp, tr, vocab, _ = _setup()
+    rng = np.random.default_rng(4)
+    rows = []
+    for _ in range(6):  # short conversations, 2-4 to a row of N
+        n = int(rng.integers(3, 8))
+        tok = np.zeros(N, np.int32)
+        tok[:n] = rng.integers(2, spec.target.vocab_size, n)
+        rows.append({"tokens": tok, "loss_mask": (np.arange(N) >= 1) & (np.arange(N) < n),
+                     "attention_mask": np.arange(N) < n})
+    w = tf.FeatureWriter(str(tmp_path), _settings(spec, DRAFT_VOCAB, "float32"), vocab, 4)
+    write_rows(w, spec, tp, vocab, rows, batch_size=2, vocab_chunk=48)
+    store = tf.FeatureStore(str(tmp_path))
+    batch = next(iter(tf.feature_dataset(store, per_host_batch_size=2, shuffle=False, pack=True)))
+    seg = batch["segment_ids"]
+    assert seg.max(axis=1).min() >= 2  # every row holds several conversations
+    by_tokens = {store.unpadded(i)["tokens"].tobytes(): i for i in range(len(store))}
+    for b in range(2):
+        for s in range(1, seg[b].max() + 1):
+            at = seg[b] == s
+            row = store.unpadded(by_tokens[batch["tokens"][b][at].tobytes()])
+            np.testing.assert_array_equal(batch["positions"][b][at], np.arange(at.sum()))
+            for k in tf.ROW_KEYS[1:]:
+                np.testing.assert_array_equal(batch[k][b][at], row[k], err_msg=k)
+    online = {k: jnp.asarray(batch[k]) for k in ("tokens", "loss_mask", "attention_mask", "segment_ids", "positions")}
+    vg = _value_and_grad()
+    (l_on, m_on), g_on = vg(tr, online)
+    (l_off, m_off), g_off = vg(tr, {k: jnp.asarray(v) for k, v in batch.items()})
+    np.testing.assert_allclose(float(l_off), float(l_on), rtol=1e-5)
+    for k in ("positions/step0", "acc/step0", "acceptance_length"):
+        np.testing.assert_allclose(float(m_off[k]), float(m_on[k]), rtol=1e-5, err_msg=k)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_on), jax.tree_util.tree_leaves(g_off)):
+        scale = float(jnp.max(jnp.abs(a))) + 1e-8
+        np.testing.assert_allclose(np.asarray(b) / scale, np.asarray(a) / scale, atol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path))

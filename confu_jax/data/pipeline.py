@@ -73,6 +73,9 @@ def default_data_config() -> ml_collections.ConfigDict:
     # A launch.target_features directory: EAGLE-3 reads the stored taps + teacher instead of running
     # the target (rows, order and draft vocabulary come from the store; '' = online).
     c.target_features = ""
+    # With target_features: train on the store's first N training rows only (0 = all), reshuffled
+    # each epoch — a fixed subset read for several epochs (the held-out rows stay the store's last).
+    c.train_rows = 0
     c.global_batch_size = 16  # rows per step over all hosts; must divide by process_count
     c.shuffle = True
     c.num_epochs = 0  # 0 = repeat forever (train by step count)
@@ -197,26 +200,33 @@ PACKED_KEYS = ("tokens", "loss_mask", "attention_mask", "segment_ids", "position
 
 
 class _PackedRow(grain.transforms.Map):
-    """The packer's output -> the batch contract (``segment_ids``, ``positions``, ``attention_mask``)."""
+    """The packer's output -> the batch contract (``segment_ids``, ``positions``, ``attention_mask``),
+    plus the per-token ``extra_keys`` packed alongside (offline target features)."""
+
+    def __init__(self, extra_keys: Sequence[str] = ()):
+        self._extra_keys = tuple(extra_keys)
 
     def map(self, row):
         seg = np.asarray(row["tokens_segment_ids"], np.int32)
         return {"tokens": np.asarray(row["tokens"], np.int32), "loss_mask": np.asarray(row["loss_mask"], bool),
                 "attention_mask": seg > 0, "segment_ids": seg,
-                "positions": np.asarray(row["tokens_positions"], np.int32)}
+                "positions": np.asarray(row["tokens_positions"], np.int32),
+                **{k: row[k] for k in self._extra_keys}}
 
 
-def pack_rows(ds: grain.IterDataset, max_length: int, num_bins: int) -> grain.IterDataset:
+def pack_rows(ds: grain.IterDataset, max_length: int, num_bins: int,
+              extra_keys: Sequence[str] = ()) -> grain.IterDataset:
     """Unpadded conversations -> rows of ``max_length`` holding several, first fit (see module doc).
 
     grain's packer fills ``num_bins`` rows in flight, placing each conversation in the first row
-    with room, and pads (token 0, segment 0) what is left; its iterator state is checkpointable."""
+    with room, and pads (token 0, segment 0) what is left; its iterator state is checkpointable.
+    ``extra_keys``: further per-token arrays of each element ([n, ...], packed like the tokens)."""
     from grain import experimental
 
+    keys = ("tokens", "loss_mask", *extra_keys)
     packed = experimental.FirstFitPackIterDataset(
-        ds, length_struct={"tokens": max_length, "loss_mask": max_length}, num_packing_bins=int(num_bins),
-        shuffle_bins=False)
-    return packed.map(_PackedRow())
+        ds, length_struct={k: max_length for k in keys}, num_packing_bins=int(num_bins), shuffle_bins=False)
+    return packed.map(_PackedRow(extra_keys))
 
 
 def check_some_row_usable(conversations: Sequence[dict], tokenizer: ChatEncoder, max_length: int,

@@ -254,32 +254,54 @@ class FeatureStore:
         lo, hi = (int(x) for x in offsets[j:j + 2])
         return {k: f.get_slice(k)[lo:hi] for k in ROW_KEYS}
 
-    def __getitem__(self, i) -> dict:
+    def unpadded(self, i) -> dict:
+        """Row i at its own length with the batch's dtypes (tokens and ids int32, loss mask bool)."""
         r = self.row(int(i))
+        casts = {"tokens": np.int32, "loss_mask": bool, "teacher_topk_ids": np.int32}
+        return {k: np.asarray(v).astype(casts[k]) if k in casts else np.asarray(v) for k, v in r.items()}
+
+    def __getitem__(self, i) -> dict:
+        r = self.unpadded(i)
         n, pad = len(r["tokens"]), self.max_length - len(r["tokens"])
-
-        def padded(x, dtype=None):
-            x = np.asarray(x) if dtype is None else np.asarray(x).astype(dtype)
-            return np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-
-        out = {"tokens": padded(r["tokens"], np.int32), "loss_mask": padded(r["loss_mask"], bool),
-               "attention_mask": np.arange(self.max_length) < n}
-        for k in ROW_KEYS[2:]:
-            out[k] = padded(r[k], np.int32 if k == "teacher_topk_ids" else None)
+        out = {k: np.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) for k, v in r.items()}
+        out["attention_mask"] = np.arange(self.max_length) < n
         return out
+
+
+class UnpaddedRows:
+    """The store's rows at their own lengths (a grain source for the packer): ``store.unpadded(i)``."""
+
+    def __init__(self, store: FeatureStore):
+        self.store = store
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, i) -> dict:
+        return self.store.unpadded(i)
 
 
 def feature_dataset(store: FeatureStore, *, per_host_batch_size: int, process_index: int = 0,
                     process_count: int = 1, seed: int = 0, shuffle: bool = True,
-                    rows: Optional[range] = None):
-    """The grain graph over a store: shuffle (seeded), repeat, host slice, batch — the same shape
-    as ``data.pipeline.make_dataset``, so its iterator state checkpoints the same way."""
+                    rows: Optional[range] = None, pack: bool = False, pack_bins: int = 0):
+    """The grain graph over a store: shuffle (seeded), repeat, host slice, [pack,] batch — the same
+    shape as ``data.pipeline.make_dataset``, so its iterator state checkpoints the same way.
+
+    ``pack``: several stored conversations per row of ``max_length`` (grain's first-fit packer,
+    ``pack_bins`` rows in flight, 0 = the batch size), every stored feature packed with its tokens,
+    plus ``segment_ids`` and ``positions``. A conversation's features were computed on it alone,
+    which is what the target computes for it inside a packed row (attention within its segment,
+    positions restarting at 0), so packing changes no trained value, only the padding skipped."""
     import grain
 
-    ds = grain.MapDataset.source(store)
+    from confu_jax.data import pipeline
+
+    ds = grain.MapDataset.source(UnpaddedRows(store) if pack else store)
     if rows is not None:
         ds = ds[rows.start:rows.stop]
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(None)[process_index::process_count]
-    return ds.to_iter_dataset().batch(per_host_batch_size, drop_remainder=True)
+    ds = ds.repeat(None)[process_index::process_count].to_iter_dataset()
+    if pack:
+        ds = pipeline.pack_rows(ds, store.max_length, pack_bins or per_host_batch_size, extra_keys=ROW_KEYS[2:])
+    return ds.batch(per_host_batch_size, drop_remainder=True)

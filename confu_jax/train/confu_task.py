@@ -136,13 +136,12 @@ def build_task(config) -> TrainTask:
             raise ValueError(f"config.data.target_features is set but variant {spec.head.variant!r} needs the "
                              "target's per-layer K/V for its contemplates (recomputed, not stored: docs/DESIGN.md "
                              "§4 'Offline target features'); offline features train eagle3 only")
-        if config.data.get("pack", False):
-            raise ValueError("config.data.pack and config.data.target_features together: stored rows are one "
-                             "conversation each (padded); turn one of them off")
         from confu_jax.train.target_features import offline_data
 
-        vocab, train_iterator, eval_batches = offline_data(config, spec, target_fingerprint(target_host))
+        vocab, train_iterator, eval_batches, rows_per_epoch = offline_data(config, spec,
+                                                                           target_fingerprint(target_host))
     else:
+        rows_per_epoch = None
         vocab, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
                                                else real_data(config, spec))
     if vocab.draft_size != spec.head.draft_vocab_size or vocab.target_size != spec.target.vocab_size:
@@ -168,6 +167,7 @@ def build_task(config) -> TrainTask:
         eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
         eval_fn=eval_fn,
         axis_units=shd.llama_axis_units(spec.target.head_dim),
+        rows_per_epoch=rows_per_epoch,
         extra_arrays={"draft_vocab_d2t": np.asarray(vocab.d2t), "draft_vocab_t2d": np.asarray(vocab.t2d)},
         target_fingerprint=target_fingerprint(target_host),
         target_source=str(config.model.source),

@@ -416,6 +416,8 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
                 logging.info("first train step done %.1fs after its compile began", time.time() - t0)
             if step % max(tc.log_every, 1) == 0 or step == tc.steps:
                 last = _host_metrics(metrics)
+                if task.rows_per_epoch:
+                    last["epoch"] = step * int(config.data.global_batch_size) / task.rows_per_epoch
                 if main:
                     writers.write(step, last)
                     pbar.set_postfix(loss=f"{last['loss']:.4f}", refresh=False)

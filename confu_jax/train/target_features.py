@@ -139,14 +139,23 @@ def check_store(store: tf.FeatureStore, config, spec: ModelSpec, fingerprint: st
 
 
 def offline_data(config, spec: ModelSpec, fingerprint: str):
-    """(draft vocab, train_iterator, eval_batches) from ``config.data.target_features``; the last
-    ``objective.eval_records`` rows (at most half) are held out for evaluation."""
+    """(draft vocab, train_iterator, eval_batches, rows per epoch) from ``config.data.target_features``.
+
+    The last ``objective.eval_records`` rows (at most half) are held out for evaluation; training
+    reads the first ``data.train_rows`` of the rest (0 = all of them), reshuffled every epoch. A
+    subset repeated over epochs against the whole store read once, at equal steps, measures what
+    reusing data costs (docs/RESULTS.md "Multi-epoch training")."""
     from confu_jax.train.real_data import process_rows
 
     store = tf.FeatureStore(config.data.target_features)
     check_store(store, config, spec, fingerprint)
     n_eval = min(int(config.objective.eval_records), len(store) // 2)
-    n_train = len(store) - n_eval
+    n_stored = len(store) - n_eval
+    n_train = int(config.data.get("train_rows", 0) or 0) or n_stored
+    if n_train > n_stored:
+        raise ValueError(f"config.data.train_rows={n_train}: the store {store.directory} holds {n_stored} "
+                         f"training rows ({len(store)} rows, the last {n_eval} held out)")
+    pack = bool(config.data.get("pack", False))
     g = int(config.data.global_batch_size)
     if n_train < g:
         raise ValueError(f"config.data.target_features={store.directory}: {n_train} training rows < "
@@ -155,15 +164,16 @@ def offline_data(config, spec: ModelSpec, fingerprint: str):
     def train_iterator(pidx, pcount):
         ds = tf.feature_dataset(store, per_host_batch_size=g // pcount, process_index=pidx, process_count=pcount,
                                 seed=int(config.train.seed), shuffle=bool(config.data.shuffle),
-                                rows=range(0, n_train))
+                                rows=range(0, n_train), pack=pack, pack_bins=int(config.data.get("pack_bins", 0)))
         return iter(ds)
 
     def eval_batches(pidx, pcount):
-        rows = [store[i] for i in range(n_train, len(store))]
+        rows = [store[i] for i in range(n_stored, len(store))]
         out = []
         for i in range(min(int(config.objective.eval_batches), len(rows) // g)):
             out.append(process_rows({k: np.stack([r[k] for r in rows[i * g:(i + 1) * g]]) for k in rows[0]},
                                     pidx, pcount))
         return out
 
-    return store.draft_vocab(), train_iterator, eval_batches
+    # packed rows hold a varying number of conversations: no fixed rows per epoch to log
+    return store.draft_vocab(), train_iterator, eval_batches, None if pack else n_train

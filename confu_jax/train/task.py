@@ -82,6 +82,10 @@ class TrainTask:
     # Path-pattern -> logical-axes rules and per-axis units (confu_jax.sharding).
     param_rules: Sequence = shd.PARAM_RULES
     axis_units: dict = dataclasses.field(default_factory=dict)
+    # Training rows in one pass over the data, where the data knows it (an offline feature store);
+    # the loop then logs 'epoch' (rows read / rows per epoch) beside the loss. None: not known
+    # (packed or streamed rows), not logged.
+    rows_per_epoch: Optional[int] = None
     # Non-trainable arrays saved with every checkpoint (e.g. the draft vocabulary d2t / t2d).
     extra_arrays: dict = dataclasses.field(default_factory=dict)
     # Identity of the frozen target (``confu_jax.runs.heads.target_fingerprint``) and where it came
