@@ -65,6 +65,25 @@ train)
     done
     ;;
 table)
+    # epochs each run read: its data order replayed (host only, no model); the conversations of a
+    # step are the segments of its packed rows
+    python - "$OUT" "$RUNS" "$ROWS" "$BINS" "$STEPS" <<'PY' | tee "$OUT/epochs.txt"
+import itertools, json, os, sys
+from confu_jax.data.target_features import FeatureStore, feature_dataset
+out, runs, rows, bins, steps = sys.argv[1], sys.argv[2].split(","), *map(int, sys.argv[3:])
+store = FeatureStore(os.path.join(out, "feats"))
+for run in runs:
+    cfg = json.load(open(os.path.join(out, run, "config.json")))
+    n = int(cfg["data"]["train_rows"])
+    it = feature_dataset(store, per_host_batch_size=rows, seed=int(cfg["train"]["seed"]), rows=range(n), pack=True,
+                         pack_bins=bins)
+    convs = tokens = 0
+    for b in itertools.islice(iter(it), steps):
+        convs += int(b["segment_ids"].max(axis=1).sum())
+        tokens += int(b["attention_mask"].sum())
+    print(f"{run}: {n} conversations, {steps} steps read {convs} ({convs / n:.2f} epochs), "
+          f"{tokens / steps:.0f} real tokens a step")
+PY
     runs=$(for r in ${RUNS//,/ }; do printf '%s=%s/%s,' "$r" "$OUT" "$r"; done)
     python -m launch.scaling_curve measure --runs "${runs%,}" --budgets '' --tokens rows --out "$OUT/points.json"
     python -m launch.scaling_curve fit --points "$OUT/points.json" --out docs/results/epochs

@@ -11,7 +11,9 @@ draft vocabulary (top-k log-probabilities and ids, both log-sum-exps, the full-v
 in safetensors shards with a JSON index (format: ``confu_jax.data.target_features``). The draft
 vocabulary is counted as a training run of the same config would count it and stored beside the
 shards; training with ``--config.data.target_features`` uses that one. Re-running with the same
-``--out`` resumes after the last complete shard; other settings are refused.
+``--out`` resumes after the last complete shard; other settings are refused. The target runs on
+packed rows by default (``--pack``: several conversations a row, each attending only itself), which
+skips the padding a row of one conversation would compute.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ _TOP_K = flags.DEFINE_integer("top_k", 64, "Teacher entries kept per token (larg
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
                            "Stored dtype of the taps and the top-k log-probabilities.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows per target forward.")
+_PACK = flags.DEFINE_boolean("pack", True, "Several conversations per row of the target forward (segment ids, "
+                             "positions from 0 per conversation), so padding is not computed; --nopack: one "
+                             "conversation a row. The stored rows are the same either way (to float rounding).")
 _ROWS_PER_SHARD = flags.DEFINE_integer("rows_per_shard", 256, "Rows per safetensors shard (the resume unit).")
 
 
@@ -45,7 +50,7 @@ def main(argv):
 
     config = _CONFIG.value
     writer = write_store(config, _OUT.value, top_k=_TOP_K.value, dtype=_DTYPE.value, batch_size=_BATCH.value,
-                         rows_per_shard=_ROWS_PER_SHARD.value)
+                         rows_per_shard=_ROWS_PER_SHARD.value, pack=_PACK.value)
     s = writer.settings
     per_tok = bytes_per_token(s.d_model, s.top_k, s.draft_vocab_size, s.dtype, len(s.taps))
     t = model_spec_from_config(config).target

@@ -287,21 +287,51 @@ def test_offline_training_logs_epochs_and_resumes_exactly(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in whole], rtol=1e-6)
 
 
-def test_packed_store_rows_train_as_the_online_packed_batch(tmp_path):
-    """``data.pack`` with a store: each packed segment carries its own conversation's stored features,
-    and the loss, metrics and gradients equal the online loss on the same packed rows (the target run
-    with segment masks and restarting positions) — float32, full top-k."""
-    spec, tp, tr, vocab, _ = _setup()
+def _short_rows(count=6):
+    """Conversations of 3-7 tokens in rows of N: 2-4 fit in one packed row."""
+    spec = _setup()[0]
     rng = np.random.default_rng(4)
     rows = []
-    for _ in range(6):  # short conversations, 2-4 to a row of N
+    for _ in range(count):
         n = int(rng.integers(3, 8))
         tok = np.zeros(N, np.int32)
         tok[:n] = rng.integers(2, spec.target.vocab_size, n)
         rows.append({"tokens": tok, "loss_mask": (np.arange(N) >= 1) & (np.arange(N) < n),
                      "attention_mask": np.arange(N) < n})
+    return rows
+
+
+def test_packed_writing_stores_what_one_conversation_a_row_stores(tmp_path):
+    """``write_rows(pack=True)`` (several conversations per target forward, as launch.target_features
+    does by default) stores every row as the one-conversation-a-row writer does, in the same order,
+    float32 to rounding; a packed write resumes after the rows already stored."""
+    spec, tp, _, vocab, _ = _setup()
+    rows = _short_rows(10)
+    settings = _settings(spec, DRAFT_VOCAB, "float32")
+    write_rows(tf.FeatureWriter(str(tmp_path / "padded"), settings, vocab, 4), spec, tp, vocab, rows,
+               batch_size=2, vocab_chunk=48)
+    packed_dir = str(tmp_path / "packed")
+    assert write_rows(tf.FeatureWriter(packed_dir, settings, vocab, 4), spec, tp, vocab, rows[:6],
+                      batch_size=2, vocab_chunk=48, pack=True) == 6  # shards of rows 0-3 and 4-5
+    assert write_rows(tf.FeatureWriter(packed_dir, settings, vocab, 4), spec, tp, vocab, rows,
+                      batch_size=2, vocab_chunk=48, pack=True) == 4  # resumed: rows 6-9
+    padded, packed = tf.FeatureStore(str(tmp_path / "padded")), tf.FeatureStore(packed_dir)
+    assert len(packed) == len(padded) == len(rows)
+    for i in range(len(rows)):
+        a, b = padded.row(i), packed.row(i)
+        for k in ("tokens", "loss_mask", "teacher_topk_ids", "teacher_argmax"):
+            np.testing.assert_array_equal(b[k], a[k], err_msg=f"row {i} {k}")
+        for k in ("h_cat", "teacher_topk_logp", "teacher_lse_draft", "teacher_lse_full"):
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=2e-5, err_msg=f"row {i} {k}")
+
+
+def test_packed_store_rows_train_as_the_online_packed_batch(tmp_path):
+    """``data.pack`` with a store: each packed segment carries its own conversation's stored features,
+    and the loss, metrics and gradients equal the online loss on the same packed rows (the target run
+    with segment masks and restarting positions) — float32, full top-k."""
+    spec, tp, tr, vocab, _ = _setup()
     w = tf.FeatureWriter(str(tmp_path), _settings(spec, DRAFT_VOCAB, "float32"), vocab, 4)
-    write_rows(w, spec, tp, vocab, rows, batch_size=2, vocab_chunk=48)
+    write_rows(w, spec, tp, vocab, _short_rows(), batch_size=2, vocab_chunk=48)
     store = tf.FeatureStore(str(tmp_path))
     batch = next(iter(tf.feature_dataset(store, per_host_batch_size=2, shuffle=False, pack=True)))
     seg = batch["segment_ids"]

@@ -16,7 +16,7 @@ layer, with trainable soft prompts and MoE_con) to run each step; see docs/DESIG
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +31,16 @@ log = logging.getLogger(__name__)
 
 
 def compute_features(spec: ModelSpec, target_params: dict, draft_vocab: dict, tokens_bn: jax.Array,
-                     top_k: int, vocab_chunk: int) -> dict:
+                     top_k: int, vocab_chunk: int, positions_bn: Optional[jax.Array] = None,
+                     segment_ids_bn: Optional[jax.Array] = None) -> dict:
     """[B,N,...] arrays of :data:`confu_jax.data.target_features.ROW_KEYS` (but tokens / loss mask)
-    for right-padded rows, from the same target pass and teacher code the online loss runs."""
+    for right-padded rows, or packed ones (``segment_ids_bn`` / ``positions_bn``: each
+    conversation attends only itself, positions from 0), from the same target pass and teacher code
+    the online loss runs."""
     if not 1 <= top_k <= spec.head.draft_vocab_size:
         raise ValueError(f"top_k must be in [1, draft_vocab_size={spec.head.draft_vocab_size}], got {top_k}")
-    out = real_forward(spec, target_params, tokens_bn, return_logits=False)
+    out = real_forward(spec, target_params, tokens_bn, positions_bn, return_logits=False,
+                       segment_ids_bt=segment_ids_bn)
     st = teacher_stats(spec, target_params, draft_vocab, out.hidden_btd, vocab_chunk)
     logp_bnv = st.logits_bnv - st.lse_draft_bn[..., None]
     top_lp, top_ids = jax.lax.top_k(logp_bnv, top_k)
@@ -46,39 +50,70 @@ def compute_features(spec: ModelSpec, target_params: dict, draft_vocab: dict, to
 
 
 def write_rows(writer: tf.FeatureWriter, spec: ModelSpec, target_params, vocab, rows: Iterable[dict], *,
-               batch_size: int, vocab_chunk: int, log_every: int = 0) -> int:
+               batch_size: int, vocab_chunk: int, log_every: int = 0, pack: bool = False) -> int:
     """Append ``rows`` (padded dicts with 'tokens', 'loss_mask', 'attention_mask', in a fixed order)
-    to ``writer``, skipping the ``writer.rows_done`` already stored (resume). Returns rows written."""
+    to ``writer``, skipping the ``writer.rows_done`` already stored (resume). Returns rows written.
+
+    ``pack``: run the target on rows of [batch_size, max_length] that each hold several
+    conversations (segment ids and restarting positions, as training packs them), so padding is not
+    computed; each conversation's features are the same as computed alone (to float rounding). The
+    next conversations in order are placed first fit until one fits nowhere, so a forward always
+    completes a prefix of what is pending and the store stays in row order."""
     s = writer.settings
+    n_len = s.max_length
     dv = {"d2t": jnp.asarray(vocab.d2t, jnp.int32), "t2d": jnp.asarray(vocab.t2d)}
-    fn = jax.jit(lambda p, t: compute_features(spec, p, dv, t, s.top_k, vocab_chunk))
+    fn = jax.jit(lambda p, t, pos, seg: compute_features(spec, p, dv, t, s.top_k, vocab_chunk, pos, seg))
     skip, written, pending = writer.rows_done, 0, []
 
-    def flush(batch_rows):
+    def add(r, feats, b, lo, n):
         nonlocal written
-        tokens = np.stack([r["tokens"] for r in batch_rows])
-        if len(batch_rows) < batch_size:  # one static shape: pad the last batch with copies
-            tokens = np.concatenate([tokens, np.repeat(tokens[:1], batch_size - len(batch_rows), 0)])
-        feats = jax.device_get(fn(target_params, jnp.asarray(tokens)))
-        for i, r in enumerate(batch_rows):
-            n = int(np.asarray(r["attention_mask"]).sum())
-            writer.add({"tokens": r["tokens"][:n], "loss_mask": r["loss_mask"][:n],
-                        **{k: v[i, :n] for k, v in feats.items()}})
-            written += 1
-            if log_every and written % log_every == 0:
-                log.info("target features: %d rows written (%d resumed)", written, skip)
+        writer.add({"tokens": r["tokens"][:n], "loss_mask": r["loss_mask"][:n],
+                    **{k: v[b, lo:lo + n] for k, v in feats.items()}})
+        written += 1
+        if log_every and written % log_every == 0:
+            log.info("target features: %d rows written (%d resumed)", written, skip)
 
+    def flush(batch_rows) -> int:  # writes a prefix of batch_rows; returns its length
+        lengths = [int(np.asarray(r["attention_mask"]).sum()) for r in batch_rows]
+        if not pack:
+            tokens = np.stack([r["tokens"] for r in batch_rows])
+            if len(batch_rows) < batch_size:  # one static shape: pad the last batch with copies
+                tokens = np.concatenate([tokens, np.repeat(tokens[:1], batch_size - len(batch_rows), 0)])
+            feats = jax.device_get(fn(target_params, jnp.asarray(tokens), None, None))
+            for i, r in enumerate(batch_rows):
+                add(r, feats, i, 0, lengths[i])
+            return len(batch_rows)
+        fill, segs, placed = [0] * batch_size, [0] * batch_size, []
+        for n in lengths:
+            b = next((j for j in range(batch_size) if fill[j] + n <= n_len), None)
+            if b is None:
+                break
+            placed.append((b, fill[b]))
+            fill[b] += n
+            segs[b] += 1
+        tokens, pos, seg = (np.zeros((batch_size, n_len), np.int32) for _ in range(3))
+        seen = [0] * batch_size
+        for (b, lo), n, r in zip(placed, lengths, batch_rows):
+            seen[b] += 1
+            tokens[b, lo:lo + n], pos[b, lo:lo + n], seg[b, lo:lo + n] = r["tokens"][:n], np.arange(n), seen[b]
+        feats = jax.device_get(fn(target_params, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg)))
+        for (b, lo), n, r in zip(placed, lengths, batch_rows):
+            add(r, feats, b, lo, n)
+        return len(placed)
+
+    # packed: gather conversations until they could fill the batch's rows, then write what fits
+    enough = (lambda p: sum(int(np.asarray(r["attention_mask"]).sum()) for r in p) >= batch_size * n_len) \
+        if pack else (lambda p: len(p) == batch_size)
     for i, r in enumerate(rows):
         if i < skip:
             continue
-        if r["tokens"].shape[0] != s.max_length:
-            raise ValueError(f"row {i}: {r['tokens'].shape[0]} tokens, the store's rows are {s.max_length}")
+        if r["tokens"].shape[0] != n_len:
+            raise ValueError(f"row {i}: {r['tokens'].shape[0]} tokens, the store's rows are {n_len}")
         pending.append(r)
-        if len(pending) == batch_size:
-            flush(pending)
-            pending = []
-    if pending:
-        flush(pending)
+        if enough(pending):
+            pending = pending[flush(pending):]
+    while pending:
+        pending = pending[flush(pending):]
     writer.flush()
     return written
 
@@ -94,7 +129,7 @@ def _conversation_rows(config, tokenizer, conversations) -> Iterator[dict]:
 
 
 def write_store(config, out_dir: str, *, top_k: int, dtype: str, batch_size: int, rows_per_shard: int,
-                log_every: int = 100) -> tf.FeatureWriter:
+                log_every: int = 100, pack: bool = False) -> tf.FeatureWriter:
     """Features of every usable conversation of ``config.data.train_files``, in file order, with the
     draft vocabulary a training run of ``config`` would count (training conversations only)."""
     from confu_jax.data import formats, pipeline
@@ -122,7 +157,7 @@ def write_store(config, out_dir: str, *, top_k: int, dtype: str, batch_size: int
                                 draft_vocab_size=spec.head.draft_vocab_size, vocab_size=spec.target.vocab_size)
     writer = tf.FeatureWriter(out_dir, settings, vocab, rows_per_shard)
     write_rows(writer, spec, jax.device_put(target_host), vocab, _conversation_rows(config, tokenizer, conversations),
-               batch_size=batch_size, vocab_chunk=int(config.objective.vocab_chunk), log_every=log_every)
+               batch_size=batch_size, vocab_chunk=int(config.objective.vocab_chunk), log_every=log_every, pack=pack)
     return writer
 
 
