@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=${EPOCHS_OUT:-runs/epochs}
 DATA=${EPOCHS_DATA:-releases/data/sharegpt_smollm2,releases/data/sharegpt_smollm2_gpu}
 LEN=${EPOCHS_LEN:-1024}
-ROWS=${EPOCHS_ROWS:-10}          # packed rows a step: 10 x 1024 slots, ~8.2k real tokens (80% full)
+ROWS=${EPOCHS_ROWS:-10}          # packed rows a step: 10 x 1024 slots, ~7.8k real tokens (76% full)
 BINS=${EPOCHS_BINS:-40}          # rows the packer fills at once (more: fuller rows)
 STEPS=${EPOCHS_STEPS:-32}        # ~ one pass over the store's training conversations (~17 a step)
 VOCAB=${EPOCHS_VOCAB:-4096}
