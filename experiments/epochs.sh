@@ -6,7 +6,7 @@
 #   bash experiments/epochs.sh train      # EAGLE-3 from scratch: all rows once vs 1/5 five times vs 1/25 25 times
 #   bash experiments/epochs.sh table      # held-out tau at every milestone -> docs/results/epochs.{md,json,png}
 #
-# Every run trains from scratch on the same store with the same steps, packed rows (>= 8k real
+# Every run trains from scratch on the same store with the same steps, packed rows (~7.8k real
 # tokens a step), learning-rate schedule and seed; only data.train_rows (the store's first N
 # training conversations, reshuffled each epoch) differs, so at every step the runs have trained on
 # the same number of tokens, fresh or repeated. The store's last objective.eval_records
