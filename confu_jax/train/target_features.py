@@ -83,14 +83,13 @@ def write_rows(writer: tf.FeatureWriter, spec: ModelSpec, target_params, vocab, 
             for i, r in enumerate(batch_rows):
                 add(r, feats, i, 0, lengths[i])
             return len(batch_rows)
-        fill, segs, placed = [0] * batch_size, [0] * batch_size, []
+        fill, placed = [0] * batch_size, []
         for n in lengths:
             b = next((j for j in range(batch_size) if fill[j] + n <= n_len), None)
             if b is None:
                 break
             placed.append((b, fill[b]))
             fill[b] += n
-            segs[b] += 1
         tokens, pos, seg = (np.zeros((batch_size, n_len), np.int32) for _ in range(3))
         seen = [0] * batch_size
         for (b, lo), n, r in zip(placed, lengths, batch_rows):
