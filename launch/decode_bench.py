@@ -180,7 +180,7 @@ def _first_divergence(a, b):
 def main_speculative():
     from tqdm import tqdm
 
-    from confu_jax.bench import cli_args, report, spec_bench
+    from confu_jax.bench import budget, cli_args, report, spec_bench
     from confu_jax.bench.prompts import load_prompts, sample_prompts
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model
@@ -214,9 +214,14 @@ def main_speculative():
         pool = [p for p in load_prompts(FLAGS.calibration or FLAGS.prompts)
                 if (p.category, p.question_id) not in measured]
         if pool:
-            picked = pool[:: max(1, len(pool) // FLAGS.n_calibration)][:FLAGS.n_calibration]
-            calibration = tuple(tok.encode(tok.render([{"role": "user", "content": p.turns[0]}],
-                                                      add_generation_prompt=True)) for p in picked)
+            def first_turn(p):
+                return tok.encode(tok.render([{"role": "user", "content": p.turns[0]}], add_generation_prompt=True))
+
+            pool_ids = [first_turn(p) for p in pool]  # of the measured prompts' commonest width
+            keep = budget.pick_calibration(pool_ids, [first_turn(p) for p in prompts], FLAGS.n_calibration,
+                                           min_bucket=FLAGS.min_bucket)
+            picked = [pool[i] for i in keep]
+            calibration = tuple(pool_ids[i] for i in keep)
             print(f"budget auto calibrates on {len(calibration)} held-out questions "
                   f"({', '.join(str(p.question_id) for p in picked)})", flush=True)
     auto_candidates = tuple(cli_args.parse_budgets(FLAGS.auto_candidates)) if FLAGS.auto_candidates else None

@@ -67,6 +67,7 @@ flags.DEFINE_string("out", "results/quickstart.json", "results JSON (+ .md table
 FLAGS = flags.FLAGS
 
 VARIANTS = ("eagle3", "confu")
+MIN_BUCKET = 64  # prompts pad to a power of two >= this (decode.requests.bucket_length)
 
 
 def cache_root() -> str:
@@ -259,7 +260,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint operation at INFO
     from tqdm import tqdm
 
-    from confu_jax.bench import report, spec_bench
+    from confu_jax.bench import budget, report, spec_bench
     from confu_jax.bench.prompts import load_mtbench
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model
@@ -282,18 +283,22 @@ def main(argv):
             firsts.append(q)
     rest = [q for q in questions if q not in firsts]
     prompts = (firsts + rest)[: FLAGS.n_prompts]
-    # budget auto calibrates on questions that are not measured (evenly spread over the rest)
+    # budget auto calibrates on questions that are not measured, of the width most measured ones pad to
     held_out = rest[FLAGS.n_prompts:] if len(prompts) > len(firsts) else [q for q in questions if q not in prompts]
-    calib = held_out[:: max(1, len(held_out) // max(FLAGS.n_calibration, 1))][: FLAGS.n_calibration]
-    calibration = tuple(tok.encode(tok.render([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True))
-                        for q in calib)
+
+    def first_turn(q):
+        return tok.encode(tok.render([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True))
+
+    pool = [first_turn(q) for q in held_out]  # (so the rows reuse its compiled programs: pick_calibration)
+    calibration = tuple(pool[i] for i in budget.pick_calibration(
+        pool, [first_turn(q) for q in prompts], FLAGS.n_calibration, min_bucket=MIN_BUCKET))
     # budget auto's candidates: short chains (trees do not pay on a CPU; the released EAGLE-3 head is
     # fastest at chain:1: docs/RESULTS.md "H200, third loan") and AR. Rows and calibration are
     # interleaved question by question, so a change of the machine's speed during the run does not
     # land on one row (the same row measured 14% apart in two row-after-row runs)
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=1,
-                                  calibration=calibration or None, auto_chains=("chain:1", "chain:2", "chain:3"),
-                                  auto_trees=(), interleave=True)
+                                  min_bucket=MIN_BUCKET, calibration=calibration or None,
+                                  auto_chains=("chain:1", "chain:2", "chain:3"), auto_trees=(), interleave=True)
     # beside the heads: model-free prompt lookup, lookup + the EAGLE-3 head (hybrid), and auto
     heads["hybrid"] = heads["eagle3"]
     methods = ["ar", *variants, "lookup", "hybrid"] + (["auto"] if calibration else [])

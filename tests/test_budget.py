@@ -151,3 +151,26 @@ def test_calibration_compiles_every_prompt_bucket_before_timing(monkeypatch):
         kinds = [kind for kind, _ in calls]
         assert kinds == ["warm"] * 3 + ["timed"] * len(prompts), (name, calls)
         assert sorted(b for kind, b in calls if kind == "warm") == [64, 128, 256]
+
+
+def test_pick_calibration_takes_the_measured_prompts_commonest_width():
+    """Calibration prompts share the padded width most measured prompts have (so their compiled
+    programs serve the measured rows too), evenly spread over the pool in pool order; ties go to the
+    narrower width; too few at that width are made up from the others, evenly."""
+    ids = lambda n: list(range(n))  # a prompt of n tokens
+    # widths with min_bucket 64: 64, 128, 256
+    pool = [ids(n) for n in (100, 30, 200, 40, 120, 50, 60, 70)]  # widths 128 64 256 64 128 64 64 128
+    measured = [ids(n) for n in (10, 20, 64, 65, 210)]  # 64 x3, 128, 256
+    assert budget.pick_calibration(pool, measured, 2) == [1, 5]  # of [1, 3, 5, 6]: every second
+    assert budget.pick_calibration(pool, measured, 4) == [1, 3, 5, 6]
+    # 5 wanted, 4 at width 64: the fifth from the other widths' [0, 2, 4, 7], evenly (the first)
+    assert budget.pick_calibration(pool, measured, 5) == [0, 1, 3, 5, 6]
+    # a tie between 64 and 128 (one each) goes to the narrower
+    assert budget.pick_calibration(pool, [ids(10), ids(100)], 1) == [1]
+    # width 128 commonest
+    assert budget.pick_calibration(pool, [ids(100), ids(90), ids(10)], 3) == [0, 4, 7]
+    # no measured prompts: evenly over the whole pool (the earlier behaviour); nothing asked: nothing
+    assert budget.pick_calibration(pool, [], 2) == [0, 4]
+    assert budget.pick_calibration(pool, measured, 0) == [] and budget.pick_calibration([], measured, 2) == []
+    # min_bucket moves the widths: with 256 every prompt shares one
+    assert budget.pick_calibration(pool, measured, 2, min_bucket=256) == [0, 4]

@@ -247,3 +247,30 @@ def test_benchmark_resumes_from_finished_rows(tmp_path):
     assert [report.result_to_json(r) for r in third] == [report.result_to_json(r) for r in again]
     with pytest.raises(ValueError, match="other settings.*max_new_tokens"):
         spec_bench.Parts(str(tmp_path / "b.parts"), dict(settings, max_new_tokens=12))
+
+
+def test_a_new_program_runs_once_untimed_before_it_is_returned():
+    """The benchmark's program cache executes a freshly compiled program once before handing it to
+    a row (a fresh XLA:CPU executable's first run is slower than later ones, and a row would time
+    that), compiles and runs each (function, shapes, static args) once, and returns the compiled
+    program itself: its outputs are the jitted function's."""
+    import jax
+    import jax.numpy as jnp
+
+    runs = []
+
+    def body(params, x, *, scale):
+        jax.debug.callback(lambda: runs.append(1))  # counts executions of the compiled program
+        return params["w"] * x * scale
+
+    jitted = jax.jit(body, static_argnames=("scale",))
+    programs = spec_bench._Programs()
+    params = {"w": jnp.float32(2.0)}
+    x3, x4 = jnp.arange(3.0), jnp.arange(4.0)
+    fn = programs.get(jitted, params, (x3,), {"scale": 3})
+    assert len(runs) == 1 and programs.compile_s > 0  # compiled, then run once
+    assert programs.get(jitted, params, (x3,), {"scale": 3}) is fn and len(runs) == 1  # cached: not run again
+    assert jnp.array_equal(fn(params, x3), jitted(params, x3, scale=3)) and len(runs) == 3  # timed calls: 2
+    programs.get(jitted, params, (x4,), {"scale": 3})  # another shape: another program, warmed
+    programs.get(jitted, params, (x3,), {"scale": 5})  # another static argument: likewise
+    assert len(runs) == 5 and len(programs.cache) == 3

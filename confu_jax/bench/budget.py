@@ -27,8 +27,8 @@ expected throughput is
   counts as one node).
 
 The calibration prompts should not be the prompts later measured (the benchmark passes its own
-held-out set, ``bench.prompts.calibration_prompts``): a plan chosen on the measured questions
-would be fitted to them.
+held-out set, picked by ``pick_calibration``): a plan chosen on the measured questions would be
+fitted to them.
 """
 
 from __future__ import annotations
@@ -205,6 +205,38 @@ def measure_ar(spec, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
     decode = _ar_runner(spec, params, max_new_tokens=max_new_tokens, min_bucket=min_bucket)
     _warm(decode, prompts, min_bucket)
     return _summarise([decode(p) for p in prompts], "ar")[2]
+
+
+def pick_calibration(pool: Sequence[Sequence[int]], measured: Sequence[Sequence[int]], n: int, *,
+                     min_bucket: int = 64) -> list[int]:
+    """Indices of ``n`` held-out prompts (token ids) of ``pool`` for budget auto's calibration, in
+    pool order: evenly spread over the pool's prompts that share the padded width
+    (``decode.requests.bucket_length``) most of the ``measured`` prompts have (ties: the narrower),
+    then, if that width holds fewer than ``n``, evenly spread over the rest.
+
+    Why that width: the loops compile one program per (plan, prompt width), and compiling is most
+    of a short benchmark's time on a CPU (the quickstart on a 2-core AVX2 host: ~40 s a SmolLM2
+    loop program, 24 programs in a 19-minute run, docs/RESULTS.md "The main job"). Calibration
+    prompts of the measured prompts' commonest width compile each candidate once, and the measured
+    rows then reuse the candidates they share (chain:3, AR) through the compilation cache, where
+    prompts spread over the pool added a width of every candidate. Calibrating at that width
+    also measures each plan's pass at the cache size most measured prompts decode with."""
+    from collections import Counter
+
+    from confu_jax.decode.requests import bucket_length
+
+    if n <= 0 or not pool:
+        return []
+    widths = [bucket_length(len(p), min_bucket) for p in pool]
+    counts = Counter(bucket_length(len(p), min_bucket) for p in measured)
+    target = min(counts, key=lambda w: (-counts[w], w)) if counts else None
+
+    def spread(idx, k):
+        return idx[:: max(1, len(idx) // k)][:k] if k > 0 else []
+
+    chosen = spread([i for i, w in enumerate(widths) if w == target], n)
+    chosen += spread([i for i, w in enumerate(widths) if w != target], n - len(chosen))
+    return sorted(chosen)
 
 
 def release_compiled() -> None:

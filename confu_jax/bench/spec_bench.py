@@ -28,7 +28,14 @@ from confu_jax.bench.prompts import BenchPrompt, run_conversation
 
 
 class _Programs:
-    """One AOT-compiled program per (jit function, static args, argument shapes); compile time kept."""
+    """One AOT-compiled program per (jit function, static args, argument shapes); compile time kept.
+
+    A new program is run once, untimed, before ``get`` returns it: the first execution of a freshly
+    compiled XLA:CPU executable costs more than the ones after it (SmolLM2's AR program at 64 tokens:
+    3.60 s, then 3.05–3.10 s), and a row timing it put that one-time cost into its first question of
+    every prompt width (the quickstart's lookup row measured those questions 27–41% slower than the
+    same program reused by the auto row, the others alike: docs/RESULTS.md "The main job"). Budget
+    auto's calibration warms its programs the same way (``budget._warm``)."""
 
     def __init__(self):
         self.cache, self.compile_s = {}, 0.0
@@ -36,11 +43,15 @@ class _Programs:
     def get(self, jitted, params, args, static):
         key = (id(jitted), tuple(getattr(a, "shape", ()) for a in args), tuple(sorted(static.items())))
         if key not in self.cache:
+            import jax
+
             t0 = time.perf_counter()
             with progress.phase(f"compiling {getattr(jitted, '__name__', 'a decode program')} "
                                 f"({', '.join(f'{k}={v}' for k, v in sorted(static.items()))})"[:100]):
-                self.cache[key] = jitted.lower(params, *args, **static).compile()
+                compiled = jitted.lower(params, *args, **static).compile()
             self.compile_s += time.perf_counter() - t0
+            jax.block_until_ready(compiled(params, *args))  # the first execution, untimed (see above)
+            self.cache[key] = compiled
         return self.cache[key]
 
 
