@@ -32,7 +32,7 @@ class _Programs:
 
     A new program is run once, untimed, before ``get`` returns it: the first execution of a freshly
     compiled XLA:CPU executable costs more than the ones after it (SmolLM2's AR program at 64 tokens:
-    3.60 s, then 3.05–3.10 s), and a row timing it put that one-time cost into its first question of
+    3.60 s, then 2.96–3.11 s), and a row timing it put that one-time cost into its first question of
     every prompt width (the quickstart's lookup row measured those questions 27–41% slower than the
     same program reused by the auto row, the others alike: docs/RESULTS.md "The main job"). Budget
     auto's calibration warms its programs the same way (``budget._warm``)."""
