@@ -181,7 +181,7 @@ def main_speculative():
     from tqdm import tqdm
 
     from confu_jax.bench import budget, cli_args, report, spec_bench
-    from confu_jax.bench.prompts import load_prompts, sample_prompts
+    from confu_jax.bench.prompts import first_turn_ids, load_prompts, sample_prompts
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model
 
@@ -214,12 +214,9 @@ def main_speculative():
         pool = [p for p in load_prompts(FLAGS.calibration or FLAGS.prompts)
                 if (p.category, p.question_id) not in measured]
         if pool:
-            def first_turn(p):
-                return tok.encode(tok.render([{"role": "user", "content": p.turns[0]}], add_generation_prompt=True))
-
-            pool_ids = [first_turn(p) for p in pool]  # of the measured prompts' commonest width
-            keep = budget.pick_calibration(pool_ids, [first_turn(p) for p in prompts], FLAGS.n_calibration,
-                                           min_bucket=FLAGS.min_bucket)
+            pool_ids = [first_turn_ids(tok, p) for p in pool]  # of the measured prompts' commonest width
+            keep = budget.pick_calibration(pool_ids, [first_turn_ids(tok, p) for p in prompts],
+                                           FLAGS.n_calibration, min_bucket=FLAGS.min_bucket)
             picked = [pool[i] for i in keep]
             calibration = tuple(pool_ids[i] for i in keep)
             print(f"budget auto calibrates on {len(calibration)} held-out questions "

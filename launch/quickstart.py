@@ -261,7 +261,7 @@ def main(argv):
     from tqdm import tqdm
 
     from confu_jax.bench import budget, report, spec_bench
-    from confu_jax.bench.prompts import load_mtbench
+    from confu_jax.bench.prompts import first_turn_ids, load_mtbench
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model
 
@@ -285,13 +285,9 @@ def main(argv):
     prompts = (firsts + rest)[: FLAGS.n_prompts]
     # budget auto calibrates on questions that are not measured, of the width most measured ones pad to
     held_out = rest[FLAGS.n_prompts:] if len(prompts) > len(firsts) else [q for q in questions if q not in prompts]
-
-    def first_turn(q):
-        return tok.encode(tok.render([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True))
-
-    pool = [first_turn(q) for q in held_out]  # (so the rows reuse its compiled programs: pick_calibration)
+    pool = [first_turn_ids(tok, q) for q in held_out]  # (so the rows reuse its compiled programs)
     calibration = tuple(pool[i] for i in budget.pick_calibration(
-        pool, [first_turn(q) for q in prompts], FLAGS.n_calibration, min_bucket=MIN_BUCKET))
+        pool, [first_turn_ids(tok, q) for q in prompts], FLAGS.n_calibration, min_bucket=MIN_BUCKET))
     # budget auto's candidates: short chains (trees do not pay on a CPU; the released EAGLE-3 head is
     # fastest at chain:1: docs/RESULTS.md "H200, third loan") and AR. Rows and calibration are
     # interleaved question by question, so a change of the machine's speed during the run does not

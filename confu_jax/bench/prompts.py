@@ -275,6 +275,14 @@ def prompt_to_messages(
     return messages
 
 
+def first_turn_ids(tokenizer, prompt: BenchPrompt, system: str | None = None) -> list[int]:
+    """Token ids the model sees before answering ``prompt``'s first turn (chat template applied,
+    generation prompt added): what budget auto calibrates on and what decides a prompt's padded
+    width (``decode.requests.bucket_length``)."""
+    return tokenizer.encode(tokenizer.render(prompt_to_messages(prompt, 0, system=system),
+                                             add_generation_prompt=True))
+
+
 # generate_turn(messages) -> (answer_text, accept_lengths, new_tokens, wall_s)
 GenerateTurn = Callable[[list], tuple]
 

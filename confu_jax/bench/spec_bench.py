@@ -24,7 +24,7 @@ import numpy as np
 
 from confu_jax import progress
 from confu_jax.bench import intervals, metrics
-from confu_jax.bench.prompts import BenchPrompt, run_conversation
+from confu_jax.bench.prompts import BenchPrompt, first_turn_ids, run_conversation
 
 
 class _Programs:
@@ -304,9 +304,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             if calib is None:
                 log(f"[{m}] budget auto: no held-out calibration prompts given; calibrating on "
                     "the first two measured questions (the choice is fitted to them)")
-                calib = [setup.tokenizer.encode(setup.tokenizer.render(
-                    [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True))
-                    for p in prompts[:2]]
+                calib = [first_turn_ids(setup.tokenizer, p) for p in prompts[:2]]
             chains, trees = budget_lib.default_candidates(m)
             chains = chains if setup.auto_chains is None else setup.auto_chains
             trees = trees if setup.auto_trees is None else setup.auto_trees
