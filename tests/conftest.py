@@ -2,7 +2,8 @@ import os
 
 from xla_env import EIGHT_DEVICES
 
-# 8 fake CPU devices for sharding tests, LLVM at -O1 (tests/xla_env.py); set before JAX initialises.
+# 8 fake CPU devices for sharding tests, LLVM at -O1 capped at AVX2 (tests/xla_env.py says why); set
+# before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", EIGHT_DEVICES)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
