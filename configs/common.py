@@ -24,22 +24,33 @@ TARGETS = {
     "llama-3.1-8b": ("", "bfloat16", 32000),
     # Random weights, unit tests only.
     "tiny": ("random", "float32", 96),
+    # No preset: the checkpoint in --config.model.source decides the architecture, its stored dtype
+    # the dtypes, and its vocabulary the draft vocabulary (confu_jax.train.target_loading.resolve_target).
+    None: ("", None, None),
 }
 
 
-def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
+def base_config(preset, variant: str) -> ml_collections.ConfigDict:
+    """``preset``: a name of ``confu_jax.models.presets`` (shape-only work, the shipped targets), or
+    None: any Llama / Qwen2 / Qwen3 checkpoint, whose own config sizes everything (configs/eagle3.py)."""
     if preset not in TARGETS:
-        raise ValueError(f"configs.common: unknown target preset {preset!r}; expected one of {sorted(TARGETS)}")
+        raise ValueError(f"configs.common: unknown target preset {preset!r}; expected one of "
+                         f"{sorted(p for p in TARGETS if p)} or None (the checkpoint decides)")
     if variant not in VARIANTS:
         raise ValueError(f"configs.common: unknown variant {variant!r}; expected one of {tuple(VARIANTS)}")
     source, dtype, draft_vocab = TARGETS[preset]
     config = ml_collections.ConfigDict()
 
     config.model = ml_collections.ConfigDict()
-    config.model.preset = preset  # confu_jax.models.presets
+    config.model.preset = config_dict.placeholder(str) if preset is None else preset  # models.presets
     config.model.source = source  # 'asset:<name>', a checkpoint path (GGUF / HF dir), or 'random'
-    config.model.dtype = dtype  # target compute dtype
-    config.model.param_dtype = dtype  # frozen target weights
+    # None (no preset): the checkpoint's stored dtype; float32 for GGUF (dequantised)
+    config.model.dtype = config_dict.placeholder(str) if dtype is None else dtype  # target compute dtype
+    config.model.param_dtype = config_dict.placeholder(str) if dtype is None else dtype  # frozen target weights
+    # The target's architecture as read from model.source's config.json / GGUF header (LlamaConfig
+    # fields); filled when a run starts and saved in its config.json, so a trained head describes its
+    # target without the checkpoint. Empty: the preset's.
+    config.model.arch = ml_collections.ConfigDict()
     config.model.attention_impl = "xla"  # 'xla' | 'pallas' | 'pallas_interpret' (target attention)
 
     config.confu = ml_collections.ConfigDict()
@@ -65,7 +76,9 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     config.confu.future_bias = config_dict.placeholder(float)
 
     config.draft = ml_collections.ConfigDict()
-    config.draft.draft_vocab_size = draft_vocab
+    # None (no preset): a quarter of the target's vocabulary, at most 32000 (EAGLE-3 and SpecForge keep
+    # 32000 of Llama-3's 128256 and of Qwen3's 151936): target_loading.default_draft_vocab
+    config.draft.draft_vocab_size = config_dict.placeholder(int) if draft_vocab is None else draft_vocab
     # None: the target's MLP width (EAGLE-3 copies the target config)
     config.draft.ffn_dim = config_dict.placeholder(int)
     # None: hidden states entering layers 2, L//2, L-3 (EAGLE-3)
@@ -77,7 +90,7 @@ def base_config(preset: str, variant: str) -> ml_collections.ConfigDict:
     # vocabulary, so step 0 already maps "a state like the target's last hidden" to sensible tokens;
     # 'random': EAGLE-3's initializer_range normal (measured better on SmolLM2: docs/RESULTS.md).
     config.draft.lm_head_init = "random"
-    config.draft.dtype = dtype  # draft compute dtype
+    config.draft.dtype = config_dict.placeholder(str) if dtype is None else dtype  # draft compute dtype (None: model.dtype)
     config.draft.param_dtype = "float32"  # trainable params kept in fp32 (optimizer precision)
     # The draft's own RoPE / norms, for runs initialised from a published EAGLE-3 head
     # (README "EAGLE-3 heads from and to other frameworks"); unset: the target's, as EAGLE-3 trains.

@@ -191,11 +191,14 @@ def main(argv):
     from confu_jax.weights import load_model
 
     config = resolved_config()
-    tok = ChatTokenizer.load(FLAGS.model)
-    cfg, params = load_model(FLAGS.model)
-    messages = [{"role": "system", "content": config.chat.system}] if config.chat.system else []
-    messages.append({"role": "user", "content": FLAGS.prompt})
-    prompt_ids = tok.encode(tok.render(messages, add_generation_prompt=True))
+    try:  # an unsupported or broken checkpoint, a missing chat template: one line naming file and field
+        tok = ChatTokenizer.load(FLAGS.model)
+        cfg, params = load_model(FLAGS.model)
+        messages = [{"role": "system", "content": config.chat.system}] if config.chat.system else []
+        messages.append({"role": "user", "content": FLAGS.prompt})
+        prompt_ids = tok.encode(tok.render(messages, add_generation_prompt=True))
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError, AssetNotFoundError included
+        sys.exit(f"launch.generate: {e}")
     if FLAGS.method == "ar" and FLAGS.draft_ckpt:
         raise app.UsageError("--draft_ckpt is for the speculative methods (eagle3, confu), not ar")
     if FLAGS.draft_model and REGISTERED_METHODS[FLAGS.method].family not in ("draft_model", "sd2"):

@@ -4,6 +4,8 @@
 # checkpoint files) before paying for a cluster.
 #
 #   launch/local_multiprocess.sh [NUM_PROCS] -- --config configs/tiny.py --workdir runs/mp [--config.x=y ...]
+#   launch/local_multiprocess.sh 2 -- --config configs/eagle3.py --workdir runs/mp \
+#       --config.model.source=/path/to/checkpoint --config.data.train_files=data/train.jsonl
 #
 # Environment:
 #   CPU_DEVICES=2   CPU devices per process (jax_num_cpu_devices; collectives over gloo). Set

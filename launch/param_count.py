@@ -33,6 +33,10 @@ def main(argv):
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config is required, e.g. --config configs/smollm2_confu.py")
+    if config.model.source not in ("", "random"):
+        from confu_jax.train.target_loading import resolve_target
+
+        resolve_target(config)  # the checkpoint's architecture (its config.json / GGUF header only)
     spec = model_spec_from_config(config)
     title = f"{config.model.preset} / {config.confu.variant}"
     print(format_counts(title, param_counts(spec)))

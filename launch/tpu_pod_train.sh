@@ -2,18 +2,26 @@
 # Training on a Cloud TPU VM pod slice: the same command on every worker; JAX's TPU cluster
 # detection (jax.distributed.initialize() with no arguments) connects the workers.
 #
-#   TPU_NAME=my-v5p-64 ZONE=us-east5-a launch/tpu_pod_train.sh configs/llama31_8b_confu.py \
-#       /mnt/shared/runs/confu8b [--config.x=y ...]
+#   TPU_NAME=... ZONE=... launch/tpu_pod_train.sh CONFIG WORKDIR MODEL DATA [--config.x=y ...]
+#   TPU_NAME=my-v5p-64 ZONE=us-east5-a launch/tpu_pod_train.sh configs/confu.py /mnt/shared/runs/confu8b \
+#       /mnt/shared/Qwen3-8B /mnt/shared/data/train.jsonl --config.train.mesh.fsdp=4
 #
+# MODEL / DATA as in launch/slurm_train.sbatch ('-' keeps the config's). The global batch defaults to
+# 16 rounded up to a multiple of the data-parallel chips (32 on a 32-chip slice).
 # Assumes the repository and its .venv (requirements.txt plus jax[tpu]) at $REMOTE_DIR on every
 # worker, and a run directory every worker can see (NFS / Filestore / gcsfuse mount). Spot /
 # preemptible slices: TPU maintenance events send SIGTERM; the run checkpoints at an agreed step
 # and a re-run of this script resumes it.
 set -euo pipefail
 
-CONFIG="${1:?usage: TPU_NAME=... ZONE=... launch/tpu_pod_train.sh CONFIG WORKDIR [--config.x=y ...]}"
-WORKDIR="${2:?usage: TPU_NAME=... ZONE=... launch/tpu_pod_train.sh CONFIG WORKDIR [--config.x=y ...]}"
-shift 2
+USAGE="usage: TPU_NAME=... ZONE=... launch/tpu_pod_train.sh CONFIG WORKDIR MODEL DATA [--config.x=y ...]"
+CONFIG="${1:?$USAGE}"
+WORKDIR="${2:?$USAGE}"
+MODEL="${3:?$USAGE}"
+DATA="${4:?$USAGE}"
+shift 4
+[[ "$DATA" != "-" ]] && set -- --config.data.train_files="$DATA" "$@"
+[[ "$MODEL" != "-" ]] && set -- --config.model.source="$MODEL" "$@"
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
 REMOTE_DIR="${REMOTE_DIR:-~/confu_jax}"
 PROJECT_FLAG=()

@@ -93,6 +93,13 @@ def main(argv):
 
     logging.info("process %d/%d (%s start), %d local / %d global devices", jax.process_index(),
                  jax.process_count(), spec.mode, jax.local_device_count(), jax.device_count())
+    from confu_jax.train.task import resolve_run_config
+
+    try:  # the user's checkpoint, preset and batch, checked before anything is built: one line each
+        resolve_run_config(config)
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError, AssetNotFoundError included
+        sys.stderr.write(f"launch.train: {e}\n")
+        sys.exit(2)
     if _COMPILE_ONLY.value:
         report = compile_report(config)
         if jax.process_index() == 0:

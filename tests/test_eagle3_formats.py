@@ -20,24 +20,22 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
 from confu_jax.models.draft import init_draft_params
-from confu_jax.models.draft_ttt import draft_ttt
 from confu_jax.models.spec import HeadConfig, ModelSpec
 from confu_jax.weights.eagle3_formats import (bind_to_target, eagle3_part, export_head, load_head, read_tensors,
                                               save_safetensors)
 from confu_jax.weights.errors import CheckpointError
+from tests.fixtures.speculators_ref import our_ttt_logits, speculators_ttt_logits
 from tests.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
 from xla_env import SINGLE_DEVICE
 
 torch = pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ttt = jax.jit(draft_ttt, static_argnums=(0, 5))
 ATOL = 1e-4  # fp32, two implementations
 TARGET_THETA = 500000.0  # the target's RoPE base (Llama-3's); the draft keeps EAGLE-3's 10000
 DRAFT_FFN = 96  # the draft MLP width differs from the tiny target's 128
@@ -65,10 +63,7 @@ def _inputs(cfg, n=12, seed=1):
     return tokens, h_cat
 
 
-def _ours(spec, draft, embed, tokens, h_cat, steps):
-    out = _ttt(spec, jax.tree_util.tree_map(jnp.asarray, draft), jnp.asarray(embed), jnp.asarray(tokens),
-               jnp.asarray(h_cat), steps)
-    return np.asarray(out.logits_rbnv[:, 0])  # [R, N, V_draft]
+_ours = our_ttt_logits
 
 
 # ----------------------------------------------------------------------------- speculators
@@ -104,21 +99,7 @@ def _speculators_model(cfg, embed, d2t, t2d, taps, flags, seed=0, verifier=None)
     return model.eval()
 
 
-def _speculators_logits(model, tokens, h_cat, steps):
-    """speculators' own TTT forward (teacher-forced tokens, its cache and diagonal masks); the LM head's
-    output at each step, captured by a hook (its forward returns only argmax tokens)."""
-    seen = []
-    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().numpy()[0]))
-    n = tokens.shape[1]
-    shifted = np.concatenate([tokens[:, 1:], np.zeros((1, 1), tokens.dtype)], 1)  # index j reads x[j+1]
-    try:
-        with torch.no_grad():
-            model(hidden_states=torch.tensor(h_cat), input_ids=torch.tensor(shifted, dtype=torch.long),
-                  document_ids=torch.zeros((1, n), dtype=torch.long),
-                  position_ids=torch.arange(n)[None], ttt_steps=steps)
-    finally:
-        hook.remove()
-    return np.stack(seen)
+_speculators_logits = speculators_ttt_logits
 
 
 FLAG_SETS = [{}, {"norm_before_residual": True, "norm_output": True}, {"norm_before_fc": True}, {"fc_norm": True}]

@@ -39,20 +39,21 @@ def _write(tensors, dst):
     save_file(tensors, os.path.join(dst, "model.safetensors"))
 
 
-@pytest.mark.parametrize("model_type,arch", [("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM")])
+@pytest.mark.parametrize("model_type,arch", [("mistral", "MistralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                             ("gemma2", "Gemma2ForCausalLM")])
 def test_unsupported_architecture_hf(hf_dir, tmp_path, model_type, arch):
     def edit(c):
         c["model_type"], c["architectures"] = model_type, [arch]
 
     _write(_copy(hf_dir[0], tmp_path, config_edit=edit), tmp_path)
-    with pytest.raises(CheckpointError, match=rf"{model_type}.*{arch}.*expected model_type 'llama'"):
+    with pytest.raises(CheckpointError, match=rf"{model_type}.*{arch}.*expected one of 'llama'"):
         load_model(str(tmp_path))
 
 
 def test_unsupported_architecture_gguf(hf_dir, tmp_path):
     path = str(tmp_path / "m.gguf")
-    write_gguf(path, hf_dir[1], arch="qwen2")
-    with pytest.raises(CheckpointError, match=r"general.architecture is 'qwen2'; expected one of \['llama'\]"):
+    write_gguf(path, hf_dir[1], arch="gemma2")
+    with pytest.raises(CheckpointError, match=r"general.architecture is 'gemma2'; expected one of \['llama', 'qwen2', 'qwen3'\]"):
         load_model(path)
 
 
@@ -119,7 +120,7 @@ def test_attention_bias_rejected(hf_dir, tmp_path):
         c["attention_bias"] = True
 
     _write(_copy(hf_dir[0], tmp_path, config_edit=edit), tmp_path)
-    with pytest.raises(CheckpointError, match=r"attention_bias is true; biases are not supported"):
+    with pytest.raises(CheckpointError, match=r"attention_bias is true for model_type 'llama'; expected false"):
         load_model(str(tmp_path))
 
 

@@ -76,7 +76,11 @@ def default_data_config() -> ml_collections.ConfigDict:
     # With target_features: train on the store's first N training rows only (0 = all), reshuffled
     # each epoch — a fixed subset read for several epochs (the held-out rows stay the store's last).
     c.train_rows = 0
-    c.global_batch_size = 16  # rows per step over all hosts; must divide by process_count
+    # Rows per step over all hosts. 0: 16 rounded up to a multiple of the data-parallel devices
+    # (mesh data × fsdp: 16 on up to 16 chips, 32 on a 32-chip pod), resolved when the run starts
+    # (train.loop.resolve_run_config) and saved resolved in config.json. An explicit value must
+    # divide over those devices.
+    c.global_batch_size = 0
     c.shuffle = True
     c.num_epochs = 0  # 0 = repeat forever (train by step count)
     c.num_threads = 2  # grain reader threads per host (tokenisation happens in them)

@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama-2/3.x, SmolLM2) in Flax Linen.
+"""Llama-family decoder (Llama-2/3.x, SmolLM2; Qwen2/2.5 and Qwen3 dense) in Flax Linen.
+
+Qwen2 is Llama with biases on the q/k/v projections (``attention_bias``); Qwen3 dense is Llama with
+an RMSNorm over each head's query and key before RoPE (``qk_norm``). Both are flags of one block,
+so every forward, cache and drafter below serves them unchanged.
 
 One forward serves every use: full sequence, prefill against a fixed-size cache, decode of several
 tokens at explicit positions under an explicit block mask (tree verification), and ConFu's
@@ -49,6 +53,10 @@ class LlamaConfig:
     attention_impl: str = "xla"  # 'xla' | 'pallas' | 'pallas_interpret'
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
+    # Qwen2 / Qwen2.5: q, k and v projections carry biases ('q_proj': {'kernel', 'bias'}, ...).
+    attention_bias: bool = False
+    # Qwen3: per-head RMSNorm of queries and keys (over head_dim) before RoPE ('q_norm', 'k_norm').
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -173,10 +181,10 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale, self.eps)
 
 
-def _dense(features, cfg, name, **kw):
+def _dense(features, cfg, name, use_bias=False, **kw):
     return nn.Dense(
         features,
-        use_bias=False,
+        use_bias=use_bias,
         dtype=jnp.dtype(cfg.dtype),
         param_dtype=jnp.dtype(cfg.param_dtype),
         kernel_init=nn.initializers.normal(0.02),
@@ -205,9 +213,13 @@ class DecoderLayer(nn.Module):
         )
         b, t, _ = x_btd.shape
         h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="attn_norm")(x_btd)
-        q = _dense(cfg.n_heads * cfg.head_dim, cfg, "q_proj")(h).reshape(b, t, cfg.n_heads, cfg.head_dim)
-        k = _dense(cfg.n_kv_heads * cfg.head_dim, cfg, "k_proj")(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-        v = _dense(cfg.n_kv_heads * cfg.head_dim, cfg, "v_proj")(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        bias = cfg.attention_bias
+        q = _dense(cfg.n_heads * cfg.head_dim, cfg, "q_proj", bias)(h).reshape(b, t, cfg.n_heads, cfg.head_dim)
+        k = _dense(cfg.n_kv_heads * cfg.head_dim, cfg, "k_proj", bias)(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        v = _dense(cfg.n_kv_heads * cfg.head_dim, cfg, "v_proj", bias)(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, one scale shared by all heads, before RoPE
+            q = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="q_norm")(q)
+            k = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="k_norm")(k)
         q = apply_rope(q, ctx["cos"], ctx["sin"])
         k = apply_rope(k, ctx["cos"], ctx["sin"])
         attn = masked_attention(

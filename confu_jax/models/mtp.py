@@ -30,7 +30,8 @@ Parameters (``SpecParams.draft['mtp']``; kernels [in, out] as flax, torch ``Line
     {'enorm': {'scale': [d]}, 'hnorm': {'scale': [d]},
      'eh_proj': {'kernel': [2d, d]},                     # rows 0..d-1 read enorm(Emb), d..2d-1 hnorm(h)
      'block': {one Llama DecoderLayer: 'attn_norm', 'q_proj', 'k_proj', 'v_proj', 'o_proj',
-               'mlp_norm', 'gate_proj', 'up_proj', 'down_proj'},   # the target's own layer layout
+               'mlp_norm', 'gate_proj', 'up_proj', 'down_proj'; + q/k/v biases on a Qwen2 target,
+               'q_norm' / 'k_norm' on a Qwen3 one},   # the target's own layer layout
      'shared_head': {'norm': {'scale': [d]}}}
 
 The embedding and the LM head (``shared_head.head``) are the target's and are never copied here or
@@ -58,8 +59,6 @@ from confu_jax.models.kv_cache import KVCache
 from confu_jax.models.llama import LlamaConfig, apply_rope, linear, rms_norm, rope_cos_sin
 from confu_jax.models.unrolled import shared_params, target_logits
 
-BLOCK_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "gate_proj", "up_proj", "down_proj")
-
 
 # ----------------------------------------------------------------------------- shapes
 
@@ -67,9 +66,14 @@ BLOCK_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", 
 def block_shapes(cfg: LlamaConfig) -> dict:
     """{name: shape} of one decoder layer of ``cfg`` (the target's layer, ``params['layers']`` sliced)."""
     d, hq, hkv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-    return {"attn_norm/scale": (d,), "q_proj/kernel": (d, hq * hd), "k_proj/kernel": (d, hkv * hd),
-            "v_proj/kernel": (d, hkv * hd), "o_proj/kernel": (hq * hd, d), "mlp_norm/scale": (d,),
-            "gate_proj/kernel": (d, f), "up_proj/kernel": (d, f), "down_proj/kernel": (f, d)}
+    out = {"attn_norm/scale": (d,), "q_proj/kernel": (d, hq * hd), "k_proj/kernel": (d, hkv * hd),
+           "v_proj/kernel": (d, hkv * hd), "o_proj/kernel": (hq * hd, d), "mlp_norm/scale": (d,),
+           "gate_proj/kernel": (d, f), "up_proj/kernel": (d, f), "down_proj/kernel": (f, d)}
+    if cfg.attention_bias:  # a Qwen2 target's layer
+        out.update({"q_proj/bias": (hq * hd,), "k_proj/bias": (hkv * hd,), "v_proj/bias": (hkv * hd,)})
+    if cfg.qk_norm:  # a Qwen3 target's layer
+        out.update({"q_norm/scale": (hd,), "k_norm/scale": (hd,)})
+    return out
 
 
 def param_shapes(cfg: LlamaConfig) -> dict:
@@ -113,7 +117,7 @@ def init_mtp(rng: jax.Array, cfg: LlamaConfig, target_params, *, init_block: str
     """An untrained module: enorm / hnorm scale 1, ``eh_proj`` ~ N(0, init_std), ``shared_head.norm`` =
     the target's final norm, and the block = the target's last decoder layer (``init_block='last_layer'``,
     a warm start for a frozen target) or a fresh layer (``'random'``: N(0, init_std) kernels, norm
-    scales 1 — the target's own initialisation, ``models.llama._dense``)."""
+    scales 1, biases 0 — the target's own initialisation, ``models.llama._dense``)."""
     d = cfg.d_model
     k_eh, k_blk = jax.random.split(rng)
     sp = shared_params(target_params)
@@ -122,13 +126,15 @@ def init_mtp(rng: jax.Array, cfg: LlamaConfig, target_params, *, init_block: str
             raise ValueError("init_mtp(init_block='last_layer') needs the stacked target tree (params['layers'])")
         block = jax.tree_util.tree_map(lambda x: jnp.asarray(x[-1], param_dtype), dict(target_params["layers"]))
     elif init_block == "random":
-        keys = iter(jax.random.split(k_blk, len(BLOCK_NAMES)))
+        shapes = block_shapes(cfg)
+        keys = iter(jax.random.split(k_blk, len(shapes)))
         block = {}
-        for path, shape in block_shapes(cfg).items():
+        for path, shape in shapes.items():
             name, leaf = path.split("/")
             key = next(keys)
-            block[name] = {leaf: (jnp.ones(shape, param_dtype) if leaf == "scale"
-                                  else (init_std * jax.random.normal(key, shape)).astype(param_dtype))}
+            init = {"scale": lambda: jnp.ones(shape, param_dtype), "bias": lambda: jnp.zeros(shape, param_dtype),
+                    "kernel": lambda: (init_std * jax.random.normal(key, shape)).astype(param_dtype)}[leaf]
+            block.setdefault(name, {})[leaf] = init()
     else:
         raise ValueError(f"init_mtp: init_block must be 'last_layer' or 'random', got {init_block!r}")
     return {"enorm": {"scale": jnp.ones((d,), param_dtype)}, "hnorm": {"scale": jnp.ones((d,), param_dtype)},
@@ -155,9 +161,17 @@ def project(mtp: dict, cfg: LlamaConfig, emb_btd, hidden_btd, positions_bt):
     blk = mtp["block"]
     b, t, _ = u.shape
     h = rms_norm(u, blk["attn_norm"]["scale"], cfg.rms_eps)
-    q = linear(h, blk["q_proj"]["kernel"], cd).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    k = linear(h, blk["k_proj"]["kernel"], cd).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = linear(h, blk["v_proj"]["kernel"], cd).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+
+    def proj(name, heads):
+        y = linear(h, blk[name]["kernel"], cd)
+        if cfg.attention_bias:  # Qwen2: q/k/v biases, as the target's DecoderLayer adds them
+            y = y + blk[name]["bias"].astype(cd)
+        return y.reshape(b, t, heads, cfg.head_dim)
+
+    q, k, v = proj("q_proj", cfg.n_heads), proj("k_proj", cfg.n_kv_heads), proj("v_proj", cfg.n_kv_heads)
+    if cfg.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
+        q = rms_norm(q, blk["q_norm"]["scale"], cfg.rms_eps)
+        k = rms_norm(k, blk["k_norm"]["scale"], cfg.rms_eps)
     cos, sin = rope_cos_sin(positions_bt.astype(jnp.int32), cfg)
     return u, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -226,13 +240,22 @@ _BLOCK = {"attn_norm/scale": "input_layernorm.weight", "q_proj/kernel": "self_at
           "k_proj/kernel": "self_attn.k_proj.weight", "v_proj/kernel": "self_attn.v_proj.weight",
           "o_proj/kernel": "self_attn.o_proj.weight", "mlp_norm/scale": "post_attention_layernorm.weight",
           "gate_proj/kernel": "mlp.gate_proj.weight", "up_proj/kernel": "mlp.up_proj.weight",
-          "down_proj/kernel": "mlp.down_proj.weight"}
+          "down_proj/kernel": "mlp.down_proj.weight",
+          # a Qwen2 / Qwen3 target's layer (present only where param_shapes has them)
+          "q_proj/bias": "self_attn.q_proj.bias", "k_proj/bias": "self_attn.k_proj.bias",
+          "v_proj/bias": "self_attn.v_proj.bias", "q_norm/scale": "self_attn.q_norm.weight",
+          "k_norm/scale": "self_attn.k_norm.weight"}
 SHARED_NAMES = ("embed_tokens.weight", "shared_head.head.weight")  # the target's: checked, never loaded
 
 
-def reference_names() -> dict:
-    """{our leaf path: the layer-relative reference name} (prefix ``model.layers.{N}.``)."""
-    return {**_TOP, **{f"block/{k}": v for k, v in _BLOCK.items()}}
+def reference_names(cfg: Optional[LlamaConfig] = None) -> dict:
+    """{our leaf path: the layer-relative reference name} (prefix ``model.layers.{N}.``); with ``cfg``,
+    only the tensors a module for that target has."""
+    names = {**_TOP, **{f"block/{k}": v for k, v in _BLOCK.items()}}
+    if cfg is None:
+        return names
+    shapes = param_shapes(cfg)
+    return {k: v for k, v in names.items() if k in shapes}
 
 
 def to_reference_state_dict(mtp: dict, layer_index: int) -> dict:
@@ -241,6 +264,8 @@ def to_reference_state_dict(mtp: dict, layer_index: int) -> dict:
     leaves = _leaves(mtp)
     out = {}
     for path, name in reference_names().items():
+        if path not in leaves:  # a tensor only Qwen targets' modules have
+            continue
         x = np.asarray(leaves[path])
         out[f"model.layers.{layer_index}.{name}"] = np.ascontiguousarray(x.T if path.endswith("kernel") else x)
     return out
@@ -259,7 +284,7 @@ def from_reference_state_dict(sd: dict, cfg: LlamaConfig, layer_index: Optional[
         layer_index = found[0]
     prefix = f"model.layers.{layer_index}."
     mine = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
-    names = reference_names()
+    names = reference_names(cfg)
     expected = set(names.values()) | set(SHARED_NAMES)
     missing = sorted(set(names.values()) - set(mine))
     extra = sorted(k for k in mine if k not in expected and not k.endswith("rotary_emb.inv_freq"))

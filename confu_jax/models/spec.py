@@ -129,7 +129,10 @@ def model_spec_from_config(config, backend: Optional[str] = None) -> ModelSpec:
     ``model.attention_impl`` is checked against ``backend`` (default: JAX's default backend).
     """
     m, c, d = config.model, config.confu, config.draft
-    target = get_preset(m.preset).replace(
+    if m.get("dtype", None) is None or d.get("draft_vocab_size", None) is None:
+        raise ValueError("config.model.dtype / config.draft.draft_vocab_size are unset: a config without a preset "
+                         "is resolved against its checkpoint first (confu_jax.train.target_loading.resolve_target)")
+    target = target_from_config(m).replace(
         dtype=m.dtype, param_dtype=m.param_dtype,
         attention_impl=resolve_attention_impl(m.attention_impl, backend),
     )
@@ -156,6 +159,19 @@ def model_spec_from_config(config, backend: Optional[str] = None) -> ModelSpec:
         norm_output=bool(d.get("norm_output", False)),
     )
     return ModelSpec(target, head)
+
+
+def target_from_config(model_section) -> LlamaConfig:
+    """The target's architecture: ``model.arch`` (read from the checkpoint when the run started:
+    ``train.target_loading.resolve_target``), else the named preset's."""
+    arch = model_section.get("arch", None)
+    arch = arch.to_dict() if hasattr(arch, "to_dict") else dict(arch or {})
+    if arch:
+        return LlamaConfig(**{k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in arch.items()})
+    if not model_section.get("preset", None):
+        raise ValueError("config.model has neither a preset nor an arch: resolve the config against its "
+                         "checkpoint first (confu_jax.train.target_loading.resolve_target)")
+    return get_preset(model_section.preset)
 
 
 def _opt(section, key: str, kind):

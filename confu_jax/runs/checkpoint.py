@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import os
 from typing import Any, Optional, Sequence
 
 import jax
@@ -301,7 +302,8 @@ def init_params_from(directory: str, params, step: int = -1,
     target id, not by column: if the source run's vocabulary differs, its columns are remapped
     (draft ids the source lacks keep their fresh init) instead of being copied onto other tokens.
 
-    ``directory`` may also be an EAGLE-3 head in the official (SGLang / SpecForge) or speculators
+    ``directory``: a checkpoint directory (``<workdir>/checkpoints``) or the ``launch.train`` workdir
+    holding it. It may also be an EAGLE-3 head in the official (SGLang / SpecForge) or speculators
     (vLLM) format (``weights.eagle3_formats``): the paper initialises ConFu from a published
     EAGLE-3 head. ``model_spec`` (this run's ``ModelSpec``) is then checked against the head's
     RoPE and norm settings, which change what the copied weights compute. Or a trainable-tree export
@@ -312,6 +314,8 @@ def init_params_from(directory: str, params, step: int = -1,
         return _init_from_head(directory, params, draft_vocab_d2t, model_spec)
     if is_trainable_export(directory):
         return _init_from_trainable_export(directory, params, draft_vocab_d2t)
+    if os.path.isdir(os.path.join(directory, "checkpoints")) and os.path.isfile(os.path.join(directory, "config.json")):
+        directory = os.path.join(directory, "checkpoints")  # a launch.train workdir: its checkpoints
     ckpt = Checkpointer(directory, read_only=True)
     try:
         src_step = ckpt.latest_step() if step is None or step < 0 else int(step)

@@ -51,7 +51,7 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.checkpoint.async_save = True
     # Initialise the trainable params from another run's checkpoint (e.g. ConFu from EAGLE-3):
     # params present in both trees with equal shapes are copied, the rest keep their fresh init.
-    c.checkpoint.init_from = ""  # checkpoint directory ('<workdir>/checkpoints') or ''
+    c.checkpoint.init_from = ""  # a launch.train workdir or its checkpoints/, an EAGLE-3 head, a release; '' = none
     c.checkpoint.init_from_step = -1  # -1 = latest
 
     c.log_every = 10

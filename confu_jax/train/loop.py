@@ -38,7 +38,7 @@ from confu_jax.train.metric_writers import make_writers
 from confu_jax.train.optim import make_optimizer
 from confu_jax.train.state import param_count, state_builder
 from confu_jax.train.step import CompiledStep, make_eval_step, make_train_step
-from confu_jax.train.task import TrainTask, load_task
+from confu_jax.train.task import TrainTask, load_task, resolve_run_config
 from confu_jax.weights.eagle3_formats import detect_format
 
 Hook = Callable[[int, Any, dict], None]  # (step, state, device metrics) after each step
@@ -111,9 +111,10 @@ def compile_report(config, task: Optional[TrainTask] = None, mesh=None) -> dict:
 
 
 def setup_run(config, task: Optional[TrainTask] = None, mesh=None) -> RunSetup:
-    task = task if task is not None else load_task(config)
     tc = config.train
     mesh = mesh if mesh is not None else shd.make_mesh(tc.mesh.data, tc.mesh.fsdp, tc.mesh.tensor)
+    resolve_run_config(config, mesh)
+    task = task if task is not None else load_task(config)
     tx, schedule = make_optimizer(tc.optim, tc.steps)
     build = state_builder(task.init_params, tx, int(tc.seed))
     abstract_state = jax.eval_shape(build)
@@ -366,6 +367,7 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     tc = config.train
     pidx, pcount = jax.process_index(), jax.process_count()
     main = pidx == 0
+    resolve_run_config(config, mesh)  # before the resume check: it compares resolved values
     milestones = parse_milestones(tc.get("milestones", ""))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint.every,
                         keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save, milestones=milestones)

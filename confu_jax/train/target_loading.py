@@ -1,18 +1,91 @@
 """The frozen target a training run trains against, from ``config.model.source``.
 
-``'asset:<name>'``, a GGUF file or a Hugging Face directory (checked against the preset's
-parameter shapes), or ``'random'`` (random weights from ``config.synthetic.seed``: tests and smoke
-runs). The loaded checkpoint's LlamaConfig replaces the preset's, keeping the config's dtypes.
+``'asset:<name>'``, a GGUF file or a Hugging Face directory, or ``'random'`` (random weights from
+``config.synthetic.seed``: tests and smoke runs, sized by the preset).
+
+``resolve_target`` runs first, on the config: the checkpoint's metadata (config.json / GGUF header,
+no tensors) fills ``config.model.arch`` and every setting left unset for it (dtypes, the draft
+vocabulary), and a named preset that disagrees with the checkpoint is refused by key. So a
+checkpoint alone sizes a run (configs/eagle3.py, configs/confu.py), and the run's saved config.json
+describes its target without the checkpoint. ``load_target`` then loads the weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
-from confu_jax.models.llama import init_params as llama_init, param_shapes
+from confu_jax.models.llama import LlamaConfig, init_params as llama_init, param_shapes
+from confu_jax.models.presets import get_preset
 from confu_jax.models.spec import ModelSpec
+
+# LlamaConfig fields that change the parameter tree: a preset and a checkpoint must agree on these.
+TREE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+               "tie_embeddings", "attention_bias", "qk_norm")
+# What config.model.arch records: the architecture, not how it is computed (dtype, attention kernel).
+ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaConfig)
+                    if f.name not in ("dtype", "param_dtype", "attention_impl"))
+DRAFT_VOCAB_SHARE, DRAFT_VOCAB_MAX, DRAFT_VOCAB_ALIGN = 4, 32000, 64
+
+
+def default_draft_vocab(vocab_size: int) -> int:
+    """The draft vocabulary a checkpoint gets when the config leaves it unset: a quarter of the
+    target's, rounded up to a multiple of 64, at most 32000 (EAGLE-3's Llama-3 heads keep 32000 of
+    128256, SpecForge's Qwen3 heads 32000 of 151936), at least min(vocab, 256) for tiny vocabularies."""
+    share = math.ceil(vocab_size / DRAFT_VOCAB_SHARE / DRAFT_VOCAB_ALIGN) * DRAFT_VOCAB_ALIGN
+    return int(min(vocab_size, max(min(vocab_size, 256), min(share, DRAFT_VOCAB_MAX))))
+
+
+def arch_record(cfg: LlamaConfig) -> dict:
+    """``config.model.arch``: the architecture fields of ``cfg`` as JSON-able values."""
+    out = {}
+    for name in ARCH_FIELDS:
+        v = getattr(cfg, name)
+        out[name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def resolve_target(config) -> None:
+    """Fill ``config.model.arch`` and the unset dtypes / draft vocabulary from ``config.model.source``'s
+    metadata, in place; refuse a named preset the checkpoint disagrees with. ``'random'`` sources keep
+    the preset's shapes (and need one). Idempotent."""
+    m = config.model
+    source, preset = m.source, m.get("preset", None)
+    if source == "random":
+        if not preset:
+            raise ValueError("config.model.source='random' needs config.model.preset (random weights take a "
+                             "preset's shapes)")
+        return
+    if not source:
+        what = f"preset {preset!r}" if preset else "this config (no preset: the checkpoint decides the architecture)"
+        raise ValueError(f"config.model.source is empty for {what}: pass --config.model.source=/path/to/checkpoint "
+                         "(a Hugging Face directory or a .gguf file)")
+    from confu_jax.weights import read_architecture
+
+    arch = read_architecture(strip_asset(source))
+    if preset:
+        want = get_preset(preset)
+        for field in TREE_FIELDS:
+            if getattr(want, field) != getattr(arch, field):
+                raise ValueError(
+                    f"{source}: {field} is {getattr(arch, field)!r} in the checkpoint; preset {preset!r} expects "
+                    f"{getattr(want, field)!r} (for your own checkpoint use configs/eagle3.py or configs/confu.py, "
+                    "whose architecture comes from the checkpoint)")
+    import ml_collections
+
+    with config.unlocked():
+        m.arch = ml_collections.ConfigDict(arch_record(arch))
+        if m.get("dtype", None) is None:
+            m.dtype = arch.dtype
+        if m.get("param_dtype", None) is None:
+            m.param_dtype = arch.param_dtype
+        if "draft" in config:
+            if config.draft.get("draft_vocab_size", None) is None:
+                config.draft.draft_vocab_size = default_draft_vocab(arch.vocab_size)
+            if config.draft.get("dtype", None) is None:
+                config.draft.dtype = m.dtype
 
 
 def strip_asset(source: str) -> str:
@@ -38,7 +111,8 @@ def load_target(config, spec: ModelSpec) -> tuple[ModelSpec, dict]:
         bad = [(jax.tree_util.keystr(p), w, g) for (p, w), g in
                zip(jax.tree_util.tree_leaves_with_path(want, is_leaf=lambda x: isinstance(x, tuple)),
                    jax.tree_util.tree_leaves(got, is_leaf=lambda x: isinstance(x, tuple))) if w != g][:5]
-        raise ValueError(f"{source}: parameters do not match preset {config.model.preset!r} "
+        against = f"preset {config.model.preset!r}" if config.model.get("preset", None) else "config.model.arch"
+        raise ValueError(f"{source}: parameters do not match {against} "
                          f"(path, expected, found): {bad or 'different tree structure'}")
     target = cfg.replace(dtype=spec.target.dtype, param_dtype=spec.target.param_dtype,
                          attention_impl=spec.target.attention_impl)

@@ -95,8 +95,55 @@ class TrainTask:
     description: str = ""
 
 
+DEFAULT_GLOBAL_BATCH = 16
+
+
+def data_parallel_devices(config, mesh=None) -> int:
+    """Devices the batch is split over (mesh data × fsdp): ``mesh``'s, else ``config.train.mesh``'s on
+    this job's devices."""
+    if mesh is not None:
+        return int(mesh.shape.get("data", 1)) * int(mesh.shape.get("fsdp", 1))
+    m = config.train.mesh
+    n = jax.device_count()
+    fsdp, tensor = int(m.fsdp), int(m.tensor)
+    data = int(m.data) if int(m.data) > 0 else n // max(fsdp * tensor, 1)
+    return max(data * fsdp, 1)
+
+
+def resolve_run_config(config, mesh=None, strict: bool = True) -> None:
+    """Settle, in place, what a config leaves to the run: the target's architecture, dtypes and draft
+    vocabulary from its checkpoint (``target_loading.resolve_target``) and ``data.global_batch_size``
+    0 -> 16 rounded up to a multiple of the data-parallel devices. An explicit batch that does not
+    divide over them is refused (``strict``), naming both numbers. ``mesh``: the run's mesh when the
+    caller has one (else ``config.train.mesh``'s). Idempotent; runs before the resume check, so a
+    resumed run compares resolved values with its saved config.json."""
+    if "model" in config and "source" in config.model:
+        from confu_jax.train.target_loading import resolve_target
+
+        resolve_target(config)
+    if "data" not in config or "global_batch_size" not in config.data or "train" not in config:
+        return
+    dp = data_parallel_devices(config, mesh)
+    g = int(config.data.global_batch_size)
+    if not strict and g > 0:
+        return
+    if g <= 0:
+        with config.unlocked():
+            config.data.global_batch_size = -(-DEFAULT_GLOBAL_BATCH // dp) * dp
+    elif g % dp:
+        raise ValueError(f"data.global_batch_size={g} does not divide over the {dp} data-parallel devices "
+                         f"(mesh data x fsdp of {jax.device_count()} devices): use a multiple of {dp}, or 0 for "
+                         f"the default ({-(-DEFAULT_GLOBAL_BATCH // dp) * dp})")
+    g = int(config.data.global_batch_size)
+    if g % jax.process_count():
+        raise ValueError(f"data.global_batch_size={g} does not divide over {jax.process_count()} processes")
+
+
 def load_task(config) -> TrainTask:
-    """Build the task named by ``config.train.task`` ('package.module:function')."""
+    """Build the task named by ``config.train.task`` ('package.module:function'), after sizing the
+    config from its checkpoint (``target_loading.resolve_target``: fills ``config.model.arch``) and
+    its default batch; the run's own mesh checks the batch (``setup_run``)."""
+    resolve_run_config(config, strict=False)
     spec = config.train.task
     if ":" not in spec:
         raise ValueError(f"config.train.task={spec!r}: expected 'package.module:function'")

@@ -31,4 +31,23 @@ def load_model(source: str, dtype: Optional[str] = None):
     )
 
 
-__all__ = ["load_model", "save_hf", "load_gguf", "load_hf", "CheckpointError"]
+def read_architecture(source: str, dtype: Optional[str] = None):
+    """The ``LlamaConfig`` of ``source`` (what ``load_model`` would return) from its metadata alone:
+    ``config.json`` (+ ``generation_config.json``) of a Hugging Face directory or a GGUF header; no
+    tensor is read. What a training config is sized from before the weights are loaded."""
+    path = resolve_model_path(source)
+    if os.path.isdir(path):
+        from confu_jax.weights.hf import read_config
+
+        return read_config(path, dtype)
+    if path.endswith(".gguf"):
+        from confu_jax.weights.gguf import GGUFFile, read_config
+
+        return read_config(GGUFFile(path), dtype)
+    raise CheckpointError(
+        f"model source {source!r} resolved to {path!r}, which is neither a .gguf file nor a directory "
+        "with config.json + model.safetensors"
+    )
+
+
+__all__ = ["load_model", "read_architecture", "save_hf", "load_gguf", "load_hf", "CheckpointError"]

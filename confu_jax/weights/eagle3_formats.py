@@ -46,6 +46,8 @@ import numpy as np
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.spec import HeadConfig, ModelSpec
 from confu_jax.weights.errors import CheckpointError
+from confu_jax.weights.export import model_type_of
+from confu_jax.weights.hf import SUPPORTED_MODEL_TYPES
 from confu_jax.weights.hf import rope_from_config
 from confu_jax.weights.safetensors_io import FLOAT_DTYPES, SafetensorsFile
 
@@ -532,7 +534,8 @@ def export_head(out_dir: str, fmt: str, spec: ModelSpec, draft_params: dict, d2t
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
                                       "accept_tolerance": 0.0, "verifier_accept_k": 1}],
                 "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+                # the target's own class (a Qwen3 verifier for a Qwen3 target); the draft layer stays Llama's
+                "verifier": {"name_or_path": verifier, "architectures": [SUPPORTED_MODEL_TYPES[model_type_of(t)]]},
             },
         }
     os.makedirs(out_dir, exist_ok=True)

@@ -12,9 +12,17 @@ import os
 import numpy as np
 
 from confu_jax.models.llama import LlamaConfig
-from confu_jax.weights.hf import hf_name
+from confu_jax.weights.hf import SUPPORTED_MODEL_TYPES, hf_name
 from confu_jax.weights.safetensors_io import save_file
 from confu_jax.weights.tree import GLOBAL_PARAMS, LAYER_PARAMS, check_tree
+
+
+def model_type_of(cfg: LlamaConfig) -> str:
+    """The transformers model_type whose block ``cfg`` computes: Qwen3 (q/k norms), Qwen2 (q/k/v
+    biases) or Llama (neither)."""
+    if cfg.qk_norm and cfg.attention_bias:
+        raise ValueError("no transformers architecture has both per-head q/k norms and q/k/v biases")
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
 
 
 def hf_config_dict(cfg: LlamaConfig) -> dict:
@@ -24,9 +32,10 @@ def hf_config_dict(cfg: LlamaConfig) -> dict:
         rope.update(rope_type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
                     original_max_position_embeddings=ctx)
     eos = list(cfg.eos_token_ids)
+    model_type = model_type_of(cfg)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [SUPPORTED_MODEL_TYPES[model_type]],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
@@ -40,8 +49,9 @@ def hf_config_dict(cfg: LlamaConfig) -> dict:
         "rope_parameters": rope,
         "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": False,
+        "attention_bias": cfg.attention_bias,  # Qwen2's q/k/v biases (its config class ignores the key)
         "mlp_bias": False,
+        "use_sliding_window": False,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "dtype": cfg.param_dtype,
@@ -58,6 +68,8 @@ def save_hf(cfg: LlamaConfig, params: dict, directory: str) -> None:
             w = np.asarray(params[path[0]][path[1]])
             tensors[hf_name(kind, None)] = w.T if path[1] == "kernel" else w
     for path, kind in LAYER_PARAMS.items():
+        if path[1] not in params["layers"].get(path[0], {}):  # Qwen-only tensors
+            continue
         stacked = np.asarray(params["layers"][path[0]][path[1]])
         for i in range(cfg.n_layers):
             tensors[hf_name(kind, i)] = stacked[i].T if path[1] == "kernel" else stacked[i]

@@ -6,6 +6,10 @@ its interleaved RoPE kernel can read them; our RoPE is HF's half-split, so those
 permuted back (docs/DESIGN.md §1). Llama-3 frequency scaling is stored as a ``rope_freqs.weight``
 tensor of per-frequency divisors rather than as metadata; we recover the (factor, low, high,
 original context) tuple from it and check that it reproduces the tensor exactly.
+
+Qwen2 and Qwen3 GGUFs (``general.architecture`` 'qwen2' / 'qwen3') run NEOX-style RoPE in llama.cpp,
+which is HF's half-split: their converter leaves Q and K unpermuted, so nothing is undone there.
+Qwen2 adds ``attn_{q,k,v}.bias``; Qwen3 adds ``attn_{q,k}_norm.weight``.
 """
 
 from __future__ import annotations
@@ -22,15 +26,19 @@ from confu_jax.weights.tree import assemble
 _LAYER_NAMES = {
     "attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
     "mlp_norm": "ffn_norm", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+    "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
 }
+_BIASES = {"q_bias": "attn_q", "k_bias": "attn_k", "v_bias": "attn_v"}
 _GLOBAL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight"}
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def gguf_name(kind: str, layer: Optional[int]) -> str:
     if layer is None:
         return _GLOBAL_NAMES[kind]
+    if kind in _BIASES:
+        return f"blk.{layer}.{_BIASES[kind]}.bias"
     return f"blk.{layer}.{_LAYER_NAMES[kind]}.weight"
 
 
@@ -113,7 +121,7 @@ def read_config(g: GGUFFile, dtype: Optional[str] = None) -> LlamaConfig:
         raise CheckpointError(f"dtype {dtype!r} not supported; expected one of {list(FLOAT_DTYPES)}")
     n_experts = g.get(f"{arch}.expert_count", 0) or 0
     if n_experts:
-        raise CheckpointError(f"{g.path}: {arch}.expert_count is {n_experts}; mixture-of-experts Llama is not supported")
+        raise CheckpointError(f"{g.path}: {arch}.expert_count is {n_experts}; mixture-of-experts models are not supported")
     d = int(g.require(f"{arch}.embedding_length"))
     n_heads = int(g.require(f"{arch}.attention.head_count"))
     n_kv = int(g.get(f"{arch}.attention.head_count_kv", n_heads))
@@ -158,6 +166,8 @@ def read_config(g: GGUFFile, dtype: Optional[str] = None) -> LlamaConfig:
         param_dtype=dtype,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
     )
     if "rope_freqs.weight" in g.tensors:
         divisors = g.tensor("rope_freqs.weight").reshape(-1)
@@ -174,11 +184,13 @@ def load_gguf(path: str, dtype: Optional[str] = None):
     """``(LlamaConfig, params)`` from a GGUF file; params in ``dtype`` (default float32)."""
     g = GGUFFile(path)
     cfg = read_config(g, dtype)
-    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    # llama.cpp permutes Q/K rows for its interleaved RoPE only under the 'llama' architecture
+    permuted = g.require("general.architecture") == "llama"
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads} if permuted else {}
 
     def fetch(name: str) -> np.ndarray:
         w = g.tensor(name)
-        kind = name.split(".")[2] if name.startswith("blk.") else None
+        kind = name.split(".")[2] if name.startswith("blk.") and name.endswith(".weight") else None
         if kind in heads:
             if w.ndim != 2 or w.shape[0] % (2 * heads[kind]):
                 raise CheckpointError(

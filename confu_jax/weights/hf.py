@@ -1,9 +1,10 @@
 """Hugging Face checkpoints (``config.json`` + safetensors, single file or sharded) -> params.
 
-Reads Llama-architecture configs as transformers writes them, both the 4.x form (``rope_theta``,
-``rope_scaling``) and the 5.x form (``rope_parameters``). Anything this decoder does not implement
--- another architecture, biases, a non-SiLU MLP, a RoPE scaling other than Llama-3's -- is refused
-by name instead of being loaded into a model that would silently compute something else.
+Reads Llama, Qwen2 (Qwen2.5) and Qwen3 dense configs as transformers writes them, both the 4.x form
+(``rope_theta``, ``rope_scaling``) and the 5.x form (``rope_parameters``). Anything this decoder
+does not implement -- another architecture (MoE, Gemma, ...), sliding-window attention, MLP or
+output biases, a non-SiLU MLP, a RoPE scaling other than Llama-3's -- is refused by name instead of
+being loaded into a model that would silently compute something else.
 """
 
 from __future__ import annotations
@@ -19,20 +20,26 @@ from confu_jax.weights.errors import CheckpointError
 from confu_jax.weights.safetensors_io import SafetensorsFile
 from confu_jax.weights.tree import assemble
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# model_type -> the architectures class transformers writes for it.
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
     "v": "self_attn.v_proj", "o": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
     "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+    "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
 }
+_BIASES = {"q_bias": "self_attn.q_proj", "k_bias": "self_attn.k_proj", "v_bias": "self_attn.v_proj"}
 _GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
 
 def hf_name(kind: str, layer: Optional[int]) -> str:
     if layer is None:
         return _GLOBAL_NAMES[kind]
+    if kind in _BIASES:
+        return f"model.layers.{layer}.{_BIASES[kind]}.bias"
     return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"
 
 
@@ -68,14 +75,28 @@ def rope_from_config(c: dict, where: str) -> tuple:
 def config_from_dict(c: dict, where: str = "config.json", dtype: Optional[str] = None) -> LlamaConfig:
     """LlamaConfig from a parsed ``config.json``; ``where`` names the file in errors."""
     archs = c.get("architectures") or []
-    if c.get("model_type") != "llama" or (archs and not set(archs) & set(SUPPORTED_ARCHITECTURES)):
+    model_type = c.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES or (archs and SUPPORTED_MODEL_TYPES[model_type] not in archs):
         raise CheckpointError(
-            f"{where}: model_type {c.get('model_type')!r}, architectures {archs}; expected model_type "
-            f"'llama' with architectures {list(SUPPORTED_ARCHITECTURES)}"
+            f"{where}: model_type {model_type!r}, architectures {archs}; expected one of "
+            + ", ".join(f"{t!r} ({a})" for t, a in SUPPORTED_MODEL_TYPES.items())
+            + " (MoE, Gemma, sliding-window and other architectures are not supported)"
         )
-    for key in ("attention_bias", "mlp_bias"):
-        if c.get(key):
-            raise CheckpointError(f"{where}: {key} is true; biases are not supported (expected false)")
+    if c.get("mlp_bias"):
+        raise CheckpointError(f"{where}: mlp_bias is true; MLP biases are not supported (expected false)")
+    if model_type == "qwen2":  # transformers' Qwen2Attention always has q/k/v biases, o_proj none
+        attention_bias = True
+    else:  # Llama's and Qwen3's attention_bias biases o_proj as well, which no model here has
+        attention_bias = bool(c.get("attention_bias", False))
+        if attention_bias:
+            raise CheckpointError(f"{where}: attention_bias is true for model_type {model_type!r}; expected false "
+                                  "(biases are read only for Qwen2, whose output projection has none)")
+    if c.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: use_sliding_window is true; expected false (sliding-window attention "
+                              "is not supported)")
+    layer_types = c.get("layer_types")
+    if layer_types and set(layer_types) != {"full_attention"}:
+        raise CheckpointError(f"{where}: layer_types has {sorted(set(layer_types))}; expected only 'full_attention'")
     if c.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act is {c['hidden_act']!r}; expected 'silu'")
     if dtype is None:
@@ -103,6 +124,8 @@ def config_from_dict(c: dict, where: str = "config.json", dtype: Optional[str] =
             param_dtype=dtype,
             bos_token_id=_ids(c.get("bos_token_id"))[0] if _ids(c.get("bos_token_id")) else None,
             eos_token_ids=_ids(c.get("eos_token_id")),
+            attention_bias=attention_bias,
+            qk_norm=model_type == "qwen3",
         )
     except KeyError as e:
         raise CheckpointError(f"{where}: missing key {e.args[0]!r}") from None

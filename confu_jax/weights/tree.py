@@ -34,6 +34,13 @@ LAYER_PARAMS = {
     ("gate_proj", "kernel"): "gate",
     ("up_proj", "kernel"): "up",
     ("down_proj", "kernel"): "down",
+    # Present only where the config has them (``param_shapes`` decides): Qwen2's q/k/v biases,
+    # Qwen3's per-head q/k norms.
+    ("q_proj", "bias"): "q_bias",
+    ("k_proj", "bias"): "k_bias",
+    ("v_proj", "bias"): "v_bias",
+    ("q_norm", "scale"): "q_norm",
+    ("k_norm", "scale"): "k_norm",
 }
 
 NameFn = Callable[[str, Optional[int]], str]
@@ -92,6 +99,8 @@ def assemble(
 
     layers: dict = {}
     for path, kind in LAYER_PARAMS.items():
+        if path[1] not in shapes["layers"].get(path[0], {}):  # a Qwen-only tensor under a Llama config
+            continue
         stacked_shape = shapes["layers"][path[0]][path[1]].shape
         out = np.empty(stacked_shape, np_dtype)  # every slot is written below or we raise
         for i in range(cfg.n_layers):
@@ -104,7 +113,8 @@ def assemble(
     if extra:
         hint = ""
         if any(n.endswith("bias") for n in extra):
-            hint = " (bias tensors: attention/MLP biases are not part of the Llama architecture supported here)"
+            hint = (" (bias tensors: q/k/v biases are read only for Qwen2 configs; output-projection and MLP "
+                    "biases are not part of any architecture supported here)")
         raise CheckpointError(f"{source}: unexpected tensors {extra[:8]}{' ...' if len(extra) > 8 else ''}{hint}")
     check_tree(cfg, params, source)
     return params
@@ -113,7 +123,7 @@ def assemble(
 def cfg_summary(cfg: LlamaConfig) -> str:
     return (f"config(d_model={cfg.d_model}, n_layers={cfg.n_layers}, n_heads={cfg.n_heads}, "
             f"n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim}, ffn_dim={cfg.ffn_dim}, "
-            f"vocab_size={cfg.vocab_size})")
+            f"vocab_size={cfg.vocab_size}, attention_bias={cfg.attention_bias}, qk_norm={cfg.qk_norm})")
 
 
 def check_tree(cfg: LlamaConfig, params: dict, source: str = "params") -> None:
