@@ -38,7 +38,7 @@ def main(argv):
 
         resolve_target(config)  # the checkpoint's architecture (its config.json / GGUF header only)
     spec = model_spec_from_config(config)
-    title = f"{config.model.preset} / {config.confu.variant}"
+    title = f"{config.model.preset or config.model.source} / {config.confu.variant}"
     print(format_counts(title, param_counts(spec)))
 
 

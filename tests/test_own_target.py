@@ -141,7 +141,16 @@ def test_recipe_runs_as_written(tmp_path, name, monkeypatch):
     ours = our_ttt_logits(head.spec, head.trainable["draft"], embed, tokens, h_cat, 2)
     for r in range(2):
         np.testing.assert_allclose(ours[r, :9 - r], ref[r, :9 - r], atol=1e-4, rtol=1e-4, err_msg=f"step {r}")
-    assert os.path.isfile(os.path.join(work, "export", "eagle3_official", "model.safetensors"))
+    # the official layout (SGLang / SpecForge) reads back, on this target, to the trained head bit for bit
+    import jax
+
+    from confu_jax.weights.eagle3_formats import bind_to_target, load_head
+
+    for fmt in ("eagle3_official", "eagle3_speculators"):
+        spec2, trainable2, vocab2 = bind_to_target(load_head(os.path.join(work, "export", fmt)), cfg, target_params)
+        assert spec2.taps == head.spec.taps and spec2.head.draft_vocab_size == head.spec.head.draft_vocab_size
+        jax.tree_util.tree_map(np.testing.assert_array_equal, trainable2["draft"], head.trainable["draft"])
+        np.testing.assert_array_equal(vocab2["d2t"], head.draft_vocab["d2t"])
 
     # 5. every head decodes exactly AR's tokens
     ids = [[int(i) for i in re.search(r"^ids: (.*)$", r.stderr, re.M).group(1).split()]

@@ -169,7 +169,8 @@ def check_head_target(head: TrainedHead, workdir: str, target_cfg: LlamaConfig, 
     trained_t = head.spec.target
     for field in _SHAPE_FIELDS:
         if getattr(trained_t, field) != getattr(target_cfg, field):
-            raise ValueError(f"{workdir} was trained on preset {head.config.model.preset!r} with {field}="
+            trained_on = head.config.model.get("preset", None) or head.config.model.get("source", "?")
+            raise ValueError(f"{workdir} was trained on {trained_on!r} with {field}="
                              f"{getattr(trained_t, field)}; the loaded target has {getattr(target_cfg, field)}")
     record = read_target_record(workdir)
     if record is None:

@@ -34,7 +34,7 @@ from confu_jax.runs.heads import target_fingerprint
 from confu_jax.train.loss import confu_loss, lm_head_layout, objective_from_config
 from confu_jax.train.real_data import real_data
 from confu_jax.train.synthetic_data import SelfDistilledStream
-from confu_jax.train.target_loading import load_target
+from confu_jax.train.target_loading import load_target, target_name
 from confu_jax.train.task import TrainTask
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ def build_task(config) -> TrainTask:
         extra_arrays={"draft_vocab_d2t": np.asarray(vocab.d2t), "draft_vocab_t2d": np.asarray(vocab.t2d)},
         target_fingerprint=target_fingerprint(target_host),
         target_source=str(config.model.source),
-        description=(f"{spec.head.variant} draft head on '{config.model.preset}' "
+        description=(f"{spec.head.variant} draft head on '{target_name(config)}' "
                      f"({'self-distilled random data' if synthetic else config.data.train_files}"
                      f"{', offline target features ' + config.data.target_features if offline else ''}), "
                      f"L_ttt={train_obj.ttt_steps}, K_train={train_obj.k_train}, l={train_obj.replication}"),

@@ -44,6 +44,7 @@ from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.train.acceptance import masked_head_terms
 from confu_jax.train.loss import shift_ahead, batch_arrays, row_layout, same_segment_ahead, sample_anchors
 from confu_jax.train.task import TrainTask, frozen_target_task
+from confu_jax.train.target_loading import target_name
 
 
 def default_dflash_config() -> ml_collections.ConfigDict:
@@ -155,7 +156,7 @@ def build_task(config) -> TrainTask:
             return dflash_loss(spec, trainable["draft"]["dflash"], frozen["target"], batch, rng, block_size=bs,
                                num_anchors=anchors, mask_token_id=mask_id, gamma=gamma)
 
-        return init_params, loss_fn, (f"DFlash: {dc.num_layers} {config.model.preset!r}-shaped layers over "
+        return init_params, loss_fn, (f"DFlash: {dc.num_layers} {target_name(config)!r}-shaped layers over "
                                       f"taps {spec.taps}, blocks of {bs} (mask {mask_id}), {anchors} anchors "
                                       f"a row, decay γ={gamma}")
 

@@ -37,6 +37,7 @@ from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
 from confu_jax.train.loss import lm_head_layout
 from confu_jax.train.task import TrainTask, frozen_target_task
+from confu_jax.train.target_loading import target_name
 
 
 def default_medusa_config() -> ml_collections.ConfigDict:
@@ -117,7 +118,7 @@ def build_task(config) -> TrainTask:
             return medusa_loss(spec, trainable["draft"]["medusa"], frozen["target"], batch, decay=decay,
                                distill=distill)
 
-        return init_params, loss_fn, (f"Medusa-1: {k} heads x {layers} ResBlock(s) on '{config.model.preset}', "
+        return init_params, loss_fn, (f"Medusa-1: {k} heads x {layers} ResBlock(s) on '{target_name(config)}', "
                                       f"{'KL to the target' if distill else 'CE'} weighted {decay}^k")
 
     return frozen_target_task(config, pack_ok=False, what="Medusa", build=build)

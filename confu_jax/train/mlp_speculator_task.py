@@ -42,6 +42,7 @@ from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
 from confu_jax.train.task import TrainTask, frozen_target_task
+from confu_jax.train.target_loading import target_name
 
 
 def default_mlp_speculator_config() -> ml_collections.ConfigDict:
@@ -125,6 +126,6 @@ def build_task(config) -> TrainTask:
 
         return init_params, loss_fn, (f"MLP speculator: {c.n_predict} stages, inner_dim {c.inner_dim}"
                                       f"{', tied' if c.tie_weights else ''}{', scale_input' if c.scale_input else ''}"
-                                      f" on '{config.model.preset}', per-stage CE summed")
+                                      f" on '{target_name(config)}', per-stage CE summed")
 
     return frozen_target_task(config, pack_ok=False, what="MLP speculator", build=build)

@@ -42,6 +42,7 @@ from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
 from confu_jax.train.loss import shift_ahead, batch_arrays, row_layout, same_segment_ahead
 from confu_jax.train.task import TrainTask, frozen_target_task
+from confu_jax.train.target_loading import target_name
 
 
 def default_mtp_config() -> ml_collections.ConfigDict:
@@ -117,7 +118,7 @@ def build_task(config) -> TrainTask:
             return mtp_loss(spec, trainable["draft"]["mtp"], frozen["target"], batch, num_depths=depths,
                             loss_weight=weight)
 
-        return init_params, loss_fn, (f"MTP module (DeepSeek-V3): one {config.model.preset!r} decoder layer "
+        return init_params, loss_fn, (f"MTP module (DeepSeek-V3): one {target_name(config)!r} decoder layer "
                                       f"(init {mc.init_block}), {depths} recursive depths, CE x {weight}/{depths}")
 
     return frozen_target_task(config, pack_ok=True, what="MTP", build=build)

@@ -50,7 +50,7 @@ from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.runs.draft_models import load_drafter, sd2_trainable_shapes
 from confu_jax.runs.heads import target_fingerprint
 from confu_jax.train.task import TrainTask
-from confu_jax.train.target_loading import load_target, strip_asset
+from confu_jax.train.target_loading import load_target, strip_asset, target_name
 
 
 def default_sd2_config() -> ml_collections.ConfigDict:
@@ -175,6 +175,6 @@ def build_task(config) -> TrainTask:
         target_source=str(config.model.source),
         description=((f"SD² steering + {'fine-tuned' if train_drafter else 'frozen'} drafter" if steer
                       else "distilled drafter (no steering)") + f" {drafter.source} on "
-                     f"'{config.model.preset}' ({'self-distilled random data' if synthetic else config.data.train_files}"
+                     f"'{target_name(config)}' ({'self-distilled random data' if synthetic else config.data.train_files}"
                      f"), offsets 1..{k}, KL(verifier || drafter)"),
     )

@@ -30,6 +30,11 @@ ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaConfig)
 DRAFT_VOCAB_SHARE, DRAFT_VOCAB_MAX, DRAFT_VOCAB_ALIGN = 4, 32000, 64
 
 
+def target_name(config) -> str:
+    """What a run's log calls its target: the preset, else the checkpoint's path."""
+    return str(config.model.get("preset", None) or config.model.source)
+
+
 def default_draft_vocab(vocab_size: int) -> int:
     """The draft vocabulary a checkpoint gets when the config leaves it unset: a quarter of the
     target's, rounded up to a multiple of 64, at most 32000 (EAGLE-3's Llama-3 heads keep 32000 of
