@@ -55,9 +55,14 @@ def arch_record(cfg: LlamaConfig) -> dict:
 def resolve_target(config) -> None:
     """Fill ``config.model.arch`` and the unset dtypes / draft vocabulary from ``config.model.source``'s
     metadata, in place; refuse a named preset the checkpoint disagrees with. ``'random'`` sources keep
-    the preset's shapes (and need one). Idempotent."""
+    the preset's shapes (and need one). Idempotent: a config already resolved (``model.arch`` and the
+    dtypes filled) is not read again, so the several entry points of one run read the header once."""
     m = config.model
     source, preset = m.source, m.get("preset", None)
+    resolved = len(m.get("arch", None) or {}) > 0 and m.get("dtype", None) is not None \
+        and ("draft" not in config or config.draft.get("draft_vocab_size", None) is not None)
+    if resolved and source not in ("", "random"):
+        return
     if source == "random":
         if not preset:
             raise ValueError("config.model.source='random' needs config.model.preset (random weights take a "

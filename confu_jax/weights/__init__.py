@@ -20,30 +20,31 @@ def load_model(source: str, dtype: Optional[str] = None):
     returned config; default: float32 for GGUF (its tensors are dequantised), the checkpoint's own
     float dtype for Hugging Face directories.
     """
-    path = resolve_model_path(source)
-    if os.path.isdir(path):
-        return load_hf(path, dtype)
-    if path.endswith(".gguf"):
-        return load_gguf(path, dtype)
-    raise CheckpointError(
-        f"model source {source!r} resolved to {path!r}, which is neither a .gguf file nor a directory "
-        "with config.json + model.safetensors"
-    )
+    kind, path = _checkpoint(source)
+    return load_hf(path, dtype) if kind == "hf" else load_gguf(path, dtype)
 
 
 def read_architecture(source: str, dtype: Optional[str] = None):
     """The ``LlamaConfig`` of ``source`` (what ``load_model`` would return) from its metadata alone:
     ``config.json`` (+ ``generation_config.json``) of a Hugging Face directory or a GGUF header; no
     tensor is read. What a training config is sized from before the weights are loaded."""
-    path = resolve_model_path(source)
-    if os.path.isdir(path):
+    kind, path = _checkpoint(source)
+    if kind == "hf":
         from confu_jax.weights.hf import read_config
 
         return read_config(path, dtype)
-    if path.endswith(".gguf"):
-        from confu_jax.weights.gguf import GGUFFile, read_config
+    from confu_jax.weights.gguf import GGUFFile, read_config
 
-        return read_config(GGUFFile(path), dtype)
+    return read_config(GGUFFile(path), dtype)
+
+
+def _checkpoint(source: str) -> tuple:
+    """('hf' | 'gguf', path) of an asset name, a Hugging Face directory or a .gguf file."""
+    path = resolve_model_path(source)
+    if os.path.isdir(path):
+        return "hf", path
+    if path.endswith(".gguf"):
+        return "gguf", path
     raise CheckpointError(
         f"model source {source!r} resolved to {path!r}, which is neither a .gguf file nor a directory "
         "with config.json + model.safetensors"
