@@ -22,6 +22,8 @@ TARGETS = {
     # Draft vocab 32000: EAGLE-3's released Llama-3 heads (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B).
     "llama-3.2-3b": ("", "bfloat16", 32000),
     "llama-3.1-8b": ("", "bfloat16", 32000),
+    # SpecForge's Qwen3 heads keep 32000 of 151936.
+    "qwen3-8b": ("", "bfloat16", 32000),
     # Random weights, unit tests only.
     "tiny": ("random", "float32", 96),
     # No preset: the checkpoint in --config.model.source decides the architecture, its stored dtype

@@ -100,6 +100,12 @@ def main(argv):
     except (ValueError, FileNotFoundError) as e:  # CheckpointError, AssetNotFoundError included
         sys.stderr.write(f"launch.train: {e}\n")
         sys.exit(2)
+    from confu_jax.train.target_loading import is_abstract
+
+    if is_abstract(config.model.source) and not _COMPILE_ONLY.value:
+        sys.stderr.write(f"launch.train: --config.model.source={config.model.source} has shapes but no weights: "
+                         "it compiles the step (add --compile_only), it does not train or evaluate\n")
+        sys.exit(2)
     if _COMPILE_ONLY.value:
         report = compile_report(config)
         if jax.process_index() == 0:

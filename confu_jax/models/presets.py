@@ -35,6 +35,12 @@ PRESETS = {
                                 tie_embeddings=False, max_position_embeddings=131072,
                                 dtype="bfloat16", param_dtype="bfloat16",
                                 bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
+    # Qwen3-8B (config.json of Qwen/Qwen3-8B): the second 8B shape of the scale table
+    # (launch.train --compile_only --config.model.source=abstract); a real checkpoint brings its own.
+    "qwen3-8b": LlamaConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8,
+                            head_dim=128, ffn_dim=12288, rope_theta=1000000.0, rms_eps=1e-6,
+                            tie_embeddings=False, max_position_embeddings=40960, dtype="bfloat16",
+                            param_dtype="bfloat16", eos_token_ids=(151645, 151643), qk_norm=True),
 }
 
 

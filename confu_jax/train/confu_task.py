@@ -33,8 +33,8 @@ from confu_jax.models.vocab_map import lm_head_from_target
 from confu_jax.runs.heads import target_fingerprint
 from confu_jax.train.loss import confu_loss, lm_head_layout, objective_from_config
 from confu_jax.train.real_data import real_data
-from confu_jax.train.synthetic_data import SelfDistilledStream
-from confu_jax.train.target_loading import load_target, target_name
+from confu_jax.train.synthetic_data import SelfDistilledStream, abstract_data
+from confu_jax.train.target_loading import is_abstract, load_target, target_name
 from confu_jax.train.task import TrainTask
 
 log = logging.getLogger(__name__)
@@ -130,8 +130,18 @@ def build_task(config) -> TrainTask:
     train_obj = objective_from_config(config)
     eval_obj = objective_from_config(config, evaluation=True)
     synthetic = config.model.source == "random"
+    abstract = is_abstract(config.model.source)
     offline = bool(config.data.get("target_features", ""))
-    if offline:  # stored taps + teacher (launch.target_features): the loss skips the target pass
+    if abstract and offline:
+        raise ValueError("config.model.source='abstract' compiles the online step; unset "
+                         "config.data.target_features (an offline step has the same draft, without the target pass)")
+    if abstract and str(config.draft.get("lm_head_init", "random")) == "target":
+        raise ValueError("config.draft.lm_head_init='target' reads the target's weights; an abstract target "
+                         "has none (the compiled step is the same with 'random')")
+    if abstract:
+        rows_per_epoch = None
+        vocab, train_iterator, eval_batches = abstract_data(config, spec)
+    elif offline:  # stored taps + teacher (launch.target_features): the loss skips the target pass
         if spec.head.has_future:
             raise ValueError(f"config.data.target_features is set but variant {spec.head.variant!r} needs the "
                              "target's per-layer K/V for its contemplates (recomputed, not stored: docs/DESIGN.md "
@@ -161,15 +171,16 @@ def build_task(config) -> TrainTask:
     return TrainTask(
         init_params=_init_params_fn(spec, head_rows),
         frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target_host),
-        load_frozen=lambda shardings: shd.put_tree(target_host, shardings),
+        load_frozen=(lambda shardings: shd.with_shardings(target_host, shardings)) if abstract
+        else (lambda shardings: shd.put_tree(target_host, shardings)),
         loss_fn=loss_fn,
         train_iterator=train_iterator,
-        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
+        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 and eval_batches else None,
         eval_fn=eval_fn,
         axis_units=shd.llama_axis_units(spec.target.head_dim),
         rows_per_epoch=rows_per_epoch,
         extra_arrays={"draft_vocab_d2t": np.asarray(vocab.d2t), "draft_vocab_t2d": np.asarray(vocab.t2d)},
-        target_fingerprint=target_fingerprint(target_host),
+        target_fingerprint=None if abstract else target_fingerprint(target_host),
         target_source=str(config.model.source),
         description=(f"{spec.head.variant} draft head on '{target_name(config)}' "
                      f"({'self-distilled random data' if synthetic else config.data.train_files}"

@@ -69,3 +69,46 @@ def _greedy_fill(cfg: LlamaConfig, prompt_len: int, params: dict, buf_bn: jax.Ar
         return buf.at[:, t].set(jnp.argmax(logits[:, t - 1], -1).astype(jnp.int32))
 
     return jax.lax.fori_loop(prompt_len, buf_bn.shape[1], body, buf_bn)
+
+
+class ShapeOnlyBatches:
+    """Batches of the configured shape and nothing else (``model.source='abstract'``): what the
+    train step is compiled for when no data exist. Every row is one full-length conversation
+    (``pack``: one segment per row), so no position is padding and the compiled step is the one a
+    full batch runs. Keys and dtypes are the data pipeline's (``data.pipeline``). Refuses to be checkpointed: an abstract run compiles, it never trains."""
+
+    def __init__(self, rows: int, seq_len: int, packed: bool):
+        self.batch = {"tokens": np.zeros((rows, seq_len), np.int32),
+                      "loss_mask": np.ones((rows, seq_len), bool),
+                      "attention_mask": np.ones((rows, seq_len), bool)}
+        if packed:
+            self.batch["segment_ids"] = np.ones((rows, seq_len), np.int32)
+            self.batch["positions"] = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return dict(self.batch)
+
+    def get_state(self):
+        raise RuntimeError("model.source='abstract' has shapes but no weights or data: it compiles "
+                           "(launch.train --compile_only), it does not train")
+
+    set_state = get_state
+
+
+def abstract_data(config, spec):
+    """(draft vocab, train_iterator, eval_batches=None) for ``model.source='abstract'``: the draft
+    vocabulary is the first V_draft target ids (its size is all the step's shapes depend on)."""
+    from confu_jax.data.draft_vocab import DraftVocab
+
+    vd, v = spec.head.draft_vocab_size, spec.target.vocab_size
+    vocab = DraftVocab(d2t=np.arange(vd, dtype=np.int32), t2d=np.arange(v) < vd, counts=np.zeros(vd, np.int64))
+    g, n = int(config.data.global_batch_size), int(config.data.max_length)
+    packed = bool(config.data.get("pack", False))
+
+    def train_iterator(pidx, pcount):
+        return ShapeOnlyBatches(g // pcount, n, packed)
+
+    return vocab, train_iterator, None

@@ -61,7 +61,10 @@ def resolve_target(config) -> None:
     source, preset = m.source, m.get("preset", None)
     resolved = len(m.get("arch", None) or {}) > 0 and m.get("dtype", None) is not None \
         and ("draft" not in config or config.draft.get("draft_vocab_size", None) is not None)
-    if resolved and source not in ("", "random"):
+    if resolved and source not in ("", "random") and not is_abstract(source):
+        return
+    if is_abstract(source):
+        _resolve_abstract(config, source, preset)
         return
     if source == "random":
         if not preset:
@@ -98,6 +101,54 @@ def resolve_target(config) -> None:
                 config.draft.dtype = m.dtype
 
 
+ABSTRACT = "abstract"
+
+
+def is_abstract(source) -> bool:
+    """``'abstract'`` (the preset's shapes) or ``'abstract:<config.json | checkpoint dir | .gguf>'``:
+    a target that has shapes and dtypes but no weights — the train step compiles against it
+    (``launch.train --compile_only``) so "does it fit?" is answered with nothing downloaded."""
+    return isinstance(source, str) and (source == ABSTRACT or source.startswith(ABSTRACT + ":"))
+
+
+def _resolve_abstract(config, source: str, preset) -> None:
+    """``resolve_target`` for an abstract source: the architecture from the preset, or from the
+    config.json (or GGUF header) after the colon; dtypes default to bfloat16 (what a GPU or TPU run
+    trains in) where neither the config nor the file says."""
+    import ml_collections
+
+    path = source[len(ABSTRACT) + 1:] if source.startswith(ABSTRACT + ":") else ""
+    if path:
+        from confu_jax.weights import read_architecture
+
+        import os
+
+        arch = read_architecture(os.path.dirname(path) if path.endswith("config.json") else path)
+        if preset:
+            want = get_preset(preset)
+            for field in TREE_FIELDS:
+                if getattr(want, field) != getattr(arch, field):
+                    raise ValueError(f"{path}: {field} is {getattr(arch, field)!r}; preset {preset!r} expects "
+                                     f"{getattr(want, field)!r}")
+    elif preset:
+        arch = get_preset(preset)
+    else:
+        raise ValueError("config.model.source='abstract' needs config.model.preset (its shapes), or name the "
+                         "shapes: --config.model.source=abstract:/path/to/config.json")
+    m = config.model
+    with config.unlocked():
+        m.arch = ml_collections.ConfigDict(arch_record(arch))
+        if m.get("dtype", None) is None:
+            m.dtype = "bfloat16" if arch.dtype == "float32" else arch.dtype
+        if m.get("param_dtype", None) is None:
+            m.param_dtype = m.dtype
+        if "draft" in config:
+            if config.draft.get("draft_vocab_size", None) is None:
+                config.draft.draft_vocab_size = default_draft_vocab(arch.vocab_size)
+            if config.draft.get("dtype", None) is None:
+                config.draft.dtype = m.dtype
+
+
 def strip_asset(source: str) -> str:
     return source[len("asset:"):] if source.startswith("asset:") else source
 
@@ -105,6 +156,8 @@ def strip_asset(source: str) -> str:
 def load_target(config, spec: ModelSpec) -> tuple[ModelSpec, dict]:
     """(spec with the checkpoint's LlamaConfig, host params) for ``config.model.source``."""
     source = config.model.source
+    if is_abstract(source):  # shapes only: nothing is read or allocated
+        return spec, param_shapes(spec.target)
     if source == "random":
         seed = int(config.synthetic.seed) if "synthetic" in config else 0
         params = jax.device_get(llama_init(spec.target, jax.random.PRNGKey(seed)))
