@@ -15,11 +15,23 @@ from __future__ import annotations
 import jax
 
 from confu_jax.kernels.blockwise_attention import masked_attention_blockwise
+from confu_jax.kernels.flash_attention import CausalSegments, flash_attention
 from confu_jax.kernels.tree_attention import ATTENTION_IMPLS
 
 
 def masked_attention(*args, impl: str = "xla", **kwargs) -> jax.Array:
-    """Dispatch on ``impl``: 'xla' (blockwise jnp, the default) or 'pallas' / 'pallas_interpret' (the kernel)."""
+    """Dispatch on ``impl``: 'xla' (blockwise jnp, the default) or 'pallas' / 'pallas_interpret' (the kernel).
+
+    A block mask given by its structure (``CausalSegments``: a training row attending to itself) runs
+    in flash form when there is no cache or prefix to attend (``kernels.flash_attention``: no [T, T]
+    mask or scores); with them it is expanded to its entries."""
+    if isinstance(args[3], CausalSegments):
+        q, k, v, mask = args[:4]
+        empty = all(kwargs.get(name) is None or kwargs[name].shape[0 if name == "k_prefix_phd" else 2] == 0
+                    for name in ("k_cache_bhsd", "k_prefix_phd"))
+        if empty and len(args) == 4:
+            return flash_attention(q, k, v, segment_ids_bt=mask.segment_ids_bt)
+        args = args[:3] + (mask.dense(q.shape[0], q.shape[1]),) + args[4:]
     if impl == "xla":
         return masked_attention_blockwise(*args, **kwargs)
     if impl in ("pallas", "pallas_interpret"):

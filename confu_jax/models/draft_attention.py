@@ -98,3 +98,49 @@ def _dense_attention(q_bthd, k_bshd, v_bshd, mask_bts, k_btxhd=None, v_btxhd=Non
         out = out + jnp.einsum("bkgtx,btxkd->btkgd", p[..., n_sh:], v_btxhd.astype(jnp.float32))
         w_bthx = jnp.moveaxis(p[..., n_sh:], 3, 1).reshape(b, t, hq, -1)
     return out.reshape(b, t, hq, d).astype(q_bthd.dtype), w_bthx
+
+
+def draft_attention_flash(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array,
+                          segment_ids_bt: Optional[jax.Array] = None, k_btxhd: Optional[jax.Array] = None,
+                          v_btxhd: Optional[jax.Array] = None, mask_btx: Optional[jax.Array] = None, *,
+                          bias_hx: Optional[jax.Array] = None, extra_weights: bool = False,
+                          block_k: Optional[int] = None):
+    """``draft_attention`` with the shared keys under the TTT mask's structure instead of its entries.
+
+    The shared part of a TTT step's mask is causal within a segment (query j sees step-0 keys at
+    indices <= j of its own conversation), so it runs as flash attention (``kernels.flash_attention``:
+    memory linear in T, no [T, T] mask or scores, nothing per key block kept for the backward pass),
+    returning its log-sum-exp; the per-query keys (the future entry, the diagonal of earlier steps:
+    X of them) are scored densely, [T, X], and the two softmaxes are merged by log-sum-exp. Same
+    values and gradients as ``draft_attention(q, k, v, causal & same-segment mask, ...)``.
+    """
+    from confu_jax.kernels.flash_attention import BLOCK_K, flash_attention
+
+    if (bias_hx is not None or extra_weights) and k_btxhd is None:
+        raise ValueError("draft_attention_flash: bias_hx / extra_weights need per-query keys (k_btxhd)")
+    out_sh, lse_sh = flash_attention(q_bthd, k_bshd, v_bshd, segment_ids_bt=segment_ids_bt,
+                                     block_k=BLOCK_K if block_k is None else block_k, return_lse=True)
+    if k_btxhd is None:
+        return out_sh
+    b, t, hq, d = q_bthd.shape
+    hkv = k_btxhd.shape[3]
+    g = hq // hkv
+    q = q_bthd.reshape(b, t, hkv, g, d).astype(jnp.float32) * (1.0 / d ** 0.5)
+    s_x = jnp.einsum("btkgd,btxkd->btkgx", q, k_btxhd.astype(jnp.float32))
+    if bias_hx is not None:
+        s_x = s_x + bias_hx.astype(jnp.float32).reshape(hkv, g, -1)
+    vis = mask_btx[:, :, None, None, :]
+    s_x = jnp.where(vis, s_x, NEG_INF).reshape(b, t, hq, -1)
+    m_x = jnp.max(s_x, axis=-1)
+    seen_x = m_x > NEG_INF / 2
+    p_x = jnp.where(vis.reshape(b, t, 1, -1), jnp.exp(s_x - jnp.where(seen_x, m_x, 0.0)[..., None]), 0.0)
+    l_x = jnp.sum(p_x, axis=-1)
+    lse_x = jnp.where(seen_x, m_x + jnp.log(jnp.where(seen_x, l_x, 1.0)), NEG_INF)
+    lse = jnp.logaddexp(lse_sh, lse_x)
+    seen = (lse_sh > NEG_INF / 2) | seen_x
+    lse_safe = jnp.where(seen, lse, 0.0)
+    w_sh = jnp.where(lse_sh > NEG_INF / 2, jnp.exp(lse_sh - lse_safe), 0.0)  # share of the shared keys
+    w_x = jnp.where(vis.reshape(b, t, 1, -1), jnp.exp(s_x - lse_safe[..., None]), 0.0)  # each per-query key's weight
+    o_x = jnp.einsum("bthx,btxhd->bthd", w_x, jnp.repeat(v_btxhd.astype(jnp.float32), g, axis=3))
+    out = (w_sh[..., None] * out_sh.astype(jnp.float32) + o_x).astype(q_bthd.dtype)
+    return (out, w_x) if extra_weights else out

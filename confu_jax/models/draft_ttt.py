@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from confu_jax import sharding as shd
 from confu_jax.models.draft import (DraftHead, apply_head, draft_features, draft_future_entry,
                                     draft_logits, embed_tokens)
-from confu_jax.models.draft_attention import draft_attention
+from confu_jax.models.draft_attention import draft_attention_flash
 from confu_jax.models.spec import ModelSpec
 
 
@@ -69,6 +69,10 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
     the loss masks (j, r) unless x[j+2+r] is in j's segment, and query (j, r) only sees step-0
     keys of its own segment at indices <= j and its own index's diagonal.
 
+    Attention runs in flash form (``models.draft_attention.draft_attention_flash``): the step-0 keys
+    under the causal / same-segment structure without a [N, N] mask or scores, the per-query keys
+    merged by log-sum-exp, so a step's memory is linear in N.
+
     ``future_weights``: also return the softmax weight each query head gives its future entry
     (``future_weight_rbnh``; 0 where a position has none) — the future probe's attention figure.
     """
@@ -80,9 +84,6 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
     if positions_bn is None:
         positions_bn = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
     g_bnd = _rows(draft_features(spec, draft_params, h_cat_bnc))
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
-    if segment_ids_bn is not None:
-        causal = causal & (segment_ids_bn[:, :, None] == segment_ids_bn[:, None, :])
     tok_pad = jnp.concatenate([tokens_bn, jnp.zeros((b, n_steps + 1), tokens_bn.dtype)], axis=1)
 
     extra_k, extra_v, extra_m = [], [], []
@@ -115,13 +116,13 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
             bias_hx = None
             if future_bias_h is not None:  # the future entry is per-query key 0, then the diagonal
                 bias_hx = jnp.pad(future_bias_h.astype(jnp.float32)[:, None], ((0, 0), (0, len(extra_k) - 1)))
-            attn = draft_attention(q, k0, v0, causal, jnp.stack(extra_k, 2), jnp.stack(extra_v, 2),
-                                   jnp.stack(extra_m, 2), bias_hx=bias_hx, extra_weights=future_weights)
+            attn = draft_attention_flash(q, k0, v0, segment_ids_bn, jnp.stack(extra_k, 2), jnp.stack(extra_v, 2),
+                                         jnp.stack(extra_m, 2), bias_hx=bias_hx, extra_weights=future_weights)
             if future_weights:
                 attn, w_bthx = attn
                 weight_r.append(w_bthx[..., 0])
         else:
-            attn = draft_attention(q, k0, v0, causal)
+            attn = draft_attention_flash(q, k0, v0, segment_ids_bn)
         h_out, hid = apply_head(spec, draft_params, _rows(attn), hidden, method=DraftHead.finish)
         h_out, hid = _rows(h_out), _rows(hid)
         hid_r.append(hid)

@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from confu_jax.kernels.flash_attention import CausalSegments
 from confu_jax.models.kv_cache import KVCache, commit
 from confu_jax.models.llama import Llama, LlamaOutput
 from confu_jax.models.moe import make_token_embedder
@@ -122,9 +123,7 @@ def segment_causal_mask(segment_ids_bn: jax.Array) -> jax.Array:
 
     Block-diagonal causal: query n sees key m iff m <= n and both carry the same segment id, so no
     attention crosses a document boundary (padding, segment 0, sees only padding)."""
-    n = segment_ids_bn.shape[1]
-    same = segment_ids_bn[:, :, None] == segment_ids_bn[:, None, :]
-    return same & jnp.tril(jnp.ones((n, n), bool))[None]
+    return CausalSegments(segment_ids_bn).dense(*segment_ids_bn.shape)
 
 
 def real_forward(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array,
@@ -135,12 +134,14 @@ def real_forward(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array,
     Nothing in it is trainable; its K/V (``k_new_lbthd``) are what ``contemplate_queries`` attends.
     Packed rows pass ``segment_ids_bt`` (attention stays inside a segment) and ``positions_bt``
     restarting at 0 in each segment, so every conversation sees exactly what it would see alone.
+    The mask goes down as its structure (``CausalSegments``), so the layers attend in flash form:
+    memory linear in N, no [N, N] mask or scores (what lets rows of 8k tokens train on an 8B target).
     """
     b, n = tokens_bt.shape
     if positions_bt is None:
         positions_bt = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    mask = None if segment_ids_bt is None else segment_causal_mask(segment_ids_bt)
-    return _forward(spec, target_params, tokens_bt, positions_bt, block_mask_btt=mask,
+    # the mask by its structure, not its [B, N, N] entries: attention runs in flash form (kernels.flash_attention)
+    return _forward(spec, target_params, tokens_bt, positions_bt, block_mask_btt=CausalSegments(segment_ids_bt),
                     tap_layers=spec.taps, return_logits=return_logits)
 
 

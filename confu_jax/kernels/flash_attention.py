@@ -1,0 +1,197 @@
+"""Flash-form attention for training: an online softmax over key blocks, memory linear in the row length.
+
+The training forwards (the target's pass over a row, the draft's training-time-test steps) attend a
+row to itself under a *structural* mask — causal, within one segment of a packed row — so neither
+the [S, S] mask nor the [S, S] scores need to exist:
+
+* forward: one pass over key blocks of ``block_k`` keys carrying each query's running maximum,
+  mass and unnormalised output (``kernels.blockwise_attention``'s state), so the live scores are
+  [T, block_k], never [T, S];
+* backward (``jax.custom_vjp``): the flash-attention recurrence — the forward keeps only its output
+  and each query's log-sum-exp, and the backward recomputes every block's probabilities from them
+  (``p = exp(s - lse)``), so no per-block residual is stored either;
+* ``lse`` is an output with its own gradient, so a caller can merge further keys by log-sum-exp
+  (the draft's per-query keys: its future entry and the diagonal of earlier TTT steps,
+  ``models.draft_attention.draft_attention_flash``).
+
+Visibility: key j is visible to query i iff ``j <= i`` (``causal``; indices in the row, not RoPE
+positions, which restart per segment) and ``segment_q[i] == segment_k[j]`` when segment ids are
+given; a query that sees no key returns zeros and ``lse = NEG_INF``. Dots run on the operands' dtype
+with float32 accumulation; softmax statistics are float32. GQA by head grouping.
+
+On an accelerator the same contract is what a fused kernel (cuDNN / Pallas flash attention on GPU,
+splash attention on TPU) computes; this is the XLA form every backend runs, tested against the dense
+definition (tests/test_flash_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from confu_jax.kernels.attention_reference import NEG_INF
+
+BLOCK_K = 512  # keys per block: the live scores are [rows, heads, T, BLOCK_K] float32
+
+
+class CausalSegments(NamedTuple):
+    """A [B, T, T] causal mask described by what it is made of instead of its T² entries: query i sees
+    key j iff j <= i and, with ``segment_ids_bt`` [B, T] int (packed rows), both carry the same id.
+    Passed where a block mask is expected (``models.llama``'s ``block_mask_btt``); paths that need the
+    entries call :meth:`dense`."""
+
+    segment_ids_bt: Optional[jax.Array] = None
+
+    def dense(self, b: int, t: int) -> jax.Array:
+        causal = jnp.tril(jnp.ones((t, t), bool))[None]
+        if self.segment_ids_bt is None:
+            return jnp.broadcast_to(causal, (b, t, t))
+        seg = self.segment_ids_bt
+        return causal & (seg[:, :, None] == seg[:, None, :])
+
+
+def _visible(qi_t, kj_s, seg_q_bt, seg_k_bs, causal: bool, n_keys: int):
+    """[B or 1, T, S] bool for query indices ``qi_t`` and key indices ``kj_s`` (keys >= n_keys are padding)."""
+    vis = (kj_s < n_keys)[None, None, :]
+    if causal:
+        vis = vis & (kj_s[None, None, :] <= qi_t[None, :, None])
+    if seg_q_bt is not None:
+        vis = vis & (seg_q_bt[:, :, None] == seg_k_bs[:, None, :])
+    return vis
+
+
+def _blocks(x_bs, block_k: int, n_blocks: int):
+    """[B, S, ...] -> [n_blocks, B, block_k, ...] (zero-padded)."""
+    pad = n_blocks * block_k - x_bs.shape[1]
+    x = jnp.pad(x_bs, [(0, 0), (0, pad)] + [(0, 0)] * (x_bs.ndim - 2))
+    return jnp.moveaxis(x.reshape((x.shape[0], n_blocks, block_k) + x.shape[2:]), 1, 0)
+
+
+def _scores(q_bkgtd, k_bskd, scale):
+    return jnp.einsum("bkgtd,bskd->bkgts", q_bkgtd, k_bskd.astype(q_bkgtd.dtype),
+                      preferred_element_type=jnp.float32) * scale
+
+
+def _forward(q_bthd, k_bshd, v_bshd, seg_q_bt, seg_k_bs, causal: bool, block_k: int):
+    b, t, hq, d = q_bthd.shape
+    s_len, hkv = k_bshd.shape[1], k_bshd.shape[2]
+    g = hq // hkv
+    scale = 1.0 / (d ** 0.5)
+    q = q_bthd.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,D]
+    n_blocks = -(-s_len // block_k)
+    xs = {"k": _blocks(k_bshd, block_k, n_blocks), "v": _blocks(v_bshd, block_k, n_blocks),
+          "j": jnp.arange(n_blocks * block_k, dtype=jnp.int32).reshape(n_blocks, block_k)}
+    if seg_k_bs is not None:
+        xs["seg"] = _blocks(seg_k_bs, block_k, n_blocks)
+    qi = jnp.arange(t, dtype=jnp.int32)
+
+    def body(carry, x):
+        m, l, o = carry
+        s = _scores(q, x["k"], scale)
+        vis = _visible(qi, x["j"], seg_q_bt, x.get("seg"), causal, s_len)[:, None, None]
+        s = jnp.where(vis, s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        shift = jnp.where(m_new > NEG_INF / 2, m_new, 0.0)
+        p = jnp.where(vis, jnp.exp(s - shift[..., None]), 0.0)
+        alpha = jnp.exp(jnp.where(m > NEG_INF / 2, m, shift) - shift)
+        o = alpha[..., None] * o + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_bshd.dtype), x["v"],
+                                              preferred_element_type=jnp.float32)
+        return (m_new, alpha * l + jnp.sum(p, axis=-1), o), None
+
+    init = (jnp.full((b, hkv, g, t), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, t), jnp.float32),
+            jnp.zeros((b, hkv, g, t, d), jnp.float32))
+    (m, l, o), _ = jax.lax.scan(body, init, xs)
+    seen = l > 0
+    o = o / jnp.where(seen, l, 1.0)[..., None]
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+    out = o.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    return out, lse.transpose(0, 3, 1, 2).reshape(b, t, hq)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q_bthd, k_bshd, v_bshd, seg_q_bt, seg_k_bs, causal, block_k):
+    out, lse = _forward(q_bthd, k_bshd, v_bshd, seg_q_bt, seg_k_bs, causal, block_k)
+    return out.astype(q_bthd.dtype), lse
+
+
+def _flash_fwd(q_bthd, k_bshd, v_bshd, seg_q_bt, seg_k_bs, causal, block_k):
+    out, lse = _forward(q_bthd, k_bshd, v_bshd, seg_q_bt, seg_k_bs, causal, block_k)
+    out = out.astype(q_bthd.dtype)
+    return (out, lse), (q_bthd, k_bshd, v_bshd, seg_q_bt, seg_k_bs, out, lse)
+
+
+def _flash_bwd(causal, block_k, res, cts):
+    q_bthd, k_bshd, v_bshd, seg_q_bt, seg_k_bs, out, lse_bth = res
+    d_out, d_lse = cts
+    b, t, hq, d = q_bthd.shape
+    s_len, hkv = k_bshd.shape[1], k_bshd.shape[2]
+    g = hq // hkv
+    scale = 1.0 / (d ** 0.5)
+
+    def heads(x_bth):  # [B,T,Hq,...] -> [B,K,G,T,...]
+        x = x_bth.reshape((b, t, hkv, g) + x_bth.shape[3:])
+        return jnp.moveaxis(x, 1, 3)
+
+    q = heads(q_bthd)
+    do = heads(d_out).astype(jnp.float32)
+    lse = heads(lse_bth)
+    # dL/ds_ij = p_ij (dp_ij - sum_j' p_ij' dp_ij' + dlse_i): delta_i = <do_i, o_i> - dlse_i
+    delta = jnp.sum(do * heads(out).astype(jnp.float32), axis=-1) - heads(d_lse).astype(jnp.float32)
+    n_blocks = -(-s_len // block_k)
+    xs = {"k": _blocks(k_bshd, block_k, n_blocks), "v": _blocks(v_bshd, block_k, n_blocks),
+          "j": jnp.arange(n_blocks * block_k, dtype=jnp.int32).reshape(n_blocks, block_k)}
+    if seg_k_bs is not None:
+        xs["seg"] = _blocks(seg_k_bs, block_k, n_blocks)
+    qi = jnp.arange(t, dtype=jnp.int32)
+    seen = lse > NEG_INF / 2
+
+    def body(dq, x):
+        s = _scores(q, x["k"], scale)
+        vis = _visible(qi, x["j"], seg_q_bt, x.get("seg"), causal, s_len)[:, None, None] & seen[..., None]
+        p = jnp.where(vis, jnp.exp(jnp.where(vis, s, 0.0) - jnp.where(seen, lse, 0.0)[..., None]), 0.0)
+        dv = jnp.einsum("bkgts,bkgtd->bskd", p, do)
+        dp = jnp.einsum("bkgtd,bskd->bkgts", do, x["v"].astype(jnp.float32))
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + jnp.einsum("bkgts,bskd->bkgtd", ds, x["k"].astype(jnp.float32))
+        dk = jnp.einsum("bkgts,bkgtd->bskd", ds, q.astype(jnp.float32))
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros((b, hkv, g, t, d), jnp.float32), xs)
+
+    def unblock(x):  # [n, B, block_k, Hkv, D] -> [B, S, Hkv, D]
+        return jnp.moveaxis(x, 0, 1).reshape((b, n_blocks * block_k) + x.shape[3:])[:, :s_len]
+
+    dq = jnp.moveaxis(dq, 3, 1).reshape(b, t, hq, d)
+    zero = (lambda x: None if x is None else jnp.zeros(x.shape, jax.dtypes.float0))
+    return (dq.astype(q_bthd.dtype), unblock(dk).astype(k_bshd.dtype), unblock(dv).astype(v_bshd.dtype),
+            zero(seg_q_bt), zero(seg_k_bs))
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, *,
+                    segment_ids_bt: Optional[jax.Array] = None, key_segment_ids_bs: Optional[jax.Array] = None,
+                    causal: bool = True, block_k: int = BLOCK_K, return_lse: bool = False):
+    """Softmax attention of queries [B,T,Hq,D] over keys / values [B,S,Hkv,D] under a structural mask.
+
+    ``causal``: key j visible to query i iff j <= i (row indices). ``segment_ids_bt``: the queries'
+    segment ids (packed rows); ``key_segment_ids_bs`` the keys' (default: the same array, a row
+    attending to itself). Returns out [B,T,Hq,D] in q's dtype, and with ``return_lse`` each query
+    head's log-sum-exp [B,T,Hq] float32 (NEG_INF where it sees nothing), differentiable.
+    """
+    b, t, hq, d = q_bthd.shape
+    if k_bshd.shape != v_bshd.shape or k_bshd.shape[0] != b or k_bshd.shape[3] != d or hq % k_bshd.shape[2]:
+        raise ValueError(f"flash_attention: expected q [B,T,Hq,D], k and v [B,S,Hkv,D] with Hkv dividing Hq; got "
+                         f"q {q_bthd.shape}, k {k_bshd.shape}, v {v_bshd.shape}")
+    seg_k = key_segment_ids_bs if key_segment_ids_bs is not None else segment_ids_bt
+    if (segment_ids_bt is None) != (seg_k is None):
+        raise ValueError("flash_attention: give segment ids for both queries and keys, or neither")
+    if segment_ids_bt is not None:
+        segment_ids_bt, seg_k = jnp.asarray(segment_ids_bt, jnp.int32), jnp.asarray(seg_k, jnp.int32)
+    block_k = max(1, min(int(block_k), k_bshd.shape[1]))
+    out, lse = _flash(q_bthd, k_bshd, v_bshd, segment_ids_bt, seg_k, bool(causal), block_k)
+    return (out, lse) if return_lse else out
