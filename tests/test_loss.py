@@ -340,3 +340,28 @@ def test_rows_without_answers_train_nothing():
     loss, m, (g_tr, _) = _loss_and_grad("confu", dict(batch, loss_mask=jnp.zeros_like(batch["loss_mask"])))
     assert all(v == 0.0 for v in _norms(g_tr).values())
     assert loss == 0.0 and float(m["positions/step0"]) == 0.0 and float(m["anchors/valid"]) == 0.0
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "confu"])
+def test_token_chunks_change_neither_loss_nor_metrics_nor_gradients(variant):
+    """The draft head + KL in chunks of positions (``token_chunk``, a ragged last chunk here), and
+    neither the head nor the draft MLP recomputed (``remat``, ``remat_mlp``), give the loss, every
+    metric and the gradients of one chunk per step with both recomputed."""
+    import dataclasses
+
+    spec, tp, tr, dv, batch = _setup(variant)
+    rng = jax.random.PRNGKey(3)
+
+    def run(cfg):
+        f = lambda trainable: L.confu_loss(spec, trainable, tp, dv, batch, rng, cfg)
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(tr)
+
+    (l0, m0), g0 = run(dataclasses.replace(CFG, token_chunk=0))
+    for cfg in (dataclasses.replace(CFG, token_chunk=5),
+                dataclasses.replace(CFG, token_chunk=5, remat=False, remat_mlp=False)):
+        (l1, m1), g1 = run(cfg)
+        np.testing.assert_allclose(l1, l0, rtol=1e-6)
+        for k in m0:
+            np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, atol=1e-7, err_msg=k)
+        for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g0)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -141,6 +141,7 @@ def draft_attention_flash(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Arra
     lse_safe = jnp.where(seen, lse, 0.0)
     w_sh = jnp.where(lse_sh > NEG_INF / 2, jnp.exp(lse_sh - lse_safe), 0.0)  # share of the shared keys
     w_x = jnp.where(vis.reshape(b, t, 1, -1), jnp.exp(s_x - lse_safe[..., None]), 0.0)  # each per-query key's weight
-    o_x = jnp.einsum("bthx,btxhd->bthd", w_x, jnp.repeat(v_btxhd.astype(jnp.float32), g, axis=3))
+    o_x = jnp.einsum("btkgx,btxkd->btkgd", w_x.reshape(b, t, hkv, g, -1),
+                     v_btxhd.astype(jnp.float32)).reshape(b, t, hq, d)  # grouped: V is never repeated per head
     out = (w_sh[..., None] * out_sh.astype(jnp.float32) + o_x).astype(q_bthd.dtype)
     return (out, w_x) if extra_weights else out

@@ -53,7 +53,8 @@ class DraftTTTOutput(NamedTuple):
 def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_bn: jax.Array,
               h_cat_bnc: jax.Array, n_steps: int, *, positions_bn: Optional[jax.Array] = None,
               future: Optional[TTTFuture] = None, return_logits: bool = True,
-              segment_ids_bn: Optional[jax.Array] = None, future_weights: bool = False) -> DraftTTTOutput:
+              segment_ids_bn: Optional[jax.Array] = None, future_weights: bool = False,
+              remat_mlp: bool = False) -> DraftTTTOutput:
     """EAGLE-3 training-time test over a sequence, ``n_steps`` (L_ttt) unrolled steps.
 
     ``tokens_bn`` [B,N]: the sequence x (unshifted); ``h_cat_bnc`` [B,N,3d]: target taps at each
@@ -75,6 +76,10 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
 
     ``future_weights``: also return the softmax weight each query head gives its future entry
     (``future_weight_rbnh``; 0 where a position has none) — the future probe's attention figure.
+
+    ``remat_mlp``: recompute each step's output projection and MLP in the backward pass instead of
+    keeping their [B, N, ffn] activations for all L_ttt steps (Llama-3.1-8B's draft MLP is 14336 wide:
+    ~10 GB per row of 8192 tokens); same values and gradients, one draft MLP forward more per step.
     """
     if future is not None and not spec.head.has_future:
         raise ValueError("draft_ttt: variant 'eagle3' takes no future entries")
@@ -101,6 +106,12 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
 
     hidden = g_bnd
     k0 = v0 = None
+
+    def finish(dp, attn, hidden):
+        return apply_head(spec, dp, attn, hidden, method=DraftHead.finish)
+
+    if remat_mlp:
+        finish = jax.checkpoint(finish)
     logits_r, hid_r, hout_r, weight_r = [], [], [], []
     for r in range(n_steps):
         emb = embed_tokens(embed_vd, tok_pad[:, 1 + r:1 + r + n])
@@ -123,7 +134,7 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
                 weight_r.append(w_bthx[..., 0])
         else:
             attn = draft_attention_flash(q, k0, v0, segment_ids_bn)
-        h_out, hid = apply_head(spec, draft_params, _rows(attn), hidden, method=DraftHead.finish)
+        h_out, hid = finish(draft_params, _rows(attn), hidden)
         h_out, hid = _rows(h_out), _rows(hid)
         hid_r.append(hid)
         hout_r.append(h_out)

@@ -61,4 +61,6 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.milestones = ""
     c.tensorboard = "auto"  # 'auto' (if tensorboardX/tensorflow importable) | 'on' | 'off'
     c.progress_bar = True
+    # 'A:B': write a profiler trace (TensorBoard / Perfetto: <workdir>/profile) of steps A..B; '' = none.
+    c.profile_steps = ""
     return c

@@ -51,6 +51,10 @@ def default_objective_config() -> ml_collections.ConfigDict:
     c.eval_k = 0
     c.vocab_chunk = 8192  # columns per step of the full-vocabulary argmax scan (memory B·N·chunk·4)
     c.remat = True  # recompute each TTT step's draft logits in the backward pass
+    # positions per chunk of the draft head + KL (train.loss._head_kl_scan): live logits [B, chunk, V_draft]
+    c.token_chunk = 1024
+    # recompute each TTT step's draft MLP in the backward pass: [B, N, ffn] activations of one step alive, not L_ttt
+    c.remat_mlp = True
     c.eval_records = 64  # last conversations of the training files held out (0 = no evaluation)
     c.eval_batches = 2  # held-out global batches evaluated every train.eval_every steps
     return c

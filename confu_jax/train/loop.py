@@ -38,6 +38,7 @@ from confu_jax.train.metric_writers import make_writers
 from confu_jax.train.optim import make_optimizer
 from confu_jax.train.state import param_count, state_builder
 from confu_jax.train.step import CompiledStep, make_eval_step, make_train_step
+from confu_jax.train.throughput import Meter, device_peak_flops, parse_profile_steps
 from confu_jax.train.task import TrainTask, load_task, resolve_run_config
 from confu_jax.weights.eagle3_formats import detect_format
 
@@ -104,6 +105,7 @@ def compile_report(config, task: Optional[TrainTask] = None, mesh=None) -> dict:
     t1 = time.time()
     step = run.compile_train_step(batch)
     return {"memory_per_device": step.memory_report(), "compile_s": round(time.time() - t1, 1),
+            "matmul_flops_per_step": step.matmul_flops(),
             "setup_s": round(t1 - t0, 1), "backend": jax.default_backend(),
             "devices": jax.device_count(), "mesh": dict(run.mesh.shape),
             "batch": {k: list(v.shape) for k, v in batch.items()},
@@ -155,6 +157,22 @@ class PreemptionWatcher:
             self._old = None
 
 
+def _meter(run: RunSetup, batch, train_step: CompiledStep, main: bool) -> Meter:
+    """The run's throughput meter: tokens per step from the batch's shape, the step's matrix-product
+    FLOPs from its jaxpr (``train.throughput``), the device's peak from the table."""
+    tokens = int(np.prod(batch["tokens"].shape)) if "tokens" in batch else 0
+    t0 = time.time()
+    try:
+        flops = train_step.matmul_flops()
+    except Exception as e:  # a figure for the log must never stop a run
+        logging.warning("train step FLOPs not counted (%s: %s); MFU is n/a", type(e).__name__, e)
+        flops = None
+    if main and flops:
+        logging.info("train step: %.3g matmul FLOPs (counted in %.1fs), device peak %s", flops, time.time() - t0,
+                     f"{device_peak_flops():.3g} FLOP/s" if device_peak_flops() else "unknown (MFU n/a)")
+    return Meter(tokens, flops, device_peak_flops(), jax.device_count())
+
+
 def _host_metrics(metrics) -> dict:
     return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
 
@@ -191,10 +209,10 @@ def evaluate(eval_step: CompiledStep, state, batches: Sequence) -> dict:
 # how it is laid out on devices (checkpoints restore into any mesh). Everything else changes what
 # is trained, so resuming a workdir with it changed is refused.
 RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.milestones", "train.tensorboard",
-                     "train.progress_bar", "train.checkpoint.every", "train.checkpoint.keep",
+                     "train.progress_bar", "train.profile_steps", "train.checkpoint.every", "train.checkpoint.keep",
                      "train.checkpoint.async_save", "train.checkpoint.init_from",
                      "train.checkpoint.init_from_step", "train.mesh.", "data.num_threads",
-                     "data.prefetch_buffer_size", "data.num_workers", "objective.eval_batches",
+                     "data.prefetch_buffer_size", "data.num_workers", "objective.eval_batches", "objective.token_chunk", "objective.remat_mlp",
                      "confu.eval_lag_weights")
 
 
@@ -394,6 +412,10 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     if main and eval_step is not None:  # each phase before the first step is logged: a stall names its phase
         logging.info("held-out batches and eval step ready in %.1fs", time.time() - t_eval)
 
+    profile = parse_profile_steps(tc.get("profile_steps", ""))
+    profile_dir = os.path.join(workdir, "profile")
+    tracing = False
+    meter = None
     watcher = PreemptionWatcher()
     pbar = progress.bar(tc.steps, initial=start, desc="train", enabled=main and bool(tc.progress_bar))
     step, preempted, last, last_eval = start, False, {}, {}
@@ -411,18 +433,35 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
                 if main:
                     logging.info("compiled train step in %.1fs; %s", time.time() - t0,
                                  describe_memory(train_step.memory_report()))
+                meter = _meter(run, batch, train_step, main)
+            if profile and step + 1 == profile[0] and not tracing:
+                jax.profiler.start_trace(profile_dir)
+                tracing = True
             state, metrics = train_step(state, batch)
             step += 1
-            if main and step == start + 1:
+            meter.step(metrics.get("tokens/real"))
+            if tracing and step >= profile[1]:
                 jax.block_until_ready(metrics)
-                logging.info("first train step done %.1fs after its compile began", time.time() - t0)
+                jax.profiler.stop_trace()
+                tracing = False
+                if main:
+                    logging.info("profiler trace of steps %d-%d in %s", profile[0], profile[1], profile_dir)
+            if step == start + 1:
+                jax.block_until_ready(metrics)
+                if main:
+                    logging.info("first train step done %.1fs after its compile began", time.time() - t0)
+                meter.start()  # throughput counts the steps after the compiling one
             if step % max(tc.log_every, 1) == 0 or step == tc.steps:
                 last = _host_metrics(metrics)
+                speed = meter.read()
+                last.update(speed)
                 if task.rows_per_epoch:
                     last["epoch"] = step * int(config.data.global_batch_size) / task.rows_per_epoch
                 if main:
                     writers.write(step, last)
                     pbar.set_postfix(loss=f"{last['loss']:.4f}", refresh=False)
+                    if speed:
+                        logging.info("step %d: loss %.4f; %s", step, last["loss"], meter.describe(speed))
             periodic_eval = tc.eval_every > 0 and step % tc.eval_every == 0
             if eval_step is not None and (periodic_eval or step in milestones or step == tc.steps):
                 last_eval = evaluate(eval_step, state, eval_batches)
@@ -439,6 +478,8 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
                     logging.warning("preemption notice: checkpoint saved at step %d, stopping", step)
                 break
     finally:
+        if tracing:
+            jax.profiler.stop_trace()
         pbar.close()
         watcher.close()
         ckpt.wait()

@@ -87,6 +87,10 @@ class ObjectiveConfig:
     ttt_decay: float = 0.8  # weight of TTT step s is decay**s (EAGLE-3)
     vocab_chunk: int = 8192  # columns per chunk of the full-vocabulary argmax scan (<= 0: one chunk)
     remat: bool = True  # recompute each step's draft logits in the backward pass
+    # positions per chunk of the draft head + KL (live logits [B, chunk, V_draft]; <= 0: all at once)
+    token_chunk: int = 1024
+    # recompute each TTT step's draft MLP in the backward pass (models.draft_ttt remat_mlp)
+    remat_mlp: bool = True
     # evaluation only (ConFu): also report what the future entry is worth — the same draft without
     # it (``no_future/...``) and what the contemplate's f predicts by itself (``future/f_top1_x{s}``);
     # one more TTT pass and a full-vocabulary argmax per anchor (:func:`future_probe_metrics`)
@@ -133,6 +137,8 @@ def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfi
         ttt_decay=float(config.draft.ttt_decay),
         vocab_chunk=int(o.vocab_chunk),
         remat=bool(o.remat),
+        token_chunk=int(o.get("token_chunk", 1024)),
+        remat_mlp=bool(o.get("remat_mlp", True)),
         future_probe=evaluation,
     )
 
@@ -460,6 +466,48 @@ def _pick(sel_bm, x_bn):
         x_bn, sel_bm.reshape(sel_bm.shape + (1,) * (x_bn.ndim - 2)), axis=1)
 
 
+def _head_kl_scan(spec: ModelSpec, draft_params: dict, hidden_rbmd: jax.Array, t_pad: jax.Array, sel_bm, n: int,
+                  cfg: ObjectiveConfig):
+    """(KL [R,B,M], draft argmax [R,B,M]) of every TTT step's draft head against its teacher rows, as
+    one scan over (step, chunk of ``token_chunk`` positions).
+
+    One scan instead of a Python loop over steps: the draft head's weight is gathered once per
+    iteration and its gradient accumulates in the scan's carry, where unrolled steps left one full
+    float32 [d, V_draft] gradient (and one gathered copy) per step alive until their sum — 14 of
+    them on Llama-3.1-8B's 32000-token draft vocabulary. Chunks of positions bound the live logits to
+    [B, chunk, V_draft] instead of [B, M, V_draft]; with ``remat`` each iteration is recomputed in the
+    backward pass, so nothing of size V_draft is kept per chunk."""
+    r_steps, b, m, _ = hidden_rbmd.shape
+    c = m if cfg.token_chunk <= 0 else min(int(cfg.token_chunk), m)
+    n_c = -(-m // c)
+    pad = n_c * c - m
+    base_bm = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m)) if sel_bm is None else sel_bm
+    base_bm = jnp.pad(base_bm, ((0, 0), (0, pad)))
+    # teacher row of (step r, position j): j + 1 + r of the padded teacher
+    idx_rcbk = (base_bm.reshape(b, n_c, c).transpose(1, 0, 2)[None] + 1
+                + jnp.arange(r_steps, dtype=jnp.int32)[:, None, None, None])
+    h = jnp.pad(hidden_rbmd, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    h_rcbkd = h.reshape(r_steps, b, n_c, c, -1).transpose(0, 2, 1, 3, 4)
+
+    def one(dp, h_bkd, idx_bk):
+        t_bkv = jnp.take_along_axis(t_pad, idx_bk[..., None], axis=1)
+        return _step_kl(spec, dp, _rows(h_bkd), t_bkv)
+
+    if cfg.remat:  # keeps h per chunk, not [B, chunk, V_draft] logits
+        one = jax.checkpoint(one)
+
+    def body(_, x):
+        return None, one(draft_params, x[0], x[1])
+
+    flat = (h_rcbkd.reshape((r_steps * n_c,) + h_rcbkd.shape[2:]), idx_rcbk.reshape((r_steps * n_c, b, c)))
+    _, (kl, arg) = jax.lax.scan(body, None, flat)
+
+    def unflat(x):  # [R*n_c, B, c] -> [R, B, M]
+        return x.reshape(r_steps, n_c, b, c).transpose(0, 2, 1, 3).reshape(r_steps, b, n_c * c)[:, :, :m]
+
+    return unflat(kl), unflat(arg)
+
+
 def _ttt_losses(spec: ModelSpec, draft_params: dict, ttt, teacher, masks, sel_bm, ok_bm, n: int,
                 cfg: ObjectiveConfig):
     """Per-TTT-step KL and accuracy -> (weighted loss, metrics, [R,B,M] hits, answer, in-draft masks)."""
@@ -469,21 +517,12 @@ def _ttt_losses(spec: ModelSpec, draft_params: dict, ttt, teacher, masks, sel_bm
     v_d = teacher.logp_bnv.shape[-1]
     t_pad = _rows(jnp.concatenate([teacher.logp_bnv, jnp.zeros((b, r_steps + 1, v_d), jnp.float32)], axis=1))
     t_arg = jnp.argmax(t_pad, axis=-1)
-
-    def teacher_rows(t_pad, r):
-        if sel_bm is None:
-            return t_pad[:, 1 + r:1 + r + n]
-        return jnp.take_along_axis(t_pad, (sel_bm + 1 + r)[..., None], axis=1)
-
-    def step_fn(dp, h_bmd, t_pad, r):
-        return _step_kl(spec, dp, h_bmd, teacher_rows(t_pad, r))
-
-    if cfg.remat:  # saves h and the shared t_pad per step, not [B, M, V_draft] logits
-        step_fn = jax.checkpoint(step_fn, static_argnums=(3,))
+    hidden_rbmd = jnp.stack([_rows(_pick(sel_bm, ttt.hidden_rbnd[r])) for r in range(r_steps)])
+    kl_rbm, arg_rbm = _head_kl_scan(spec, draft_params, hidden_rbmd, t_pad, sel_bm, n, cfg)
     metrics, loss = {}, jnp.zeros((), jnp.float32)
     correct, answer, in_draft, draft_top1, teacher_top1, trained = [], [], [], [], [], []
     for r in range(r_steps):
-        kl_bm, arg_bm = step_fn(draft_params, _rows(_pick(sel_bm, ttt.hidden_rbnd[r])), t_pad, r)
+        kl_bm, arg_bm = kl_rbm[r], arg_rbm[r]
         trained_bm = _pick(sel_bm, masks.valid_rbn[r]) & ok_bm
         w_bm = trained_bm.astype(jnp.float32)
         cnt = jnp.maximum(jnp.sum(w_bm), 1.0)
@@ -620,7 +659,8 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
         future = TTTFuture(_rows(f_bkd), plan.anchor_bk, plan.index_bn)
     ttt = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc,
                     cfg.ttt_steps, positions_bn=rows.positions_bn, future=future, return_logits=False,
-                    segment_ids_bn=rows.segment_ids_bn, future_weights=cfg.future_probe and future is not None)
+                    segment_ids_bn=rows.segment_ids_bn, future_weights=cfg.future_probe and future is not None,
+                    remat_mlp=cfg.remat_mlp)
     masks = ttt_masks(loss_mask_bn, teacher.in_draft_bn, cfg.ttt_steps, rows.segment_ids_bn)
     # verification starting points for the simulated τ: the bonus x[j+1] and the first drafted
     # token x[j+2] are answer tokens (the anchor candidates), for every variant alike

@@ -40,6 +40,8 @@ def train_step_fn(loss_fn: LossFn, tx: optax.GradientTransformation,
         metrics["loss"] = loss
         metrics["grad_norm"] = optax.tree.norm(grads)  # before clipping
         metrics["update_norm"] = optax.tree.norm(updates)
+        if isinstance(batch, dict) and "attention_mask" in batch:  # non-padding positions (real tokens/s)
+            metrics["tokens/real"] = jnp.sum(batch["attention_mask"].astype(jnp.float32))
         if schedule is not None:
             metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
@@ -70,11 +72,20 @@ class CompiledStep:
     inspection (HLO, cost analysis, memory analysis).
     """
 
-    def __init__(self, jitted, lowered, compiled, frozen):
+    def __init__(self, jitted, lowered, compiled, frozen, fn=None, abstract_args=(), mesh=None):
         self.jitted = jitted
         self.lowered = lowered
         self.compiled = compiled
         self.frozen = frozen
+        self._fn, self._abstract_args, self._mesh = fn, abstract_args, mesh
+
+    def matmul_flops(self) -> float:
+        """Matrix-product FLOPs of one step over all devices (``train.throughput.matmul_flops``: scans
+        multiplied out, which XLA's cost analysis does not do); traced again, not run."""
+        from confu_jax.train.throughput import matmul_flops
+
+        with activation_mesh(self._mesh):
+            return matmul_flops(self._fn, *self._abstract_args)
 
     def __call__(self, state, batch):
         return self.compiled(state, self.frozen, batch)
@@ -106,11 +117,10 @@ def _compile(fn, mesh: Mesh, state, state_shardings, frozen, frozen_shardings, b
         out_shardings=out_shardings,
         donate_argnums=(0,) if donate else (),
     )
+    args = (_abstract(state, state_shardings), _abstract(frozen, frozen_shardings), _abstract(batch, batch_shardings))
     with activation_mesh(mesh):  # confu_jax.sharding.constrain() is live while tracing
-        lowered = jitted.lower(_abstract(state, state_shardings),
-                               _abstract(frozen, frozen_shardings),
-                               _abstract(batch, batch_shardings))
-    return CompiledStep(jitted, lowered, lowered.compile(), frozen)
+        lowered = jitted.lower(*args)
+    return CompiledStep(jitted, lowered, lowered.compile(), frozen, fn, args, mesh)
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, *,
