@@ -122,11 +122,27 @@ def target_fingerprint(target_params) -> str:
     h = hashlib.sha256()
     for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(target_params),
                              key=lambda pl: jax.tree_util.keystr(pl[0])):
-        flat = leaf.reshape(-1)  # sampled where the array lives: only the sample reaches the host
-        sample = np.asarray(flat[:: max(1, flat.size // _FINGERPRINT_SAMPLES)][:_FINGERPRINT_SAMPLES])
+        sample = _fingerprint_sample(leaf)
         h.update(f"{jax.tree_util.keystr(path)}:{tuple(np.shape(leaf))};".encode())
         h.update(np.ascontiguousarray(sample.astype(np.float32).astype(jnp.bfloat16)).tobytes())
     return h.hexdigest()
+
+
+def _fingerprint_sample(leaf) -> np.ndarray:
+    """The strided sample of one tensor, taken where the array lives: only the sample reaches the host
+    (a global array sharded over several processes is sampled under jit into a replicated result)."""
+    size = int(np.prod(np.shape(leaf)))
+    stride = max(1, size // _FINGERPRINT_SAMPLES)
+
+    def take(x):
+        return x.reshape(-1)[::stride][:_FINGERPRINT_SAMPLES]
+
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        out = jax.jit(take, out_shardings=NamedSharding(leaf.sharding.mesh, PartitionSpec()))(leaf)
+        return np.asarray(out.addressable_data(0))
+    return np.asarray(take(leaf))
 
 
 def write_target_record(workdir: str, fingerprint: str, source: str) -> None:

@@ -34,7 +34,9 @@ from confu_jax.runs.heads import target_fingerprint
 from confu_jax.train.loss import confu_loss, lm_head_layout, objective_from_config
 from confu_jax.train.real_data import real_data
 from confu_jax.train.synthetic_data import SelfDistilledStream, abstract_data
-from confu_jax.train.target_loading import is_abstract, load_target, target_name
+from confu_jax.models.llama import param_shapes
+from confu_jax.train.target_loading import (is_abstract, load_target, load_target_sharded, sharded_source,
+                                            target_name)
 from confu_jax.train.task import TrainTask
 
 log = logging.getLogger(__name__)
@@ -130,7 +132,16 @@ def _init_params_fn(spec: ModelSpec, head_rows):
 def build_task(config) -> TrainTask:
     """The TrainTask of a ``configs/<target>_<variant>.py`` config (see the module docstring)."""
     check_training_config(config)
-    spec, target_host = load_target(config, model_spec_from_config(config))
+    # A Hugging Face target goes straight into its shardings when the run starts (each process reads
+    # only its devices' slices); the paths that read target weights while building the task (an
+    # offline feature store's fingerprint check, the draft LM head from the target's rows) load it on the host.
+    sharded = (sharded_source(config) and not config.data.get("target_features", "")
+               and str(config.draft.get("lm_head_init", "random")) != "target")
+    if sharded:
+        spec = model_spec_from_config(config)
+        target_host = param_shapes(spec.target)
+    else:
+        spec, target_host = load_target(config, model_spec_from_config(config))
     train_obj = objective_from_config(config)
     eval_obj = objective_from_config(config, evaluation=True)
     synthetic = config.model.source == "random"
@@ -176,6 +187,7 @@ def build_task(config) -> TrainTask:
         init_params=_init_params_fn(spec, head_rows),
         frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target_host),
         load_frozen=(lambda shardings: shd.with_shardings(target_host, shardings)) if abstract
+        else (lambda shardings: load_target_sharded(config, spec, shardings)) if sharded
         else (lambda shardings: shd.put_tree(target_host, shardings)),
         loss_fn=loss_fn,
         train_iterator=train_iterator,
@@ -184,7 +196,7 @@ def build_task(config) -> TrainTask:
         axis_units=shd.llama_axis_units(spec.target.head_dim),
         rows_per_epoch=rows_per_epoch,
         extra_arrays={"draft_vocab_d2t": np.asarray(vocab.d2t), "draft_vocab_t2d": np.asarray(vocab.t2d)},
-        target_fingerprint=None if abstract else target_fingerprint(target_host),
+        target_fingerprint=None if abstract else target_fingerprint if sharded else target_fingerprint(target_host),
         target_source=str(config.model.source),
         description=(f"{spec.head.variant} draft head on '{target_name(config)}' "
                      f"({'self-distilled random data' if synthetic else config.data.train_files}"

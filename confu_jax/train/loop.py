@@ -262,8 +262,9 @@ def _write_run_files(config, workdir: str, run: RunSetup) -> None:
     task = run.task
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
-    if task.target_fingerprint:
-        write_target_record(workdir, task.target_fingerprint, task.target_source)
+    fingerprint = task.target_fingerprint(run.frozen) if callable(task.target_fingerprint) else task.target_fingerprint
+    if fingerprint:
+        write_target_record(workdir, fingerprint, task.target_source)
     logging.info("task: %s | mesh %s over %d processes | trainable %s params | frozen %s params",
                  task.description, dict(run.mesh.shape), jax.process_count(),
                  f"{param_count(run.abstract_state.params):,}", f"{param_count(task.frozen_abstract):,}")

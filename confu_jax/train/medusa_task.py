@@ -121,4 +121,4 @@ def build_task(config) -> TrainTask:
         return init_params, loss_fn, (f"Medusa-1: {k} heads x {layers} ResBlock(s) on '{target_name(config)}', "
                                       f"{'KL to the target' if distill else 'CE'} weighted {decay}^k")
 
-    return frozen_target_task(config, pack_ok=False, what="Medusa", build=build)
+    return frozen_target_task(config, pack_ok=False, what="Medusa", build=build, init_reads_target=True)

@@ -121,4 +121,4 @@ def build_task(config) -> TrainTask:
         return init_params, loss_fn, (f"MTP module (DeepSeek-V3): one {target_name(config)!r} decoder layer "
                                       f"(init {mc.init_block}), {depths} recursive depths, CE x {weight}/{depths}")
 
-    return frozen_target_task(config, pack_ok=True, what="MTP", build=build)
+    return frozen_target_task(config, pack_ok=True, what="MTP", build=build, init_reads_target=True)

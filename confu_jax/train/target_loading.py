@@ -153,6 +153,26 @@ def strip_asset(source: str) -> str:
     return source[len("asset:"):] if source.startswith("asset:") else source
 
 
+def sharded_source(config) -> bool:
+    """Is ``config.model.source`` a Hugging Face directory, which training loads straight into the
+    frozen target's shardings (``weights.load_model_sharded``) instead of through a host copy?"""
+    source = config.model.source
+    if source in ("", "random") or is_abstract(source):
+        return False
+    from confu_jax.weights import _checkpoint
+
+    return _checkpoint(strip_asset(source))[0] == "hf"
+
+
+def load_target_sharded(config, spec: ModelSpec, shardings):
+    """The frozen target of a Hugging Face ``config.model.source`` as global arrays on ``shardings``:
+    each process reads only its devices' slices (``weights.load_model_sharded``)."""
+    from confu_jax.weights import load_model_sharded
+
+    _, params = load_model_sharded(strip_asset(config.model.source), shardings, config.model.param_dtype)
+    return params
+
+
 def load_target(config, spec: ModelSpec) -> tuple[ModelSpec, dict]:
     """(spec with the checkpoint's LlamaConfig, host params) for ``config.model.source``."""
     source = config.model.source

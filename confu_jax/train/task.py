@@ -90,7 +90,8 @@ class TrainTask:
     extra_arrays: dict = dataclasses.field(default_factory=dict)
     # Identity of the frozen target (``confu_jax.runs.heads.target_fingerprint``) and where it came
     # from; written to the workdir's target.json so a head is never decoded with another target.
-    target_fingerprint: Optional[str] = None
+    # A callable takes the loaded frozen tree (targets loaded straight into their shardings).
+    target_fingerprint: Any = None
     target_source: str = ""
     description: str = ""
 
@@ -161,7 +162,8 @@ def load_task(config) -> TrainTask:
     return task
 
 
-def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None) -> TrainTask:
+def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None,
+                       init_reads_target: bool = False) -> TrainTask:
     """The task of a drafter family trained on a frozen target alone (Medusa, the MLP speculator, the
     MTP module, DFlash): the target loaded as ``config.model`` says, the data (self-distilled random prompts
     for ``source='random'``, else ``config.data``'s conversations; packed rows only when ``pack_ok``),
@@ -170,12 +172,15 @@ def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None)
     ``build(spec, target_host) -> (init_params, loss_fn, description)``: the family's parameters
     (rng -> ``{'draft': ...}``), its ``loss_fn(trainable, frozen, batch, rng)`` (``frozen['target']``
     is the target) and the run's description (the data source is appended). ``spec_fn(config)``: the
-    family's ``ModelSpec`` (default ``model_spec_from_config``; DFlash sizes its draft model there)."""
+    family's ``ModelSpec`` (default ``model_spec_from_config``; DFlash sizes its draft model there).
+    A Hugging Face target is loaded straight into its shardings when the run starts, unless
+    ``init_reads_target`` (the family initialises from the target's weights: Medusa's LM head, MTP's
+    layer): then ``build`` gets the host weights."""
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.heads import target_fingerprint
     from confu_jax.train.confu_task import synthetic_data
     from confu_jax.train.real_data import real_data
-    from confu_jax.train.target_loading import load_target
+    from confu_jax.train.target_loading import load_target, load_target_sharded, sharded_source
 
     synthetic = config.model.source == "random"
     if config.data.get("pack", False) and (synthetic or not pack_ok):
@@ -183,7 +188,14 @@ def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None)
         raise ValueError(f"config.data.pack: {why} (turn data.pack off)")
     if config.model.attention_impl != "xla":
         raise ValueError(f"config.model.attention_impl={config.model.attention_impl!r} cannot train; use 'xla'")
-    spec, target_host = load_target(config, (spec_fn or model_spec_from_config)(config))
+    sharded = sharded_source(config) and not init_reads_target
+    if sharded:  # a Hugging Face target: loaded straight into its shardings when the run starts
+        from confu_jax.models.llama import param_shapes
+
+        spec = (spec_fn or model_spec_from_config)(config)
+        target_host = param_shapes(spec.target)
+    else:
+        spec, target_host = load_target(config, (spec_fn or model_spec_from_config)(config))
     _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
                                        else real_data(config, spec))
     init_params, loss_fn, description = build(spec, target_host)
@@ -196,13 +208,15 @@ def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None)
     return TrainTask(
         init_params=init_params,
         frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen_host),
-        load_frozen=lambda shardings: shd.put_tree(frozen_host, shardings),
+        load_frozen=(lambda shardings: {"target": load_target_sharded(config, spec, shardings["target"])}) if sharded
+        else (lambda shardings: shd.put_tree(frozen_host, shardings)),
         loss_fn=loss_fn,
         train_iterator=train_iterator,
         eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
         eval_fn=eval_fn,
         axis_units=shd.llama_axis_units(spec.target.head_dim),
-        target_fingerprint=target_fingerprint(target_host),
+        target_fingerprint=(lambda frozen: target_fingerprint(frozen["target"])) if sharded
+        else target_fingerprint(target_host),
         target_source=str(config.model.source),
         description=f"{description} ({data})",
     )

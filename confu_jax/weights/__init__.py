@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+
+import jax
 from typing import Optional
 
 from confu_jax.assets import resolve_model_path
@@ -22,6 +24,25 @@ def load_model(source: str, dtype: Optional[str] = None):
     """
     kind, path = _checkpoint(source)
     return load_hf(path, dtype) if kind == "hf" else load_gguf(path, dtype)
+
+
+def load_model_sharded(source: str, shardings: dict, dtype: Optional[str] = None, counter=None):
+    """``load_model`` placed straight into ``shardings`` (NamedShardings shaped like the params).
+
+    Hugging Face directories: each process reads only the slices its devices hold from the
+    memory-mapped safetensors, and no host copy of the model is made (an 8B target is not a 16 GB
+    copy per process before it is sharded). GGUF files are dequantised on the host tensor by tensor
+    (``load_model``) and then placed: their quantised blocks do not slice along our layout.
+    ``counter`` (``weights.tree.ReadCounter``): bytes read from the checkpoint, Hugging Face only."""
+    kind, path = _checkpoint(source)
+    if kind == "hf":
+        from confu_jax.weights.hf import load_hf_sharded
+
+        return load_hf_sharded(path, shardings, dtype, counter)
+    from confu_jax import sharding as shd
+
+    cfg, params = load_gguf(path, dtype)
+    return cfg, shd.put_tree(jax.device_get(params), shardings)
 
 
 def read_architecture(source: str, dtype: Optional[str] = None):

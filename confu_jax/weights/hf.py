@@ -176,21 +176,28 @@ def open_tensors(directory: str) -> dict:
     )
 
 
-def load_hf(directory: str, dtype: Optional[str] = None):
-    """``(LlamaConfig, params)`` from a Hugging Face directory; dtype defaults to the config's."""
-    cfg = read_config(directory, dtype)
+def _tensor_source(directory: str, cfg: LlamaConfig) -> dict:
+    """The ``assemble`` / ``assemble_sharded`` arguments of a directory: names, lazy memory-mapped tensors."""
     where = open_tensors(directory)
 
     def ignorable(name: str) -> bool:
         # Old checkpoints saved RoPE buffers; tied checkpoints sometimes also save lm_head.
         return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
 
-    params = assemble(
-        cfg,
-        source=directory,
-        name_of=hf_name,
-        fetch=lambda name: np.asarray(where[name].get(name)),
-        available=where,
-        ignorable=ignorable,
-    )
-    return cfg, params
+    return dict(source=directory, name_of=hf_name, fetch=lambda name: where[name].get(name), available=where,
+                ignorable=ignorable)
+
+
+def load_hf(directory: str, dtype: Optional[str] = None):
+    """``(LlamaConfig, params)`` from a Hugging Face directory; dtype defaults to the config's."""
+    cfg = read_config(directory, dtype)
+    return cfg, assemble(cfg, **_tensor_source(directory, cfg))
+
+
+def load_hf_sharded(directory: str, shardings: dict, dtype: Optional[str] = None, counter=None):
+    """``(LlamaConfig, params)`` with every parameter placed straight into ``shardings``: each process
+    reads only its devices' slices of the memory-mapped safetensors (``weights.tree.assemble_sharded``)."""
+    from confu_jax.weights.tree import assemble_sharded
+
+    cfg = read_config(directory, dtype)
+    return cfg, assemble_sharded(cfg, shardings, counter=counter, **_tensor_source(directory, cfg))

@@ -55,24 +55,14 @@ def _to_ours(path: tuple, w: np.ndarray) -> np.ndarray:
     return w.T if path[-1] == "kernel" else w
 
 
-def assemble(
-    cfg: LlamaConfig,
-    *,
-    source: str,
-    name_of: NameFn,
-    fetch: Callable[[str], np.ndarray],
-    available: Iterable[str],
-    ignorable: Callable[[str], bool] = lambda name: False,
-) -> dict:
-    """Build the parameter tree from a checkpoint, stacking per-layer tensors on a leading axis.
-
-    ``source`` labels errors (the file). Tensors are cast to ``cfg.param_dtype`` one at a time, so
-    peak host memory is about one copy of the model plus one tensor.
-    """
+def _gather_sources(cfg: LlamaConfig, source: str, name_of: NameFn, fetch: Callable[[str], np.ndarray],
+                    available: Iterable[str], ignorable: Callable[[str], bool]) -> list:
+    """Every parameter's checkpoint tensors, checked (present, shaped as the config implies, nothing
+    unexplained left over) but not converted: [(path, [tensor] or [tensor per layer], stacked)].
+    With lazy ``fetch`` results (safetensors memory maps) nothing is read yet."""
     available = set(available)
     used: set = set()
     shapes = param_shapes(cfg)
-    np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
 
     def get(name: str, path: tuple, expected: tuple) -> np.ndarray:
         if name not in available:
@@ -89,25 +79,19 @@ def assemble(
         used.add(name)
         return w
 
-    params: dict = {}
+    out = []
     for path, kind in GLOBAL_PARAMS.items():
         if path[0] not in shapes:  # lm_head absent when embeddings are tied
             continue
         ours = shapes[path[0]][path[1]].shape
-        w = get(name_of(kind, None), path, _source_shape(path, ours))
-        params.setdefault(path[0], {})[path[1]] = jnp.asarray(np.asarray(_to_ours(path, w), np_dtype))
-
-    layers: dict = {}
+        out.append((path, [get(name_of(kind, None), path, _source_shape(path, ours))], False))
     for path, kind in LAYER_PARAMS.items():
         if path[1] not in shapes["layers"].get(path[0], {}):  # a Qwen-only tensor under a Llama config
             continue
         stacked_shape = shapes["layers"][path[0]][path[1]].shape
-        out = np.empty(stacked_shape, np_dtype)  # every slot is written below or we raise
-        for i in range(cfg.n_layers):
-            w = get(name_of(kind, i), ("layers", str(i)) + path, _source_shape(path, stacked_shape[1:]))
-            out[i] = _to_ours(path, w)
-        layers.setdefault(path[0], {})[path[1]] = jnp.asarray(out)
-    params["layers"] = layers
+        ws = [get(name_of(kind, i), ("layers", str(i)) + path, _source_shape(path, stacked_shape[1:]))
+              for i in range(cfg.n_layers)]
+        out.append((("layers",) + path, ws, True))
 
     extra = sorted(n for n in available - used if not ignorable(n))
     if extra:
@@ -116,6 +100,96 @@ def assemble(
             hint = (" (bias tensors: q/k/v biases are read only for Qwen2 configs; output-projection and MLP "
                     "biases are not part of any architecture supported here)")
         raise CheckpointError(f"{source}: unexpected tensors {extra[:8]}{' ...' if len(extra) > 8 else ''}{hint}")
+    return out
+
+
+def _put(tree: dict, path: tuple, value) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+
+
+def assemble(
+    cfg: LlamaConfig,
+    *,
+    source: str,
+    name_of: NameFn,
+    fetch: Callable[[str], np.ndarray],
+    available: Iterable[str],
+    ignorable: Callable[[str], bool] = lambda name: False,
+) -> dict:
+    """Build the parameter tree from a checkpoint, stacking per-layer tensors on a leading axis.
+
+    ``source`` labels errors (the file). Tensors are cast to ``cfg.param_dtype`` one at a time, so
+    peak host memory is about one copy of the model plus one tensor.
+    """
+    np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
+    params: dict = {"layers": {}}
+    for path, ws, stacked in _gather_sources(cfg, source, name_of, fetch, available, ignorable):
+        if stacked:
+            out = np.empty((len(ws),) + _to_ours(path, ws[0]).shape, np_dtype)
+            for i, w in enumerate(ws):
+                out[i] = _to_ours(path, w)
+            _put(params, path, jnp.asarray(out))
+        else:
+            _put(params, path, jnp.asarray(np.asarray(_to_ours(path, ws[0]), np_dtype)))
+    check_tree(cfg, params, source)
+    return params
+
+
+class ReadCounter:
+    """Bytes a sharded load read from the checkpoint (what each process's devices needed, each slice once)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+
+def assemble_sharded(
+    cfg: LlamaConfig,
+    shardings: dict,
+    *,
+    source: str,
+    name_of: NameFn,
+    fetch: Callable[[str], np.ndarray],
+    available: Iterable[str],
+    ignorable: Callable[[str], bool] = lambda name: False,
+    counter: Optional[ReadCounter] = None,
+) -> dict:
+    """``assemble``, placed straight into ``shardings`` (a tree of NamedShardings like the params):
+    each process reads only the slices its own devices hold, from lazy ``fetch`` results (memory maps),
+    and builds each global array from them (``jax.make_array_from_callback``); no host copy of the
+    model exists at any point. A slice several local devices share (replicated axes) is read once.
+    ``counter``: add the bytes read from the checkpoint."""
+    np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
+    shapes = param_shapes(cfg)
+    params: dict = {}
+    for path, ws, stacked in _gather_sources(cfg, source, name_of, fetch, available, ignorable):
+        node_s, node_a = shardings, shapes
+        for key in path:
+            node_s, node_a = node_s[key], node_a[key]
+        cache: dict = {}
+
+        def read(w, index, path=path):
+            """ours[index] of one checkpoint tensor, reading only those elements."""
+            if path[-1] == "kernel":  # ours = w.T
+                part = w[index[1], index[0]].T if len(index) == 2 else w[index].T
+            else:
+                part = w[index]
+            if counter is not None:
+                counter.bytes += part.size * w.dtype.itemsize
+            return np.asarray(part, np_dtype)
+
+        def callback(index, ws=ws, stacked=stacked, cache=cache):
+            key = tuple((sl.start, sl.stop, sl.step) for sl in index)
+            if key not in cache:
+                if stacked:
+                    cache[key] = np.stack([read(ws[i], tuple(index[1:])) for i in range(len(ws))[index[0]]])
+                else:
+                    cache[key] = read(ws[0], tuple(index))
+            return cache[key]
+
+        _put(params, path, jax.make_array_from_callback(tuple(node_a.shape), node_s, callback))
     check_tree(cfg, params, source)
     return params
 
