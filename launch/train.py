@@ -102,8 +102,9 @@ def main(argv):
         sys.exit(2)
     from confu_jax.train.target_loading import is_abstract
 
-    if is_abstract(config.model.source) and not _COMPILE_ONLY.value:
-        sys.stderr.write(f"launch.train: --config.model.source={config.model.source} has shapes but no weights: "
+    source = config.model.get("source", "") if "model" in config else ""
+    if is_abstract(source) and not _COMPILE_ONLY.value:
+        sys.stderr.write(f"launch.train: --config.model.source={source} has shapes but no weights: "
                          "it compiles the step (add --compile_only), it does not train or evaluate\n")
         sys.exit(2)
     if _COMPILE_ONLY.value:

@@ -408,6 +408,8 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
 
     writers = make_writers(workdir, "metrics", tc.tensorboard, start) if main else None
     eval_writers = make_writers(workdir, "eval", tc.tensorboard, start) if main else None
+    # wall-clock figures apart from metrics.csv, which stays a function of (config, data, step) only
+    speed_writers = make_writers(workdir, "throughput", tc.tensorboard, start) if main else None
     t_eval = time.time()
     eval_step, eval_batches = _eval_setup(run, tc.eval_every > 0 or bool(milestones), pidx, pcount)
     if main and eval_step is not None:  # each phase before the first step is logged: a stall names its phase
@@ -455,13 +457,13 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
             if step % max(tc.log_every, 1) == 0 or step == tc.steps:
                 last = _host_metrics(metrics)
                 speed = meter.read()
-                last.update(speed)
                 if task.rows_per_epoch:
                     last["epoch"] = step * int(config.data.global_batch_size) / task.rows_per_epoch
                 if main:
                     writers.write(step, last)
                     pbar.set_postfix(loss=f"{last['loss']:.4f}", refresh=False)
                     if speed:
+                        speed_writers.write(step, speed)
                         logging.info("step %d: loss %.4f; %s", step, last["loss"], meter.describe(speed))
             periodic_eval = tc.eval_every > 0 and step % tc.eval_every == 0
             if eval_step is not None and (periodic_eval or step in milestones or step == tc.steps):
@@ -488,5 +490,6 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
         if main:
             writers.close()
             eval_writers.close()
+            speed_writers.close()
     return TrainResult(step=step, start_step=start, preempted=preempted, last_metrics=last,
                        last_eval=last_eval, init_report=init_report)
