@@ -108,3 +108,18 @@ def test_an_abstract_target_compiles_but_never_trains(tmp_path):
              "--compile_only", "--config.model.source=abstract")
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "abstract:/path/to/config.json" in p.stderr
+
+
+def test_bad_scale_input_is_one_line(tmp_path):
+    """A preset unknown to 'abstract' and a mesh larger than the job's devices: one line naming the
+    value and what was expected, exit 2, no traceback, nothing written."""
+    p = _cli("--config", os.path.join(REPO, "configs", "eagle3.py"), "--workdir", str(tmp_path / "a"), "--compile_only",
+             "--config.model.source=abstract", "--config.model.preset=llama-9b")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "unknown model preset 'llama-9b'" in p.stderr and "qwen3-8b" in p.stderr
+    p = _cli("--config", os.path.join(REPO, "configs", "tiny.py"), "--workdir", str(tmp_path / "b"), "--compile_only",
+             "--cpu_devices", "2", "--config.model.source=abstract", "--config.train.mesh.fsdp=4",
+             "--config.train.mesh.data=1")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "fsdp=4" in p.stderr and "needs 4 devices; this job has 2" in p.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

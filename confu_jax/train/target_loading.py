@@ -30,6 +30,14 @@ ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaConfig)
 DRAFT_VOCAB_SHARE, DRAFT_VOCAB_MAX, DRAFT_VOCAB_ALIGN = 4, 32000, 64
 
 
+def _preset(name: str) -> LlamaConfig:
+    """``get_preset`` with an unknown name as a ValueError (a one-line CLI error, not a traceback)."""
+    try:
+        return get_preset(name)
+    except KeyError as e:
+        raise ValueError(f"config.model.preset: {e.args[0]}") from None
+
+
 def target_name(config) -> str:
     """What a run's log calls its target: the preset, else the checkpoint's path."""
     return str(config.model.get("preset", None) or config.model.source)
@@ -70,6 +78,7 @@ def resolve_target(config) -> None:
         if not preset:
             raise ValueError("config.model.source='random' needs config.model.preset (random weights take a "
                              "preset's shapes)")
+        _preset(preset)
         return
     if not source:
         what = f"preset {preset!r}" if preset else "this config (no preset: the checkpoint decides the architecture)"
@@ -79,7 +88,7 @@ def resolve_target(config) -> None:
 
     arch = read_architecture(strip_asset(source))
     if preset:
-        want = get_preset(preset)
+        want = _preset(preset)
         for field in TREE_FIELDS:
             if getattr(want, field) != getattr(arch, field):
                 raise ValueError(
@@ -125,13 +134,13 @@ def _resolve_abstract(config, source: str, preset) -> None:
 
         arch = read_architecture(os.path.dirname(path) if path.endswith("config.json") else path)
         if preset:
-            want = get_preset(preset)
+            want = _preset(preset)
             for field in TREE_FIELDS:
                 if getattr(want, field) != getattr(arch, field):
                     raise ValueError(f"{path}: {field} is {getattr(arch, field)!r}; preset {preset!r} expects "
                                      f"{getattr(want, field)!r}")
     elif preset:
-        arch = get_preset(preset)
+        arch = _preset(preset)
     else:
         raise ValueError("config.model.source='abstract' needs config.model.preset (its shapes), or name the "
                          "shapes: --config.model.source=abstract:/path/to/config.json")

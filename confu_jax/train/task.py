@@ -108,6 +108,10 @@ def data_parallel_devices(config, mesh=None) -> int:
     n = jax.device_count()
     fsdp, tensor = int(m.fsdp), int(m.tensor)
     data = int(m.data) if int(m.data) > 0 else n // max(fsdp * tensor, 1)
+    if data * fsdp * tensor > n or data < 1:
+        raise ValueError(f"config.train.mesh data={m.data} x fsdp={fsdp} x tensor={tensor} needs "
+                         f"{max(data, 1) * fsdp * tensor} devices; this job has {n} (jax.device_count(); "
+                         "--cpu_devices N on a CPU machine)")
     return max(data * fsdp, 1)
 
 
