@@ -44,6 +44,10 @@ _COMPILE_ONLY = flags.DEFINE_bool(
     "one device would hold (XLA's buffer assignment: arguments, temporaries, outputs) as JSON and "
     "write it to <workdir>/train_step_memory.json; no training. Plans a batch size for a device "
     "on any machine: a CPU compile of the GPU shapes overestimates rather than underestimates.")
+_TIME_STEPS = flags.DEFINE_integer(
+    "time_steps", 0, "With --compile_only: also run this many train steps (after one untimed) and report "
+    "their median time, tokens/s, MFU and the device's peak memory; an abstract target "
+    "(--config.model.source=abstract) is filled with random values on the devices first.")
 _EVAL_ONLY = flags.DEFINE_bool(
     "eval_only", False, "Evaluate on the held-out batches without training: the workdir's latest "
     "checkpoint, else --config.train.checkpoint.init_from (a run, a release, an EAGLE-3 export); "
@@ -108,9 +112,11 @@ def main(argv):
                          "it compiles the step (add --compile_only), it does not train or evaluate\n")
         sys.exit(2)
     if _COMPILE_ONLY.value:
-        report = compile_report(config)
+        report = compile_report(config, time_steps=_TIME_STEPS.value)
         if jax.process_index() == 0:
             logging.info("train step %s", describe_memory(report["memory_per_device"]))
+            if "timed" in report:
+                logging.info("train step timed: %s", json.dumps(report["timed"]))
             os.makedirs(_WORKDIR.value, exist_ok=True)
             with open(os.path.join(_WORKDIR.value, "train_step_memory.json"), "w") as f:
                 json.dump(report, f, indent=1, sort_keys=True)

@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -93,23 +94,71 @@ def describe_memory(report: Optional[dict]) -> str:
             "{temp:.2f}, outputs {outputs:.2f}, donated {aliased:.2f})").format(**gib)
 
 
-def compile_report(config, task: Optional[TrainTask] = None, mesh=None) -> dict:
+def compile_report(config, task: Optional[TrainTask] = None, mesh=None, time_steps: int = 0) -> dict:
     """Compile the train step for ``config`` on this process's devices and report what one device
     would hold, without training: how a batch size is planned for a device before a run (a CPU
     compile of the GPU shapes answers "do 64 rows of 2048 tokens fit in 80 GB?"). Builds the task
-    and its first batch, so the data and the target must be reachable."""
+    and its first batch, so the data and the target must be reachable (or abstract).
+
+    ``time_steps`` > 0: also run that many steps (after one untimed) and report their median time,
+    tokens/s, MFU and the device's peak memory. An abstract target is filled with random values
+    first, on the devices in its shardings (a step's cost does not depend on the values): how the
+    8B training step is timed on one GPU with nothing downloaded."""
     t0 = time.time()
     run = setup_run(config, task, mesh)
     batch = shd.global_batch(next(run.task.train_iterator(jax.process_index(), jax.process_count())),
                              run.mesh)
     t1 = time.time()
     step = run.compile_train_step(batch)
-    return {"memory_per_device": step.memory_report(), "compile_s": round(time.time() - t1, 1),
-            "matmul_flops_per_step": step.matmul_flops(),
-            "setup_s": round(t1 - t0, 1), "backend": jax.default_backend(),
-            "devices": jax.device_count(), "mesh": dict(run.mesh.shape),
-            "batch": {k: list(v.shape) for k, v in batch.items()},
-            "trainable_params": param_count(run.abstract_state.params)}
+    flops = step.matmul_flops()
+    report = {"memory_per_device": step.memory_report(), "compile_s": round(time.time() - t1, 1),
+              "matmul_flops_per_step": flops,
+              "setup_s": round(t1 - t0, 1), "backend": jax.default_backend(),
+              "devices": jax.device_count(), "mesh": dict(run.mesh.shape),
+              "batch": {k: list(v.shape) for k, v in batch.items()},
+              "trainable_params": param_count(run.abstract_state.params)}
+    if time_steps > 0:
+        report["timed"] = _time_steps(run, step, batch, flops, int(time_steps))
+    return report
+
+
+def random_like(abstract_tree, shardings, seed: int = 0):
+    """Global arrays of ``abstract_tree``'s shapes and dtypes on ``shardings``, filled with small random
+    values where they live (nothing is built on the host)."""
+    leaves, treedef = jax.tree_util.tree_flatten(abstract_tree)
+
+    def make():
+        keys = jax.random.split(jax.random.PRNGKey(seed), max(len(leaves), 1))
+        return jax.tree_util.tree_unflatten(treedef, [
+            (0.02 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+            if jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros(x.shape, x.dtype)
+            for k, x in zip(keys, leaves)])
+
+    return jax.jit(make, out_shardings=shardings)()
+
+
+def _time_steps(run: RunSetup, step: CompiledStep, batch, flops: float, n: int) -> dict:
+    frozen = run.frozen
+    if any(not isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(frozen)):
+        frozen = random_like(frozen, run.frozen_shardings)
+    state = run.init_state()
+    state, metrics = step.compiled(state, frozen, batch)  # untimed: first-call work
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        state, metrics = step.compiled(state, frozen, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t)
+    med = float(np.median(times))
+    tokens = int(np.prod(batch["tokens"].shape)) if "tokens" in batch else 0
+    peak = device_peak_flops()
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {"steps": n, "step_s_median": med, "step_s": [round(x, 4) for x in times],
+            "tokens_per_s": tokens / med if med else None,
+            "mfu": flops / med / (peak * jax.device_count()) if peak and med else "n/a",
+            "device_peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+            "device_kind": jax.devices()[0].device_kind}
 
 
 def setup_run(config, task: Optional[TrainTask] = None, mesh=None) -> RunSetup:
