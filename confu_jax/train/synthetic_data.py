@@ -100,11 +100,16 @@ class ShapeOnlyBatches:
 
 def abstract_data(config, spec):
     """(draft vocab, train_iterator, eval_batches=None) for ``model.source='abstract'``: the draft
-    vocabulary is the first V_draft target ids (its size is all the step's shapes depend on)."""
+    vocabulary is a fixed random V_draft of the target's ids (its size is all the step's shapes
+    depend on)."""
     from confu_jax.data.draft_vocab import DraftVocab
 
     vd, v = spec.head.draft_vocab_size, spec.target.vocab_size
-    vocab = DraftVocab(d2t=np.arange(vd, dtype=np.int32), t2d=np.arange(v) < vd, counts=np.zeros(vd, np.int64))
+    # a spread-out subset, not the first V_draft ids: an identity-like map is a constant XLA may simplify
+    d2t = np.sort(np.random.default_rng(0).choice(v, vd, replace=False)).astype(np.int32)
+    t2d = np.zeros(v, bool)
+    t2d[d2t] = True
+    vocab = DraftVocab(d2t=d2t, t2d=t2d, counts=np.zeros(vd, np.int64))
     g, n = int(config.data.global_batch_size), int(config.data.max_length)
     packed = bool(config.data.get("pack", False))
 
