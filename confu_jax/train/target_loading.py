@@ -168,9 +168,9 @@ def sharded_source(config) -> bool:
     source = config.model.source
     if source in ("", "random") or is_abstract(source):
         return False
-    from confu_jax.weights import _checkpoint
+    from confu_jax.weights import checkpoint_kind
 
-    return _checkpoint(strip_asset(source))[0] == "hf"
+    return checkpoint_kind(strip_asset(source)) == "hf"
 
 
 def load_target_sharded(config, spec: ModelSpec, shardings):

@@ -59,6 +59,11 @@ def read_architecture(source: str, dtype: Optional[str] = None):
     return read_config(GGUFFile(path), dtype)
 
 
+def checkpoint_kind(source: str) -> str:
+    """'hf' (a Hugging Face directory) or 'gguf' (a .gguf file) for an asset name or path."""
+    return _checkpoint(source)[0]
+
+
 def _checkpoint(source: str) -> tuple:
     """('hf' | 'gguf', path) of an asset name, a Hugging Face directory or a .gguf file."""
     path = resolve_model_path(source)
