@@ -205,12 +205,9 @@ def _flash_bwd(causal, block_k, q_chunk, res, cts):
     zeros = jnp.zeros((n_blocks, b, block_k, hkv, d), jnp.float32)
     (dk, dv), dq = jax.lax.scan(chunk, (zeros, zeros), qs)
 
-    def unblock(x):  # [n, B, block_k, Hkv, D] -> [B, S, Hkv, D]
-        return _unchunk(x, s_len)
-
     zero = (lambda x: None if x is None else jnp.zeros(x.shape, jax.dtypes.float0))
-    return (_unchunk(dq, t).astype(q_bthd.dtype), unblock(dk).astype(k_bshd.dtype),
-            unblock(dv).astype(v_bshd.dtype), zero(seg_q_bt), zero(seg_k_bs))
+    return (_unchunk(dq, t).astype(q_bthd.dtype), _unchunk(dk, s_len).astype(k_bshd.dtype),
+            _unchunk(dv, s_len).astype(v_bshd.dtype), zero(seg_q_bt), zero(seg_k_bs))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -87,22 +87,34 @@ def resolve_target(config) -> None:
     from confu_jax.weights import read_architecture
 
     arch = read_architecture(strip_asset(source))
-    if preset:
-        want = _preset(preset)
-        for field in TREE_FIELDS:
-            if getattr(want, field) != getattr(arch, field):
-                raise ValueError(
-                    f"{source}: {field} is {getattr(arch, field)!r} in the checkpoint; preset {preset!r} expects "
-                    f"{getattr(want, field)!r} (for your own checkpoint use configs/eagle3.py or configs/confu.py, "
-                    "whose architecture comes from the checkpoint)")
+    _check_preset(source, arch, preset)
+    _fill_from_arch(config, arch, arch.dtype, arch.param_dtype)
+
+
+def _check_preset(source: str, arch: LlamaConfig, preset) -> None:
+    """Refuse a named preset that disagrees with the checkpoint on a field of the parameter tree."""
+    if not preset:
+        return
+    want = _preset(preset)
+    for field in TREE_FIELDS:
+        if getattr(want, field) != getattr(arch, field):
+            raise ValueError(
+                f"{source}: {field} is {getattr(arch, field)!r} in the checkpoint; preset {preset!r} expects "
+                f"{getattr(want, field)!r} (for your own checkpoint use configs/eagle3.py or configs/confu.py, "
+                "whose architecture comes from the checkpoint)")
+
+
+def _fill_from_arch(config, arch: LlamaConfig, dtype: str, param_dtype: str) -> None:
+    """Record ``arch`` as ``config.model.arch`` and fill the dtypes and draft vocabulary left unset."""
     import ml_collections
 
+    m = config.model
     with config.unlocked():
         m.arch = ml_collections.ConfigDict(arch_record(arch))
         if m.get("dtype", None) is None:
-            m.dtype = arch.dtype
+            m.dtype = dtype
         if m.get("param_dtype", None) is None:
-            m.param_dtype = arch.param_dtype
+            m.param_dtype = param_dtype
         if "draft" in config:
             if config.draft.get("draft_vocab_size", None) is None:
                 config.draft.draft_vocab_size = default_draft_vocab(arch.vocab_size)
@@ -124,38 +136,21 @@ def _resolve_abstract(config, source: str, preset) -> None:
     """``resolve_target`` for an abstract source: the architecture from the preset, or from the
     config.json (or GGUF header) after the colon; dtypes default to bfloat16 (what a GPU or TPU run
     trains in) where neither the config nor the file says."""
-    import ml_collections
-
     path = source[len(ABSTRACT) + 1:] if source.startswith(ABSTRACT + ":") else ""
     if path:
-        from confu_jax.weights import read_architecture
-
         import os
 
+        from confu_jax.weights import read_architecture
+
         arch = read_architecture(os.path.dirname(path) if path.endswith("config.json") else path)
-        if preset:
-            want = _preset(preset)
-            for field in TREE_FIELDS:
-                if getattr(want, field) != getattr(arch, field):
-                    raise ValueError(f"{path}: {field} is {getattr(arch, field)!r}; preset {preset!r} expects "
-                                     f"{getattr(want, field)!r}")
+        _check_preset(path, arch, preset)
     elif preset:
         arch = _preset(preset)
     else:
         raise ValueError("config.model.source='abstract' needs config.model.preset (its shapes), or name the "
                          "shapes: --config.model.source=abstract:/path/to/config.json")
-    m = config.model
-    with config.unlocked():
-        m.arch = ml_collections.ConfigDict(arch_record(arch))
-        if m.get("dtype", None) is None:
-            m.dtype = "bfloat16" if arch.dtype == "float32" else arch.dtype
-        if m.get("param_dtype", None) is None:
-            m.param_dtype = m.dtype
-        if "draft" in config:
-            if config.draft.get("draft_vocab_size", None) is None:
-                config.draft.draft_vocab_size = default_draft_vocab(arch.vocab_size)
-            if config.draft.get("dtype", None) is None:
-                config.draft.dtype = m.dtype
+    dtype = config.model.get("dtype", None) or ("bfloat16" if arch.dtype == "float32" else arch.dtype)
+    _fill_from_arch(config, arch, dtype, dtype)
 
 
 def strip_asset(source: str) -> str:

@@ -19,7 +19,6 @@ import time
 from typing import Optional
 
 import jax
-import numpy as np
 
 # Dense bf16 matmul peak per device (vendor datasheets, no sparsity), matched as a substring of
 # ``jax.Device.device_kind`` (lower case), most specific first.
@@ -147,9 +146,3 @@ def parse_profile_steps(text: str) -> Optional[tuple]:
         raise ValueError(f"train.profile_steps: expected 1 <= A <= B, got {text!r}")
     return a, b
 
-
-def real_tokens(batch) -> Optional[np.ndarray]:
-    """The global batch's non-padding positions, inside the step (``attention_mask``), or None."""
-    if isinstance(batch, dict) and "attention_mask" in batch:
-        return jax.numpy.sum(batch["attention_mask"].astype(jax.numpy.float32))
-    return None
