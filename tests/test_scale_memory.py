@@ -61,7 +61,7 @@ def test_per_device_memory_falls_as_devices_grow():
     peaks = []
     for n in (2, 4, 8):
         mesh = shd.make_mesh(1, n, 1, devices=jax.devices()[:n])
-        rep = compile_report(_config("confu", "abstract", rows=128), mesh=mesh)
+        rep = compile_report(_config("eagle3", "abstract", rows=128), mesh=mesh)
         peaks.append(rep["memory_per_device"]["peak_estimate"])
     assert peaks[0] > peaks[1] > peaks[2], peaks
 

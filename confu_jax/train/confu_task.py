@@ -57,6 +57,12 @@ def default_objective_config() -> ml_collections.ConfigDict:
     c.token_chunk = 1024
     # recompute each TTT step's draft MLP in the backward pass: [B, N, ffn] activations of one step alive, not L_ttt
     c.remat_mlp = True
+    # ConFu, not the paper's (0 = the paper): an auxiliary loss training the contemplate's f to name
+    # x[t+2 .. t+1+future_aux_ahead] through the target's frozen LM head (train.loss.future_aux_loss),
+    # its weight falling linearly to 0 over future_aux_anneal_steps (0: constant)
+    c.future_aux_weight = 0.0
+    c.future_aux_ahead = 1
+    c.future_aux_anneal_steps = 0
     c.eval_records = 64  # last conversations of the training files held out (0 = no evaluation)
     c.eval_batches = 2  # held-out global batches evaluated every train.eval_every steps
     return c

@@ -91,6 +91,13 @@ class ObjectiveConfig:
     token_chunk: int = 1024
     # recompute each TTT step's draft MLP in the backward pass (models.draft_ttt remat_mlp)
     remat_mlp: bool = True
+    # ConFu, not the paper's (0 = the paper): weight of an auxiliary loss that trains the contemplate's
+    # f to name the tokens ahead through the target's frozen LM head (:func:`future_aux_loss`)
+    future_aux_weight: float = 0.0
+    future_aux_ahead: int = 1  # m: f at anchor t predicts x[t+2 .. t+1+m]
+    # > 0: the weight falls linearly to 0 over this many optimizer steps (the step comes in the
+    # batch as 'step', added by the train step); 0: constant
+    future_aux_anneal_steps: int = 0
     # evaluation only (ConFu): also report what the future entry is worth — the same draft without
     # it (``no_future/...``) and what the contemplate's f predicts by itself (``future/f_top1_x{s}``);
     # one more TTT pass and a full-vocabulary argmax per anchor (:func:`future_probe_metrics`)
@@ -109,6 +116,10 @@ class ObjectiveConfig:
                                  or sum(self.lag_weights) <= 0):
             raise ValueError(f"ObjectiveConfig.lag_weights must be {self.max_lag} (max_lag) non-negative "
                              f"weights with a positive sum, or empty for uniform; got {self.lag_weights}")
+        if self.future_aux_weight < 0 or self.future_aux_ahead < 1 or self.future_aux_anneal_steps < 0:
+            raise ValueError("ObjectiveConfig: future_aux_weight must be >= 0, future_aux_ahead >= 1 and "
+                             f"future_aux_anneal_steps >= 0; got {self.future_aux_weight}, "
+                             f"{self.future_aux_ahead}, {self.future_aux_anneal_steps}")
 
 
 def _lag_weights(config, evaluation: bool) -> tuple:
@@ -139,6 +150,10 @@ def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfi
         remat=bool(o.remat),
         token_chunk=int(o.get("token_chunk", 1024)),
         remat_mlp=bool(o.get("remat_mlp", True)),
+        # evaluation reports f's cross-entropy (future_probe) but keeps the paper's loss: comparable across runs
+        future_aux_weight=0.0 if evaluation else float(o.get("future_aux_weight", 0.0)),
+        future_aux_ahead=int(o.get("future_aux_ahead", 1)),
+        future_aux_anneal_steps=int(o.get("future_aux_anneal_steps", 0)),
         future_probe=evaluation,
     )
 
@@ -612,6 +627,54 @@ def future_probe_metrics(spec: ModelSpec, trainable: dict, target_params: dict, 
     return metrics
 
 
+def future_aux_loss(spec: ModelSpec, target_params: dict, f_bkd: jax.Array, tokens_bn: jax.Array,
+                    loss_mask_bn: jax.Array, rows, plan: AnchorPlan, ahead: int, vocab_chunk: int):
+    """(loss, metrics): cross-entropy of f[t], read by the target's frozen final norm and LM head, against
+    x[t+1+s] for s = 1..``ahead`` (not the paper's; ``objective.future_aux_weight``).
+
+    The paper trains the soft prompts and the contemplate MoE only through the draft's loss, i.e.
+    through the attention the draft gives its future entry — and an ignored entry passes back no
+    gradient (docs/RESULTS.md "Why ConFu ignores its future"). This loss reaches f whatever the draft
+    attends, as BiTA trains its prompt tokens: it makes f name the tokens the draft is about to draft
+    (f is the contemplate's final-normed state, what the LM head reads; ``contemplate_queries``).
+    Its gradient reaches the contemplate path only (soft prompts, MoE_con): the draft's parameters and
+    the frozen target do not enter it. Terms count where x[t+1+s] is an answer token of t's
+    conversation; the loss is their mean over valid anchors and s. The log-sum-exp runs over vocabulary
+    chunks (:func:`full_vocab_argmax_lse`), so [B, K, V] logits never exist at once.
+    """
+    w, axis = lm_head_layout(spec, target_params)
+    _, lse_bk = full_vocab_argmax_lse(f_bkd, w, axis, vocab_chunk)
+    b_idx = jnp.arange(tokens_bn.shape[0])[:, None]
+    total, count, metrics = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), {}
+    for s in range(1, ahead + 1):
+        ok_bn = shift_ahead(loss_mask_bn.astype(bool), 1 + s, False)
+        if rows.segment_ids_bn is not None:
+            ok_bn = ok_bn & same_segment_ahead(rows.segment_ids_bn, 1 + s)
+        ok_bk = (plan.valid_bk & ok_bn[b_idx, plan.anchor_bk]).astype(jnp.float32)
+        y_bk = jnp.maximum(shift_ahead(tokens_bn, 1 + s, 0)[b_idx, plan.anchor_bk], 0)
+        rows_bkd = jnp.take(w, y_bk, axis=0) if axis == 0 else jnp.moveaxis(jnp.take(w, y_bk, axis=1), 0, -1)
+        if rows_bkd.dtype != f_bkd.dtype:
+            rows_bkd, f_c = rows_bkd.astype(jnp.float32), f_bkd.astype(jnp.float32)
+        else:
+            f_c = f_bkd
+        logit_bk = jnp.einsum("bkd,bkd->bk", f_c, rows_bkd, preferred_element_type=jnp.float32)
+        ce_bk = lse_bk - logit_bk
+        n_s = jnp.sum(ok_bk)
+        metrics[f"future/aux_ce_x{1 + s}"] = jnp.sum(ce_bk * ok_bk) / jnp.maximum(n_s, 1.0)
+        total, count = total + jnp.sum(ce_bk * ok_bk), count + n_s
+    loss = total / jnp.maximum(count, 1.0)
+    metrics["future/aux_loss"] = loss
+    return loss, metrics
+
+
+def future_aux_scale(cfg: ObjectiveConfig, step) -> jax.Array:
+    """The auxiliary loss's weight at optimizer step ``step`` (None: evaluation, the full weight)."""
+    w = jnp.asarray(cfg.future_aux_weight, jnp.float32)
+    if cfg.future_aux_anneal_steps <= 0 or step is None:
+        return w
+    return w * jnp.clip(1.0 - jnp.asarray(step, jnp.float32) / cfg.future_aux_anneal_steps, 0.0, 1.0)
+
+
 def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_vocab: dict, batch: dict,
                rng: jax.Array, cfg: ObjectiveConfig) -> tuple[jax.Array, dict]:
     """(loss, metrics) of ``trainable = {'draft', 'confu'}`` on a batch (see module doc).
@@ -623,7 +686,8 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     (``launch.target_features``, EAGLE-3 only) add the :data:`OFFLINE_KEYS` ('h_cat' [B,N,3d] and
     the stored teacher), and the target pass is skipped. ``draft_vocab``:
     ``{'d2t', 't2d'}``. ``rng`` draws the anchors and lags (unused by EAGLE-3). Gradients reach
-    only ``trainable``: the target and its embedding enter under ``stop_gradient``.
+    only ``trainable``: the target and its embedding enter under ``stop_gradient``. An optional
+    'step' (the optimizer step, added by the train step) anneals ``cfg.future_aux_weight``.
     """
     tokens_bn, loss_mask_bn = batch_arrays(batch)
     rows = row_layout(batch)
@@ -678,6 +742,14 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     n_ans = jnp.maximum(jnp.sum(answer_w), 1.0)
     metrics["teacher/draft_vocab_mass"] = jnp.sum(teacher.draft_mass_bn * answer_w) / n_ans
     metrics["teacher/argmax_in_draft"] = jnp.sum(teacher.in_draft_bn * answer_w) / n_ans
+    if future is not None and (cfg.future_aux_weight > 0 or cfg.future_probe):
+        aux, aux_metrics = future_aux_loss(spec, target_params, f_bkd, tokens_bn, loss_mask_bn, rows, plan,
+                                           cfg.future_aux_ahead, cfg.vocab_chunk)
+        metrics.update(aux_metrics)
+        if cfg.future_aux_weight > 0:
+            scale = future_aux_scale(cfg, batch.get("step"))
+            metrics["future/aux_weight"] = scale
+            loss = loss + scale * aux
     if plan is not None:
         metrics["anchors/valid"] = jnp.mean(jnp.sum(plan.valid_bk, axis=1).astype(jnp.float32))
         metrics["anchors/window_coverage"] = jnp.sum((plan.index_bn >= 0) * answer_w) / n_ans

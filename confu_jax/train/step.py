@@ -32,6 +32,8 @@ def train_step_fn(loss_fn: LossFn, tx: optax.GradientTransformation,
 
     def train_step(state: TrainState, frozen, batch):
         rng, step_rng = jax.random.split(state.rng)
+        if isinstance(batch, dict):  # the optimizer step, for objectives with a schedule of their own
+            batch = dict(batch, step=state.step)
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, frozen, batch, step_rng)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Does a learned future-entry bias make ConFu read its future? (docs/RESULTS.md "Does ConFu use its
-# future?"; HeadConfig.future_bias, docs/DESIGN.md §4 item 13.)
+# Does ConFu read its future? Continuations of the ConFu release under the paper's objective and under
+# this project's future mechanisms, at equal compute (same data, seed, batches, steps and schedule),
+# each evaluated on the same held-out rows before (--eval_only) and after training (docs/RESULTS.md
+# "Why ConFu ignores its future", "A direct training signal for the future"; docs/DESIGN.md §4).
 #
-# The released ConFu head gives its future entry ~0.1% of its attention, and a weight near 0 gets a
-# gradient near 0. Two continuations of that release on the same data, seed and steps — the paper's
-# head, and the same head with a per-head logit on the entry's score starting at BIAS — each
-# evaluated on the same held-out rows before (--eval_only) and after training. The held-out
-# evaluation reports, with and without the entry: decode-path τ, conditional acceptance, and the
-# attention weight the entry gets (future/attn_weight/step{r}).
+# Arms (ARMS, space-separated; each adds flags to the same run):
+#   paper     the paper's head and objective
+#   bias      a learned logit on the future entry's attention score, starting at BIAS (confu.future_bias)
+#   aux       an auxiliary loss training f to name x[t+2 .. t+1+AHEAD] through the target's LM head
+#             (objective.future_aux_weight = AUX, future_aux_ahead = AHEAD)
+#   aux_bias  both
+# The held-out evaluation reports, with and without the entry: decode-path τ, conditional acceptance,
+# the attention weight the entry gets (future/attn_weight/step{r}), what f names (future/f_top1_x{s})
+# and f's cross-entropy on x[t+2] (future/aux_ce_x2).
 #
-#   bash experiments/confu_future_bias.sh                     # CPU: STEPS=40 of 4 x 1024 tokens
-#   STEPS=100 ROWS=32 LEN=2048 DTYPE=bfloat16 bash experiments/confu_future_bias.sh   # larger, where the deps are installed
+#   bash experiments/confu_future.sh                          # CPU: STEPS=40 of 4 x 1024 tokens, ARMS="paper aux"
+#   ARMS="paper bias aux aux_bias" STEPS=100 ROWS=32 LEN=2048 DTYPE=bfloat16 bash experiments/confu_future.sh
 #
 # INIT (default: the ConFu release) must be a trainable-tree export or release: its draft_vocab.npz is
 # the runs' draft vocabulary, so its LM head is copied column for column.
@@ -21,6 +26,9 @@ cd "$(dirname "$0")/.."
 
 STEPS=${STEPS:-40}
 BIAS=${BIAS:-4.0}
+AUX=${AUX:-1.0}
+AHEAD=${AHEAD:-2}
+ARMS=${ARMS:-paper aux}
 ROWS=${ROWS:-4}
 LEN=${LEN:-1024}
 K_TRAIN=${K_TRAIN:-128}
@@ -28,7 +36,7 @@ LR=${LR:-2e-4}
 EVAL_BATCHES=${EVAL_BATCHES:-4}
 DTYPE=${DTYPE:-float32}
 INIT=${INIT:-releases/heads/smollm2_confu}
-OUT=${OUT:-runs/future_bias}
+OUT=${OUT:-runs/confu_future}
 
 common=(--config configs/smollm2_confu.py
         "--config.train.checkpoint.init_from=$INIT"
@@ -44,13 +52,22 @@ train=("--config.train.steps=$STEPS" "--config.train.optim.lr=$LR" --config.trai
        "--config.train.checkpoint.every=$STEPS" --config.train.checkpoint.keep=1)
 
 mkdir -p "$OUT"
-for arm in paper bias; do
-  extra=()
-  [ "$arm" = bias ] && extra=("--config.confu.future_bias=$BIAS")
-  if [ ! -f "$OUT/${arm}_start/eval_only.json" ]; then
-    echo "== $arm: held-out evaluation at the start ($(date -u +%H:%M:%S))"
-    python -m launch.train --eval_only --workdir "$OUT/${arm}_start" "${common[@]}" "${extra[@]}" \
-      > "$OUT/${arm}_start.log" 2>&1
+for arm in $ARMS; do
+  case "$arm" in
+    paper) extra=() ;;
+    bias) extra=("--config.confu.future_bias=$BIAS") ;;
+    aux) extra=("--config.objective.future_aux_weight=$AUX" "--config.objective.future_aux_ahead=$AHEAD") ;;
+    aux_bias) extra=("--config.confu.future_bias=$BIAS" "--config.objective.future_aux_weight=$AUX"
+                     "--config.objective.future_aux_ahead=$AHEAD") ;;
+    *) echo "unknown arm '$arm' (expected paper, bias, aux, aux_bias)" >&2; exit 2 ;;
+  esac
+  # the head at step 0 differs only with a bias; the objective does not change the start's evaluation
+  start=paper_start
+  [[ "$arm" == *bias ]] && start=bias_start
+  if [ ! -f "$OUT/$start/eval_only.json" ]; then
+    echo "== $start: held-out evaluation at the start ($(date -u +%H:%M:%S))"
+    python -m launch.train --eval_only --workdir "$OUT/$start" "${common[@]}" "${extra[@]}" \
+      > "$OUT/$start.log" 2>&1
   fi
   if [ ! -d "$OUT/$arm/checkpoints/$STEPS" ]; then
     echo "== $arm: $STEPS steps ($(date -u +%H:%M:%S))"
@@ -59,16 +76,17 @@ for arm in paper bias; do
   fi
 done
 echo "== done ($(date -u +%H:%M:%S))"
-python - "$OUT" "$STEPS" <<'PY'
+python - "$OUT" "$STEPS" $ARMS <<'PY'
 import csv, json, os, sys
-out, steps = sys.argv[1], int(sys.argv[2])
+out, steps, arms = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 keys = ["decode_tau/chain3", "no_future/decode_tau/chain3", "cond_acc/step0", "no_future/cond_acc/step0",
         "future/attn_weight/step0", "future/attn_weight/step1", "future/attn_weight/step2", "future/attn_weight/step3",
-        "future/f_top1_x1", "future/f_top1_x2", "loss"]
+        "future/f_top1_x1", "future/f_top1_x2", "future/f_top1_x3", "future/aux_ce_x2", "loss"]
 rows = {}
-for arm in ("paper", "bias"):
-    with open(os.path.join(out, f"{arm}_start", "eval_only.json")) as f:
-        rows[f"{arm}@0"] = json.load(f)["eval"]
+for start in sorted({"bias_start" if a.endswith("bias") else "paper_start" for a in arms}):
+    with open(os.path.join(out, start, "eval_only.json")) as f:
+        rows[start.replace("_start", "@0")] = json.load(f)["eval"]
+for arm in arms:
     with open(os.path.join(out, arm, "eval.csv")) as f:
         last = [r for r in csv.DictReader(f) if int(r["step"]) == steps]
     rows[f"{arm}@{steps}"] = {k: float(v) for k, v in last[-1].items() if v not in ("", None)}
