@@ -76,6 +76,9 @@ def base_config(preset, variant: str) -> ml_collections.ConfigDict:
     # Not the paper's (unset = the paper): a learned per-head logit on the draft's attention score of
     # its future entry, starting at this value (docs/DESIGN.md §4 "Future-entry bias").
     config.confu.future_bias = config_dict.placeholder(float)
+    # Not the paper's (False = the paper): f also enters the first draft step's input through a learned
+    # map that starts at zero (HeadConfig.future_input; docs/DESIGN.md §4 "Future in the first step").
+    config.confu.future_input = False
 
     config.draft = ml_collections.ConfigDict()
     # None (no preset): a quarter of the target's vocabulary, at most 32000 (EAGLE-3 and SpecForge keep

@@ -10,6 +10,9 @@
 #   aux       an auxiliary loss training f to name x[t+2 .. t+1+AHEAD] through the target's LM head
 #             (objective.future_aux_weight = AUX, future_aux_ahead = AHEAD)
 #   aux_bias  both
+#   input     f also enters the first draft step's input through a learned map starting at zero
+#             (confu.future_input)
+#   aux_input the auxiliary loss and f in the first step
 # The held-out evaluation reports, with and without the entry: decode-path τ, conditional acceptance,
 # the attention weight the entry gets (future/attn_weight/step{r}), what f names (future/f_top1_x{s})
 # and f's cross-entropy on x[t+2] (future/aux_ce_x2).
@@ -59,9 +62,13 @@ for arm in $ARMS; do
     aux) extra=("--config.objective.future_aux_weight=$AUX" "--config.objective.future_aux_ahead=$AHEAD") ;;
     aux_bias) extra=("--config.confu.future_bias=$BIAS" "--config.objective.future_aux_weight=$AUX"
                      "--config.objective.future_aux_ahead=$AHEAD") ;;
-    *) echo "unknown arm '$arm' (expected paper, bias, aux, aux_bias)" >&2; exit 2 ;;
+    input) extra=(--config.confu.future_input=True) ;;
+    aux_input) extra=(--config.confu.future_input=True "--config.objective.future_aux_weight=$AUX"
+                      "--config.objective.future_aux_ahead=$AHEAD") ;;
+    *) echo "unknown arm '$arm' (expected paper, bias, aux, aux_bias, input, aux_input)" >&2; exit 2 ;;
   esac
-  # the head at step 0 differs only with a bias; the objective does not change the start's evaluation
+  # the head at step 0 differs only with a bias (future_input's map starts at zero: the paper's head; the
+  # objective does not change the start's evaluation)
   start=paper_start
   [[ "$arm" == *bias ]] && start=bias_start
   if [ ! -f "$OUT/$start/eval_only.json" ]; then

@@ -217,9 +217,12 @@ def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_pa
 
     biased = get_config("confu")
     biased.confu.future_bias = 3.0
+    biased.confu.future_input = True  # the release grows the new mechanisms' parameters at their init
     fresh = init_trainable(model_spec_from_config(biased), jax.random.PRNGKey(9))
     params, report = init_params_from(release, fresh, draft_vocab_d2t=np.asarray(run.draft_vocab["d2t"]))
-    assert report.step == 2 and report.kept_init == ["draft/future_bias"] and not report.shape_mismatch
+    assert report.step == 2 and sorted(report.kept_init) == ["draft/future_bias", "draft/future_in/kernel"]
+    assert not report.shape_mismatch
+    assert not np.asarray(params["draft"]["future_in"]["kernel"]).any()
     got = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
     for path, leaf in jax.tree_util.tree_leaves_with_path(rel.trainable):
         np.testing.assert_array_equal(np.asarray(got[jax.tree_util.keystr(path)]), np.asarray(leaf))

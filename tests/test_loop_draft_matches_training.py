@@ -71,14 +71,26 @@ def _training_form_logprobs(spec, params, seq, anchor, lag, *, zero_future=False
     return logp[0] if steps == 1 else logp
 
 
-@pytest.mark.parametrize("variant,plan_text", [("confu", "dynamic:2,4,20"), ("confu_nomoe", "dynamic:2,4,20"),
-                                               ("confu", "dynamic:2,4,20+c1")])
-def test_loop_depth0_draft_equals_training_form(variant, plan_text):
+def _with_future_input(spec, params, head_kw):
+    """ConFu with ``future_input``: its map starts at zero (the paper's head); give it random values."""
+    if not head_kw.get("future_input"):
+        return params
+    d = spec.target.d_model
+    kernel = 0.3 * jax.random.normal(jax.random.PRNGKey(11), (d, d), jnp.float32)
+    return params.replace(draft={**params.draft, "future_in": {"kernel": kernel}})
+
+
+@pytest.mark.parametrize("variant,plan_text,head_kw", [
+    ("confu", "dynamic:2,4,20", {}), ("confu_nomoe", "dynamic:2,4,20", {}), ("confu", "dynamic:2,4,20+c1", {}),
+    ("confu", "dynamic:2,4,20+c1", {"future_input": True})],
+    ids=["confu", "confu_nomoe", "confu_sparse", "confu_sparse_future_input"])
+def test_loop_depth0_draft_equals_training_form(variant, plan_text, head_kw):
     # vocab 4 with the full 2-level tree: the target's choice is always drafted, so the first
     # pass accepts >= 2 nodes and the second draft runs at a lag > 1. With +c1 only the root gets
     # a contemplate: the second draft's future comes from the root's position (anchor n, lag 1),
     # and the draft query at the last accepted position sits in that anchor's window.
-    spec, tp, params = make(variant, 4, seed=1)
+    spec, tp, params = make(variant, 4, seed=1, head_kw=head_kw)
+    params = _with_future_input(spec, params, head_kw)
     plan = plans.parse_plan(plan_text)
     sparse = plan.contemplates == 1
     prompt = [2, 0, 3, 1, 1, 2, 0]
@@ -98,6 +110,10 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text):
     assert int(anchor[0]) == n - 1
     want = _training_form_logprobs(spec, params, prompt + emitted[:1], n - 1, 1)
     np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
+    if head_kw.get("future_input"):  # not vacuous: f's map into the first step moves the draft
+        kernel = params.draft["future_in"]["kernel"]
+        zeroed = params.replace(draft={**params.draft, "future_in": {"kernel": jnp.zeros_like(kernel)}})
+        assert np.abs(_loop_depth0_logprobs(spec, zeroed, s0)[0][0] - got[0]).max() > 1e-3
 
     # after one pass that accepted n_acc nodes: anchor n-1+n_acc, lag n_acc ([con] from h_cat[n-1]);
     # sparse (+c1): anchor n (the root's position), lag 1, draft index n-1+n_acc in its window
@@ -119,8 +135,9 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text):
         assert np.abs(wrong - got[0]).max() > 1e-3
 
 
-@pytest.mark.parametrize("variant,head_kw", [("eagle3", {}), ("confu", {"future_bias": 1.0}), ("confu_nomoe", {})],
-                         ids=["eagle3", "confu_future_bias", "confu_nomoe"])
+@pytest.mark.parametrize("variant,head_kw", [("eagle3", {}), ("confu", {"future_bias": 1.0}), ("confu_nomoe", {}),
+                                             ("confu", {"future_input": True})],
+                         ids=["eagle3", "confu_future_bias", "confu_nomoe", "confu_future_input"])
 def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
     """Depths 1..3: the loop's chain drafts, each fed the loop's own previous draft, equal TTT steps
     1..3 of ``draft_ttt`` at the anchor on (context, bonus, those drafts) — after the prefill and after
@@ -133,8 +150,9 @@ def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
     from confu_jax.decode.drafting import HeadDrafter
 
     spec, tp, params = make(variant, 4, seed=1, head_kw=head_kw)
-    if head_kw:  # the random init gives the bias values near 0: make it matter
+    if head_kw.get("future_bias") is not None:  # the random init gives the bias values near 0: make it matter
         params = params.replace(draft={**params.draft, "future_bias": jnp.linspace(-2.0, 3.0, spec.target.n_heads)})
+    params = _with_future_input(spec, params, head_kw)
     full = plans.parse_plan("dynamic:3,4,36")  # all of depth 1 and most of depths 2-3 of vocab 4
     chain = HeadDrafter(plans.parse_plan("sampled_chain:3"))
     prompt = [2, 0, 3, 1, 1, 2, 0]

@@ -60,13 +60,19 @@ def _rows(result, n_rows):
 
 # vocab 24 with a random draft: most drafts are rejected. vocab 4 with a full 2-level tree
 # (dynamic:2,4,20): the target's choice is always in the tree, so every pass accepts >= 3 tokens.
+# ConFu with f in its first step (future_input, its map randomised: it starts at zero) drafts otherwise.
 @pytest.mark.parametrize(
-    "variant,vocab,plan",
-    [("eagle3", 24, "chain:3"), ("confu", 24, "dynamic:3,3,8"),
-     ("eagle3", 4, "dynamic:2,4,20"), ("confu", 4, "dynamic:2,4,20")],
+    "variant,vocab,plan,head_kw",
+    [("eagle3", 24, "chain:3", {}), ("confu", 24, "dynamic:3,3,8", {}),
+     ("eagle3", 4, "dynamic:2,4,20", {}), ("confu", 4, "dynamic:2,4,20", {}),
+     ("confu", 24, "chain:3", {"future_input": True})],
 )
-def test_greedy_lossless_batch(variant, vocab, plan):
-    spec, tp, params = make(variant, vocab)
+def test_greedy_lossless_batch(variant, vocab, plan, head_kw):
+    spec, tp, params = make(variant, vocab, head_kw=head_kw)
+    if head_kw:
+        d = spec.target.d_model
+        params = params.replace(draft={**params.draft, "future_in": {
+            "kernel": 0.3 * jax.random.normal(jax.random.PRNGKey(5), (d, d), jnp.float32)}})
     plan = plans.parse_plan(plan)
     prompts = prompts_for(vocab)
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=30, eos_ids=())

@@ -147,15 +147,17 @@ def expand_frontier(block_fn, st: DraftScratch, fr: tree_lib.Frontier, anchor_b:
 
 def draft_cached_tree(plan: DraftPlan, block_fn, draft_cache: KVCache, tokens_ba: jax.Array, feats_bac: jax.Array,
                       count_b: jax.Array, inp: DraftInput, *, n_kv_heads: int, head_dim: int, d_model: int,
-                      dtype, d2t_v=None, target_vocab: Optional[int] = None):
+                      dtype, d2t_v=None, target_vocab: Optional[int] = None, ingest_block_fn=None):
     """One iteration of a one-layer drafter with a cache: ingest the buffer (depth 0), then the plan's
     tree level by level -> (DraftTree, q_btv or None, cumulative draft scores [B,T] or None (sampled
-    chains), the draft cache with the buffer committed)."""
+    chains), the draft cache with the buffer committed). ``ingest_block_fn``: depth 0's block function
+    where it differs from the tree levels' (ConFu's ``future_input``); default ``block_fn``."""
     b = tokens_ba.shape[0]
+    ingest_block_fn = block_fn if ingest_block_fn is None else ingest_block_fn
 
     def expand_fn(st: DraftScratch, fr: tree_lib.Frontier):
         if fr.depth == 0:
-            logits, h_out, cache = ingest_entries(block_fn, tokens_ba, feats_bac, count_b, inp.done_b, st.draft_cache)
+            logits, h_out, cache = ingest_entries(ingest_block_fn, tokens_ba, feats_bac, count_b, inp.done_b, st.draft_cache)
             st = st._replace(draft_cache=cache, h_out_bkd=h_out)
         else:
             logits, st = expand_frontier(block_fn, st, fr, inp.anchor_b)
@@ -184,9 +186,18 @@ def refill_entries(v: VerifiedPass, node_feats_btc: jax.Array, tokens_ba: jax.Ar
 # ----------------------------------------------------------------------------- the EAGLE-3 / ConFu head
 
 
-def head_block(spec: ModelSpec, params: SpecParams, future=None):
-    """The head's ``block_fn`` (``draft_block`` on its parameters, with ConFu's future entry)."""
-    return functools.partial(draft_block, spec, params.draft, params.embed_vd, future=future)
+def head_block(spec: ModelSpec, params: SpecParams, future=None, future_input_bd=None):
+    """The head's ``block_fn`` (``draft_block`` on its parameters, with ConFu's future entry, and at
+    ingestion what f adds to the first step's input: ``future_input``)."""
+    return functools.partial(draft_block, spec, params.draft, params.embed_vd, future=future,
+                             future_input_bd=future_input_bd)
+
+
+def future_input(spec: ModelSpec, params: SpecParams, hs: HeadDraftState) -> Optional[jax.Array]:
+    """[B,d] what this iteration's f adds to the first draft step's input (``HeadConfig.future_input``), or None."""
+    if not spec.head.future_input:
+        return None
+    return draft_lib.draft_future_input(spec, params.draft, hs.future_bd[:, None])[:, 0]
 
 
 def ingest(spec: ModelSpec, params: SpecParams, hs: HeadDraftState, done_b: jax.Array, future,
@@ -196,8 +207,8 @@ def ingest(spec: ModelSpec, params: SpecParams, hs: HeadDraftState, done_b: jax.
     h_cat when the caller computed it already. The LM head runs at the anchor row only."""
     if g_bad is None:
         g_bad = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac)
-    return ingest_entries(head_block(spec, params, future), hs.ingest_tokens_ba, g_bad, hs.ingest_count_b, done_b,
-                          draft_cache)
+    block = head_block(spec, params, future, future_input(spec, params, hs) if future is not None else None)
+    return ingest_entries(block, hs.ingest_tokens_ba, g_bad, hs.ingest_count_b, done_b, draft_cache)
 
 
 def expand(spec: ModelSpec, params: SpecParams, st: DraftScratch, fr: tree_lib.Frontier,
@@ -222,7 +233,8 @@ def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDra
     tree, q, score_bt, draft_cache = draft_cached_tree(
         plan, head_block(spec, params, future), hs.draft_cache, hs.ingest_tokens_ba, g_bad, hs.ingest_count_b, inp,
         n_kv_heads=t.n_kv_heads, head_dim=t.head_dim, d_model=t.d_model, dtype=spec.head.dtype,
-        d2t_v=params.draft_vocab["d2t"], target_vocab=t.vocab_size)
+        d2t_v=params.draft_vocab["d2t"], target_vocab=t.vocab_size,
+        ingest_block_fn=head_block(spec, params, future, future_input(spec, params, hs)))
     dynamic = plan.kind == "dynamic"
     con_nodes = contemplate_nodes(spec, plan, tree, score_bt if dynamic else None)
     if with_scores:

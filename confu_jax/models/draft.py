@@ -11,7 +11,9 @@ docs/DESIGN.md §3; the future entry of ConFu: §4.
 ConFu adds one transient key/value per query, the **future entry**, built like a draft input with
 token slot [f] = MoE_f(g[p]) and hidden slot f[p] at RoPE position p+1 (``draft_future_entry``);
 ``eagle3`` has no future path and no extra parameters. ``HeadConfig.future_bias`` (not the paper's)
-adds a learned per-head logit to the entry's attention score (param ``future_bias`` [Hq]).
+adds a learned per-head logit to the entry's attention score (param ``future_bias`` [Hq]);
+``HeadConfig.future_input`` (not the paper's) also adds a learned map of f (param ``future_in``,
+zero at init) to the first draft step's hidden input (``draft_future_input``).
 
 The forwards that use this module live beside it: ``models.draft_ttt`` (training-time test over
 a whole sequence) and ``models.draft_decode`` (incremental forward of the decode loop); the
@@ -65,6 +67,9 @@ class DraftHead(nn.Module):
         self.lm_head = dense(h.draft_vocab_size, "lm_head", dot_general=F32_ACCUMULATE)  # f32 logits
         if h.has_future:
             self.moe_f = make_token_embedder(h.uses_moe, h.n_expert, h.expert_top_k, d, h.init_std, cd, pd)
+        if h.future_input:  # zero at init: the head starts as the paper's, and the loss reaches the map directly
+            self.future_in = nn.Dense(d, use_bias=False, dtype=cd, param_dtype=pd, kernel_init=nn.initializers.zeros,
+                                      name="future_in")
         if h.has_future and h.future_bias is not None:
             self.future_bias = self.param("future_bias", nn.initializers.constant(h.future_bias), (t.n_heads,), pd)
 
@@ -76,13 +81,16 @@ class DraftHead(nn.Module):
             x = jnp.concatenate([n(c) for n, c in zip(self.fc_tap_norms, jnp.split(x, len(self.fc_tap_norms), -1))], -1)
         return self.fc(x)
 
-    def project(self, emb_btd, hidden_btd, positions_bt):
-        """q [B,T,Hq,hd], k/v [B,T,Hkv,hd] (post-RoPE) of draft inputs (embedding, hidden state)."""
+    def project(self, emb_btd, hidden_btd, positions_bt, query_hidden_btd=None):
+        """q [B,T,Hq,hd], k/v [B,T,Hkv,hd] (post-RoPE) of draft inputs (embedding, hidden state).
+        ``query_hidden_btd``: the queries' hidden input where it differs from the keys' (``future_input``)."""
         t = self.spec.target
         cd = jnp.dtype(self.spec.head.dtype)
-        x = jnp.concatenate([self.input_norm(emb_btd.astype(cd)), self.hidden_norm(hidden_btd.astype(cd))], -1)
+        e = self.input_norm(emb_btd.astype(cd))
+        x = jnp.concatenate([e, self.hidden_norm(hidden_btd.astype(cd))], -1)
+        xq = x if query_hidden_btd is None else jnp.concatenate([e, self.hidden_norm(query_hidden_btd.astype(cd))], -1)
         b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, t.n_heads, t.head_dim)
+        q = self.q_proj(xq).reshape(b, n, t.n_heads, t.head_dim)
         k = self.k_proj(x).reshape(b, n, t.n_kv_heads, t.head_dim)
         v = self.v_proj(x).reshape(b, n, t.n_kv_heads, t.head_dim)
         cos, sin = rope_cos_sin(positions_bt, self.spec.draft_rope)
@@ -108,11 +116,16 @@ class DraftHead(nn.Module):
     def future_token(self, g_nd):
         return self.moe_f(g_nd)
 
+    def future_input(self, f_nd):
+        return self.future_in(f_nd.astype(jnp.dtype(self.spec.head.dtype)))
+
     def init_all(self, h_cat_btc, emb_btd, positions_bt):
         g = self.features(h_cat_btc)
         q, k, v = self.project(emb_btd, g, positions_bt)
         if self.spec.head.has_future:
             self.future_token(g)
+        if self.spec.head.future_input:
+            self.future_input(g)
         h_out, hidden = self.finish(q, g)
         return self.logits(hidden)
 
@@ -169,3 +182,12 @@ def draft_future_entry(spec: ModelSpec, draft_params: dict, f_bnd: jax.Array, g_
     tok = apply_head(spec, draft_params, g_bnd, method=DraftHead.future_token)
     _, k, v = apply_head(spec, draft_params, tok, f_bnd, anchor_bn.astype(jnp.int32) + 1, method=DraftHead.project)
     return DraftFuture(k, v, draft_params["future_bias"] if spec.head.future_bias is not None else None)
+
+
+def draft_future_input(spec: ModelSpec, draft_params: dict, f_bnd: jax.Array) -> Optional[jax.Array]:
+    """What f adds to the first draft step's hidden input (``HeadConfig.future_input``): [B,N,d], or
+    None for heads without it. Training adds it at step 0 of every index with an anchor
+    (``draft_ttt``), decoding at ingestion (``decode.drafting``); the keys the cache keeps never carry it."""
+    if not spec.head.future_input:
+        return None
+    return apply_head(spec, draft_params, f_bnd, method=DraftHead.future_input)

@@ -39,6 +39,7 @@ def draft_block(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens
                 scratch_v_bmhd: Optional[jax.Array] = None, scratch_mask_btm: Optional[jax.Array] = None,
                 future: Optional[DraftFuture] = None,
                 future_visible_bt: Optional[jax.Array] = None,
+                future_input_bd: Optional[jax.Array] = None,
                 logits_index_b: Optional[jax.Array] = None) -> DraftBlockOutput:
     """Incremental draft forward of T inputs; never writes anything.
 
@@ -57,17 +58,23 @@ def draft_block(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens
     parents' ``h_out``, positions = parents' + 1, scratch = earlier levels' K/V.
     ``logits_index_b`` [B]: run the LM head only at that row of the block (logits_btv is then
     [B,1,V_draft]) — ingestion uses one row of up to D+1.
+    ``future_input_bd`` [B,d] (ConFu with ``HeadConfig.future_input``, ingestion only): added to every
+    row's hidden input for its query and residual, not its key/value — the step-0 form of training,
+    whose keys (the committed cache) never carry f; only the anchor row's output is read.
     """
     if future is not None and not spec.head.has_future:
         raise ValueError("draft_block: variant 'eagle3' takes no future entry")
     b, t = tokens_bt.shape
     emb = embed_tokens(embed_vd, tokens_bt)
-    q, k, v = apply_head(spec, draft_params, emb, hidden_btd, positions_bt.astype(jnp.int32), method=DraftHead.project)
+    hidden_q = None if future_input_bd is None else hidden_btd + future_input_bd[:, None].astype(hidden_btd.dtype)
+    q, k, v = apply_head(spec, draft_params, emb, hidden_btd, positions_bt.astype(jnp.int32), hidden_q,
+                         method=DraftHead.project)
     if block_mask_btt is None:
         block_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     attn = attend_blocks(q, k, v, block_mask_btt, cache, scratch_k_bmhd, scratch_v_bmhd, scratch_mask_btm,
                          future, future_visible_bt)
-    h_out, hidden = apply_head(spec, draft_params, attn, hidden_btd, method=DraftHead.finish)
+    h_out, hidden = apply_head(spec, draft_params, attn, hidden_btd if hidden_q is None else hidden_q,
+                               method=DraftHead.finish)
     at = hidden if logits_index_b is None else hidden[jnp.arange(b), logits_index_b][:, None]
     return DraftBlockOutput(draft_logits(spec, draft_params, at), hidden, h_out, k, v)
 

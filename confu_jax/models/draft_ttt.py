@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from confu_jax import sharding as shd
 from confu_jax.models.draft import (DraftHead, apply_head, draft_features, draft_future_entry,
-                                    draft_logits, embed_tokens)
+                                    draft_future_input, draft_logits, embed_tokens)
 from confu_jax.models.draft_attention import draft_attention_flash
 from confu_jax.models.spec import ModelSpec
 
@@ -60,7 +60,9 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
     ``tokens_bn`` [B,N]: the sequence x (unshifted); ``h_cat_bnc`` [B,N,3d]: target taps at each
     position. Step r, index j: input (embed(x[j+1+r]), g[j] if r == 0 else h_out[r-1, j]), RoPE
     position positions[j]+r, predicts x[j+2+r]; it attends step-0 keys at indices <= j and the
-    diagonal entries (j, 1..r), plus j's future entry (every step). Token indices past N read
+    diagonal entries (j, 1..r), plus j's future entry (every step). With ``HeadConfig.future_input``
+    step 0's queries and residual read g[j] + future_in(f of j's anchor); its keys (what the decode
+    cache keeps for accepted positions) read g[j] alone. Token indices past N read
     token 0: those outputs have no target and must be masked by the loss.
 
     Packed rows (several conversations per row): ``segment_ids_bn`` makes step-0 attention
@@ -93,6 +95,7 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
 
     extra_k, extra_v, extra_m = [], [], []
     future_bias_h = None  # [Hq] learned logit of the future entry (HeadConfig.future_bias)
+    delta_bnd = None  # [B,N,d] what f adds to step 0's hidden input (HeadConfig.future_input)
     if future is not None:
         rows = jnp.arange(b)[:, None]
         anchor_bk = future.anchor_bk.astype(jnp.int32)
@@ -103,6 +106,9 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
         extra_v.append(fut.v_bnhd[rows, idx])
         extra_m.append(future.index_bn >= 0)
         future_bias_h = fut.bias_h
+        delta_bkd = draft_future_input(spec, draft_params, future.f_bkd)
+        if delta_bkd is not None:
+            delta_bnd = jnp.where(extra_m[0][..., None], delta_bkd[rows, idx], 0).astype(g_bnd.dtype)
 
     hidden = g_bnd
     k0 = v0 = None
@@ -115,7 +121,10 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
     logits_r, hid_r, hout_r, weight_r = [], [], [], []
     for r in range(n_steps):
         emb = embed_tokens(embed_vd, tok_pad[:, 1 + r:1 + r + n])
-        q, k, v = apply_head(spec, draft_params, emb, hidden, positions_bn + r, method=DraftHead.project)
+        hidden_q = None  # step 0 with future_input: queries and residual read g + delta, keys g alone
+        if r == 0 and delta_bnd is not None:
+            hidden_q = _rows(hidden + delta_bnd)
+        q, k, v = apply_head(spec, draft_params, emb, hidden, positions_bn + r, hidden_q, method=DraftHead.project)
         q, k, v = _rows(q), _rows(k), _rows(v)
         if r == 0:
             k0, v0 = k, v
@@ -134,7 +143,7 @@ def draft_ttt(spec: ModelSpec, draft_params: dict, embed_vd: jax.Array, tokens_b
                 weight_r.append(w_bthx[..., 0])
         else:
             attn = draft_attention_flash(q, k0, v0, segment_ids_bn)
-        h_out, hid = finish(draft_params, _rows(attn), hidden)
+        h_out, hid = finish(draft_params, _rows(attn), hidden if hidden_q is None else hidden_q)
         h_out, hid = _rows(h_out), _rows(hid)
         hid_r.append(hid)
         hout_r.append(h_out)

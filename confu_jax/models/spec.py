@@ -38,6 +38,11 @@ class HeadConfig:
     # EAGLE-3 attention with a tiny softmax weight (~0.05% on the release, docs/RESULTS.md "Why ConFu
     # ignores its future"), and a weight near 0 gets a gradient near 0; the bias starts it where training can see it.
     future_bias: Optional[float] = None
+    # ConFu only, not the paper's (False = the paper): f also enters the first draft step's input — a
+    # learned d x d map of f (zero at init, so the head starts as the paper's) added to the hidden input
+    # of step 0's queries and residual stream (not to the keys the draft cache keeps). The draft's loss
+    # reaches it directly, not only through the attention the future entry gets (docs/DESIGN.md §4).
+    future_input: bool = False
     dtype: str = "float32"  # draft compute dtype
     param_dtype: str = "float32"  # trainable parameters (soft prompts, MoEs, draft)
     # The draft's own RoPE and norms. Our heads use the target's (None / False); a published EAGLE-3
@@ -64,6 +69,8 @@ class HeadConfig:
             raise ValueError(
                 f"HeadConfig: expert_top_k must be in [1, n_expert={self.n_expert}], got {self.expert_top_k}"
             )
+        if self.future_input and not self.has_future:
+            raise ValueError(f"HeadConfig: future_input needs a variant with a future path, got {self.variant!r}")
         if self.has_future and self.n_soft_prompts < 0:
             raise ValueError(f"HeadConfig.n_soft_prompts must be >= 0, got {self.n_soft_prompts}")
 
@@ -147,6 +154,7 @@ def model_spec_from_config(config, backend: Optional[str] = None) -> ModelSpec:
         init_std=float(d.init_std),
         soft_prompt_init_std=float(c.soft_prompt_init_std),
         future_bias=_opt(c, "future_bias", float),
+        future_input=bool(c.get("future_input", False)),
         dtype=d.dtype,
         param_dtype=d.param_dtype,
         rope_theta=_opt(d, "rope_theta", float),

@@ -1,9 +1,12 @@
-"""ConFu's auxiliary future loss (``objective.future_aux_weight``, not the paper's): the contemplate's f,
-read by the target's frozen LM head, trained to name x[t+2 .. t+1+m].
+"""ConFu's future mechanisms beyond the paper (docs/DESIGN.md §4): the auxiliary future loss
+(``objective.future_aux_weight``: the contemplate's f, read by the target's frozen LM head, trained to
+name x[t+2 .. t+1+m]) and f in the first draft step (``confu.future_input``). The decode loop's drafts
+with ``future_input`` equal the training form in tests/test_loop_draft_matches_training.py, its greedy
+decode equals AR in tests/test_spec_loop.py.
 
 References: the LM head in float64 numpy, anchor by anchor (tied and untied layouts); the paper's
-objective on the same parameters (the draft's gradient must not move); the linear schedule in the
-training log of a real run.
+objective on the same parameters (the draft's gradient must not move; a zero map is the paper's head);
+the linear schedule in the training log of a real run.
 """
 
 import csv
@@ -115,3 +118,21 @@ def test_a_run_logs_the_schedule_and_learns_to_name_the_future(tmp_path):
         assert float(r["future/aux_weight"]) == pytest.approx(1.0 - (int(r["step"]) - 1) / 40, abs=1e-6), r["step"]
     _, without = run("paper", 0.0)
     assert with_aux < without - 0.05, (with_aux, without)
+
+
+def test_future_input_starts_as_the_papers_head_and_gets_a_gradient():
+    """A zero map (its init) gives the paper's loss exactly, yet the map's gradient is not small: the
+    draft's loss reaches it through step 0's residual and queries, not through the entry's attention
+    weight. A step against that gradient lowers the loss."""
+    spec, tp, tr, dv, batch = tiny_objective_case("confu", 3, V, NB, NN)
+    (l0, _), _ = _loss_and_grads(spec, tp, tr, dv, batch, CFG)
+    spec_in = dataclasses.replace(spec, head=dataclasses.replace(spec.head, future_input=True))
+    d = spec.target.d_model
+    tr_in = {**tr, "draft": {**tr["draft"], "future_in": {"kernel": jnp.zeros((d, d), jnp.float32)}}}
+    (l1, _), g1 = _loss_and_grads(spec_in, tp, tr_in, dv, batch, CFG)
+    assert float(l1) == pytest.approx(float(l0), rel=1e-6)
+    grad = np.asarray(g1["draft"]["future_in"]["kernel"])
+    assert grad.shape == (d, d) and np.abs(grad).max() > 1e-4
+    moved = {**tr_in, "draft": {**tr_in["draft"], "future_in": {"kernel": jnp.asarray(-1e-2 * grad / np.abs(grad).max())}}}
+    (l2, _), _ = _loss_and_grads(spec_in, tp, moved, dv, batch, CFG)
+    assert float(l2) < float(l1)  # a step against the gradient lowers the loss: the map is trainable
