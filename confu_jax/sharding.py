@@ -68,10 +68,14 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
               devices: Optional[Sequence[Any]] = None) -> Mesh:
     """Mesh over ``devices`` (default: all global devices). One size may be -1 (fill the rest).
 
-    Devices are laid out in ``jax.devices()`` order (process-major), so with several processes the
-    outer 'data' axis spans processes and each process feeds a contiguous block of batch rows.
+    Devices are laid out process-major (``jax.devices()`` order within a process, sorted stably by
+    process index), so with several processes the outer 'data' axis spans processes — data
+    parallelism, whose only cross-host traffic is the gradient reduction, goes over the slow network
+    between hosts, while fsdp / tensor collectives stay inside a host — and each process feeds a
+    contiguous block of batch rows (``mesh_layout`` says where each process sits).
     """
     devices = list(jax.devices() if devices is None else devices)
+    devices = sorted(devices, key=lambda d: getattr(d, "process_index", 0))  # stable: keeps order within a process
     n = len(devices)
     sizes = [int(data), int(fsdp), int(tensor)]
     if sum(s == -1 for s in sizes) > 1:
@@ -91,6 +95,13 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
             f"found {n}")
     dev_arr = np.asarray(devices, dtype=object).reshape(sizes)
     return Mesh(dev_arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_layout(mesh: Mesh) -> dict:
+    """``{"axes": {name: size}, "process_index": nested list [data][fsdp][tensor]}``: which process
+    owns each mesh position (written to a run's mesh.json)."""
+    procs = np.vectorize(lambda d: int(getattr(d, "process_index", 0)), otypes=[int])(mesh.devices)
+    return {"axes": {k: int(v) for k, v in mesh.shape.items()}, "process_index": procs.tolist()}
 
 
 def path_str(path) -> str:

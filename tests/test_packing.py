@@ -169,16 +169,21 @@ def test_pipeline_packs_every_conversation_intact():
     cfg = _cfg(pack=True, pack_bins=3, shuffle=False, num_epochs=1, global_batch_size=1)  # no remainder dropped
     rows, got = 0, []
     for batch in pipeline.make_train_iterator(cfg, tok, conversations=convs):
-        assert set(batch) == set(pipeline.PACKED_KEYS)
+        assert set(batch) == set(pipeline.PACKED_KEYS) | {"record_index"}
         for b in range(batch["tokens"].shape[0]):
             seg, pos = batch["segment_ids"][b], batch["positions"][b]
             np.testing.assert_array_equal(batch["attention_mask"][b], seg > 0)
+            ids = batch["record_index"][b]  # each segment is one record, named on every one of its tokens
+            assert (ids[seg == 0] == -1).all()
             assert not batch["loss_mask"][b][seg == 0].any()
             for s in range(1, seg.max() + 1):
                 where = np.nonzero(seg == s)[0]
                 assert (np.diff(where) == 1).all(), "a conversation is split"
                 np.testing.assert_array_equal(pos[where], np.arange(len(where)))
                 got.append(tuple(batch["tokens"][b][where].tolist()) + tuple(batch["loss_mask"][b][where].tolist()))
+                assert len(set(ids[where].tolist())) == 1 and ids[where][0] >= 0
+                ref = pipeline.encode_example(convs[ids[where][0]]["messages"], tok, MAX_LEN, pad=False)
+                np.testing.assert_array_equal(ref["tokens"], batch["tokens"][b][where])
             rows += 1
     assert sorted(got) == want
     assert rows < len(want), "packing put no two conversations in one row"

@@ -179,7 +179,8 @@ def test_store_is_a_grain_source(tmp_path):
     clone = pickle.loads(pickle.dumps(store))
     np.testing.assert_array_equal(clone[3]["h_cat"], store[3]["h_cat"])
     batch = next(iter(tf.feature_dataset(store, per_host_batch_size=2, shuffle=False)))
-    assert set(batch) == {"tokens", "loss_mask", "attention_mask", *L.OFFLINE_KEYS}
+    assert set(batch) == {"tokens", "loss_mask", "attention_mask", "record_index", *L.OFFLINE_KEYS}
+    assert batch["record_index"].tolist() == [0, 1]  # store rows, for train.log_records
     assert batch["h_cat"].shape == (2, N, 3 * spec_d()) and batch["teacher_topk_ids"].dtype == np.int32
     with pytest.raises(IndexError, match="outside"):
         store.row(ROWS)

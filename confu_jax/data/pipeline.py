@@ -17,14 +17,15 @@ Pipeline (one ``grain`` graph, so its iterator state can be checkpointed and res
   ``positions`` int32 [B, N] (restarting at 0 per conversation); the objective keeps attention,
   anchors, windows, lags and TTT targets inside each conversation (docs/DESIGN.md §4), so packed
   rows train exactly what the same conversations padded would, with less padding computed.
-  Packed rows carry no ``record_index``.
+  Packed rows carry ``record_index`` per token (int32 [B, N], -1 on padding).
 * A row whose truncation leaves fewer than ``min_loss_tokens`` assistant tokens is dropped; with a
   finite ``num_epochs`` hosts may therefore run out one batch apart: drive training by step count.
 
 Batch (numpy, per host): ``tokens`` int32 [B, N]; ``loss_mask`` bool [B, N], True where the token *at
 that position* is an assistant token to predict (assistant content + its end-of-turn token, as
 ``ChatTokenizer.encode_chat`` marks it); ``attention_mask`` bool [B, N], True on real tokens;
-``record_index`` int32 [B], the conversation's index in the loaded list (for debugging and audits).
+``record_index`` int32 [B], the conversation's index in the loaded list (for debugging and audits:
+``train.log_records``; host-side only, the training loop takes it out before the batch goes to devices).
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ class _Encode(grain.transforms.Map):
             row["record_index"] = np.int32(index)
         elif row is not None:
             del row["attention_mask"]  # rebuilt from the packer's segment ids
+            row["record_index"] = np.full(len(row["tokens"]), index, np.int32)  # packed with the tokens
         return row
 
 
@@ -212,10 +214,13 @@ class _PackedRow(grain.transforms.Map):
 
     def map(self, row):
         seg = np.asarray(row["tokens_segment_ids"], np.int32)
-        return {"tokens": np.asarray(row["tokens"], np.int32), "loss_mask": np.asarray(row["loss_mask"], bool),
-                "attention_mask": seg > 0, "segment_ids": seg,
-                "positions": np.asarray(row["tokens_positions"], np.int32),
-                **{k: row[k] for k in self._extra_keys}}
+        out = {"tokens": np.asarray(row["tokens"], np.int32), "loss_mask": np.asarray(row["loss_mask"], bool),
+               "attention_mask": seg > 0, "segment_ids": seg,
+               "positions": np.asarray(row["tokens_positions"], np.int32),
+               **{k: row[k] for k in self._extra_keys}}
+        if "record_index" in out:  # the packer pads with 0, a record's index: -1 says "no record"
+            out["record_index"] = np.where(seg > 0, np.asarray(out["record_index"], np.int32), -1)
+        return out
 
 
 def pack_rows(ds: grain.IterDataset, max_length: int, num_bins: int,
@@ -294,7 +299,7 @@ def make_dataset(
     read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     it_ds = ds.to_iter_dataset(read)  # drops the None rows
     if pack:
-        it_ds = pack_rows(it_ds, max_length, pack_bins or per_host_batch_size)
+        it_ds = pack_rows(it_ds, max_length, pack_bins or per_host_batch_size, extra_keys=("record_index",))
     it_ds = it_ds.batch(per_host_batch_size, drop_remainder=True)
     if num_workers > 0:
         from absl import flags

@@ -265,6 +265,7 @@ class FeatureStore:
         n, pad = len(r["tokens"]), self.max_length - len(r["tokens"])
         out = {k: np.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) for k, v in r.items()}
         out["attention_mask"] = np.arange(self.max_length) < n
+        out["record_index"] = np.int32(i)  # the store row: audits of what a run read (train.log_records)
         return out
 
 
@@ -278,7 +279,9 @@ class UnpaddedRows:
         return len(self.store)
 
     def __getitem__(self, i) -> dict:
-        return self.store.unpadded(i)
+        r = self.store.unpadded(i)
+        r["record_index"] = np.full(len(r["tokens"]), int(i), np.int32)  # packed with the tokens
+        return r
 
 
 def feature_dataset(store: FeatureStore, *, per_host_batch_size: int, process_index: int = 0,
@@ -303,5 +306,6 @@ def feature_dataset(store: FeatureStore, *, per_host_batch_size: int, process_in
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(None)[process_index::process_count].to_iter_dataset()
     if pack:
-        ds = pipeline.pack_rows(ds, store.max_length, pack_bins or per_host_batch_size, extra_keys=ROW_KEYS[2:])
+        ds = pipeline.pack_rows(ds, store.max_length, pack_bins or per_host_batch_size,
+                                extra_keys=ROW_KEYS[2:] + ("record_index",))
     return ds.batch(per_host_batch_size, drop_remainder=True)

@@ -63,4 +63,7 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.progress_bar = True
     # 'A:B': write a profiler trace (TensorBoard / Perfetto: <workdir>/profile) of steps A..B; '' = none.
     c.profile_steps = ""
+    # Each process writes <workdir>/records/process_<i>-of-<n>.csv: the record_index of every row it
+    # trained on, per step (unpacked rows; packed rows carry none) — an audit of what the run read.
+    c.log_records = False
     return c

@@ -35,7 +35,7 @@ from confu_jax.models.spec import model_spec_from_config
 from confu_jax.runs.checkpoint import Checkpointer, init_params_from
 from confu_jax.runs.heads import write_target_record
 from confu_jax.runs.lock import workdir_lock
-from confu_jax.train.metric_writers import make_writers
+from confu_jax.train.metric_writers import RecordLog, make_writers
 from confu_jax.train.optim import make_optimizer
 from confu_jax.train.state import param_count, state_builder
 from confu_jax.train.step import CompiledStep, make_eval_step, make_train_step
@@ -106,8 +106,8 @@ def compile_report(config, task: Optional[TrainTask] = None, mesh=None, time_ste
     8B training step is timed on one GPU with nothing downloaded."""
     t0 = time.time()
     run = setup_run(config, task, mesh)
-    batch = shd.global_batch(next(run.task.train_iterator(jax.process_index(), jax.process_count())),
-                             run.mesh)
+    first, _ = split_record_ids(next(run.task.train_iterator(jax.process_index(), jax.process_count())))
+    batch = shd.global_batch(first, run.mesh)
     t1 = time.time()
     step = run.compile_train_step(batch)
     flops = step.matmul_flops()
@@ -258,7 +258,7 @@ def evaluate(eval_step: CompiledStep, state, batches: Sequence) -> dict:
 # how it is laid out on devices (checkpoints restore into any mesh). Everything else changes what
 # is trained, so resuming a workdir with it changed is refused.
 RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.milestones", "train.tensorboard",
-                     "train.progress_bar", "train.profile_steps", "train.checkpoint.every", "train.checkpoint.keep",
+                     "train.progress_bar", "train.profile_steps", "train.log_records", "train.checkpoint.every", "train.checkpoint.keep",
                      "train.checkpoint.async_save", "train.checkpoint.init_from",
                      "train.checkpoint.init_from_step", "train.mesh.", "data.num_threads",
                      "data.prefetch_buffer_size", "data.num_workers", "objective.eval_batches", "objective.token_chunk", "objective.remat_mlp",
@@ -306,12 +306,20 @@ def check_resume_config(workdir: str, config) -> None:
                          "(with train.checkpoint.init_from to start from this run) or restore those values")
 
 
-def _write_run_files(config, workdir: str, run: RunSetup) -> None:
-    """config.json, target.json and the run's description in the log (process 0 only)."""
+def _target_fingerprint(run: RunSetup) -> Optional[str]:
+    """The frozen target's fingerprint; every process calls this (a target sharded over several
+    processes is sampled under jit: a collective all of them must join)."""
+    task = run.task
+    return task.target_fingerprint(run.frozen) if callable(task.target_fingerprint) else task.target_fingerprint
+
+
+def _write_run_files(config, workdir: str, run: RunSetup, fingerprint: Optional[str]) -> None:
+    """config.json, target.json, mesh.json and the run's description in the log (process 0 only)."""
     task = run.task
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
-    fingerprint = task.target_fingerprint(run.frozen) if callable(task.target_fingerprint) else task.target_fingerprint
+    with open(os.path.join(workdir, "mesh.json"), "w") as f:  # which process holds which mesh position
+        json.dump(shd.mesh_layout(run.mesh), f, indent=1)
     if fingerprint:
         write_target_record(workdir, fingerprint, task.target_source)
     logging.info("task: %s | mesh %s over %d processes | trainable %s params | frozen %s params",
@@ -382,8 +390,10 @@ def evaluate_only(config, workdir: str, task: Optional[TrainTask] = None, mesh=N
             run = setup_run(config, task, mesh)
             if run.task.eval_batches is None:
                 raise ValueError("evaluate_only: the task has no held-out batches (objective.eval_batches = 0?)")
-            if main and latest is None:  # a trained workdir keeps its own config.json
-                _write_run_files(config, workdir, run)
+            if latest is None:  # a trained workdir keeps its own config.json
+                fingerprint = _target_fingerprint(run)
+                if main:
+                    _write_run_files(config, workdir, run, fingerprint)
             iterator = run.task.train_iterator(pidx, pcount)
             state, step, _ = _restore_or_init(config, workdir, run, ckpt, iterator, main)
             eval_step, batches = _eval_setup(run, True, pidx, pcount)
@@ -414,11 +424,32 @@ def _eval_setup(run: RunSetup, enabled: bool, pidx: int, pcount: int):
     """(compiled eval step or None, this process's held-out batches on the mesh)."""
     if not enabled or run.task.eval_batches is None:
         return None, []
-    batches = [shd.global_batch(b, run.mesh) for b in run.task.eval_batches(pidx, pcount)]
+    batches = [shd.global_batch(split_record_ids(b)[0], run.mesh) for b in run.task.eval_batches(pidx, pcount)]
     return (run.compile_eval_step(batches[0]) if batches else None), batches
 
 
 BAD_RECORDS_LOG = "bad_records.log"  # every skipped training record, file:line: reason: detail
+
+
+def split_record_ids(local_batch):
+    """(the batch without ``record_index``, the ids or None): which records a batch holds is host-side
+    bookkeeping (``train.log_records``), never a device input — so the compiled step is the same with
+    or without it, and equal to the one ``--compile_only`` sizes."""
+    if not isinstance(local_batch, dict) or "record_index" not in local_batch:
+        return local_batch, None
+    rest = dict(local_batch)
+    return rest, rest.pop("record_index")
+
+
+def _log_records(log: RecordLog, step: int, ids) -> None:
+    """This process's records of one step: [B] (a row each) or, packed, [B, N] per token (-1: padding)."""
+    if ids is None:
+        raise ValueError("train.log_records: this run's batches carry no 'record_index' (synthetic data has "
+                         "none); turn train.log_records off")
+    ids = np.asarray(ids)
+    if ids.ndim == 2:  # packed rows: each row's records in the order they sit in it
+        ids = [int(r) for row in ids for r in dict.fromkeys(row.tolist()) if r >= 0]
+    log.write(step, np.asarray(ids).reshape(-1))
 
 
 def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[TrainTask] = None,
@@ -450,8 +481,9 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     with bad_records_log_to(os.path.join(workdir, BAD_RECORDS_LOG) if main else None):
         run = setup_run(config, task, mesh)
     task = run.task
+    fingerprint = _target_fingerprint(run)
     if main:
-        _write_run_files(config, workdir, run)
+        _write_run_files(config, workdir, run, fingerprint)
     iterator = task.train_iterator(pidx, pcount)
     state, start, init_report = _restore_or_init(config, workdir, run, ckpt, iterator, main)
 
@@ -459,6 +491,8 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     eval_writers = make_writers(workdir, "eval", tc.tensorboard, start) if main else None
     # wall-clock figures apart from metrics.csv, which stays a function of (config, data, step) only
     speed_writers = make_writers(workdir, "throughput", tc.tensorboard, start) if main else None
+    records = (RecordLog(os.path.join(workdir, "records", f"process_{pidx}-of-{pcount}.csv"), start)
+               if tc.get("log_records", False) else None)
     t_eval = time.time()
     eval_step, eval_batches = _eval_setup(run, tc.eval_every > 0 or bool(milestones), pidx, pcount)
     if main and eval_step is not None:  # each phase before the first step is logged: a stall names its phase
@@ -475,7 +509,11 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     try:
         while step < tc.steps:
             t_batch = time.time()
-            batch = shd.global_batch(next(iterator), run.mesh)
+            local = next(iterator)
+            local, ids = split_record_ids(local)
+            if records is not None:
+                _log_records(records, step + 1, ids)
+            batch = shd.global_batch(local, run.mesh)
             if train_step is None:
                 t0 = time.time()
                 if main:

@@ -50,6 +50,33 @@ class CsvWriter:
         pass
 
 
+class RecordLog(CsvWriter):
+    """``step,records``: the data records (``record_index``, their index in the loaded training data)
+    this process trained on at each step, space-separated in row order (``train.log_records``). One
+    file per process; a resume keeps the rows up to the restored step, as the metric CSVs do, so after
+    any number of restarts the files say exactly which records the run's steps read."""
+
+    def write(self, step: int, records) -> None:  # type: ignore[override]
+        row = {"step": int(step), "records": " ".join(str(int(r)) for r in records)}
+        self.rows.append(row)
+        if not self.header or not os.path.exists(self.path):
+            self.header = ["step", "records"]
+            self._rewrite()
+            return
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.header).writerow(row)
+
+
+def read_record_logs(directory: str) -> dict:
+    """``{step: [record, ...]}`` over every process's record log in ``directory`` (process order)."""
+    out: dict = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), newline="") as f:
+            for r in csv.DictReader(f):
+                out.setdefault(int(r["step"]), []).extend(int(x) for x in r["records"].split())
+    return out
+
+
 def _fmt(v) -> str:
     v = float(v)
     return repr(v) if math.isfinite(v) else str(v)

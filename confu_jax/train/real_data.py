@@ -19,17 +19,18 @@ BATCH_KEYS = ("tokens", "loss_mask", "attention_mask")
 
 
 class KeepKeys:
-    """A batch iterator restricted to the keys the loss reads (checkpointable like the inner one)."""
+    """A batch iterator restricted to the keys the loss reads, plus the host-side ``record_index``
+    (the training loop logs and drops it: ``train.log_records``); checkpointable like the inner one."""
 
     def __init__(self, inner, keys=BATCH_KEYS):
-        self.inner, self.keys = inner, keys
+        self.inner, self.keys = inner, tuple(keys) + ("record_index",)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
         batch = next(self.inner)
-        return {k: np.asarray(batch[k]) for k in self.keys}
+        return {k: np.asarray(batch[k]) for k in self.keys if k in batch}
 
     def get_state(self):
         return self.inner.get_state()
