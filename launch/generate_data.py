@@ -20,16 +20,26 @@ bar shows conversations and generated tokens/s. A conversation's next turn stays
 prefills only the tokens the turn adds to the cached context (``--reuse_prefix``, default on;
 greedy tokens equal a from-scratch prefill up to float rounding at near-ties), and slots freed
 together are prefilled together (``--fill_rows``). ``--engine static`` runs batches of
-``--batch_size`` conversations turn by turn through ``generate_ar`` instead. ``--num_shards`` /
-``--shard_index`` split the conversations by id hash over processes or hosts.
+``--batch_size`` conversations turn by turn through ``generate_ar`` instead.
+
+**A node or a pod** (``confu_jax.data.distill_shards``): run the same command once per process (host);
+each takes the conversations whose id hashes to its slot — ``--shard_index`` / ``--num_shards``, else
+the launcher's environment (``JAX_PROCESS_ID`` / ``JAX_NUM_PROCESSES``, SLURM's ``SLURM_PROCID`` /
+``SLURM_NTASKS``, a Cloud TPU VM pod's worker id) — appends to its own
+``<output>.shard-IIIII-of-NNNNN`` file (resumable like any output) and marks it done; process 0 then
+waits for every shard and merges them into ``--output`` in input order (``--nomerge``: leave that to a
+later run). ``--shard_target`` splits the target's weights over this process's devices (a tensor
+axis), for a target that does not fit one device; the processes never communicate.
 
 Output ``{"id", "conversations": [{"role", "content"}]}`` per line, append-only, flushed and fsynced
 after every conversation (continuous) or batch (static), so a killed run loses at most the
 conversations in flight. Rerunning with the same
 ``--output`` resumes: ids already in the file are skipped, and a torn last line (killed mid-write)
 is cut off first. Input ids must be unique (duplicates after the first are skipped, with a count).
-A conversation whose prompt would exceed ``--max_prompt_len`` tokens stops at the answers it has;
-one with no regenerated answer at all is not written (and is re-checked, cheaply, on resume).
+A conversation whose prompt would exceed ``--max_prompt_len`` tokens stops at the answers it has, as
+does one whose answer comes back empty (the target ended its turn at once: nothing to learn, and
+not a usable record); one with no regenerated answer at all is not written (and is re-checked,
+cheaply, on resume).
 
 Every invocation appends its command line to ``<output>.runs.jsonl`` (``launch.release_data``
 records it in the release manifest). ``--release releases/data/<name>`` skips the conversations
@@ -48,6 +58,9 @@ import zlib
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
+
+from confu_jax.data.distill_shards import (merge_shards, mark_done, process_slot, shard_of, shard_output,
+                                           wait_for_shards)
 
 log = logging.getLogger("generate_data")
 
@@ -159,6 +172,7 @@ def regenerate_batch(
     out_msgs: list[list[dict]] = [[] for _ in convs]
     n_answers = [0] * len(convs)
     alive = [True] * len(convs)
+    before: list[list[dict]] = [[] for _ in convs]  # each conversation's messages before this turn
     eos = set(int(e) for e in tokenizer.eos_ids)
     for turn in range(max(len(s) for s in slots)):
         rows, prompts = [], []
@@ -170,7 +184,7 @@ def regenerate_batch(
             if len(ids) > max_prompt_len:
                 alive[i] = False
                 continue
-            out_msgs[i] = context
+            before[i], out_msgs[i] = out_msgs[i], context
             rows.append(i)
             prompts.append(ids)
         if not rows:
@@ -185,7 +199,11 @@ def regenerate_batch(
             ids = [int(t) for t in tokens_bn[r, : int(n_gen_b[r])]]
             if eos_stop_b[r] and ids and ids[-1] in eos:
                 ids = ids[:-1]  # the chat template adds the end-of-turn token back
-            out_msgs[i] = out_msgs[i] + [{"role": "assistant", "content": tokenizer.decode(ids)}]
+            text = tokenizer.decode(ids)
+            if not text.strip():  # the target ended its turn at once: no example; stop before this turn
+                out_msgs[i], alive[i] = before[i], False
+                continue
+            out_msgs[i] = out_msgs[i] + [{"role": "assistant", "content": text}]
             n_answers[i] += 1
     return [
         {"id": c["id"], "conversations": msgs} if n else None
@@ -302,6 +320,7 @@ class _Conversation:
         self.id = conv["id"]
         self.slots = _assistant_slots(conv["messages"])
         self.messages: list[dict] = []
+        self.before: list[dict] = []  # the messages before the turn being answered
         self.turn = 0
         self.n_answers = 0
 
@@ -314,13 +333,17 @@ class _Conversation:
         ids, _ = tokenizer.encode_chat(context, add_generation_prompt=True)
         if len(ids) > max_prompt_len:
             return None
-        self.messages = context
+        self.before, self.messages = self.messages, context
         return ids
 
     def add_answer(self, ids: list, stopped_at_eos: bool, tokenizer) -> None:
         if stopped_at_eos and ids and ids[-1] in set(int(e) for e in tokenizer.eos_ids):
             ids = ids[:-1]  # the chat template adds the end-of-turn token back
-        self.messages = self.messages + [{"role": "assistant", "content": tokenizer.decode(ids)}]
+        text = tokenizer.decode(ids)
+        if not text.strip():  # the target ended its turn at once: no example; stop before this turn
+            self.messages, self.turn = self.before, len(self.slots)
+            return
+        self.messages = self.messages + [{"role": "assistant", "content": text}]
         self.turn += 1
         self.n_answers += 1
 
@@ -494,9 +517,17 @@ def _define_flags(flag_values=None):
     flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass (temperature > 0)")
     flags.DEFINE_string("dtype", "", "parameter/compute dtype (default: the checkpoint's)")
     flags.DEFINE_enum("on_bad_record", "skip", ["skip", "fail"], "what to do with malformed input records")
-    flags.DEFINE_integer("num_shards", 1, "split the conversations over this many processes/hosts (by id hash)")
-    flags.DEFINE_integer("shard_index", 0, "which shard this process generates; its output gets a "
-                         "'.shard-IIIII-of-NNNNN' suffix when num_shards > 1")
+    flags.DEFINE_integer("num_shards", None, "split the conversations over this many processes/hosts (by id "
+                         "hash); default: the launcher's environment (JAX_NUM_PROCESSES, SLURM_NTASKS, TPU "
+                         "pod workers), else 1")
+    flags.DEFINE_integer("shard_index", None, "which shard this process generates (default: the launcher's "
+                         "environment); its output gets a '.shard-IIIII-of-NNNNN' suffix when num_shards > 1")
+    flags.DEFINE_bool("merge", True, "with several shards: process 0 waits for every shard, then merges them "
+                      "into --output in input order")
+    flags.DEFINE_bool("shard_target", False, "split the target's weights over this process's devices (a tensor "
+                      "axis) instead of placing them on one device")
+    flags.DEFINE_integer("cpu_devices", 0, "expose N CPU devices in this process (tests of --shard_target on a "
+                         "CPU machine); 0 = JAX's default")
     flags.DEFINE_list("release", [], "data release folders (releases/data/<name>, confu_jax.data.releases), "
                       "comma-separated: conversations any of them holds are not generated again")
     return flags.FLAGS
@@ -556,42 +587,40 @@ def drop_released(conversations: Sequence[dict], release: str) -> tuple[list[dic
     return kept, len(conversations) - len(kept)
 
 
-def shard_of(conv_id: str, num_shards: int) -> int:
-    """Stable shard of a conversation (independent of input order and of the process count's history)."""
-    return zlib.crc32(conv_id.encode()) % num_shards
-
-
-def shard_output(output: str, shard_index: int, num_shards: int) -> str:
-    if num_shards == 1:
-        return output
-    root, ext = os.path.splitext(output)
-    return f"{root}.shard-{shard_index:05d}-of-{num_shards:05d}{ext}"
-
-
 def main(argv):
     del argv
     from confu_jax.compile_cache import enable_compilation_cache
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.data.formats import load_conversations
-    from confu_jax.weights import load_model
 
     f = FLAGS
+    if f.cpu_devices:
+        from confu_jax.train.distributed import configure_cpu
+
+        configure_cpu(f.cpu_devices, None)
     enable_compilation_cache()  # compiled programs persist across runs (CONFU_JAX_COMPILE_CACHE)
-    if not 0 <= f.shard_index < f.num_shards:
-        raise app.UsageError(f"--shard_index={f.shard_index} must lie in [0, --num_shards={f.num_shards})")
+    try:
+        shard_index, num_shards = process_slot(f.shard_index, f.num_shards)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     convs, report = load_conversations(
         f.input, on_bad_record=f.on_bad_record, max_records=f.max_records or None
     )
     log.info("input: %s", report.summary())
-    convs = [keep_turns(c, f.max_turns) for c in convs if shard_of(c["id"], f.num_shards) == f.shard_index]
-    output = shard_output(f.output, f.shard_index, f.num_shards)
+    every = [keep_turns(c, f.max_turns) for c in convs]  # all shards' conversations (process 0 merges them)
     n_released = 0
     for release in f.release:
-        convs, n_dropped = drop_released(convs, release)
+        every, n_dropped = drop_released(every, release)
         n_released += n_dropped
         log.info("%s: %d conversations already released, not generated again", release, n_dropped)
+    assignment = [[] for _ in range(num_shards)]
+    for c in every:
+        assignment[shard_of(c["id"], num_shards)].append(c["id"])
+    convs = [c for c in every if shard_of(c["id"], num_shards) == shard_index]
+    output = shard_output(f.output, shard_index, num_shards)
+    log.info("shard %d of %d: %d conversations -> %s", shard_index, num_shards, len(convs), output)
     tokenizer = ChatTokenizer.load(f.tokenizer or f.model)
-    cfg, params = load_model(f.model, f.dtype or None)
+    cfg, params = _load_target(f.model, f.dtype or None, f.shard_target)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     record_run(output, sys.argv)
     if f.engine == "continuous":
@@ -604,7 +633,33 @@ def main(argv):
                                        top_p=f.top_p, eos_ids=tokenizer.eos_ids)
         stats = generate_dataset(convs, output, tokenizer, generate_fn, batch_size=f.batch_size,
                                  max_prompt_len=f.max_prompt_len)
-    print(json.dumps({"output": output, **stats, **({"already_released": n_released} if f.release else {})}))
+    summary = {"output": output, **stats, **({"already_released": n_released} if f.release else {})}
+    if num_shards > 1:
+        mark_done(output, assignment[shard_index], stats)
+        if shard_index == 0 and f.merge:
+            wait_for_shards(f.output, assignment)
+            summary["merged"] = merge_shards(f.output, num_shards, [c["id"] for c in every], read_records)
+            summary["merged"]["output"] = f.output
+            record_run(f.output, sys.argv)  # the merged file's provenance, for launch.release_data
+    print(json.dumps(summary))
+
+
+def _load_target(model: str, dtype, shard: bool):
+    """(LlamaConfig, params): on one device, or with ``shard`` split over this process's devices along a
+    tensor axis (the training layout's rules; a Hugging Face checkpoint is read slice by slice)."""
+    from confu_jax.weights import load_model, load_model_sharded, read_architecture
+
+    if not shard:
+        return load_model(model, dtype)
+    import jax
+
+    from confu_jax import sharding as shd
+    from confu_jax.models.llama import param_shapes
+
+    cfg = read_architecture(model, dtype)
+    mesh = shd.make_mesh(1, 1, jax.local_device_count(), devices=jax.local_devices())
+    shardings = shd.tree_shardings(param_shapes(cfg), mesh, shd.PARAM_RULES, axis_units=shd.llama_axis_units(cfg.head_dim))
+    return load_model_sharded(model, shardings, dtype)
 
 
 if __name__ == "__main__":

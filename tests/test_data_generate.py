@@ -56,6 +56,35 @@ def test_regenerate_batch_conditions_each_turn_on_the_regenerated_answers():
     assert [m["role"] for m in out[1]["conversations"]] == ["user", "assistant"]
 
 
+def test_an_empty_answer_ends_the_conversation_before_its_turn():
+    """The target ending its turn at once gives no example (and an empty turn is not a usable record):
+    the conversation keeps the answers before that turn, or is not written when it is the first; both
+    engines alike."""
+    tok = FakeChatTokenizer()
+
+    class EmptySecondTurn(ScriptedGenerate):
+        def __call__(self, prompts, seed):
+            tokens, n, eos = super().__call__(prompts, seed)
+            if len(self.prompts) == 2:  # the second call: every row answers END at once
+                tokens[:, 0], n[:] = END, 1
+            return tokens, n, eos
+
+    convs = [_conv(0, 2), _conv(1, 1)]
+    out = gd.regenerate_batch(convs, tok, EmptySecondTurn(), batch_size=2, max_prompt_len=1000)
+    assert [m["role"] for m in out[0]["conversations"]] == ["system", "user", "assistant"]
+    assert out[0]["conversations"][-1]["content"] != ""
+    out = gd.regenerate_batch([_conv(2, 1)], tok, lambda p, s: (np.full((1, 2), END, np.int32), np.ones(1, int),
+                                                                  np.ones(1, bool)), batch_size=1, max_prompt_len=1000)
+    assert out == [None]
+    conv = gd._Conversation(_conv(0, 2))
+    assert conv.next_prompt(tok, 1000) is not None
+    conv.add_answer([7, END], True, tok)
+    assert conv.next_prompt(tok, 1000) is not None
+    conv.add_answer([END], True, tok)
+    assert conv.next_prompt(tok, 1000) is None
+    assert [m["role"] for m in conv.record()["conversations"]] == ["system", "user", "assistant"]
+
+
 def test_prompt_limit_keeps_earlier_answers_and_drops_answerless_records():
     tok, gen = FakeChatTokenizer(), ScriptedGenerate()
     convs = [_conv(1, 2), {"id": "long", "messages": [
@@ -218,8 +247,10 @@ def test_continuous_engine_resumes_after_kill_and_matches_the_static_engine(tmp_
                                            progress=False)
     assert stats == {"already_done": len(partial), "written": 9 - len(partial), "no_answer": 1, "duplicates": 1}
     assert out.read_text() == ref.read_text()
-    assert gd.shard_output("d/x.jsonl", 2, 4) == "d/x.shard-00002-of-00004.jsonl"
-    assert sorted({gd.shard_of(c["id"], 3) for c in convs}) == [0, 1, 2]
+    from confu_jax.data.distill_shards import shard_of, shard_output
+
+    assert shard_output("d/x.jsonl", 2, 4) == "d/x.shard-00002-of-00004.jsonl"
+    assert sorted({shard_of(c["id"], 3) for c in convs}) == [0, 1, 2]
 
 
 def test_first_questions_keeps_the_first_question_that_fits():

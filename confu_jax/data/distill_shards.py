@@ -1,0 +1,128 @@
+"""Self-distillation over many processes: which process answers which conversation, and the merge.
+
+A node or a pod runs ``launch.generate_data`` once per process (host). The conversations are split by
+a stable hash of their id (:func:`shard_of`), so the split depends on neither the input order nor
+the history of process counts; each process appends its answers to its own shard file
+(:func:`shard_output`) and resumes it after a kill (the CLI skips ids already written). No process
+talks to another while generating — a slow host never times out a collective — and when a shard is
+complete its process leaves a ``.done`` marker naming the ids it was given (:func:`mark_done`).
+Process 0, after its own shard, waits for every marker that matches the current split and merges the
+shards into the one output, in input order (:func:`merge_shards`); ``launch.release_data`` turns that
+output into a release with its manifest.
+
+Which process am I? :func:`process_slot`: explicit flags, else ``JAX_PROCESS_ID`` /
+``JAX_NUM_PROCESSES``, else a SLURM job step's ``SLURM_PROCID`` / ``SLURM_NTASKS``, else a Cloud
+TPU VM pod's worker id and host list, else one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import zlib
+from typing import Callable, Mapping, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+DONE_SUFFIX = ".done"
+
+
+def shard_of(conv_id: str, num_shards: int) -> int:
+    """Stable shard of a conversation (independent of input order and of the process count's history)."""
+    return zlib.crc32(conv_id.encode()) % num_shards
+
+
+def shard_output(output: str, shard_index: int, num_shards: int) -> str:
+    """The file shard ``shard_index`` of ``num_shards`` appends to (``output`` itself for one shard)."""
+    if num_shards == 1:
+        return output
+    root, ext = os.path.splitext(output)
+    return f"{root}.shard-{shard_index:05d}-of-{num_shards:05d}{ext}"
+
+
+def process_slot(shard_index: Optional[int] = None, num_shards: Optional[int] = None,
+                 env: Optional[Mapping[str, str]] = None) -> tuple[int, int]:
+    """(this process's shard, the number of shards): the flags when given, else the launcher's
+    environment (JAX, SLURM, Cloud TPU VM), else (0, 1)."""
+    env = os.environ if env is None else env
+    if num_shards is not None or shard_index is not None:
+        if num_shards is None or shard_index is None:
+            raise ValueError("give both --shard_index and --num_shards, or neither (the launcher's "
+                             "environment then decides)")
+        pair = (int(shard_index), int(num_shards))
+    elif env.get("JAX_NUM_PROCESSES") and env.get("JAX_PROCESS_ID"):
+        pair = (int(env["JAX_PROCESS_ID"]), int(env["JAX_NUM_PROCESSES"]))
+    elif env.get("SLURM_NTASKS") and env.get("SLURM_PROCID"):
+        pair = (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]))
+    elif env.get("TPU_WORKER_HOSTNAMES") and env.get("TPU_WORKER_ID"):
+        pair = (int(env["TPU_WORKER_ID"]), len([h for h in env["TPU_WORKER_HOSTNAMES"].split(",") if h]))
+    else:
+        pair = (0, 1)
+    if not (pair[1] >= 1 and 0 <= pair[0] < pair[1]):
+        raise ValueError(f"shard {pair[0]} of {pair[1]}: expected 0 <= shard < shards")
+    return pair
+
+
+def ids_digest(ids: Sequence[str]) -> str:
+    """A digest of a shard's assignment: a marker counts only for the split it was made for."""
+    return hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()
+
+
+def mark_done(path: str, ids: Sequence[str], stats: dict) -> None:
+    """``<path>.done``: shard ``path`` holds an answer for each of ``ids`` it could answer."""
+    tmp = path + DONE_SUFFIX + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"ids": ids_digest(ids), "n_ids": len(ids), "stats": stats}, f)
+    os.replace(tmp, path + DONE_SUFFIX)
+
+
+def is_done(path: str, ids: Sequence[str]) -> bool:
+    try:
+        with open(path + DONE_SUFFIX) as f:
+            return json.load(f)["ids"] == ids_digest(ids)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def wait_for_shards(output: str, assignment: Sequence[Sequence[str]], poll_s: float = 5.0,
+                    timeout_s: Optional[float] = None, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Block until every shard of ``assignment`` (ids per shard) has its matching marker."""
+    n = len(assignment)
+    t0 = time.time()
+    while True:
+        missing = [i for i, ids in enumerate(assignment) if not is_done(shard_output(output, i, n), ids)]
+        if not missing:
+            return
+        if timeout_s is not None and time.time() - t0 > timeout_s:
+            raise TimeoutError(f"shards {missing} of {n} did not finish within {timeout_s:.0f}s")
+        log.info("waiting for shards %s of %d to finish", missing, n)
+        sleep(poll_s)
+
+
+def merge_shards(output: str, num_shards: int, order: Sequence[str], read_records) -> dict:
+    """Every shard's records into ``output``, in ``order`` (the input's ids), written atomically;
+    refuses a record id that appears twice. ``read_records(path)``: a shard file's complete records."""
+    rank = {cid: i for i, cid in enumerate(order)}
+    merged, seen = [], {}
+    for i in range(num_shards):
+        path = shard_output(output, i, num_shards)
+        for rec in read_records(path):
+            cid = str(rec["id"])
+            if cid in seen:
+                raise ValueError(f"record {cid!r} is in shard {seen[cid]} and shard {i}")
+            if cid not in rank:
+                raise ValueError(f"{path}: record {cid!r} is not in the input (a shard of another run?)")
+            seen[cid] = i
+            merged.append(rec)
+    merged.sort(key=lambda r: rank[str(r["id"])])
+    tmp = output + ".merge.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in merged:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, output)
+    return {"merged": len(merged), "shards": num_shards}
