@@ -22,8 +22,10 @@ def test_process_slot_reads_flags_then_the_launchers_environment():
     assert ds.process_slot(env={}) == (0, 1)
     assert ds.process_slot(1, 3, env={"JAX_PROCESS_ID": "0", "JAX_NUM_PROCESSES": "2"}) == (1, 3)
     assert ds.process_slot(env={"JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2", "SLURM_PROCID": "3",
-                                "SLURM_NTASKS": "4"}) == (1, 2)
-    assert ds.process_slot(env={"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}) == (3, 4)
+                                "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n[1-4]"}) == (1, 2)
+    step = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n[1-4]"}
+    assert ds.process_slot(env=step) == (3, 4)
+    assert ds.process_slot(env={"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) == (0, 1)  # salloc's shell, no srun
     assert ds.process_slot(env={"TPU_WORKER_ID": "2", "TPU_WORKER_HOSTNAMES": "a,b,c,d"}) == (2, 4)
     with pytest.raises(ValueError, match="both"):
         ds.process_slot(1, None, env={})

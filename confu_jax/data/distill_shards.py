@@ -11,7 +11,8 @@ shards into the one output, in input order (:func:`merge_shards`); ``launch.rele
 output into a release with its manifest.
 
 Which process am I? :func:`process_slot`: explicit flags, else ``JAX_PROCESS_ID`` /
-``JAX_NUM_PROCESSES``, else a SLURM job step's ``SLURM_PROCID`` / ``SLURM_NTASKS``, else a Cloud
+``JAX_NUM_PROCESSES``, else a SLURM job step's ``SLURM_PROCID`` / ``SLURM_NTASKS`` (inside ``srun``:
+an allocation's shell alone is one process), else a Cloud
 TPU VM pod's worker id and host list, else one process.
 """
 
@@ -55,7 +56,7 @@ def process_slot(shard_index: Optional[int] = None, num_shards: Optional[int] = 
         pair = (int(shard_index), int(num_shards))
     elif env.get("JAX_NUM_PROCESSES") and env.get("JAX_PROCESS_ID"):
         pair = (int(env["JAX_PROCESS_ID"]), int(env["JAX_NUM_PROCESSES"]))
-    elif env.get("SLURM_NTASKS") and env.get("SLURM_PROCID"):
+    elif env.get("SLURM_NTASKS") and env.get("SLURM_PROCID") and env.get("SLURM_STEP_NODELIST"):  # inside srun
         pair = (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]))
     elif env.get("TPU_WORKER_HOSTNAMES") and env.get("TPU_WORKER_ID"):
         pair = (int(env["TPU_WORKER_ID"]), len([h for h in env["TPU_WORKER_HOSTNAMES"].split(",") if h]))
