@@ -98,7 +98,7 @@ def base_config(preset, variant: str) -> ml_collections.ConfigDict:
     config.draft.dtype = config_dict.placeholder(str) if dtype is None else dtype  # draft compute dtype (None: model.dtype)
     config.draft.param_dtype = "float32"  # trainable params kept in fp32 (optimizer precision)
     # The draft's own RoPE / norms, for runs initialised from a published EAGLE-3 head
-    # (README "EAGLE-3 heads from and to other frameworks"); unset: the target's, as EAGLE-3 trains.
+    # (docs/interop.md); unset: the target's, as EAGLE-3 trains.
     config.draft.rope_theta = config_dict.placeholder(float)
     config.draft.rope_scaling = config_dict.placeholder(tuple)  # Llama-3: (factor, low, high, original_ctx)
     config.draft.max_position_embeddings = config_dict.placeholder(int)

@@ -11,7 +11,7 @@
 ``--format eagle3`` writes the official EAGLE-3 layout (config.json + model.safetensors, tensors
 ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` as offsets, ``t2d``), which SGLang and SpecForge
 load; ``--format speculators`` writes vLLM's format (``speculators_config``, ``layers.0.*``). Layouts
-and their conventions: README "EAGLE-3 heads from and to other frameworks". Heads in either format
+and their conventions: docs/interop.md. Heads in either format
 also load here: ``launch.generate --draft_ckpt DIR``, ``launch.decode_bench --heads``, and
 ``train.checkpoint.init_from=DIR``. ``--format medusa`` writes a Medusa run's heads as FasterDecoding's
 ``medusa_lm_head.safetensors`` + ``config.json`` (``weights.medusa_format``), which load back here

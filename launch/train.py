@@ -7,7 +7,7 @@ resumes from its latest checkpoint.
 
 Multi-process: pass ``--coordinator_address/--num_processes/--process_id`` (or set
 ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``); under SLURM (``srun``) and
-on Cloud TPU pods the processes find each other on their own. See launch/*.sh and README.
+on Cloud TPU pods the processes find each other on their own. See launch/*.sh and docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""EAGLE-3 heads from and to other frameworks (``weights/eagle3_formats.py``, README "EAGLE-3 heads from
+"""EAGLE-3 heads from and to other frameworks (``weights/eagle3_formats.py``, docs/interop.md "EAGLE-3 heads from
 and to other frameworks"), checked against references no one here wrote:
 
 * ``speculators`` (vLLM's format and its own PyTorch EAGLE-3): a random head it builds and saves decodes

@@ -4,7 +4,7 @@ The floor of one forward of T new tokens against S valid cache slots: every weig
 S slots' K/V read once, the T new K/V entries written. ``forward_cost`` compiles the layer-unrolled
 forward for shapes only (no weights: Llama-3.1-8B compiles in seconds) and reads XLA's cost
 analysis. Unrolled on purpose: XLA counts a while/scan body once, not once per layer. The CLI is
-``launch.decode_cost``; the method and its limits are in the README ("Decode cost against the
+``launch.decode_cost``; the method and its limits are in docs/decoding.md ("Decode cost against the
 memory floor").
 """
 
