@@ -10,8 +10,9 @@ expected throughput is
 * t(P) is measured on the device: the compiled speculative loop decodes the calibration prompts
   and the wall time is divided by the passes it made (``measure_plan``). Drafting, the
   verification pass, the accept rule and the cache commit are timed together, as they run — on a
-  CPU a T-token verification costs far more than a 1-token step (FACTS.md: T=16 is 2.2x T=1), on
-  an accelerator much less, which is exactly why the choice is device-specific.
+  CPU a T-token verification costs far more than a 1-token step (docs/RESULTS.md "Decode cost
+  against the memory floor": T=16 is 2.6x T=1 there), on an accelerator much less, which is
+  exactly why the choice is device-specific.
 * E[τ(P)] is the τ measured with the head on a few calibration prompts (greedy, EOS off; mean of
   ``accept_log_bi``) in the same runs that give t(P) (``measure_plan``: one compile per plan).
   Without running a plan, chains can also be estimated: from the accepted lengths n (bonus
