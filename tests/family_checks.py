@@ -12,7 +12,7 @@ import numpy as np
 
 from confu_jax.decode import loop, sharded
 from confu_jax.decode.stopping import StopReason
-from test_spec_loop import _chi_square, _exact_joint, _rows
+from loop_fixtures import chi_square_pvalue, exact_joint, generated_rows
 
 CHI_SQUARE_PROMPT = (1, 3, 1, 3, 2, 1)
 
@@ -21,7 +21,7 @@ def assert_sampling_is_lossless(spec, target_params, params, drafter, *, prompt=
                                 temperature: float = 1.0, top_p: float = 1.0, n_per: int = 25_000,
                                 reps: int = 4, seed: int = 300):
     prompt = list(prompt)
-    joint = _exact_joint(spec, target_params, prompt, temperature, top_p)
+    joint = exact_joint(spec, target_params, prompt, temperature, top_p)
     samples = []
     for r in range(reps):
         res = loop.generate_speculative(spec, params, drafter, [prompt] * n_per, max_new_tokens=3, eos_ids=(),
@@ -29,7 +29,7 @@ def assert_sampling_is_lossless(spec, target_params, params, drafter, *, prompt=
         assert np.all(np.asarray(res.n_generated_b) == 3)
         samples.append(np.asarray(res.tokens_bn)[:, :3])
         assert np.asarray(res.accept_log_bi).max() > 1  # drafts were accepted
-    p = _chi_square(np.concatenate(samples), joint, n_per * reps)
+    p = chi_square_pvalue(np.concatenate(samples), joint, n_per * reps)
     assert p > 1e-3, p
 
 
@@ -38,7 +38,7 @@ def assert_sharded_equals_single_device(spec, params, drafter, prompts, *, mesh:
     single = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=max_new_tokens, eos_ids=())
     out = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=max_new_tokens, eos_ids=(),
                                     mesh=sharded.parse_mesh(mesh))
-    assert _rows(out, len(prompts)) == _rows(single, len(prompts))
+    assert generated_rows(out, len(prompts)) == generated_rows(single, len(prompts))
     if same_accepts:
         np.testing.assert_array_equal(np.asarray(out.accept_log_bi), np.asarray(single.accept_log_bi))
     assert np.all(np.asarray(out.stop_reason_b) == StopReason.MAX_NEW_TOKENS)

@@ -34,7 +34,7 @@ from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import dflash as D
 from confu_jax.models.registry import get_method
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
-from test_spec_loop import _rows, jit_propose, make
+from loop_fixtures import generated_rows, jit_propose, make
 from jitting import jit_static
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -277,14 +277,14 @@ def test_greedy_equals_ar(plan):
     drafter = parse_drafter("dflash", plan)
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
     sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log = np.asarray(sp.accept_log_bi)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
     assert np.max(log) > 1  # drafts were accepted, not just lossless
-    eos = _rows(ar, 2)[0][11]  # EOS inside a draft: rows stop at different times
+    eos = generated_rows(ar, 2)[0][11]  # EOS inside a draft: rows stop at different times
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
     sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    assert _rows(sp_e, 2) == _rows(ar_e, 2)
+    assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
 
@@ -347,7 +347,7 @@ def test_published_layout_round_trip(tmp_path):
     drafter = parse_drafter("dflash", "chain:3")
     a = loop.generate_speculative(head.spec, head.params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
     b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
-    assert _rows(a, 2) == _rows(b, 2)
+    assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     with pytest.raises(ValueError, match="cannot read a target of width"):
         decode_head("dflash", spec.target.replace(d_model=32, n_heads=2, n_kv_heads=1), tp, d)
@@ -378,7 +378,7 @@ def test_five_tap_drafter_imports_and_decodes(tmp_path):
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=20, eos_ids=())
     a = loop.generate_speculative(head.spec, head.params, drafter, PROMPTS, max_new_tokens=20, eos_ids=())
     b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=20, eos_ids=())
-    assert _rows(a, 2) == _rows(ar, 2) == _rows(b, 2)
+    assert generated_rows(a, 2) == generated_rows(ar, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     # a drafter reading the target's last layer's output (no tap exists after it) is refused, naming the ids
     save_dflash_dir(d, D.model_params(p), spec.draft_model, taps=taps[:4] + (spec.target.n_layers,),
@@ -499,7 +499,7 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
     res = loop.generate_speculative(head.spec, head.params, parse_drafter("dflash", "chain:3"), prompts,
                                     max_new_tokens=16, eos_ids=())
-    assert _rows(res, 2) == _rows(ar, 2)
+    assert generated_rows(res, 2) == generated_rows(ar, 2)
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from confu_jax.models.spec import ModelSpec
 from confu_jax.models.unrolled import split_layers
 from model_fakes import _fill
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
-from test_spec_loop import _rows, make
+from loop_fixtures import generated_rows, make
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 
@@ -112,7 +112,7 @@ def test_full_depth_self_drafter_is_always_accepted(plan):
     drafter = dm.DraftModel(plan if isinstance(plan, plans.DraftPlan) else plans.parse_plan(plan))
     sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=25, eos_ids=())
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=25, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
     full = drafter.max_depth + 1
     for b in range(2):
@@ -142,15 +142,15 @@ def test_greedy_equals_ar(which, plan, steered):
     drafter = dm.DraftModel(plans.parse_plan(plan), steered=steered)
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
     sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log = np.asarray(sp.accept_log_bi)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
     assert np.max(log) > 1  # drafts were accepted, not just lossless
     # EOS inside a draft: rows stop at different times
-    eos = _rows(ar, 2)[0][11]
+    eos = generated_rows(ar, 2)[0][11]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
     sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    assert _rows(sp_e, 2) == _rows(ar_e, 2)
+    assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
 
@@ -167,7 +167,7 @@ def test_zero_steering_equals_unsteered():
         a = loop.generate_speculative(spec, params, dm.DraftModel(plans.parse_plan(plan)), PROMPTS, **kw)
         b = loop.generate_speculative(spec, steered, dm.DraftModel(plans.parse_plan(plan), steered=True),
                                       PROMPTS, **kw)
-        assert _rows(a, 2) == _rows(b, 2)
+        assert generated_rows(a, 2) == generated_rows(b, 2)
         np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     # and non-zero steering changes what is drafted (so the test above is not vacuous)
     spec, tp, params = _pair_for("early3", 24, True)
@@ -176,7 +176,7 @@ def test_zero_steering_equals_unsteered():
                                   max_new_tokens=20, eos_ids=())
     b = loop.generate_speculative(spec, params, dm.DraftModel(plans.parse_plan("chain:3"), steered=True), PROMPTS,
                                   max_new_tokens=20, eos_ids=())
-    assert _rows(a, 2) == _rows(b, 2)
+    assert generated_rows(a, 2) == generated_rows(b, 2)
     assert not np.array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
 
 
@@ -203,7 +203,7 @@ def test_stacked_and_unrolled_loops_agree():
     drafter = dm.DraftModel(plans.parse_plan("chain:3"), steered=True)
     a = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=16, eos_ids=(), unroll_layers=True)
     b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=16, eos_ids=(), unroll_layers=False)
-    assert _rows(a, 2) == _rows(b, 2)
+    assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
 
 

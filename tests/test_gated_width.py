@@ -15,7 +15,7 @@ from confu_jax.decode import drafters, loop, plans
 from confu_jax.decode import tree as tr
 from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.generate import generate_ar
-from test_spec_loop import _chi_square, _exact_joint, _rows, jit_prefill, jit_propose, make
+from loop_fixtures import chi_square_pvalue, exact_joint, generated_rows, jit_prefill, jit_propose, make
 
 PROMPTS = [[3, 5, 1, 2, 4, 0], [2, 2, 5]]
 
@@ -47,15 +47,15 @@ def test_gated_greedy_equals_ar(variant, text):
     assert drafter.widths == tuple(range(1, drafter.n_nodes + 1))
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=())
     sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=24, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
     if drafter.min_prob > 0.99:  # nothing is that confident: every pass verifies the root alone
         assert np.all(log[np.arange(log.shape[1])[None] < passes[:, None]] == 1)
-    eos = _rows(ar, 2)[1][9]
+    eos = generated_rows(ar, 2)[1][9]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
     sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
-    assert _rows(sp_e, 2) == _rows(ar_e, 2)
+    assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
 
@@ -85,7 +85,7 @@ def test_gate_counts_the_confident_prefix_and_hybrid():
     assert hyb.widths == (1, 2, 3, 4) and hyb.head.min_prob == 0.3
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=())
     sp = loop.generate_speculative(spec, params, hyb, PROMPTS, max_new_tokens=24, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     for text, msg in (("chain:3@1.5", "probability in"), ("dynamic:2,2,4@0.5", "needs a chain"),
                       ("chain:3@x", "probability in")):
         with pytest.raises(ValueError, match=msg):
@@ -97,7 +97,7 @@ def test_gated_sampling_lossless_joint():
     spec, tp, params = make("eagle3", 4, seed=3, n_layers=4, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     drafter = drafters.parse_drafter("eagle3", "chain:2@0.3")
     prompt = [1, 3, 1, 3, 2, 1]
-    joint = _exact_joint(spec, tp, prompt, 1.0, 1.0)
+    joint = exact_joint(spec, tp, prompt, 1.0, 1.0)
     n_per, reps = 25_000, 4
     samples = []
     for r in range(reps):
@@ -105,5 +105,5 @@ def test_gated_sampling_lossless_joint():
                                         temperature=1.0, top_p=1.0, seed=300 + r, min_bucket=8)
         assert np.all(np.asarray(res.n_generated_b) == 3)
         samples.append(np.asarray(res.tokens_bn)[:, :3])
-    p = _chi_square(np.concatenate(samples), joint, n_per * reps)
+    p = chi_square_pvalue(np.concatenate(samples), joint, n_per * reps)
     assert p > 1e-3, p

@@ -25,7 +25,7 @@ from confu_jax.decode.lookup import NO_TOKEN, PromptLookup
 from confu_jax.decode.spec_params import SpecParams
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
 from jitting import jit_static
-from test_spec_loop import _rows, make
+from loop_fixtures import generated_rows, make
 
 # the matcher and the trie under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
 lookup_continuations, lookup_tree = jit_static(lookup.lookup_continuations), jit_static(lookup.lookup_tree)
@@ -150,15 +150,15 @@ def test_greedy_equals_ar(variant, drafter):
         params = _lookup_params(spec, tp)
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
     sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
     assert np.max(log) > 1 and np.all(passes < 29)  # the drafts were accepted, not just lossless
     # EOS inside a draft: stop at a token each row emits mid-text; rows stop at different times
-    eos = _rows(ar, 2)[0][11]
+    eos = generated_rows(ar, 2)[0][11]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
     sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    assert _rows(sp_e, 2) == _rows(ar_e, 2)
+    assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
 
@@ -171,7 +171,7 @@ def test_no_match_iteration_is_an_ar_step():
     drafter = PromptLookup(k=3, min_match=4, max_match=4)
     sp = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=6, eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=6, eos_ids=())
-    assert _rows(sp, 1) == _rows(ar, 1)
+    assert generated_rows(sp, 1) == generated_rows(ar, 1)
     # the width chosen: 1 while no active row has a match, else the full tree
     idx = loop.pass_width_index((1, 4), jnp.asarray([1, 4, 1]), jnp.asarray([True, False, True]))
     assert int(idx) == 0

@@ -20,7 +20,7 @@ from confu_jax.decode import drafting, loop, plans
 from confu_jax.models import target as target_lib
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.kv_cache import to_cache_layout
-from test_spec_loop import jit_iteration, jit_prefill, jit_propose, make
+from loop_fixtures import jit_iteration, jit_prefill, jit_propose, make
 
 # Everything here runs under jit (eagerly, the loop's and training's primitives would each be a compile).
 

@@ -12,7 +12,7 @@ from confu_jax.decode.generate import generate_ar
 from confu_jax.models.llama import Llama
 from confu_jax.models.presets import get_preset
 from model_fakes import tiny_params
-from test_spec_loop import make
+from loop_fixtures import make
 
 PROMPT = [3, 17, 5, 40, 2, 9, 11]
 

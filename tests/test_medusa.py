@@ -31,7 +31,7 @@ from confu_jax.models.registry import get_method
 from confu_jax.train.metric_writers import read_csv
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
 from jitting import jit_static
-from test_spec_loop import _rows, make
+from loop_fixtures import generated_rows, make
 
 # the heads' pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
 init_medusa, medusa_logits = jit_static(med.init_medusa), jit_static(med.medusa_logits)
@@ -154,14 +154,14 @@ def test_greedy_equals_ar(plan):
     drafter = parse_drafter("medusa", plan)
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
     sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log = np.asarray(sp.accept_log_bi)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
     assert np.max(log) > 1  # drafts were accepted, not just lossless
-    eos = _rows(ar, 2)[0][11]  # EOS inside a draft: rows stop at different times
+    eos = generated_rows(ar, 2)[0][11]  # EOS inside a draft: rows stop at different times
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
     sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    assert _rows(sp_e, 2) == _rows(ar_e, 2)
+    assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
 
@@ -173,7 +173,7 @@ def test_full_tree_accepts_every_depth():
     sp = loop.generate_speculative(spec, params, parse_drafter("medusa", "tree:4,4"), prompts, max_new_tokens=25,
                                    eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=25, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
     for b in range(2):
         assert np.all(log[b, : passes[b] - 1] == 3), log[b, : passes[b]]
@@ -193,8 +193,8 @@ def test_state_follows_the_last_accepted_node():
     sp = loop.generate_speculative(spec, params, parse_drafter("medusa", "chain:1"), prompts, max_new_tokens=20,
                                    eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=20, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
-    for b, row in enumerate(_rows(ar, 2)):
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
+    for b, row in enumerate(generated_rows(ar, 2)):
         # replay: a pass starting with root x_i accepts the draft (= x_i) iff x_{i+1} == x_i
         i, want = 0, []
         while i < len(row):
@@ -253,7 +253,7 @@ def test_faster_decoding_format_round_trip(tmp_path):
     drafter = parse_drafter("medusa", "chain:3")
     a = loop.generate_speculative(head.spec, head.params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
     b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
-    assert _rows(a, 2) == _rows(b, 2)
+    assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     with pytest.raises(ValueError, match="missing keys"):
         sd = med.to_reference_state_dict(heads)
@@ -349,7 +349,7 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     for plan in ("chain:3", "tree:2,2,1"):
         sp = loop.generate_speculative(head.spec, head.params, parse_drafter("medusa", plan), prompts,
                                        max_new_tokens=16, eos_ids=())
-        assert _rows(sp, 2) == _rows(ar, 2)
+        assert generated_rows(sp, 2) == generated_rows(ar, 2)
 
 
 @pytest.mark.slow

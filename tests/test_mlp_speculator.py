@@ -42,7 +42,7 @@ from confu_jax.models.registry import get_method
 from confu_jax.train.metric_writers import read_csv
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
 from jitting import jit_static
-from test_spec_loop import _rows, jit_propose, make
+from loop_fixtures import generated_rows, jit_propose, make
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
@@ -346,14 +346,14 @@ def test_greedy_equals_ar(plan):
     drafter = parse_drafter("mlp_speculator", plan)
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
     sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log = np.asarray(sp.accept_log_bi)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
     assert np.max(log) > 1  # drafts were accepted, not just lossless
-    eos = _rows(ar, 2)[0][11]  # EOS inside a draft: rows stop at different times
+    eos = generated_rows(ar, 2)[0][11]  # EOS inside a draft: rows stop at different times
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
     sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    assert _rows(sp_e, 2) == _rows(ar_e, 2)
+    assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
 
@@ -365,7 +365,7 @@ def test_full_tree_accepts_every_depth():
     sp = loop.generate_speculative(spec, params, parse_drafter("mlp_speculator", "tree:4,4"), prompts,
                                    max_new_tokens=25, eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=25, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
     for b in range(2):
         assert np.all(log[b, : passes[b] - 1] == 3), log[b, : passes[b]]
@@ -397,9 +397,9 @@ def test_state_follows_the_last_accepted_node():
     sp = loop.generate_speculative(spec, params, parse_drafter("mlp_speculator", "chain:1"), prompts,
                                    max_new_tokens=20, eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=20, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     n_repeats = 0
-    for b, row in enumerate(_rows(ar, 2)):
+    for b, row in enumerate(generated_rows(ar, 2)):
         i, want = 0, []  # replay: a pass rooted at x_i accepts the draft (= x_i) iff x_{i+1} == x_i
         while i + 1 < len(row):
             n = 2 if row[i + 1] == row[i] else 1
@@ -495,7 +495,7 @@ def test_published_format_round_trip(tmp_path):
     drafter = parse_drafter("mlp_speculator", "tree:2,2")
     a = loop.generate_speculative(head.spec, head.params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
     b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
-    assert _rows(a, 2) == _rows(b, 2)
+    assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     with pytest.raises(ValueError, match="neither an MLP speculator"):
         decode_head("mlp_speculator", spec.target, tp, str(tmp_path))
@@ -594,7 +594,7 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     for plan in ("chain:3", "tree:2,2,1"):
         res = loop.generate_speculative(head.spec, head.params, parse_drafter("mlp_speculator", plan), prompts,
                                         max_new_tokens=16, eos_ids=())
-        assert _rows(res, 2) == _rows(ar, 2)
+        assert generated_rows(res, 2) == generated_rows(ar, 2)
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.registry import get_method
 from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
 from jitting import jit_static
-from test_spec_loop import _rows, make
+from loop_fixtures import generated_rows, make
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
@@ -266,14 +266,14 @@ def test_greedy_equals_ar(plan):
     drafter = parse_drafter("mtp", plan)
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
     sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
-    assert _rows(sp, 2) == _rows(ar, 2)
+    assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log = np.asarray(sp.accept_log_bi)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
     assert np.max(log) > 1  # drafts were accepted, not just lossless
-    eos = _rows(ar, 2)[0][11]  # EOS inside a draft: rows stop at different times
+    eos = generated_rows(ar, 2)[0][11]  # EOS inside a draft: rows stop at different times
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
     sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    assert _rows(sp_e, 2) == _rows(ar_e, 2)
+    assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
 
@@ -350,7 +350,7 @@ def test_deepseek_layout_round_trip(tmp_path):
     a = loop.generate_speculative(spec, decode_head("mtp", cfg, tp, d).params, drafter, PROMPTS, max_new_tokens=12,
                                   eos_ids=())
     b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
-    assert _rows(a, 2) == _rows(b, 2)
+    assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     assert not decode_head("mtp", cfg, tp, None).trained
 

@@ -159,7 +159,7 @@ def test_pipeline_packs_every_conversation_intact():
     segment (positions from 0, attention mask = segment > 0), and the iterator state restores."""
     from confu_jax.data import pipeline
     from tests.fixtures.fake_chat import FakeChatTokenizer
-    from tests.test_data_pipeline import MAX_LEN, _conversations, _cfg
+    from tests.pipeline_fixtures import MAX_LEN, conversations as _conversations, data_cfg as _cfg
 
     tok = FakeChatTokenizer()
     convs = _conversations()

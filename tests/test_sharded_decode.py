@@ -20,7 +20,7 @@ from confu_jax.decode.stopping import StopReason
 from confu_jax.models.kv_cache import init_cache
 from confu_jax.models.presets import get_preset
 from confu_jax.models.spec import HeadConfig, ModelSpec
-from test_spec_loop import _rows, make, prompts_for
+from loop_fixtures import generated_rows, make, prompts_for
 
 VOCAB = 24
 N_NEW = 16
@@ -32,7 +32,7 @@ def reference():
     output: tests/test_spec_loop.py)."""
     spec, tp, _ = make("eagle3", VOCAB)
     ar = generate_ar(tp, spec.target, prompts_for(VOCAB), max_new_tokens=N_NEW, eos_ids=())
-    return tp, _rows(ar, 4)
+    return tp, generated_rows(ar, 4)
 
 
 def test_parse_mesh_and_errors():
@@ -90,7 +90,7 @@ def test_sharded_ar_equals_single_device(reference, unroll_layers):
                       unroll_layers=unroll_layers)
     # rows stay on their data shard
     assert out.tokens_bn.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)
-    assert _rows(out, 4) == ref
+    assert generated_rows(out, 4) == ref
 
 
 # jaxlib 0.11.2's XLA:CPU aborts the process compiling this loop under the Shardy partitioner
@@ -122,7 +122,7 @@ def test_sharded_speculative_equals_single_device(reference, variant, plan, mesh
                                         max_new_tokens=N_NEW, eos_ids=(), mesh=mesh)
     finally:
         jax.config.update("jax_use_shardy_partitioner", shardy)
-    assert _rows(out, 4) == ref
+    assert generated_rows(out, 4) == ref
     assert np.all(np.asarray(out.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
     assert np.array_equal(np.asarray(out.accept_log_bi).sum(1) + 1, np.asarray(out.n_generated_b))
 

@@ -20,8 +20,9 @@ from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.target import verify
 from confu_jax.models.tree_layout import ancestors_from_parents
 from tests.model_fakes import path_to, random_parents, tiny_params, tiny_spec
-from test_spec_loop import _rows, make, prompts_for
-from test_target_wrapper import _close, _plain_with_contemplate, _real_forward
+from loop_fixtures import generated_rows, make, prompts_for
+from tests.target_fixtures import (close as _close, jit_real_forward as _real_forward,
+                                   plain_with_contemplate as _plain_with_contemplate)
 
 
 def test_sparse_verify_keeps_node_outputs_and_each_f_is_its_paths_contemplate():
@@ -106,7 +107,7 @@ def test_sparse_contemplates_greedy_equals_ar(variant, vocab, plan):
     prompts = prompts_for(vocab)
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=24, eos_ids=())
     sp = loop.generate_speculative(spec, params, plans.parse_plan(plan), prompts, max_new_tokens=24, eos_ids=())
-    assert _rows(sp, 4) == _rows(ar, 4)
+    assert generated_rows(sp, 4) == generated_rows(ar, 4)
     if vocab == 4:  # the full 2-level tree: passes accept >= 3 tokens, so f comes from deep nodes
         log = np.asarray(sp.accept_log_bi)[:, : int(np.asarray(sp.n_passes_b).min()) - 1]
         assert log.size and np.all(log >= 3)

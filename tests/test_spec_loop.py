@@ -6,56 +6,15 @@ Sampling: the exact AR joint distribution of the first three tokens, computed by
 the target's own probabilities, against >= 100k speculative samples (chi-square).
 """
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
-from confu_jax.decode import loop
-
-from confu_jax.decode import spec_params as spec_params_lib
-
-from confu_jax.decode import plans
+from confu_jax.decode import loop, plans
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.stopping import StopReason
-from confu_jax.decode.sampling import target_probs
-from confu_jax.models.vocab_map import identity_draft_vocab
-from confu_jax.models.llama import Llama
-from confu_jax.models.presets import get_preset
-from confu_jax.models.spec import HeadConfig, ModelSpec
-from model_fakes import tiny_params
-
-PROMPTS = [[3, 5, 7, 2, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [4], [6, 6, 1, 0, 2, 3, 3]]
-
-
-def make(variant, vocab, seed=0, head_kw=None, **target_kw):
-    target = get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=(), **target_kw)
-    head = HeadConfig(variant=variant, draft_vocab_size=vocab, n_soft_prompts=4, n_expert=4,
-                      expert_top_k=2, init_std=0.2, soft_prompt_init_std=1.0, **(head_kw or {}))
-    spec = ModelSpec(target, head)
-    tp, tr = tiny_params(spec, seed)
-    return spec, tp, spec_params_lib.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
-
-
-def prompts_for(vocab):
-    return [[t % vocab for t in p] for p in PROMPTS]
-
-
-# The loop's pieces under jit, for tests that step it by hand (the loop-vs-training and gate tests):
-# run eagerly, each of their ~1000 primitives is an XLA compile of its own (~40 ms apiece on 2 cores).
-jit_prefill = jax.jit(loop._prefill, static_argnums=(0, 2), static_argnames=("max_new_tokens", "max_len"))
-jit_iteration = jax.jit(loop.iteration, static_argnums=(0, 2, 3), static_argnames=("max_new_tokens", "max_len"))
-jit_propose = jax.jit(lambda drafter, spec, params, state, inp: drafter.propose(spec, params, state, inp),
-                      static_argnums=(0, 1))
-
-
-def _rows(result, n_rows):
-    toks = np.asarray(result.tokens_bn)
-    n = np.asarray(result.n_generated_b)
-    return [toks[b, : n[b]].tolist() for b in range(n_rows)]
+from loop_fixtures import chi_square_pvalue, exact_joint, generated_rows, make, prompts_for
 
 
 # vocab 24 with a random draft: most drafts are rejected. vocab 4 with a full 2-level tree
@@ -77,7 +36,7 @@ def test_greedy_lossless_batch(variant, vocab, plan, head_kw):
     prompts = prompts_for(vocab)
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=30, eos_ids=())
     sp = loop.generate_speculative(spec, params, plan, prompts, max_new_tokens=30, eos_ids=())
-    assert _rows(sp, 4) == _rows(ar, 4)
+    assert generated_rows(sp, 4) == generated_rows(ar, 4)
     assert np.all(np.asarray(sp.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
     log = np.asarray(sp.accept_log_bi)
     passes = np.asarray(sp.n_passes_b)
@@ -97,13 +56,13 @@ def test_greedy_lossless_batch1_and_eos():
     prompt = [PROMPTS[1]]
     ar = generate_ar(tp, spec.target, prompt, max_new_tokens=24, eos_ids=())
     sp = loop.generate_speculative(spec, params, plan, prompt, max_new_tokens=24, eos_ids=())
-    assert _rows(sp, 1) == _rows(ar, 1)
+    assert generated_rows(sp, 1) == generated_rows(ar, 1)
     # rows finishing at different times: stop at EOS = a token each row emits at a different step
-    ar_rows = _rows(ar, 1)[0]
+    ar_rows = generated_rows(ar, 1)[0]
     eos = ar_rows[7]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
     sp_e = loop.generate_speculative(spec, params, plan, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
-    assert _rows(sp_e, 4) == _rows(ar_e, 4)
+    assert generated_rows(sp_e, 4) == generated_rows(ar_e, 4)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
 
@@ -117,10 +76,10 @@ def test_cache_full_stops_cleanly():
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=64, eos_ids=())
     reasons = np.asarray(sp.stop_reason_b)
     assert np.all(reasons == StopReason.CACHE_FULL)
-    for b, row in enumerate(_rows(sp, 4)):
+    for b, row in enumerate(generated_rows(sp, 4)):
         assert len(row) >= 1
         # lossless up to the stop, and it stopped only when no verification fits
-        assert row == _rows(ar, 4)[b][: len(row)]
+        assert row == generated_rows(ar, 4)[b][: len(row)]
         assert len(PROMPTS[b]) + len(row) - 1 + plan.max_depth + 1 > max_len
 
 
@@ -159,45 +118,6 @@ def test_one_compiled_program_no_host_round_trip():
 # ----------------------------------------------------------------------------- sampling
 
 
-def _exact_joint(spec, tp, prompt, temperature, top_p, n_tok=3):
-    """P(x1..x3 | prompt) by enumeration with full forwards of the target (no cache, no draft)."""
-    v = spec.target.vocab_size
-    model = Llama(spec.target)
-
-    @jax.jit  # one program per prefix count (eagerly, every primitive of the forward compiles alone)
-    def last_probs(params, arr):
-        pos = jnp.broadcast_to(jnp.arange(arr.shape[1]), arr.shape)
-        logits = model.apply({"params": params}, arr, pos).logits_btv[:, -1]
-        return target_probs(logits, temperature, top_p)
-
-    def probs_of(prefixes):
-        return np.asarray(last_probs(tp, jnp.asarray(prefixes, jnp.int32)), np.float64)
-
-    joint = {(): 1.0}
-    for _ in range(n_tok):
-        keys = list(joint)
-        pr = probs_of([list(prompt) + list(k) for k in keys])
-        joint = {k + (x,): joint[k] * pr[i, x] for i, k in enumerate(keys) for x in range(v)
-                 if joint[k] * pr[i, x] > 0}
-    return joint
-
-
-def _chi_square(samples, joint, n):
-    keys = sorted(joint)
-    idx = {k: i for i, k in enumerate(keys)}
-    obs = np.zeros(len(keys))
-    for row in samples:
-        obs[idx[tuple(row)]] += 1  # KeyError = a zero-probability sequence was emitted
-    exp = np.array([joint[k] for k in keys])
-    exp = exp / exp.sum() * n  # enumeration drops zero-probability branches; renormalise rounding
-    big = exp >= 5
-    o = np.append(obs[big], obs[~big].sum())
-    e = np.append(exp[big], exp[~big].sum())
-    if e[-1] == 0:
-        o, e = o[:-1], e[:-1]
-    return stats.chisquare(o, e).pvalue
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("plan,temperature,top_p", [
     ("dynamic:2,2,5", 0.7, 1.0), ("dynamic:2,2,5", 1.0, 0.8),
@@ -208,7 +128,7 @@ def test_sampling_lossless_joint(plan, temperature, top_p):
                             ffn_dim=64)
     plan = plans.parse_plan(plan)
     prompt = [1, 5, 2]
-    joint = _exact_joint(spec, tp, prompt, temperature, top_p)
+    joint = exact_joint(spec, tp, prompt, temperature, top_p)
     n_per, reps = 25_000, 4
     samples = []
     for r in range(reps):
@@ -219,5 +139,5 @@ def test_sampling_lossless_joint(plan, temperature, top_p):
         assert np.all(np.asarray(res.n_generated_b) == 3)
         samples.append(toks[:, :3])
     samples = np.concatenate(samples)
-    p = _chi_square(samples, joint, n_per * reps)
+    p = chi_square_pvalue(samples, joint, n_per * reps)
     assert p > 1e-3, p

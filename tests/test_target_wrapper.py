@@ -16,37 +16,10 @@ import pytest
 from confu_jax.models.kv_cache import commit, init_cache, to_cache_layout
 from confu_jax.models.llama import Llama
 from confu_jax.models.tree_layout import ancestors_from_parents, depth_from_ancestors, verification_layout
-from confu_jax.models.target import (con_embedding, contemplate_queries,
-                                     embed_tokens, prefill, real_forward,
-                                     verify)
+from confu_jax.models.target import con_embedding, contemplate_queries, embed_tokens, prefill, verify
 from tests.model_fakes import path_to, random_parents, tiny_params, tiny_spec
-
-ATOL = 2e-5
-
-
-def _close(a, b, atol=ATOL):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=1e-5)
-
-
-_real_forward = jax.jit(real_forward, static_argnums=0)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _plain_with_contemplate(spec, tp, confu, seqs, lens, con_src):
-    """Plain causal forward of ``seqs[r, :lens[r]]`` followed (if con_src is given) by one
-    contemplate token at index lens[r]; only that index sees the soft prompts."""
-    r, width = seqs.shape
-    emb = embed_tokens(spec, tp, seqs)
-    kw = {}
-    if con_src is not None:
-        con = con_embedding(spec, confu, con_src)  # [R, d]
-        is_con = jnp.arange(width)[None, :] == lens[:, None]
-        emb = jnp.where(is_con[..., None], con[:, None].astype(emb.dtype), emb)
-        kw = dict(prefix_k_lphd=confu["soft_prompt_k_lphd"], prefix_v_lphd=confu["soft_prompt_v_lphd"],
-                  prefix_visible_bt=is_con)
-    pos = jnp.broadcast_to(jnp.arange(width), (r, width))
-    return Llama(spec.target).apply({"params": tp}, None, pos, embeds_btd=emb, tap_layers=spec.taps, **kw)
-
+from tests.target_fixtures import (close as _close, jit_real_forward as _real_forward,
+                                   plain_with_contemplate as _plain_with_contemplate)
 
 def test_ancestors_from_parents_matches_python_paths():
     rng = np.random.default_rng(3)
