@@ -77,7 +77,7 @@ def run_ar(params, cfg, prompt_ids: list, decode, eos_ids, mesh=None, **_) -> Me
 
 
 def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: str,
-                    draft_ckpt: Optional[str] = None, tree: str = "chain:4", seed: int = 0,
+                    draft_ckpt: Optional[str] = None, tree: Optional[str] = None, seed: int = 0,
                     target_source: str = "the loaded target", mesh=None,
                     draft_model: Optional[str] = None) -> MethodOutput:
     """The jitted speculative loop with a trained (``draft_ckpt``) or random head, or for the
@@ -89,15 +89,21 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     from confu_jax.decode.stopping import StopReason
     from confu_jax.decode.heads import decode_head
     from confu_jax.decode.loop import compile_speculative
-    from confu_jax.decode.drafters import parse_drafter
+    from confu_jax.decode.drafters import max_draft_depth, parse_drafter
     from confu_jax.decode.sharded import place_spec_params
 
-    plan = parse_drafter(method, tree)
     family = REGISTERED_METHODS[method].family
     if draft_model and family not in ("draft_model", "sd2"):
         raise ValueError(f"--draft_model is for --method draft_model / sd2, not {method}")
     source = (draft_model or draft_ckpt) if family in ("draft_model", "sd2") else draft_ckpt
     head = decode_head(method, cfg, params, source, seed=seed, target_source=target_source)
+    limit = max_draft_depth(head.params)
+    if tree is None:  # the default plan fits the head: chain:4, or as deep as it drafts
+        tree = f"chain:{4 if limit is None else min(4, limit)}"
+    plan = parse_drafter(method, tree)
+    if limit is not None and getattr(plan, "max_depth", 0) > limit:
+        raise ValueError(f"plan {tree!r} drafts {plan.max_depth} deep; this {method} head drafts at most {limit} "
+                         f"deep: use --tree chain:{limit} or a shallower tree")
     if mesh is not None:
         head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
     if not head.trained and REGISTERED_METHODS[method].needs_head:
@@ -140,9 +146,10 @@ flags.DEFINE_string("draft_model", None, "--method draft_model / sd2: the draft 
                     "N layers + its final norm and LM head; default a quarter of its layers), an asset name, a .gguf "
                     "file or a Hugging Face directory sharing the target's tokenizer (checked), or for sd2 a "
                     "launch.train SD² workdir (configs/*_sd2.py)")
-flags.DEFINE_string("tree", "chain:4", "speculative methods: draft plan, chain:K | sampled_chain:K | "
+flags.DEFINE_string("tree", None, "speculative methods: draft plan, chain:K | sampled_chain:K | "
                     "dynamic:DEPTH,TOPK,NODES (EAGLE-2 tree; NODES excludes the root); lookup also "
-                    "lookup:K[,W[,NMIN,NMAX]]")
+                    "lookup:K[,W[,NMIN,NMAX]]. Default: chain:4, or as deep as the head drafts when it "
+                    "drafts fewer (Medusa heads, MLP speculator stages)")
 flags.DEFINE_integer("max_new_tokens", None, "most tokens to generate (overrides config.decode.max_new_tokens)")
 flags.DEFINE_float("temperature", None, "sampling temperature, 0 = greedy (overrides config.decode.temperature)")
 flags.DEFINE_float("top_p", None, "nucleus sampling mass in (0, 1], 1 = off (overrides config.decode.top_p)")
@@ -211,9 +218,12 @@ def main(argv):
             mesh = parse_mesh(FLAGS.mesh)
         except ValueError as e:
             raise app.UsageError(str(e))
-    out = METHODS[FLAGS.method](params, cfg, prompt_ids, config.decode, tok.eos_ids,
-                                draft_ckpt=FLAGS.draft_ckpt, tree=FLAGS.tree, target_source=FLAGS.model,
-                                mesh=mesh, draft_model=FLAGS.draft_model)
+    from confu_jax.user_errors import one_line_errors
+
+    with one_line_errors("launch.generate"):  # a bad plan, head or setting: one line, exit 2
+        out = METHODS[FLAGS.method](params, cfg, prompt_ids, config.decode, tok.eos_ids,
+                                    draft_ckpt=FLAGS.draft_ckpt, tree=FLAGS.tree, target_source=FLAGS.model,
+                                    mesh=mesh, draft_model=FLAGS.draft_model)
     print(tok.decode(out.tokens, skip_special_tokens=True).strip())
     print(f"[{FLAGS.method}] prompt {len(prompt_ids)} tokens, generated {len(out.tokens)} "
           f"(stop: {out.stop_reason}) in {out.decode_s:.2f} s = {len(out.tokens) / out.decode_s:.1f} "
@@ -221,7 +231,7 @@ def main(argv):
     if out.accept_log is not None:
         tau = sum(out.accept_log) / max(len(out.accept_log), 1)
         print(f"[{FLAGS.method}] tau = {tau:.3f} tokens per target pass over {len(out.accept_log)} passes "
-              f"(tree {FLAGS.tree}; head: {out.head})", file=sys.stderr)
+              f"(tree {FLAGS.tree or 'the method default'}; head: {out.head})", file=sys.stderr)
     if FLAGS.print_ids:
         print("ids: " + " ".join(map(str, out.tokens)), file=sys.stderr)
 

@@ -23,6 +23,8 @@ them into the frozen ``Drafter`` classes the loop takes (docs/DESIGN.md §11). P
 
 from __future__ import annotations
 
+from typing import Optional
+
 from confu_jax.decode.dflash import DFlashDrafter, parse_dflash_plan
 from confu_jax.decode.draft_model import DraftModel
 from confu_jax.decode.drafter import Drafter
@@ -36,6 +38,20 @@ from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.registry import get_method
 
 LOOKUP_FORMS = "chain:K or lookup:K[,W[,NMIN,NMAX]] (e.g. chain:3, lookup:4,2, lookup:4,1,3,5)"
+
+
+def max_draft_depth(params) -> Optional[int]:
+    """How deep the drafter of ``params`` (``SpecParams``) can draft, where its parameters bound it —
+    Medusa's heads, the MLP speculator's stages — else None (any depth): a CLI's default plan fits it."""
+    from confu_jax.models.medusa import config_of as medusa_config
+    from confu_jax.models.mlp_speculator import config_of as mlp_speculator_config
+
+    draft = getattr(params, "draft", None) or {}
+    if isinstance(draft, dict) and "medusa" in draft:
+        return medusa_config(draft["medusa"]).num_heads
+    if isinstance(draft, dict) and "mlp_speculator" in draft:
+        return mlp_speculator_config(draft["mlp_speculator"]).n_predict
+    return None
 
 
 def as_drafter(drafter) -> Drafter:

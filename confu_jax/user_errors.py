@@ -1,0 +1,29 @@
+"""A user's mistake as one line, not a traceback: the boundary every command-line entry point draws.
+
+What a user gets wrong — a flag's value, a plan a drafter cannot run, a path that is not a run, a
+head of the wrong family, a release whose hash does not match — is raised in this package as
+``ValueError`` / ``FileNotFoundError`` (``CheckpointError`` and ``AssetNotFoundError`` are subclasses)
+with a message that says what was expected and what came. :func:`one_line_errors` turns those into
+``<prog>: <message>`` on stderr and exit status 2. Everything else (a crash in XLA, a bug that
+raises ``TypeError``, ...) keeps its traceback, and ``CONFU_JAX_TRACEBACK=1`` keeps it for these too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str):
+    try:
+        yield
+    except USER_ERRORS as e:
+        if os.environ.get("CONFU_JAX_TRACEBACK", "") not in ("", "0"):
+            raise
+        message = str(e).strip().splitlines()
+        sys.stderr.write(f"{prog}: {' '.join(m.strip() for m in message) or type(e).__name__}\n")
+        sys.exit(2)
