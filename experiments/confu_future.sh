@@ -13,6 +13,9 @@
 #   input     f also enters the first draft step's input through a learned map starting at zero
 #             (confu.future_input)
 #   aux_input the auxiliary loss and f in the first step
+#   <arm>_gc  that arm with gradients clipped per group (train.optim.clip_per_group: the draft and the
+#             contemplate path each to the clip norm, so the auxiliary loss's large gradients do not shrink
+#             the draft's update)
 # The held-out evaluation reports, with and without the entry: decode-path τ, conditional acceptance,
 # the attention weight the entry gets (future/attn_weight/step{r}), what f names (future/f_top1_x{s})
 # and f's cross-entropy on x[t+2] (future/aux_ce_x2).
@@ -56,7 +59,10 @@ train=("--config.train.steps=$STEPS" "--config.train.optim.lr=$LR" --config.trai
 
 mkdir -p "$OUT"
 for arm in $ARMS; do
-  case "$arm" in
+  gc=()
+  base="$arm"
+  if [[ "$arm" == *_gc ]]; then gc=(--config.train.optim.clip_per_group=True); base="${arm%_gc}"; fi
+  case "$base" in
     paper) extra=() ;;
     bias) extra=("--config.confu.future_bias=$BIAS") ;;
     aux) extra=("--config.objective.future_aux_weight=$AUX" "--config.objective.future_aux_ahead=$AHEAD") ;;
@@ -65,12 +71,13 @@ for arm in $ARMS; do
     input) extra=(--config.confu.future_input=True) ;;
     aux_input) extra=(--config.confu.future_input=True "--config.objective.future_aux_weight=$AUX"
                       "--config.objective.future_aux_ahead=$AHEAD") ;;
-    *) echo "unknown arm '$arm' (expected paper, bias, aux, aux_bias, input, aux_input)" >&2; exit 2 ;;
+    *) echo "unknown arm '$arm' (expected paper, bias, aux, aux_bias, input, aux_input, each with an optional _gc)" >&2; exit 2 ;;
   esac
+  extra+=("${gc[@]}")
   # the head at step 0 differs only with a bias (future_input's map starts at zero: the paper's head; the
   # objective does not change the start's evaluation)
   start=paper_start
-  [[ "$arm" == *bias ]] && start=bias_start
+  [[ "$base" == *bias ]] && start=bias_start
   if [ ! -f "$OUT/$start/eval_only.json" ]; then
     echo "== $start: held-out evaluation at the start ($(date -u +%H:%M:%S))"
     python -m launch.train --eval_only --workdir "$OUT/$start" "${common[@]}" "${extra[@]}" \
@@ -90,7 +97,7 @@ keys = ["decode_tau/chain3", "no_future/decode_tau/chain3", "cond_acc/step0", "n
         "future/attn_weight/step0", "future/attn_weight/step1", "future/attn_weight/step2", "future/attn_weight/step3",
         "future/f_top1_x1", "future/f_top1_x2", "future/f_top1_x3", "future/aux_ce_x2", "loss"]
 rows = {}
-for start in sorted({"bias_start" if a.endswith("bias") else "paper_start" for a in arms}):
+for start in sorted({"bias_start" if a.removesuffix("_gc").endswith("bias") else "paper_start" for a in arms}):
     with open(os.path.join(out, start, "eval_only.json")) as f:
         rows[start.replace("_start", "@0")] = json.load(f)["eval"]
 for arm in arms:

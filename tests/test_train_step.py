@@ -253,3 +253,27 @@ def test_memory_report_counts_exactly_the_state_frozen_params_and_batch():
     assert held <= m["arguments"] <= held + nbytes(batch)  # jit drops batch fields the loss never reads
     assert m["aliased"] == nbytes(run.abstract_state)
     assert m["temp"] > 0
+
+
+def test_per_group_clipping_clips_each_group_alone():
+    """``optim.clip_per_group``: each top-level group is scaled to the clip norm by its own norm only;
+    the global clip scales both by the joint norm (a large group shrinks the small one's update)."""
+    import ml_collections
+
+    from confu_jax.train.config import default_train_config
+    from confu_jax.train.optim import clip_by_group_norm
+
+    grads = {"draft": {"w": jnp.full((4,), 0.1)}, "confu": {"p": jnp.full((4,), 30.0)}}  # norms 0.2, 60
+    out, _ = clip_by_group_norm(0.5).update(grads, clip_by_group_norm(0.5).init(grads))
+    np.testing.assert_allclose(out["draft"]["w"], grads["draft"]["w"])  # under the norm: untouched
+    np.testing.assert_allclose(np.linalg.norm(out["confu"]["p"]), 0.5, rtol=1e-6)
+    joint, _ = optax.clip_by_global_norm(0.5).update(grads, optax.EmptyState())
+    assert float(np.linalg.norm(joint["draft"]["w"])) < 0.2 / 100  # the global clip shrinks the small group
+    cfg = default_train_config().optim
+    assert cfg.clip_per_group is False and isinstance(cfg, ml_collections.ConfigDict)
+    with cfg.unlocked():
+        cfg.clip_per_group = True
+    tx, _ = make_optimizer(cfg, 10)
+    params = jax.tree_util.tree_map(jnp.zeros_like, grads)
+    upd, _ = tx.update(grads, tx.init(params), params)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(upd))

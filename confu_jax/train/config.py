@@ -44,6 +44,9 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.optim.eps = 1e-8
     c.optim.weight_decay = 0.0
     c.optim.clip_norm = 0.5  # <= 0 disables clipping
+    # True: clip each top-level parameter group ('draft', 'confu') to clip_norm on its own instead of
+    # one global norm (train.optim.clip_by_group_norm)
+    c.optim.clip_per_group = False
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 500  # steps; <= 0 saves only at the end and on preemption

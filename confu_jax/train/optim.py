@@ -61,12 +61,32 @@ def schedule_length(optim_cfg, train_steps: int) -> int:
     return int(optim_cfg.get("schedule_steps", 0) or 0) or int(train_steps)
 
 
+def clip_by_group_norm(max_norm: float) -> optax.GradientTransformation:
+    """``clip_by_global_norm`` on each top-level entry of a dict of gradients (ConFu: 'draft' and
+    'confu') on its own. Why: one global norm couples the groups — a loss that reaches only one of
+    them (the auxiliary future loss, the contemplate path alone) with gradients 10-30x the draft's
+    shrinks the draft's update by that factor too (docs/RESULTS.md "A direct training signal for the
+    future"). Not a dict: the global clip."""
+    inner = optax.clip_by_global_norm(float(max_norm))
+
+    def init(params):
+        return inner.init(params)
+
+    def update(updates, state, params=None):
+        if not isinstance(updates, dict):
+            return inner.update(updates, state, params)
+        return {k: inner.update(v, inner.init(v))[0] for k, v in updates.items()}, state
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(optim_cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW on the schedule of ``schedule_length(optim_cfg, total_steps)`` (``total_steps``: train.steps)."""
     schedule = make_schedule(optim_cfg, schedule_length(optim_cfg, total_steps))
     parts = []
     if optim_cfg.clip_norm and optim_cfg.clip_norm > 0:
-        parts.append(optax.clip_by_global_norm(float(optim_cfg.clip_norm)))
+        clip = clip_by_group_norm if optim_cfg.get("clip_per_group", False) else optax.clip_by_global_norm
+        parts.append(clip(float(optim_cfg.clip_norm)))
     parts.append(optax.adamw(
         learning_rate=schedule,
         b1=float(optim_cfg.b1),
