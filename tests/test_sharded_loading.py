@@ -67,7 +67,7 @@ def test_training_reads_a_hugging_face_target_sharded(checkpoint, tmp_path):
     in the task) and writes the same target fingerprint the host loader gives."""
     from configs.common import base_config
     from confu_jax.runs.heads import read_target_record, target_fingerprint
-    from confu_jax.train.loop import setup_run, _write_run_files
+    from confu_jax.train.loop import run_target_fingerprint, setup_run, write_run_files
     from tests.fixtures.tiny_checkpoints import write_hf_tokenizer
 
     write_hf_tokenizer(checkpoint)
@@ -91,6 +91,6 @@ def test_training_reads_a_hugging_face_target_sharded(checkpoint, tmp_path):
     assert emb.addressable_shards[0].data.shape == emb.sharding.shard_shape(emb.shape)
     assert np.prod(emb.addressable_shards[0].data.shape) * 8 == np.prod(emb.shape)  # split over all 8 devices
     os.makedirs(tmp_path / "w")
-    _write_run_files(config, str(tmp_path / "w"), run)
+    write_run_files(config, str(tmp_path / "w"), run, run_target_fingerprint(run))
     _, host = load_model(checkpoint, "float32")
     assert read_target_record(str(tmp_path / "w"))["fingerprint"] == target_fingerprint(host)

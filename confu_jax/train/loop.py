@@ -306,14 +306,14 @@ def check_resume_config(workdir: str, config) -> None:
                          "(with train.checkpoint.init_from to start from this run) or restore those values")
 
 
-def _target_fingerprint(run: RunSetup) -> Optional[str]:
+def run_target_fingerprint(run: RunSetup) -> Optional[str]:
     """The frozen target's fingerprint; every process calls this (a target sharded over several
     processes is sampled under jit: a collective all of them must join)."""
     task = run.task
     return task.target_fingerprint(run.frozen) if callable(task.target_fingerprint) else task.target_fingerprint
 
 
-def _write_run_files(config, workdir: str, run: RunSetup, fingerprint: Optional[str]) -> None:
+def write_run_files(config, workdir: str, run: RunSetup, fingerprint: Optional[str]) -> None:
     """config.json, target.json, mesh.json and the run's description in the log (process 0 only)."""
     task = run.task
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -391,9 +391,9 @@ def evaluate_only(config, workdir: str, task: Optional[TrainTask] = None, mesh=N
             if run.task.eval_batches is None:
                 raise ValueError("evaluate_only: the task has no held-out batches (objective.eval_batches = 0?)")
             if latest is None:  # a trained workdir keeps its own config.json
-                fingerprint = _target_fingerprint(run)
+                fingerprint = run_target_fingerprint(run)
                 if main:
-                    _write_run_files(config, workdir, run, fingerprint)
+                    write_run_files(config, workdir, run, fingerprint)
             iterator = run.task.train_iterator(pidx, pcount)
             state, step, _ = _restore_or_init(config, workdir, run, ckpt, iterator, main)
             eval_step, batches = _eval_setup(run, True, pidx, pcount)
@@ -481,9 +481,9 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     with bad_records_log_to(os.path.join(workdir, BAD_RECORDS_LOG) if main else None):
         run = setup_run(config, task, mesh)
     task = run.task
-    fingerprint = _target_fingerprint(run)
+    fingerprint = run_target_fingerprint(run)
     if main:
-        _write_run_files(config, workdir, run, fingerprint)
+        write_run_files(config, workdir, run, fingerprint)
     iterator = task.train_iterator(pidx, pcount)
     state, start, init_report = _restore_or_init(config, workdir, run, ckpt, iterator, main)
 
