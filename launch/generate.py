@@ -97,24 +97,21 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
         raise ValueError(f"--draft_model is for --method draft_model / sd2, not {method}")
     source = (draft_model or draft_ckpt) if family in ("draft_model", "sd2") else draft_ckpt
     head = decode_head(method, cfg, params, source, seed=seed, target_source=target_source)
-    limit = max_draft_depth(head.params)
     if tree is None:  # the default plan fits the head: chain:4, or as deep as it drafts
+        limit = max_draft_depth(head.params)
         tree = f"chain:{4 if limit is None else min(4, limit)}"
     plan = parse_drafter(method, tree)
-    if limit is not None and getattr(plan, "max_depth", 0) > limit:
-        raise ValueError(f"plan {tree!r} drafts {plan.max_depth} deep; this {method} head drafts at most {limit} "
-                         f"deep: use --tree chain:{limit} or a shallower tree")
     if mesh is not None:
         head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
-    if not head.trained and REGISTERED_METHODS[method].needs_head:
-        print(f"[{method}] no --draft_ckpt: using an UNTRAINED draft head ({head.source}); "
-              "output is still the target's, but expect tau ~ 1", file=sys.stderr)
     t0 = time.perf_counter()
-    run, args = compile_speculative(
+    run, args = compile_speculative(  # a plan the drafter cannot run is refused here, at trace time
         head.spec, head.params, plan, [prompt_ids], max_new_tokens=decode.max_new_tokens,
         temperature=decode.temperature, top_p=decode.top_p, seed=decode.seed, eos_ids=eos_ids,
         max_len=decode.max_len or None, min_bucket=decode.min_bucket, mesh=mesh)
     t1 = time.perf_counter()
+    if not head.trained and REGISTERED_METHODS[method].needs_head:
+        print(f"[{method}] no --draft_ckpt: using an UNTRAINED draft head ({head.source}); "
+              "output is still the target's, but expect tau ~ 1", file=sys.stderr)
     res = jax.block_until_ready(run(head.params, *args))
     t2 = time.perf_counter()
     n = int(np.asarray(res.n_generated_b)[0])

@@ -44,7 +44,7 @@ def bad_release(tmp_path_factory):
     (["--method", "eagle3", "--draft_ckpt", "/nonexistent/run"], "not a launch.train workdir"),
     (["--method", "confu", "--draft_ckpt", os.path.join(REPO, "releases", "heads", "smollm2_eagle3")],
      "holds an EAGLE-3 head"),
-    (["--method", "mlp_speculator", "--tree", "chain:4"], "this mlp_speculator head drafts at most 3 deep"),
+    (["--method", "mlp_speculator", "--tree", "chain:4"], "this MLP speculator has only 3 stages"),
     ("bad_release", "sha256"),
 ], ids=["negative_tokens", "garbage_plan", "missing_ckpt", "confu_on_eagle3_head", "too_deep_for_family",
         "release_hash"])

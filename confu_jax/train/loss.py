@@ -608,7 +608,10 @@ def future_probe_metrics(spec: ModelSpec, trainable: dict, target_params: dict, 
                                                   sel_bm, ok_bm, tokens_bn.shape[1], cfg)
     metrics = _chain_metrics(correct, answer, in_draft, sel_bm, ok_bm, base_bn, loss_mask_bn, cfg, "no_future/")
     w, axis = lm_head_layout(spec, target_params)
-    f_top1_bk, _ = full_vocab_argmax_lse(jax.lax.stop_gradient(f_bkd), w, axis, cfg.vocab_chunk)
+    f_top1_bk, f_lse_bk = full_vocab_argmax_lse(jax.lax.stop_gradient(f_bkd), w, axis, cfg.vocab_chunk)
+    # f's cross-entropy on the tokens ahead (future/aux_ce_x*), from the same vocabulary scan
+    metrics.update(future_aux_loss(spec, target_params, jax.lax.stop_gradient(f_bkd), tokens_bn, loss_mask_bn, rows,
+                                   plan, cfg.future_aux_ahead, cfg.vocab_chunk, lse_bk=f_lse_bk)[1])
     b_idx = jnp.arange(tokens_bn.shape[0])[:, None]
     for s in FUTURE_PROBE_AHEAD:
         ahead = shift_ahead(loss_mask_bn.astype(bool), s, False)
@@ -628,7 +631,8 @@ def future_probe_metrics(spec: ModelSpec, trainable: dict, target_params: dict, 
 
 
 def future_aux_loss(spec: ModelSpec, target_params: dict, f_bkd: jax.Array, tokens_bn: jax.Array,
-                    loss_mask_bn: jax.Array, rows, plan: AnchorPlan, ahead: int, vocab_chunk: int):
+                    loss_mask_bn: jax.Array, rows, plan: AnchorPlan, ahead: int, vocab_chunk: int,
+                    lse_bk: Optional[jax.Array] = None):
     """(loss, metrics): cross-entropy of f[t], read by the target's frozen final norm and LM head, against
     x[t+1+s] for s = 1..``ahead`` (not the paper's; ``objective.future_aux_weight``).
 
@@ -643,7 +647,8 @@ def future_aux_loss(spec: ModelSpec, target_params: dict, f_bkd: jax.Array, toke
     chunks (:func:`full_vocab_argmax_lse`), so [B, K, V] logits never exist at once.
     """
     w, axis = lm_head_layout(spec, target_params)
-    _, lse_bk = full_vocab_argmax_lse(f_bkd, w, axis, vocab_chunk)
+    if lse_bk is None:  # (the evaluation probe passes the one it already has)
+        _, lse_bk = full_vocab_argmax_lse(f_bkd, w, axis, vocab_chunk)
     b_idx = jnp.arange(tokens_bn.shape[0])[:, None]
     total, count, metrics = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), {}
     for s in range(1, ahead + 1):
@@ -742,14 +747,13 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     n_ans = jnp.maximum(jnp.sum(answer_w), 1.0)
     metrics["teacher/draft_vocab_mass"] = jnp.sum(teacher.draft_mass_bn * answer_w) / n_ans
     metrics["teacher/argmax_in_draft"] = jnp.sum(teacher.in_draft_bn * answer_w) / n_ans
-    if future is not None and (cfg.future_aux_weight > 0 or cfg.future_probe):
+    if future is not None and cfg.future_aux_weight > 0:  # (evaluation reports it through the probe)
         aux, aux_metrics = future_aux_loss(spec, target_params, f_bkd, tokens_bn, loss_mask_bn, rows, plan,
                                            cfg.future_aux_ahead, cfg.vocab_chunk)
         metrics.update(aux_metrics)
-        if cfg.future_aux_weight > 0:
-            scale = future_aux_scale(cfg, batch.get("step"))
-            metrics["future/aux_weight"] = scale
-            loss = loss + scale * aux
+        scale = future_aux_scale(cfg, batch.get("step"))
+        metrics["future/aux_weight"] = scale
+        loss = loss + scale * aux
     if plan is not None:
         metrics["anchors/valid"] = jnp.mean(jnp.sum(plan.valid_bk, axis=1).astype(jnp.float32))
         metrics["anchors/window_coverage"] = jnp.sum((plan.index_bn >= 0) * answer_w) / n_ans
