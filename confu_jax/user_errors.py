@@ -11,6 +11,7 @@ raises ``TypeError``, ...) keeps its traceback, and ``CONFU_JAX_TRACEBACK=1`` ke
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 
@@ -27,3 +28,15 @@ def one_line_errors(prog: str):
         message = str(e).strip().splitlines()
         sys.stderr.write(f"{prog}: {' '.join(m.strip() for m in message) or type(e).__name__}\n")
         sys.exit(2)
+
+
+def cli_main(prog: str, main):
+    """``main`` (an absl ``main(argv)``) with the user's mistakes reported as one line: what every
+    ``launch`` module hands to ``app.run``."""
+
+    @functools.wraps(main)
+    def wrapped(argv):
+        with one_line_errors(prog):
+            return main(argv)
+
+    return wrapped

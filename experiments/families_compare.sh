@@ -18,7 +18,7 @@
 #     cores the four families' full-vocabulary heads cost 2-4x an EAGLE-3 step (4096-token draft
 #     vocabulary), which is why they stop at E here; FAMILIES_FAMILY_STEPS=$((E + P)) runs them to the end;
 #   * ConFu against EAGLE-3 after E + P steps, the paper's protocol (experiments/headline.sh,
-#     launch.gpu_campaign): ConFu starts from EAGLE-3's step E and trains P steps on its own schedule.
+#     experiments.gpu_campaign): ConFu starts from EAGLE-3's step E and trains P steps on its own schedule.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${FAMILIES_OUT:-runs/families}

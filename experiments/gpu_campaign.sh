@@ -2,7 +2,7 @@
 # The GPU campaign (issue 23 item 6), one call of the device tool: every call runs this same
 # script; it resumes from .gpu_campaign/ (the working-tree copy the warm machine keeps) and stops
 # before the call's 10 minutes are up. Calls, carried folders and what comes back:
-# experiments/GPU_CAMPAIGN.md. Here, first: python -m launch.gpu_campaign bundle
+# experiments/GPU_CAMPAIGN.md. Here, first: python -m experiments.gpu_campaign bundle
 #
 #   bash experiments/gpu_campaign.sh                      # on the GPU machine ($OUT set by the tool)
 #   CAMPAIGN_E3_STEPS=300 CAMPAIGN_PLUS_STEPS=300 bash experiments/gpu_campaign.sh   # any Scale field
@@ -11,4 +11,4 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-exec "$PY" -m launch.gpu_campaign run --out "${OUT:-$PWD/.gpu_campaign/out}" "$@"
+exec "$PY" -m experiments.gpu_campaign run --out "${OUT:-$PWD/.gpu_campaign/out}" "$@"

@@ -84,8 +84,9 @@ flags.DEFINE_bool("resume", True, "speculative mode: keep every finished row in 
                   "same command is rerun after a kill, skip the rows found there (other settings are refused)")
 flags.DEFINE_integer("n_calibration", 4, "speculative mode, budget auto: calibration prompts")
 flags.DEFINE_string("auto_candidates", "", "speculative mode, budget auto: the candidate plans (same syntax as "
-                    "--budgets; each method measures those its family reads, plus AR); empty: each family's "
-                    "defaults (bench/budget.py)")
+                    "--budgets; each method measures those its family reads, plus AR), or per family as "
+                    "'head=chain:2,dynamic:4,4,8;lookup=chain:2,lookup:4,2'; empty / a family not named: the "
+                    "family's defaults (confu_jax/decode/families.py)")
 flags.DEFINE_integer("n_per_category", 2, "speculative mode: questions sampled per category (seeded; 0 = all)")
 flags.DEFINE_integer("turns", 1, "speculative mode: conversation turns per question (MT-Bench has 2)")
 flags.DEFINE_string("heads", "", "speculative mode: trained heads as METHOD=WORKDIR,... (launch.train "
@@ -221,11 +222,10 @@ def main_speculative():
             calibration = tuple(pool_ids[i] for i in keep)
             print(f"budget auto calibrates on {len(calibration)} held-out questions "
                   f"({', '.join(str(p.question_id) for p in picked)})", flush=True)
-    auto_candidates = tuple(cli_args.parse_budgets(FLAGS.auto_candidates)) if FLAGS.auto_candidates else None
+    auto_candidates = cli_args.parse_auto_candidates(FLAGS.auto_candidates) if FLAGS.auto_candidates else None
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=FLAGS.turns,
                                   top_p=FLAGS.top_p, seed=FLAGS.seed, min_bucket=FLAGS.min_bucket,
-                                  calibration=calibration, auto_chains=auto_candidates,
-                                  auto_trees=() if auto_candidates else None, ar_again=FLAGS.ar_again,
+                                  calibration=calibration, auto_candidates=auto_candidates, ar_again=FLAGS.ar_again,
                                   interleave=FLAGS.interleave)
     parts = None
     if FLAGS.resume:
@@ -234,7 +234,7 @@ def main_speculative():
                     "seed": FLAGS.seed, "min_bucket": FLAGS.min_bucket, "heads": heads,
                     "calibration": [list(c) for c in calibration or ()]}
         if auto_candidates:  # only when given: parts of benchmarks without it stay resumable
-            settings["auto_candidates"] = list(auto_candidates)
+            settings["auto_candidates"] = {str(k): list(v) for k, v in auto_candidates.items()}
         try:
             parts = spec_bench.Parts(os.path.splitext(FLAGS.out)[0] + ".parts", settings)
         except ValueError as e:
@@ -344,4 +344,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.decode_bench", main))

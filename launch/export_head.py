@@ -39,10 +39,12 @@ import sys
 
 from absl import app, flags
 
+from confu_jax.decode.families import export_formats
+
 flags.DEFINE_string("workdir", None, "a launch.train workdir (config.json + checkpoints/) holding the head",
                     required=True)
 flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
-flags.DEFINE_enum("format", "eagle3", ["eagle3", "speculators", "medusa", "mlp_speculator", "mtp", "dflash"],
+flags.DEFINE_enum("format", "eagle3", list(export_formats()),
                   "eagle3: official EAGLE-3 layout (SGLang, SpecForge); speculators: vLLM's format; "
                   "medusa: FasterDecoding's medusa_lm_head.safetensors + config.json (a Medusa run); "
                   "mlp_speculator: fms-extras / vLLM model.safetensors + config.json (an MLP speculator run); "
@@ -171,4 +173,6 @@ def export_dflash(workdir: str) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.export_head", main))

@@ -87,20 +87,16 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     import numpy as np
 
     from confu_jax.decode.stopping import StopReason
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head, family_of
     from confu_jax.decode.loop import compile_speculative
-    from confu_jax.decode.drafters import max_draft_depth, parse_drafter
     from confu_jax.decode.sharded import place_spec_params
 
-    family = REGISTERED_METHODS[method].family
-    if draft_model and family not in ("draft_model", "sd2"):
-        raise ValueError(f"--draft_model is for --method draft_model / sd2, not {method}")
-    source = (draft_model or draft_ckpt) if family in ("draft_model", "sd2") else draft_ckpt
+    family = family_of(method)
+    if draft_model and family.source_flag != "draft_model":
+        raise ValueError(f"--draft_model is for the draft-model methods, not {method} (its weights: --draft_ckpt)")
+    source = (draft_model or draft_ckpt) if family.source_flag == "draft_model" else draft_ckpt
     head = decode_head(method, cfg, params, source, seed=seed, target_source=target_source)
-    if tree is None:  # the default plan fits the head: chain:4, or as deep as it drafts
-        limit = max_draft_depth(head.params)
-        tree = f"chain:{4 if limit is None else min(4, limit)}"
-    plan = parse_drafter(method, tree)
+    plan = family.parse(tree or family.default_plan(head.params))  # the default plan fits the head
     if mesh is not None:
         head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
     t0 = time.perf_counter()
@@ -205,8 +201,6 @@ def main(argv):
         sys.exit(f"launch.generate: {e}")
     if FLAGS.method == "ar" and FLAGS.draft_ckpt:
         raise app.UsageError("--draft_ckpt is for the speculative methods (eagle3, confu), not ar")
-    if FLAGS.draft_model and REGISTERED_METHODS[FLAGS.method].family not in ("draft_model", "sd2"):
-        raise app.UsageError(f"--draft_model is for --method draft_model / sd2, not {FLAGS.method}")
     mesh = None
     if FLAGS.mesh:
         from confu_jax.decode.sharded import parse_mesh

@@ -78,7 +78,7 @@ def workload(tok, n: int, max_turns: int, max_prompt_len: int, skip: int = 0) ->
     """The first ``n`` ShareGPT conversations (after ``skip``) whose first prompt fits, cut to
     ``max_turns`` answers (what ``launch.generate_data --max_turns`` regenerates)."""
     from confu_jax.data.formats import load_conversations
-    from launch.generate_data import keep_turns
+    from confu_jax.decode.self_distill import keep_turns
 
     convs, _ = load_conversations(["sharegpt"], max_records=8 * (n + skip) + 64)
     out = []
@@ -126,7 +126,7 @@ def main(argv):
     from confu_jax.decode.requests import bucket_length
     from confu_jax.decode.stopping import StopReason
     from confu_jax.weights import load_model
-    from launch import generate_data as gd
+    from confu_jax.decode import self_distill as gd
 
     enable_compilation_cache()
     n_conv = FLAGS.n_prompts or FLAGS.n_conversations

@@ -139,22 +139,22 @@ def ensure_distilled_data(tok, cfg, params) -> str | None:
     if FLAGS.distill_records <= 0:
         return None
     from confu_jax.data.formats import bad_records_log_to, load_conversations
-    from launch import generate_data
+    from confu_jax.decode import self_distill
 
     path = distilled_data_path()
     max_prompt_len, max_new_tokens = distill_limits()
     # read a few times more records than needed: long first questions are skipped
     with bad_records_log_to(os.path.join(os.path.dirname(path), "bad_records.log")):
         convs, _ = load_conversations(["sharegpt"], on_bad_record="skip", max_records=8 * FLAGS.distill_records)
-    wanted = generate_data.first_questions(convs, tok, max_prompt_len, FLAGS.distill_records)
-    todo, _ = generate_data.pending_conversations(wanted, path)
+    wanted = self_distill.first_questions(convs, tok, max_prompt_len, FLAGS.distill_records)
+    todo, _ = self_distill.pending_conversations(wanted, path)
     if not todo:
         print(f"[data] using the {len(wanted)} cached self-distilled conversations in {path}", flush=True)
         return path
     print(f"[data] self-distillation: the target answers {len(todo)} ShareGPT questions (of {len(wanted)}; "
           f"prompts <= {max_prompt_len} tokens, answers <= {max_new_tokens}) into {path}", flush=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    stats = generate_data.regenerate_continuous(wanted, path, tok, cfg, params, batch_size=32,
+    stats = self_distill.regenerate_continuous(wanted, path, tok, cfg, params, batch_size=32,
                                                 max_new_tokens=max_new_tokens, max_prompt_len=max_prompt_len)
     print(f"[data] {stats['written']} conversations, {stats['tokens_generated']} tokens generated in "
           f"{stats['seconds']:.0f} s (compilation included)", flush=True)
@@ -294,7 +294,7 @@ def main(argv):
     # land on one row (the same row measured 14% apart in two row-after-row runs)
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=1,
                                   min_bucket=MIN_BUCKET, calibration=calibration or None,
-                                  auto_chains=("chain:1", "chain:2", "chain:3"), auto_trees=(), interleave=True)
+                                  auto_candidates={None: ("chain:1", "chain:2", "chain:3")}, interleave=True)
     # beside the heads: model-free prompt lookup, lookup + the EAGLE-3 head (hybrid), and auto
     heads["hybrid"] = heads["eagle3"]
     methods = ["ar", *variants, "lookup", "hybrid"] + (["auto"] if calibration else [])

@@ -31,6 +31,7 @@ import os
 
 from absl import app, flags
 
+from confu_jax.decode import self_distill
 from launch import generate_data as gd
 
 log = logging.getLogger("release_data")
@@ -47,40 +48,14 @@ FLAGS = flags.FLAGS
 
 
 def generation_settings(inputs, command: str = "") -> dict:
-    """The generation settings for the manifest: parsed from ``command`` when given, else from every
+    """The generation settings for the manifest: parsed from ``command`` when given, else those every
     run recorded beside the inputs (``<input>.runs.jsonl``), which must agree on the recipe."""
-    from confu_jax.data.releases import RECIPE_KEYS
-
     if command:
         return gd.parse_generation_command(command)
-    runs = []
-    for path in inputs:
-        side = path + gd.RUNS_SUFFIX
-        if not os.path.isfile(side):
-            raise app.UsageError(
-                f"{side} does not exist (the input was written before generate_data recorded its runs): "
-                "pass --generation_command with the command that generated it")
-        runs += [gd.parse_generation_command(r["command"]) for r in _read_runs(side)]
-    if not runs:
-        raise app.UsageError(f"no runs recorded beside {inputs}: pass --generation_command")
-    first = runs[0]
-    for r in runs[1:]:
-        diff = {k: (first[k], r[k]) for k in RECIPE_KEYS if first[k] != r[k]}
-        if diff:
-            raise app.UsageError(
-                f"the runs that wrote {inputs} used different settings {diff}: the data mixes recipes; "
-                "pass --generation_command to name the one to record if that is intended")
-    return runs[-1]
-
-
-def _read_runs(path: str) -> list[dict]:
-    """The ``{"command", "started"}`` lines of a ``<output>.runs.jsonl`` (a torn last line ignored)."""
-    runs = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.endswith("\n") and line.strip():
-                runs.append(json.loads(line))
-    return runs
+    try:
+        return self_distill.recorded_settings(inputs, legacy_parse=gd.parse_generation_command)
+    except ValueError as e:
+        raise app.UsageError(f"{e} (--generation_command)") from None
 
 
 def answer_token_counter(tokenizer):
@@ -107,7 +82,7 @@ def read_inputs(inputs) -> list[dict]:
     for path in inputs:
         if not os.path.isfile(path):
             raise app.UsageError(f"--input {path} does not exist")
-        recs = gd.read_records(path)
+        recs = self_distill.read_records(path)
         for lineno, rec in enumerate(recs, start=1):
             conv, reason, detail, _ = normalize_record(rec, f"{path}:{lineno}")
             if conv is None:
@@ -144,4 +119,6 @@ def main(argv):
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.release_data", main))

@@ -43,7 +43,7 @@ def main(argv):
     from confu_jax.runs.head_release import better_than_released, write_head_manifest
     from confu_jax.runs.heads import load_trained_head, read_target_record
     from confu_jax.weights.eagle3_formats import eagle3_part, export_head
-    from confu_jax.runs.trainable_export import export_trainable
+    from confu_jax.runs.heads import export_trainable
 
     tau = {}
     for pair in FLAGS.tau:
@@ -98,4 +98,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.release_head", main))

@@ -162,4 +162,6 @@ def parse_flags(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.train", main), flags_parser=parse_flags)

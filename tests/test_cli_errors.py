@@ -1,5 +1,5 @@
 """A user's mistake reaches them as one line on stderr and exit status 2 (``confu_jax.user_errors``), not a
-traceback ending in a good message; a family's default plan fits it (``decode.drafters.max_draft_depth``)."""
+traceback ending in a good message; a family's default plan fits it (``decode.families.DrafterFamily.default_plan``)."""
 
 import os
 import shutil
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from confu_jax.decode.drafters import max_draft_depth
+from confu_jax.decode.families import FAMILIES
 from xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +57,23 @@ def test_a_mistake_is_one_line_and_exit_2(args, says, request):
     assert len(lines) == 1 and lines[0].startswith("launch.generate: ") and says in lines[0], lines
 
 
+@pytest.mark.parametrize("module,args,says", [
+    ("launch.export_head", ["--workdir", "/nonexistent/run", "--out", "/tmp/unused"], "not a launch.train workdir"),
+    ("launch.train", ["--config", "configs/tiny.py", "--workdir", "WORK", "--config.model.source=/nonexistent/m"],
+     "neither a known asset"),
+    ("launch.generate_data", ["--output", "WORK/o.jsonl", "--input", "/nonexistent.json"], "does not exist"),
+], ids=["export_head", "train", "generate_data"])
+def test_every_cli_reports_a_mistake_as_one_line(module, args, says, tmp_path):
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("CONFU_JAX_TRACEBACK", None)
+    args = [a.replace("WORK", str(tmp_path)) for a in args]
+    r = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    lines = [line for line in _user_lines(r.stderr) if not line.startswith("INFO")]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(f"{module}: ") and says in lines[0], lines
+
+
 def test_the_default_plan_fits_a_depth_bounded_family():
     from types import SimpleNamespace
 
@@ -67,8 +84,8 @@ def test_the_default_plan_fits_a_depth_bounded_family():
     from confu_jax.models.medusa import init_medusa
     from confu_jax.models.mlp_speculator import MLPSpeculatorConfig, init_mlp_speculator
 
-    assert max_draft_depth(SimpleNamespace(draft={})) is None  # a head drafts at any depth
+    assert FAMILIES["head"].default_plan(SimpleNamespace(draft={})) == "chain:4"  # a head drafts at any depth
     medusa = init_medusa(jax.random.PRNGKey(0), 2, 1, jnp.zeros((40, 16)), 0)
-    assert max_draft_depth(SimpleNamespace(draft={"medusa": medusa})) == 2
+    assert FAMILIES["medusa"].default_plan(SimpleNamespace(draft={"medusa": medusa})) == "chain:2"
     spec = init_mlp_speculator(jax.random.PRNGKey(0), MLPSpeculatorConfig(3, 16, 16, 40))
-    assert max_draft_depth(SimpleNamespace(draft={"mlp_speculator": spec})) == 3
+    assert FAMILIES["mlp_speculator"].default_plan(SimpleNamespace(draft={"mlp_speculator": spec})) == "chain:3"

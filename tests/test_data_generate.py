@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from launch import generate_data as gd
+from confu_jax.decode import self_distill as sd
 from tests.fixtures.fake_chat import END, FakeChatTokenizer
 
 
@@ -40,7 +40,7 @@ def test_regenerate_batch_conditions_each_turn_on_the_regenerated_answers():
     tok, gen = FakeChatTokenizer(), ScriptedGenerate()
     convs = [_conv(0, 2), _conv(1, 1)]
     convs[1]["messages"].append({"role": "user", "content": "trailing question"})
-    out = gd.regenerate_batch(convs, tok, gen, batch_size=3, max_prompt_len=1000)
+    out = sd.regenerate_batch(convs, tok, gen, batch_size=3, max_prompt_len=1000)
     # Call 1: both first turns (+ one padding row); call 2: only conversation 0's second turn.
     assert len(gen.prompts) == 2 and all(len(p) == 3 for p in gen.prompts)
     ctx0 = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q0 turn 0"}]
@@ -70,13 +70,13 @@ def test_an_empty_answer_ends_the_conversation_before_its_turn():
             return tokens, n, eos
 
     convs = [_conv(0, 2), _conv(1, 1)]
-    out = gd.regenerate_batch(convs, tok, EmptySecondTurn(), batch_size=2, max_prompt_len=1000)
+    out = sd.regenerate_batch(convs, tok, EmptySecondTurn(), batch_size=2, max_prompt_len=1000)
     assert [m["role"] for m in out[0]["conversations"]] == ["system", "user", "assistant"]
     assert out[0]["conversations"][-1]["content"] != ""
-    out = gd.regenerate_batch([_conv(2, 1)], tok, lambda p, s: (np.full((1, 2), END, np.int32), np.ones(1, int),
+    out = sd.regenerate_batch([_conv(2, 1)], tok, lambda p, s: (np.full((1, 2), END, np.int32), np.ones(1, int),
                                                                   np.ones(1, bool)), batch_size=1, max_prompt_len=1000)
     assert out == [None]
-    conv = gd._Conversation(_conv(0, 2))
+    conv = sd.Conversation(_conv(0, 2))
     assert conv.next_prompt(tok, 1000) is not None
     conv.add_answer([7, END], True, tok)
     assert conv.next_prompt(tok, 1000) is not None
@@ -90,7 +90,7 @@ def test_prompt_limit_keeps_earlier_answers_and_drops_answerless_records():
     convs = [_conv(1, 2), {"id": "long", "messages": [
         {"role": "user", "content": "w " * 50}, {"role": "assistant", "content": "a"}]}]
     first_len = len(tok.encode_chat(convs[0]["messages"][:1], add_generation_prompt=True)[0])
-    out = gd.regenerate_batch(convs, tok, gen, batch_size=2, max_prompt_len=first_len + 2)
+    out = sd.regenerate_batch(convs, tok, gen, batch_size=2, max_prompt_len=first_len + 2)
     assert len(out[0]["conversations"]) == 2  # second turn's prompt is over the limit
     assert out[1] is None
 
@@ -98,12 +98,12 @@ def test_prompt_limit_keeps_earlier_answers_and_drops_answerless_records():
 def test_read_done_ids_cuts_a_torn_last_line_and_refuses_foreign_files(tmp_path):
     p = tmp_path / "o.jsonl"
     p.write_bytes(b'{"id": "a", "conversations": []}\n{"id": "b", "conversations": []}\n{"id": "c", "conv')
-    assert gd.read_done_ids(str(p)) == {"a", "b"}
+    assert sd.read_done_ids(str(p)) == {"a", "b"}
     assert p.read_bytes().endswith(b'"b", "conversations": []}\n')
     p.write_bytes(b'{"id": "a"}\nnot json\n{"id": "b"}\n')
     with pytest.raises(ValueError, match=r"o\.jsonl:2: not a generated record"):
-        gd.read_done_ids(str(p))
-    assert gd.read_done_ids(str(tmp_path / "missing.jsonl")) == set()
+        sd.read_done_ids(str(p))
+    assert sd.read_done_ids(str(tmp_path / "missing.jsonl")) == set()
 
 
 class Killed(Exception):
@@ -117,13 +117,13 @@ def test_resume_after_kill_on_tiny_model_has_no_duplicates_or_gaps(tmp_path):
     cfg = get_preset("tiny")
     params = init_params(cfg, jax.random.PRNGKey(0))
     tok = FakeChatTokenizer()
-    real = gd.make_generate_fn(params, cfg, max_new_tokens=4, temperature=0.0, top_p=1.0,
+    real = sd.make_generate_fn(params, cfg, max_new_tokens=4, temperature=0.0, top_p=1.0,
                                eos_ids=tok.eos_ids, min_bucket=32)  # one bucket: one compile
     convs = [_conv(i, 1 + i % 2) for i in range(7)]
     kw = dict(batch_size=2, max_prompt_len=200, progress=False)
 
     ref_path = tmp_path / "ref.jsonl"
-    stats = gd.generate_dataset(convs, str(ref_path), tok, real, **kw)
+    stats = sd.generate_dataset(convs, str(ref_path), tok, real, **kw)
     assert stats == {"already_done": 0, "written": 7, "no_answer": 0, "duplicates": 0}
 
     calls = [0]
@@ -136,11 +136,11 @@ def test_resume_after_kill_on_tiny_model_has_no_duplicates_or_gaps(tmp_path):
 
     out = tmp_path / "out.jsonl"
     with pytest.raises(Killed):
-        gd.generate_dataset(convs, str(out), tok, dying, **kw)
+        sd.generate_dataset(convs, str(out), tok, dying, **kw)
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["r0", "r1"]
     with open(out, "a") as f:  # a kill in the middle of a write leaves a torn line
         f.write('{"id": "r2", "conversations": [{"role": "us')
-    stats = gd.generate_dataset(convs + [convs[3]], str(out), tok, real, **kw)
+    stats = sd.generate_dataset(convs + [convs[3]], str(out), tok, real, **kw)
     assert stats == {"already_done": 2, "written": 5, "no_answer": 0, "duplicates": 1}
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in got] == [f"r{i}" for i in range(7)]
@@ -154,7 +154,7 @@ def test_resume_after_kill_on_tiny_model_has_no_duplicates_or_gaps(tmp_path):
         assert len(answers) == 1 + int(c["id"][1:]) % 2
         assert all(a.split() and all(w.startswith("t") for w in a.split()) for a in answers)
     # Rerunning a finished file does nothing.
-    assert gd.generate_dataset(convs, str(out), tok, real, **kw)["written"] == 0
+    assert sd.generate_dataset(convs, str(out), tok, real, **kw)["written"] == 0
 
 
 @pytest.mark.slow
@@ -217,10 +217,10 @@ def test_continuous_engine_resumes_after_kill_and_matches_the_static_engine(tmp_
     convs = [_conv(i, 1 + i % 3) for i in range(9)]
     convs.append({"id": "long", "messages": [{"role": "user", "content": "w " * 300},
                                              {"role": "assistant", "content": "a"}]})
-    static = gd.make_generate_fn(params, cfg, max_new_tokens=4, temperature=0.0, top_p=1.0,
+    static = sd.make_generate_fn(params, cfg, max_new_tokens=4, temperature=0.0, top_p=1.0,
                                  eos_ids=tok.eos_ids, min_bucket=32)
     ref = tmp_path / "static.jsonl"
-    gd.generate_dataset(convs, str(ref), tok, static, batch_size=3, max_prompt_len=200, progress=False)
+    sd.generate_dataset(convs, str(ref), tok, static, batch_size=3, max_prompt_len=200, progress=False)
 
     def engine():
         return ContinuousGenerator(params, cfg, batch=3, max_len=204, max_new_tokens=4, eos_ids=tok.eos_ids,
@@ -240,10 +240,10 @@ def test_continuous_engine_resumes_after_kill_and_matches_the_static_engine(tmp_
 
     out = tmp_path / "cont.jsonl"
     with pytest.raises(Killed):
-        gd.generate_dataset_continuous(convs, str(out), tok, Dying(), max_prompt_len=200, progress=False)
+        sd.generate_dataset_continuous(convs, str(out), tok, Dying(), max_prompt_len=200, progress=False)
     partial = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert partial == [c["id"] for c in convs[:len(partial)]]  # an input-order prefix
-    stats = gd.generate_dataset_continuous(convs + [convs[1]], str(out), tok, engine(), max_prompt_len=200,
+    stats = sd.generate_dataset_continuous(convs + [convs[1]], str(out), tok, engine(), max_prompt_len=200,
                                            progress=False)
     assert stats == {"already_done": len(partial), "written": 9 - len(partial), "no_answer": 1, "duplicates": 1}
     assert out.read_text() == ref.read_text()
@@ -262,22 +262,22 @@ def test_first_questions_keeps_the_first_question_that_fits():
     convs.insert(2, {"id": "no-answer", "messages": [{"role": "user", "content": "hi"}]})
     limit = max(len(tok.encode_chat(c["messages"][:2 if i % 3 else 3], add_generation_prompt=True)[0])
                 for i, c in enumerate(convs) if c["id"] in ("r0", "r2"))
-    got = gd.first_questions(convs, tok, limit, n=3)
+    got = sd.first_questions(convs, tok, limit, n=3)
     assert [c["id"] for c in got] == ["r0", "r2", "r3"]
     for c in got:
         src = next(s for s in convs if s["id"] == c["id"])["messages"]
         k = next(i for i, m in enumerate(src) if m["role"] == "assistant")
         assert c["messages"] == src[: k + 1]  # question, its context and the first answer only
         assert len(tok.encode_chat(src[:k], add_generation_prompt=True)[0]) <= limit
-    assert [c["id"] for c in gd.first_questions(convs, tok, limit, n=10)][-1] == "r5"
+    assert [c["id"] for c in sd.first_questions(convs, tok, limit, n=10)][-1] == "r5"
 
 
 def test_keep_turns_cuts_after_the_nth_answer():
     c = _conv(3, turns=3)  # system + 3 x (user, assistant)
-    assert gd.keep_turns(c, 0) is c and gd.keep_turns(c, 5) is c
-    one = gd.keep_turns(c, 1)["messages"]
+    assert sd.keep_turns(c, 0) is c and sd.keep_turns(c, 5) is c
+    one = sd.keep_turns(c, 1)["messages"]
     assert [m["role"] for m in one] == ["system", "user", "assistant"]
-    two = gd.keep_turns(c, 2)["messages"]
+    two = sd.keep_turns(c, 2)["messages"]
     assert two == c["messages"][:5] and len(c["messages"]) == 7  # the input is not modified
 
 
@@ -308,7 +308,7 @@ def test_continuous_progress_log_counts_finished_conversations(tmp_path, monkeyp
     monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
     convs = [_conv(i, 1) for i in range(4)]
     with caplog.at_level(logging.INFO, logger="generate_data"):
-        stats = gd.generate_dataset_continuous(convs, str(tmp_path / "o.jsonl"), FakeChatTokenizer(), Instant(),
+        stats = sd.generate_dataset_continuous(convs, str(tmp_path / "o.jsonl"), FakeChatTokenizer(), Instant(),
                                                max_prompt_len=200, progress=True)
     assert stats["written"] == 4
     counts = [r.args[0] for r in caplog.records if "conversations done" in r.getMessage()]

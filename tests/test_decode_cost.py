@@ -66,7 +66,7 @@ def test_split_iteration_runs_the_loops_drafter_on_a_tiny_head():
     (it broke silently once when drafting moved behind it): each phase compiles and runs, and the
     rule is the one the plan verifies with at that temperature."""
     from confu_jax.decode import plans
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.models.llama import init_params
 
     cfg = get_preset("tiny").replace(eos_token_ids=())

@@ -28,7 +28,7 @@ import pytest
 
 from confu_jax.decode import loop
 from confu_jax.decode.dflash import DFlashDrafter, parse_dflash_plan
-from confu_jax.decode.drafters import parse_drafter
+from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import dflash as D
@@ -220,9 +220,9 @@ def test_target_layer_ids():
 def test_plan_parsing():
     d = parse_drafter("dflash", "tree:2,2,1")
     assert isinstance(d, DFlashDrafter) and d.n_nodes == 1 + 2 + 4 + 4 and d.max_depth == 3
-    assert d.describe() == "tree:2,2,1" and d.rule(True) == "greedy"
+    assert d.describe() == "tree:2,2,1" and d.rule(True).name == "greedy"
     assert parse_drafter("dflash", "chain:15").plan.k == 15
-    assert parse_drafter("dflash", "sampled_chain:2").rule(False) == "sampled_chain"
+    assert parse_drafter("dflash", "sampled_chain:2").rule(False).name == "sampled_chain"
     with pytest.raises(ValueError, match="contemplates"):
         parse_dflash_plan("chain:3+c2")
     assert get_method("dflash").needs_head and get_method("dflash").speculative
@@ -309,7 +309,7 @@ def test_sharded_equals_single_device():
 def test_published_layout_round_trip(tmp_path):
     import ml_dtypes
 
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.weights.dflash_format import is_dflash_dir, load_dflash_dir, save_dflash_dir
     from confu_jax.weights.safetensors_io import SafetensorsFile, save_file
 
@@ -359,7 +359,7 @@ def test_published_layout_round_trip(tmp_path):
 def test_five_tap_drafter_imports_and_decodes(tmp_path):
     """z-lab's 8B drafters read 5 target layers (build_target_layer_ids(L, 5)): one in their layout,
     on the 8-layer tiny target, imports with its 5 taps and decodes exactly as AR and as in memory."""
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.weights.dflash_format import save_dflash_dir
 
     spec, tp, _ = setup(6)
@@ -467,7 +467,7 @@ def test_loss_equals_hand_computation():
 def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     import ml_dtypes
 
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.runs.dflash import export_dflash_run, is_dflash_workdir
     from confu_jax.train.dflash_task import dflash_spec
     from confu_jax.train.loop import train

@@ -100,7 +100,7 @@ def test_mlp_bias_zero_is_no_bias_and_unrolled_matches():
 # ----------------------------------------------------------------------------- in the loop
 
 
-FULL_TREE = plans.DraftPlan(kind="static", paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+FULL_TREE = plans.StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
 
 
 @pytest.mark.parametrize("plan", ["chain:3", "sampled_chain:2", "dynamic:3,1,3", FULL_TREE],

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.decode import drafters, loop, plans
+from confu_jax.decode import families, loop, plans
 from confu_jax.decode import tree as tr
 from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.generate import generate_ar
@@ -43,7 +43,7 @@ def test_static_tree_scores_are_cumulative_draft_logprobs():
                                           ("eagle3", "chain:3@0.999")])
 def test_gated_greedy_equals_ar(variant, text):
     spec, tp, params = make(variant, 6, seed=2)
-    drafter = drafters.parse_drafter(variant, text)
+    drafter = families.parse_drafter(variant, text)
     assert drafter.widths == tuple(range(1, drafter.n_nodes + 1))
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=())
     sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=24, eos_ids=())
@@ -81,7 +81,7 @@ def test_gate_counts_the_confident_prefix_and_hybrid():
     assert np.array_equal(np.asarray(prop.tree.tokens_bt), np.asarray(full.tree.tokens_bt))
     assert np.all(np.asarray(full.n_nodes_b) == 4)
     # hybrid with a gated head: lossless, and its widths are the head's
-    hyb = drafters.parse_drafter("hybrid", "chain:3@0.3")
+    hyb = families.parse_drafter("hybrid", "chain:3@0.3")
     assert hyb.widths == (1, 2, 3, 4) and hyb.head.min_prob == 0.3
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=())
     sp = loop.generate_speculative(spec, params, hyb, PROMPTS, max_new_tokens=24, eos_ids=())
@@ -89,13 +89,13 @@ def test_gate_counts_the_confident_prefix_and_hybrid():
     for text, msg in (("chain:3@1.5", "probability in"), ("dynamic:2,2,4@0.5", "needs a chain"),
                       ("chain:3@x", "probability in")):
         with pytest.raises(ValueError, match=msg):
-            drafters.parse_drafter("eagle3", text)
+            families.parse_drafter("eagle3", text)
 
 
 @pytest.mark.slow
 def test_gated_sampling_lossless_joint():
     spec, tp, params = make("eagle3", 4, seed=3, n_layers=4, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
-    drafter = drafters.parse_drafter("eagle3", "chain:2@0.3")
+    drafter = families.parse_drafter("eagle3", "chain:2@0.3")
     prompt = [1, 3, 1, 3, 2, 1]
     joint = exact_joint(spec, tp, prompt, 1.0, 1.0)
     n_per, reps = 25_000, 4

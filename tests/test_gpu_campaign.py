@@ -1,5 +1,5 @@
 """The GPU campaign's CPU dry run (issue 23 item 6): the same script and stages as on the H100
-(``experiments/gpu_campaign.sh`` -> ``launch.gpu_campaign run``) at ``CAMPAIGN_SCALE=tiny``, on a
+(``experiments/gpu_campaign.sh`` -> ``experiments.gpu_campaign run``) at ``CAMPAIGN_SCALE=tiny``, on a
 tiny random chat GGUF (the ``tiny-chat`` preset) and a dozen short conversations:
 
 * ``bundle`` splits the model over two carried folders; call 1 (wheels/prompts/assets + part 1)
@@ -67,7 +67,7 @@ def campaign(tmp_path_factory):
     sharegpt.write_text(json.dumps(_conversations()))
     env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", CAMPAIGN_SCALE="tiny", PYTHONPATH=ROOT)
     bundle = tmp / "bundle"
-    r = subprocess.run([sys.executable, "-m", "launch.gpu_campaign", "bundle", "--out", str(bundle),
+    r = subprocess.run([sys.executable, "-m", "experiments.gpu_campaign", "bundle", "--out", str(bundle),
                         "--model_file", gguf, "--sharegpt", str(sharegpt), "--no_wheels"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -81,7 +81,7 @@ def campaign(tmp_path_factory):
     calls.append(_call(3, wt, state, tmp / "out3", env))  # nothing carried: resumes
     calls.append(_call(4, wt, state, tmp / "out4", env))  # nothing left to do
     dest = tmp / "unpacked"
-    r = subprocess.run([sys.executable, "-m", "launch.gpu_campaign", "unpack", *(str(c["out"]) for c in calls),
+    r = subprocess.run([sys.executable, "-m", "experiments.gpu_campaign", "unpack", *(str(c["out"]) for c in calls),
                         "--dest", str(dest)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     return {"calls": calls, "bundle": bundle, "state": state, "dest": dest / "gpu_campaign", "unpack": r,
             "gguf": gguf}
@@ -218,7 +218,7 @@ def test_unpacked_heads_load(campaign):
 
     from confu_jax.runs.heads import load_trained_head
     from confu_jax.weights.eagle3_formats import load_head
-    from launch.gpu_campaign import load_exported
+    from experiments.gpu_campaign import load_exported
 
     e3 = load_head(str(campaign["dest"] / "heads" / "eagle3_official"))
     assert e3.fmt == "eagle3"
@@ -253,7 +253,7 @@ def test_unpacked_heads_load(campaign):
 
 
 def test_scale_overrides_and_calls():
-    from launch.gpu_campaign import Scale, device_calls, resolve_scale
+    from experiments.gpu_campaign import Scale, device_calls, resolve_scale
 
     s = resolve_scale("gpu", {"CAMPAIGN_E3_STEPS": "300", "CAMPAIGN_LR": "5e-4"})
     assert (s.e3_steps, s.lr, s.gen_batch) == (300, 5e-4, Scale().gen_batch)
@@ -264,7 +264,7 @@ def test_scale_overrides_and_calls():
 
 
 def test_split_sizes_fit_the_travel_limit():
-    from launch.gpu_campaign import TRAVEL_LIMIT, TRAVEL_MARGIN, split_sizes
+    from experiments.gpu_campaign import TRAVEL_LIMIT, TRAVEL_MARGIN, split_sizes
 
     gguf, call1_files = 98_362_432, 16_400_000  # SmolLM2's GGUF; wheels + prompts + assets
     for tree in (2_800_000, 12_000_000, 30_000_000):
@@ -276,7 +276,7 @@ def test_split_sizes_fit_the_travel_limit():
 
 
 def _campaign(tmp_path, scale="gpu", env=None):
-    from launch.gpu_campaign import Campaign
+    from experiments.gpu_campaign import Campaign
 
     return Campaign(str(tmp_path / "state"), str(tmp_path / "bundle"), str(tmp_path / "out"), scale, env or {})
 
@@ -320,7 +320,7 @@ def test_gpu15_plan_needs_no_relaunch_at_the_measured_step_time(tmp_path):
 
 def test_delivery_spills_over_calls(tmp_path, monkeypatch):
     """Pieces that do not fit one call's $OUT (8 files, 64 MiB) wait for the next call."""
-    import launch.gpu_campaign as gc
+    import experiments.gpu_campaign as gc
 
     monkeypatch.setattr(gc, "PIECE_BYTES", 1000)
     monkeypatch.setattr(gc, "OUT_BYTES", 4000 + 2 * 2**20)
@@ -343,7 +343,7 @@ def test_delivery_spills_over_calls(tmp_path, monkeypatch):
 
 def test_a_fresh_machine_is_told_to_start_again(tmp_path):
     """Call 2 on a machine that lost call 1's state: a clear error, not a half-run campaign."""
-    from launch.gpu_campaign import CampaignError
+    from experiments.gpu_campaign import CampaignError
 
     (tmp_path / "bundle" / "call2").mkdir(parents=True)
     (tmp_path / "bundle" / "call2" / "bundle.json").write_text(json.dumps({"model": {"parts": []}}))
@@ -354,19 +354,17 @@ def test_a_fresh_machine_is_told_to_start_again(tmp_path):
 
 def test_auto_candidates_parse_for_every_family():
     """The narrowed budget-auto candidates are plans each family's drafter accepts."""
-    from confu_jax.decode.drafters import parse_drafter
-    from launch.gpu_campaign import Scale, auto_candidates
+    from confu_jax.bench.cli_args import parse_auto_candidates
+    from confu_jax.decode.families import FAMILIES
+    from experiments.gpu_campaign import Scale, auto_candidates
 
-    s = Scale()
-    for method, family in (("eagle3", "head"), ("confu", "head"), ("lookup", "lookup"), ("hybrid", "hybrid"),
-                           ("medusa", "medusa"), ("mlp_speculator", "mlp_speculator"), ("mtp", "mtp")):
-        chains, trees = auto_candidates(s, family)
-        assert chains and (family == "hybrid" or trees)
-        if family == "head":
-            assert "dynamic:6,10,60" in trees
-        for plan in chains + trees:
-            parse_drafter(method, plan)
-    assert auto_candidates(Scale(auto_head_plans=""), "head") is None
+    given = parse_auto_candidates(auto_candidates(Scale()))
+    assert set(given) == {"head", "hybrid", "mtp", "lookup", "medusa", "mlp_speculator", "dflash"}
+    assert "dynamic:6,10,60" in given["head"] and all(p.startswith("chain:") for p in given["hybrid"])
+    for family, plans in given.items():
+        for plan in plans:
+            FAMILIES[family].parse(plan)
+    assert "head=" not in auto_candidates(Scale(auto_head_plans=""))
 
 
 def _fake_release(directory, ids, name):
@@ -384,7 +382,7 @@ def _fake_release(directory, ids, name):
 def test_earlier_campaign_releases_are_skipped_continued_and_trained_on(tmp_path, monkeypatch):
     """A campaign after one whose release the repository holds: generation skips its ids, training
     reads it (once: not again when this campaign continues it), the CPU release stays last (held out)."""
-    import launch.gpu_campaign as gc
+    import experiments.gpu_campaign as gc
 
     root = tmp_path / "repo"
     _fake_release(root / "releases" / "data" / "sharegpt_smollm2", ["c1"], "sharegpt_smollm2")
@@ -405,7 +403,7 @@ def test_earlier_campaign_releases_are_skipped_continued_and_trained_on(tmp_path
 def test_gpu15_scale_trains_on_the_repository_releases(tmp_path, monkeypatch):
     """gen_passes = 0: no generation pass, the release stage ends at once, training reads the
     repository's releases; the 15-minute scale fits its work into call 2."""
-    import launch.gpu_campaign as gc
+    import experiments.gpu_campaign as gc
 
     root = tmp_path / "repo"
     _fake_release(root / "releases" / "data" / "sharegpt_smollm2_gpu", ["g1"], "sharegpt_smollm2_gpu")
@@ -430,7 +428,7 @@ def test_eagle3_can_continue_a_release(tmp_path, monkeypatch):
     """CAMPAIGN_E3_INIT: EAGLE-3's launch starts from that head (launch.train's init_from, which
     checks the release's hashes and remaps its draft vocabulary); a path that did not travel is an
     error naming it, before any launch."""
-    from launch.gpu_campaign import CampaignError
+    from experiments.gpu_campaign import CampaignError
 
     head = tmp_path / "releases" / "heads" / "smollm2_eagle3"
     head.mkdir(parents=True)
@@ -440,7 +438,7 @@ def test_eagle3_can_continue_a_release(tmp_path, monkeypatch):
         launched.append(cmd)
         return 0, True  # stopped by its time box: nothing trained
 
-    monkeypatch.setattr("launch.gpu_campaign.Campaign.run_cmd", fake_run)
+    monkeypatch.setattr("experiments.gpu_campaign.Campaign.run_cmd", fake_run)
     c = _campaign(tmp_path / "a", scale="gpu15", env={"CAMPAIGN_E3_INIT": str(head)})
     c.st_eagle3()
     assert f"--config.train.checkpoint.init_from={head}" in launched[-1]
@@ -462,7 +460,7 @@ def test_confu_future_bias_reaches_the_confu_launch(tmp_path, monkeypatch):
         launched.append(cmd)
         return 0, True  # stopped by its time box: nothing trained
 
-    monkeypatch.setattr("launch.gpu_campaign.Campaign.run_cmd", fake_run)
+    monkeypatch.setattr("experiments.gpu_campaign.Campaign.run_cmd", fake_run)
     _campaign(tmp_path / "a", scale="gpu15").st_confu()
     assert "--config.confu.future_bias=4.0" in launched[-1]
     _campaign(tmp_path / "b", scale="gpu15", env={"CAMPAIGN_CONFU_FUTURE_BIAS": "2.5"}).st_confu()

@@ -57,7 +57,7 @@ def test_release_layout_and_manifest(released):
 
 def test_decoding_loads_a_verified_release(released):
     from confu_jax.decode.generate import generate_ar
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.decode.loop import generate_speculative
     from confu_jax.decode.plans import parse_plan
     from confu_jax.runs.heads import load_trained_head
@@ -179,7 +179,7 @@ def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_pa
     import ml_dtypes
 
     from confu_jax.decode.generate import generate_ar
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.decode.loop import generate_speculative
     from confu_jax.decode.plans import parse_plan
     from confu_jax.models.params import init_trainable

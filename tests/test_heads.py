@@ -82,7 +82,7 @@ def test_errors_name_the_problem(trained, tmp_path):
 def test_trained_head_decodes_losslessly_and_checks_the_method(trained):
     """The loaded head plugs into the speculative loop: greedy output == AR on the run's target."""
     from confu_jax.decode.generate import generate_ar
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.decode.loop import generate_speculative
     from confu_jax.decode.plans import parse_plan
     from confu_jax.train.target_loading import load_target
@@ -108,7 +108,7 @@ def test_trained_head_decodes_losslessly_and_checks_the_method(trained):
 def test_head_is_refused_on_a_different_target_of_the_same_shape(trained, tmp_path):
     """A base and an instruct model of one architecture must not load each other's heads: the
     workdir's target.json fingerprint is checked against the loaded target's weights."""
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.runs.heads import read_target_record, target_fingerprint
     from confu_jax.train.target_loading import load_target
 
@@ -153,7 +153,8 @@ def test_random_head_with_a_smaller_draft_vocabulary():
 
 def test_a_head_source_can_name_one_checkpoint_step(trained):
     """``WORKDIR@STEP`` (decode_bench --heads, launch.scaling_curve) decodes that step's head."""
-    from confu_jax.decode.heads import decode_head, split_step
+    from confu_jax.decode.families import decode_head
+    from confu_jax.decode.heads import split_step
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.train.target_loading import load_target
 

@@ -1,10 +1,12 @@
-"""launch.kernel_bench: the harness runs on CPU (interpret mode) and its figures are consistent."""
+"""launch.kernel_bench (``bench.kernel_cost``): the harness runs on CPU (interpret mode) and its figures are
+consistent; the device peak table (``confu_jax.devices``) is the one the training MFU reads."""
 
 from __future__ import annotations
 
 import pytest
 
-from launch import kernel_bench as kb
+from confu_jax.bench import kernel_cost as kb
+from confu_jax.train.throughput import device_peak_flops
 
 
 def test_device_peaks_from_device_kind():
@@ -12,6 +14,12 @@ def test_device_peaks_from_device_kind():
     assert kb.device_peaks("NVIDIA H100 PCIe") == (2000.0, 756.0)
     assert kb.device_peaks("NVIDIA H200") == (4800.0, 989.0)
     assert kb.device_peaks("cpu") == (None, None)
+    assert kb.device_peaks("NVIDIA GH200 480GB") == (4000.0, 989.0) and kb.device_peaks("TPU v5 lite")[1] == 197.0
+
+    class Dev:
+        device_kind = "NVIDIA H100 PCIe"
+
+    assert device_peak_flops(Dev()) == 756e12
 
 
 def test_bytes_and_flops_model():

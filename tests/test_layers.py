@@ -91,6 +91,17 @@ def test_no_private_names_imported_across_modules():
     assert not bad, bad
 
 
+@pytest.mark.parametrize("unit", ["runs", "data", "weights", "models", "kernels"])
+def test_no_import_cycle_between_modules_of_a_layer(unit):
+    """Module by module (lazy imports included): e.g. what a saved head is (runs.heads) reads the
+    checkpoint and export formats, which never read it back."""
+    g: dict = {}
+    for src, dst, _ in _imports():
+        if _unit(src) == _unit(dst) == unit and src != dst:
+            g.setdefault(src, set()).add(dst)
+    assert _find_cycle(g) is None, f"import cycle: {' -> '.join(_find_cycle(g))}"
+
+
 def test_the_scan_detects_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": {"c"}}) is None

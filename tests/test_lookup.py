@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.decode import drafters, loop, lookup, plans
+from confu_jax.decode import families, loop, lookup, plans
 from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.hybrid import Hybrid
@@ -199,18 +199,18 @@ def test_sharded_lookup_equals_single_device():
 
 
 def test_parse_drafter():
-    assert drafters.parse_drafter("lookup", "chain:4") == PromptLookup(k=4)
-    assert drafters.parse_drafter("lookup", "lookup:4,2") == PromptLookup(k=4, branches=2)
-    assert drafters.parse_drafter("lookup", "lookup:4,1,3,5") == PromptLookup(k=4, min_match=3, max_match=5)
-    assert drafters.parse_drafter("eagle3", "dynamic:3,3,8") == HeadDrafter(plans.parse_plan("dynamic:3,3,8"))
-    h = drafters.parse_drafter("hybrid", "chain:3")
+    assert families.parse_drafter("lookup", "chain:4") == PromptLookup(k=4)
+    assert families.parse_drafter("lookup", "lookup:4,2") == PromptLookup(k=4, branches=2)
+    assert families.parse_drafter("lookup", "lookup:4,1,3,5") == PromptLookup(k=4, min_match=3, max_match=5)
+    assert families.parse_drafter("eagle3", "dynamic:3,3,8") == HeadDrafter(plans.parse_plan("dynamic:3,3,8"))
+    h = families.parse_drafter("hybrid", "chain:3")
     assert isinstance(h, Hybrid) and h.lookup.k == 3 and h.n_nodes == 4
     for method, text, msg in (("lookup", "dynamic:3,3,8", "expected chain:K or lookup"),
                               ("hybrid", "dynamic:3,3,8", "hybrid decoding drafts chains"),
                               ("lookup", "lookup:0", "k >= 1"), ("lookup", "lookup:3,1,4,2", "min_match <= max_match"),
                               ("ar", "chain:3", "does not draft")):
         with pytest.raises(ValueError, match=msg):
-            drafters.parse_drafter(method, text)
+            families.parse_drafter(method, text)
 
 
 # ----------------------------------------------------------------------------- benchmark, budget auto
@@ -232,7 +232,7 @@ def test_benchmark_mixed_families_resume(tmp_path):
     cfg, params = load_model(gguf)
     prompts = load_question_file(fixture)[:2]
     setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=12, min_bucket=64,
-                                  auto_chains=("chain:2",), auto_trees=())
+                                  auto_candidates={None: ("chain:2",)})
     budgets = cli_args.parse_budgets("chain:2,lookup:3,2,auto")
     assert budgets == ["chain:2", "lookup:3,2", "auto"]
     kw = dict(methods=["ar", "eagle3", "lookup", "hybrid", "auto"], temperatures=[0.0], budgets=budgets, heads={})
@@ -274,7 +274,7 @@ def test_budget_auto_lookup_candidates():
     assert budget.plan_nodes("lookup:3,2", "lookup") == 7 and budget.plan_nodes("chain:3", "hybrid") == 4
     # the repetitive tiny target: lookup accepts several tokens per pass
     assert max(c.expected_tau for c in cands) > 1.5
-    assert budget.default_candidates("lookup")[1] == budget.DEFAULT_LOOKUP_TREES
+    assert budget.default_candidates("lookup")[1] == families.DEFAULT_LOOKUP_TREES
     assert budget.default_candidates("hybrid")[1] == ()
 
 
@@ -297,7 +297,7 @@ def test_method_budgets_and_quickstart_release_heads(tmp_path):
     gguf = tiny_chat_gguf(tmp_path)
     cfg, params = load_model(gguf)
     setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=8, min_bucket=64,
-                                  auto_chains=("chain:2",), auto_trees=())
+                                  auto_candidates={None: ("chain:2",)})
     rows = spec_bench.run_benchmark(setup, load_question_file(fixture)[:1], methods=["ar", "lookup", "auto"],
                                     temperatures=[0.0], budgets=["chain:2", "auto"], heads={},
                                     method_budgets={"auto": ["auto"], "lookup": ["chain:2"]}, log=lambda m: None)

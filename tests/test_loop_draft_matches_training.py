@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from confu_jax.decode import drafting, loop, plans
+from confu_jax.decode import verify as verify_lib
 from confu_jax.models import target as target_lib
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.kv_cache import to_cache_layout
@@ -98,7 +99,7 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text, head_kw):
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
     s0 = jit_prefill(spec, params, plan, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
-    s1 = jit_iteration(spec, params, plan, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
+    s1 = jit_iteration(spec, params, plan, verify_lib.GREEDY, s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
 
     n = len(prompt)
     emitted = np.asarray(s1.tokens_bn)[0, : int(s1.n_generated_b[0])].tolist()
@@ -161,7 +162,7 @@ def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
     s0 = jit_prefill(spec, params, full, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
-    s1 = jit_iteration(spec, params, full, "greedy", s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
+    s1 = jit_iteration(spec, params, full, verify_lib.GREEDY, s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
     emitted = np.asarray(s1.tokens_bn)[0, : int(s1.n_generated_b[0])].tolist()
     n_acc = int(s1.drafter.ingest_count_b[0])  # nodes accepted, root included: the next draft's lag
     assert n_acc >= 2 and len(emitted) == 1 + n_acc, emitted  # first token + accepted drafts + bonus

@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 
 from confu_jax.decode import loop
-from confu_jax.decode.drafters import parse_drafter
+from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
-from confu_jax.decode.medusa import MedusaDrafter, cartesian_paths, parse_medusa_plan
+from confu_jax.decode.medusa import MedusaDrafter, parse_medusa_plan
+from confu_jax.decode.plans import cartesian_paths
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import medusa as med
 from confu_jax.models.registry import get_method
@@ -132,8 +133,8 @@ def test_plan_parsing():
         parse_medusa_plan("tree:2,0")
     from confu_jax.bench import budget, cli_args
 
-    fams = cli_args.plan_families("tree:2,2")  # the families with per-depth top-k trees read it; heads do not
-    assert {"medusa", "mlp_speculator"} <= set(fams) and not {"head", "lookup", "draft_model"} & set(fams)
+    fams = cli_args.plan_families("tree:2,2")  # every model-based family drafts a Cartesian static tree; lookup does not
+    assert {"medusa", "mlp_speculator", "head", "draft_model"} <= set(fams) and "lookup" not in fams
     chains, trees = budget.default_candidates("medusa")
     assert all(parse_drafter("medusa", p).max_depth <= 3 for p in chains + trees)
     spec, tp, params = setup(6, num_heads=2)
@@ -228,7 +229,7 @@ def test_sharded_medusa_equals_single_device():
 def test_faster_decoding_format_round_trip(tmp_path):
     import torch
 
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.weights.medusa_format import load_medusa_dir, save_medusa_dir
 
     spec, tp, params = setup(6)
@@ -311,7 +312,7 @@ def test_loss_equals_hand_computation():
 
 
 def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.medusa import is_medusa_workdir
     from confu_jax.train.loop import train

@@ -33,7 +33,7 @@ import pytest
 
 from confu_jax.decode import loop
 from confu_jax.decode.drafter import DraftInput
-from confu_jax.decode.drafters import parse_drafter
+from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.mlp_speculator import MLPSpeculatorDrafter, MLPSpeculatorState, parse_mlp_speculator_plan
 from confu_jax.decode.spec_params import SpecParams
@@ -311,9 +311,9 @@ def test_tree_holds_the_reference_candidates(scale_input):
 def test_plan_parsing():
     d = parse_drafter("mlp_speculator", "tree:2,2,1")
     assert isinstance(d, MLPSpeculatorDrafter) and d.n_nodes == 1 + 2 + 4 + 4 and d.max_depth == 3
-    assert d.describe() == "tree:2,2,1" and d.rule(True) == "greedy"
+    assert d.describe() == "tree:2,2,1" and d.rule(True).name == "greedy"
     assert parse_drafter("mlp_speculator", "chain:3").plan.k == 3
-    assert parse_drafter("mlp_speculator", "sampled_chain:2").rule(False) == "sampled_chain"
+    assert parse_drafter("mlp_speculator", "sampled_chain:2").rule(False).name == "sampled_chain"
     assert parse_drafter("mlp_speculator", "dynamic:3,2,5").n_nodes == 1 + 5  # N drafted nodes + the root
     with pytest.raises(ValueError, match="contemplates"):
         parse_mlp_speculator_plan("chain:3+c2")
@@ -433,7 +433,7 @@ def test_published_format_round_trip(tmp_path):
     import ml_dtypes
     import torch
 
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.weights.mlp_speculator_format import (is_mlp_speculator_dir, load_mlp_speculator_dir,
                                                          save_mlp_speculator_dir)
     from confu_jax.weights.safetensors_io import SafetensorsFile, save_file
@@ -554,7 +554,7 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     broadcast for decoding, exported and read back."""
     import ml_dtypes
 
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.mlp_speculator import export_mlp_speculator_run, is_mlp_speculator_workdir
     from confu_jax.train.loop import train

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from confu_jax.decode import loop
-from confu_jax.decode.drafters import parse_drafter
+from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.mtp import MTPDrafter, parse_mtp_plan
 from confu_jax.decode.spec_params import SpecParams
@@ -175,9 +175,9 @@ def test_initialisation():
 def test_plan_parsing():
     d = parse_drafter("mtp", "tree:2,2,1")
     assert isinstance(d, MTPDrafter) and d.n_nodes == 1 + 2 + 4 + 4 and d.max_depth == 3
-    assert d.describe() == "tree:2,2,1" and d.rule(True) == "greedy"
+    assert d.describe() == "tree:2,2,1" and d.rule(True).name == "greedy"
     assert parse_drafter("mtp", "chain:5").plan.k == 5  # one module, any depth
-    assert parse_drafter("mtp", "sampled_chain:2").rule(False) == "sampled_chain"
+    assert parse_drafter("mtp", "sampled_chain:2").rule(False).name == "sampled_chain"
     assert parse_drafter("mtp", "dynamic:3,2,5").n_nodes == 1 + 5
     with pytest.raises(ValueError, match="contemplates"):
         parse_mtp_plan("chain:3+c2")
@@ -298,7 +298,7 @@ def test_sharded_equals_single_device():
 def test_deepseek_layout_round_trip(tmp_path):
     import ml_dtypes
 
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.weights.mtp_format import is_mtp_dir, load_mtp_dir, save_mtp_dir
     from confu_jax.weights.safetensors_io import SafetensorsFile, save_file
 
@@ -445,7 +445,7 @@ def test_packed_rows_equal_padded_rows():
 
 
 def test_training_lowers_the_loss_and_the_run_loads(tmp_path):
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.mtp import is_mtp_workdir
     from confu_jax.train.loop import train

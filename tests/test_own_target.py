@@ -32,8 +32,8 @@ TARGETS = {
     "qwen3": dict(family="qwen3", vocab=300, hidden=64, layers=8, heads=4, kv_heads=2, head_dim=24, ffn=112,
                   max_pos=4096),
 }
-SMALL = {"PROMPTS": "sharegpt", "N_PROMPTS": "24", "MAX_NEW": "24", "GEN_BATCH": "8", "MAX_LEN": "96",
-         "BATCH": "8", "STEPS": "40", "EVAL_EVERY": "20", "PER_CATEGORY": "1"}
+SMALL = {"PROMPTS": "sharegpt", "N_PROMPTS": "16", "MAX_NEW": "24", "GEN_BATCH": "8", "MAX_LEN": "96",
+         "BATCH": "8", "STEPS": "24", "EVAL_EVERY": "12", "PER_CATEGORY": "1"}
 
 
 def doc_commands(path=DOC) -> list:

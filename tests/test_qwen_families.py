@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from confu_jax.decode import loop
-from confu_jax.decode.drafters import parse_drafter
+from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
-from confu_jax.decode.heads import decode_head
+from confu_jax.decode.families import decode_head
 from confu_jax.weights import load_model
 from tests.fixtures.tiny_checkpoints import hf_qwen
 

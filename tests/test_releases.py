@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from confu_jax.data import formats, pipeline, releases
+from confu_jax.decode import self_distill as sd
 from launch import generate_data as gd
 from tests.fixtures.fake_chat import FakeChatTokenizer
 
@@ -168,7 +169,7 @@ def test_data_made_with_another_recipe_or_target_is_refused(tmp_path):
 def test_formats_and_pipeline_read_a_release_as_the_jsonl(tmp_path):
     recs = [_record(i, turns=1 + i % 2) for i in range(10)]
     jsonl = tmp_path / "gen.jsonl"
-    gd.append_records(str(jsonl), recs)
+    sd.append_records(str(jsonl), recs)
     rel = tmp_path / "rel"
     _append(rel, recs, part_bytes=600)
     assert releases.read_manifest(str(rel))["n_parts"] > 1
@@ -212,25 +213,25 @@ def test_generate_data_skips_conversations_a_release_holds(tmp_path):
                                           {"role": "assistant", "content": "old"}]} for i in range(8)]
     rel = tmp_path / "rel"
     _append(rel, [_record(i) for i in (1, 2, 5)])
-    todo, n = gd.drop_released(convs, str(rel))
+    todo, n = sd.drop_released(convs, str(rel))
     assert n == 3 and [c["id"] for c in todo] == ["r0", "r3", "r4", "r6", "r7"]
     # A fresh output (the released data's JSONL is gone with its machine): only the rest is generated.
     out = tmp_path / "new.jsonl"
-    stats = gd.generate_dataset(todo, str(out), FakeChatTokenizer(), _Scripted(), batch_size=2, max_prompt_len=99,
+    stats = sd.generate_dataset(todo, str(out), FakeChatTokenizer(), _Scripted(), batch_size=2, max_prompt_len=99,
                                 progress=False)
     assert stats["written"] == 5
-    assert [r["id"] for r in gd.read_records(str(out))] == ["r0", "r3", "r4", "r6", "r7"]
-    assert gd.drop_released(convs, str(tmp_path / "no_release_yet"))[1] == 0
+    assert [r["id"] for r in sd.read_records(str(out))] == ["r0", "r3", "r4", "r6", "r7"]
+    assert sd.drop_released(convs, str(tmp_path / "no_release_yet"))[1] == 0
     (rel / "part-00000.jsonl.zst").write_bytes(b"x")
     with pytest.raises(releases.ReleaseHashError):
-        gd.drop_released(convs, str(rel))
+        sd.drop_released(convs, str(rel))
 
 
 def test_read_records_ignores_a_torn_line_without_touching_the_file(tmp_path):
     p = tmp_path / "o.jsonl"
     raw = b'{"id": "a", "conversations": []}\n{"id": "b", "conversations": []}\n{"id": "c", "conv'
     p.write_bytes(raw)
-    assert [r["id"] for r in gd.read_records(str(p))] == ["a", "b"]
+    assert [r["id"] for r in sd.read_records(str(p))] == ["a", "b"]
     assert p.read_bytes() == raw  # a generate_data run may still be appending to it
 
 
@@ -246,14 +247,23 @@ def test_generation_command_settings_and_recorded_runs(tmp_path):
     out = tmp_path / "o.jsonl"
     cmd = gd.record_run(str(out), ["/x/launch/generate_data.py", "--output", str(out), "--max_turns", "1"])
     assert cmd == f"python -m launch.generate_data --output {out} --max_turns 1"
-    assert json.loads((tmp_path / "o.jsonl.runs.jsonl").read_text())["command"] == cmd
+    line = json.loads((tmp_path / "o.jsonl.runs.jsonl").read_text())
+    assert line["command"] == cmd and line["settings"]["max_turns"] == 1 and line["settings"]["max_new_tokens"] == 512
+    assert sd.recorded_settings([str(out)]) == {"command": cmd, **line["settings"]}  # read as JSON, not re-parsed
+    # a runs file written before settings were recorded: its command is parsed
+    legacy = tmp_path / "old.jsonl"
+    (tmp_path / "old.jsonl.runs.jsonl").write_text(json.dumps({"command": cmd, "started": "x"}) + "\n")
+    assert sd.recorded_settings([str(legacy)], legacy_parse=gd.parse_generation_command) == line["settings"] | {
+        "command": cmd}
+    with pytest.raises(ValueError, match="without its settings"):
+        sd.recorded_settings([str(legacy)])
 
 
 def test_release_data_cli_packs_appends_and_reads_back(tmp_path):
     """The CLI on SmolLM2's real tokenizer (no fingerprint: that would load the weights)."""
     inp = tmp_path / "gen.jsonl"
     recs = [_record(i, turns=1 + i % 2) for i in range(6)]
-    gd.append_records(str(inp), recs[:4])
+    sd.append_records(str(inp), recs[:4])
     with open(inp, "ab") as f:
         f.write(b'{"id": "r4", "conv')  # a run still writing
     gd.record_run(str(inp), ["generate_data.py", "--output", str(inp), "--max_new_tokens", "64"])
@@ -280,7 +290,7 @@ def test_release_data_cli_packs_appends_and_reads_back(tmp_path):
     # The run finished its line and wrote more; packing again appends only those.
     raw = inp.read_bytes()
     inp.write_bytes(raw[: raw.rindex(b"\n") + 1])
-    gd.append_records(str(inp), recs[4:])
+    sd.append_records(str(inp), recs[4:])
     out = run()
     assert out["added"] == 2 and out["already_released"] == 4 and out["totals"]["conversations"] == 6
     assert {p: _parts(rel)[p] for p in first_parts} == first_parts

@@ -57,9 +57,9 @@ def test_initial_loss_is_the_unsteered_drafters():
 
 def test_training_lowers_the_kl_and_the_run_decodes(tmp_path):
     from confu_jax.decode import loop
-    from confu_jax.decode.drafters import parse_drafter
+    from confu_jax.decode.families import parse_drafter
     from confu_jax.decode.generate import generate_ar
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.draft_models import is_sd2_workdir
     from confu_jax.train.loop import train
@@ -103,9 +103,9 @@ def test_distilled_baseline_fine_tunes_the_drafter_alone(tmp_path):
     initial loss as SD² (W_s = 0 makes SD² start unsteered), a lower KL after training, and the run
     decodes losslessly as ``draft_model`` while ``sd2`` refuses it (it has nothing to steer with)."""
     from confu_jax.decode import loop
-    from confu_jax.decode.drafters import parse_drafter
+    from confu_jax.decode.families import parse_drafter
     from confu_jax.decode.generate import generate_ar
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import decode_head
     from confu_jax.models.early_exit import early_exit_params
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.train.loop import setup_run, train

@@ -87,7 +87,7 @@ def test_contemplate_nodes_rule():
     spec = tiny_spec("confu")
     parents = jnp.asarray([[-1, 0, 0, 1, 1, 2, 3]] * 2, jnp.int32)
     tree = build_tree(jnp.zeros((2, 7), jnp.int32), parents, 3)
-    dyn = plans.DraftPlan("dynamic", depth=3, top_k=2, n_nodes=7, contemplates=3)
+    dyn = plans.DynamicTree(3, 2, 7, contemplates=3)
     score = jnp.asarray([[0.0, -0.1, -2.0, -0.3, -3.0, -2.5, -0.2],
                          [0.0, -1.0, -0.5, -1.2, -4.0, -0.6, -1.3]])
     # highest cumulative scores, root first, returned in topological (index) order

@@ -168,7 +168,7 @@ def test_budget_auto_row(tmp_path):
     gguf = tiny_chat_gguf(tmp_path)
     cfg, params = load_model(gguf)
     setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=10,
-                                  auto_chains=("chain:1", "chain:2"), auto_trees=(), ar_again=True)
+                                  auto_candidates={None: ("chain:1", "chain:2")}, ar_again=True)
     messages = []
     rows = spec_bench.run_benchmark(setup, load_question_file(FIXTURE)[:1], methods=["ar", "eagle3"],
                                     temperatures=[0.0], budgets=["auto"], heads={}, log=messages.append)

@@ -40,40 +40,20 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from confu_jax.decode.families import DEFAULT_CHAINS, DEFAULT_TREES, family_of
+
 AR = "ar"  # the no-speculation candidate: plain autoregressive decoding
-DEFAULT_CHAINS = tuple(f"chain:{k}" for k in range(1, 8))
-# EAGLE-2-style dynamic trees with T-1 = 4, 8, 16, 30, 60 non-root nodes
-DEFAULT_TREES = ("dynamic:3,2,4", "dynamic:4,4,8", "dynamic:5,6,16", "dynamic:6,8,30", "dynamic:6,10,60")
-# prompt lookup: chains of 2..8 and tries of 2 / 4 continuations (decode.drafters forms)
-DEFAULT_LOOKUP_TREES = ("lookup:4,2", "lookup:6,2", "lookup:4,4")
-# Medusa-1: Cartesian trees of the heads' top-k (decode.medusa), depth <= 3
-DEFAULT_MEDUSA_TREES = ("tree:2,2", "tree:3,2,1", "tree:4,3,2", "dynamic:3,2,4")
-# MLP speculator: the same shapes (tree:k1,..,kD = the reference's top_k_tokens_per_head), depth <= 3
-DEFAULT_MLP_SPECULATOR_TREES = DEFAULT_MEDUSA_TREES
-# MTP module: no depth limit (one module reused for every depth): the head's chains and EAGLE-2 trees
 
 
 def default_candidates(method: str) -> tuple:
     """Budget auto's default candidate plans for a method's drafter family (chains, then trees)."""
-    from confu_jax.models.registry import get_method
-
-    family = get_method(method).family
-    if family == "lookup":
-        return tuple(f"chain:{k}" for k in (2, 3, 4, 6, 8)), DEFAULT_LOOKUP_TREES
-    if family == "hybrid":
-        return DEFAULT_CHAINS, ()
-    if family == "medusa":  # depth <= the heads' count (3 in configs/tiny_medusa.py, 4 in smollm2_medusa.py)
-        return DEFAULT_CHAINS[:3], DEFAULT_MEDUSA_TREES
-    if family == "mlp_speculator":  # depth <= n_predict (3 in configs/tiny_mlp_speculator.py, 4 in smollm2's)
-        return DEFAULT_CHAINS[:3], DEFAULT_MLP_SPECULATOR_TREES
-    if family == "dflash":  # one block of any size; trees are Cartesian (block position i's top-k_i)
-        return DEFAULT_CHAINS, DEFAULT_MEDUSA_TREES
-    return DEFAULT_CHAINS, DEFAULT_TREES  # head, draft models, the MTP module (drafts at any depth)
+    fam = family_of(method)
+    return fam.chains, fam.trees
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    plan: str  # plan text (decode.drafters.parse_drafter of ``method``)
+    plan: str  # plan text (decode.families.parse_drafter of ``method``)
     expected_tau: float  # tokens per pass
     pass_s: float  # seconds per pass
     method: str = "eagle3"  # whose drafter the plan configures (budget auto may compare families)
@@ -105,7 +85,7 @@ def plan_nodes(plan: str, method: str = "eagle3") -> int:
     """Target positions a full pass of ``method``'s ``plan`` verifies (AR: the one token it decodes)."""
     if plan == AR:
         return 1
-    from confu_jax.decode.drafters import parse_drafter
+    from confu_jax.decode.families import parse_drafter
 
     return parse_drafter(method, plan).n_nodes
 
@@ -132,7 +112,7 @@ def _timed_call(run, timed: bool):
 def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: int, method: str):
     """decode(prompt) -> (seconds, passes, accepted lengths incl. bonus) of ``method``'s ``plan``,
     greedy, EOS off, batch 1 (``timed=False``: a warm-up call, nothing returned)."""
-    from confu_jax.decode.drafters import parse_drafter
+    from confu_jax.decode.families import parse_drafter
     from confu_jax.decode.loop import generate_speculative
 
     p = parse_drafter(method, plan)

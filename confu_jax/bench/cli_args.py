@@ -29,18 +29,34 @@ def plan_families(plan: str) -> tuple:
     """The drafter families whose plan text ``plan`` is (``head``, ``lookup``, ``hybrid``,
     ``draft_model``, ``sd2``, ``medusa``, ``mlp_speculator``, ``mtp``, ``dflash``); a benchmark runs each method only under
     the budgets its family reads."""
-    from confu_jax.decode.drafters import parse_drafter
+    from confu_jax.decode.families import FAMILIES
 
     fams = []
-    for family, method in (("head", "eagle3"), ("lookup", "lookup"), ("hybrid", "hybrid"),
-                           ("draft_model", "draft_model"), ("sd2", "sd2"), ("medusa", "medusa"),
-                           ("mlp_speculator", "mlp_speculator"), ("mtp", "mtp"), ("dflash", "dflash")):
+    for name, family in FAMILIES.items():
         try:
-            parse_drafter(method, plan)
-            fams.append(family)
+            family.parse(plan)
+            fams.append(name)
         except ValueError:
             pass
     return tuple(fams)
+
+
+def parse_auto_candidates(text: str) -> dict:
+    """Budget auto's candidate plans: ``chain:2,chain:3,dynamic:4,4,8`` (every family measures those it
+    reads) or per family, ``head=chain:2,dynamic:4,4,8;lookup=chain:2,lookup:4,2`` -> {family or None:
+    (plan, ...)}; a family not named keeps its record's defaults (``decode.families``)."""
+    from confu_jax.decode.families import FAMILIES
+
+    if "=" not in text:
+        return {None: tuple(parse_budgets(text))}
+    out = {}
+    for group in (g.strip() for g in text.split(";") if g.strip()):
+        family, eq, plans = group.partition("=")
+        if not eq or family not in FAMILIES:
+            raise ValueError(f"--auto_candidates: {group!r} is not FAMILY=PLAN,... with FAMILY one of "
+                             f"{sorted(FAMILIES)}")
+        out[family] = tuple(parse_budgets(plans))
+    return out
 
 
 def parse_heads(text: str) -> dict:

@@ -123,4 +123,4 @@ def split_iteration(head, plan, prompt, max_len: int, repeats: int, temperature:
     times = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
     return {"draft_ms": times["draft"] * 1e3, "verify_ms": (times["draft_verify"] - times["draft"]) * 1e3,
             "accept_commit_ms": (times["iteration"] - times["draft_verify"]) * 1e3,
-            "iteration_ms": times["iteration"] * 1e3, "rule": rule}
+            "iteration_ms": times["iteration"] * 1e3, "rule": rule.name}

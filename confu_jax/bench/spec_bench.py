@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -66,8 +66,9 @@ class BenchSetup:
     seed: int = 0
     min_bucket: int = 64
     system: Optional[str] = None
-    auto_chains: Optional[tuple] = None  # budget 'auto' candidates (None: bench.budget defaults)
-    auto_trees: Optional[tuple] = None
+    # budget 'auto' candidates: {family: plans}, None = for every family (bench.cli_args.parse_auto_candidates);
+    # a family absent from it measures its record's defaults (decode.families)
+    auto_candidates: Optional[Mapping] = None
     # budget 'auto' calibrates on these token-id prompts, not on the measured questions (None: the
     # first two measured questions, with a warning that the choice is fitted to them)
     calibration: Optional[tuple] = None
@@ -270,8 +271,8 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
     import jax
 
     from confu_jax.bench import budget as budget_lib
-    from confu_jax.decode.drafters import parse_drafter
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import parse_drafter
+    from confu_jax.decode.families import decode_head
     from confu_jax.bench.cli_args import plan_families
     from confu_jax.models.registry import get_method
 
@@ -306,9 +307,10 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
                     "the first two measured questions (the choice is fitted to them)")
                 calib = [first_turn_ids(setup.tokenizer, p) for p in prompts[:2]]
             chains, trees = budget_lib.default_candidates(m)
-            chains = chains if setup.auto_chains is None else setup.auto_chains
-            trees = trees if setup.auto_trees is None else setup.auto_trees
             fam = get_method(m).family  # given candidates: each method measures those its family reads
+            given = setup.auto_candidates or {}
+            if fam in given or None in given:
+                chains, trees = given.get(fam, given.get(None)), ()
             chains = tuple(c for c in chains if fam in plan_families(c))
             trees = tuple(c for c in trees if fam in plan_families(c))
             h = loaded[m]
@@ -488,8 +490,8 @@ def checkpoint_rows(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, method
     import jax
 
     from confu_jax.bench import budget as budget_lib
-    from confu_jax.decode.drafters import parse_drafter
-    from confu_jax.decode.heads import decode_head
+    from confu_jax.decode.families import parse_drafter
+    from confu_jax.decode.families import decode_head
 
     def bar(desc):
         return _bar(progress_factory, len(prompts), desc)

@@ -44,8 +44,7 @@ import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
-from confu_jax.decode.medusa import describe_cartesian, parse_cartesian_plan
-from confu_jax.decode.plans import DraftPlan
+from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.dflash import (block_hidden, block_logits, check_dflash_params, context_features, context_kv,
                                      embed_block, model_params)
 from confu_jax.models.kv_cache import KVCache, commit, init_cache
@@ -64,7 +63,7 @@ def dflash_params(params) -> dict:
     p = (params.draft or {}).get("dflash")
     if p is None:
         raise ValueError("a DFlash drafter needs params.draft['dflash'] (models.dflash.init_dflash, a trained "
-                         "configs/*_dflash.py workdir, or an imported DFlash directory: decode.heads.decode_head)")
+                         "configs/*_dflash.py workdir, or an imported DFlash directory: decode.families.decode_head)")
     if "mask_token_id" not in p:
         raise ValueError("params.draft['dflash'] needs 'mask_token_id' (the block's mask token)")
     return p
@@ -74,13 +73,13 @@ def draft_spec(spec):
     """The draft's LlamaConfig (``ModelSpec.draft_model``; ``decode.heads.dflash_head`` sets it)."""
     if spec.draft_model is None:
         raise ValueError("a DFlash drafter needs ModelSpec.draft_model (the draft's layer config; "
-                         "decode.heads.decode_head('dflash', ...) sets it)")
+                         "decode.families.decode_head('dflash', ...) sets it)")
     return spec.draft_model
 
 
 def parse_dflash_plan(text: str) -> DraftPlan:
     """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
-    return parse_cartesian_plan(text, "DFlash", DFLASH_FORMS)
+    return parse_plan(text, what="DFlash", forms=DFLASH_FORMS)
 
 
 def context_entries(spec, p: dict, taps_btc, positions_bt):
@@ -95,9 +94,6 @@ class DFlashDrafter(PlanDrafter):
 
     plan: DraftPlan
     what = "a DFlash draft"
-
-    def describe(self) -> str:
-        return describe_cartesian(self.plan)
 
     def init(self, spec, params, view: PrefillView) -> DFlashState:
         p = dflash_params(params)

@@ -89,7 +89,7 @@ class DraftModelState:
 def draft_config(spec) -> LlamaConfig:
     if spec.draft_model is None:
         raise ValueError("this spec has no draft model (spec.draft_model is None): build the pair with "
-                         "decode.heads.decode_head('draft_model', ...) or ModelSpec(..., draft_model=cfg)")
+                         "decode.families.decode_head('draft_model', ...) or ModelSpec(..., draft_model=cfg)")
     return spec.draft_model
 
 
@@ -208,7 +208,7 @@ class DraftModel(PlanDrafter):
             cache = commit(cache, out.k_new_lbthd, out.v_new_lbthd, st.pending_count_b * active.astype(jnp.int32))
             return jax.nn.log_softmax(logits(cfg, w, h_root, vocab), axis=-1), cache
 
-        chain = self.plan.kind in ("chain", "sampled_chain")
+        chain = self.plan.linear
         m = self.plan.n_scratch
         slot_depth: list = []  # depth of each scratch slot, in the order the tree drafters fill them
 

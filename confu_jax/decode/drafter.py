@@ -34,8 +34,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.plans import DraftPlan, verification_rule
+from confu_jax.decode import verify as verify_lib
 from confu_jax.decode.tree import DraftTree
 
 
@@ -101,9 +100,9 @@ class Drafter(abc.ABC):
         """Verification widths the loop compiles, ascending; the last is ``n_nodes``."""
         return (self.n_nodes,)
 
-    def rule(self, greedy: bool) -> str:
+    def rule(self, greedy: bool) -> verify_lib.AcceptanceRule:
         """The lossless acceptance rule (``decode.verify``) for this drafter's trees."""
-        return "greedy" if greedy else "sampled_tree"
+        return verify_lib.GREEDY if greedy else verify_lib.SAMPLED_TREE
 
     def prepare_params(self, spec, params):
         """``params`` as the loop body reads them, computed once per generation outside the
@@ -126,20 +125,21 @@ class Drafter(abc.ABC):
         """Ingest the accepted tokens (rows with ``v.active_b`` false must keep their state)."""
 
     def describe(self) -> str:
-        """The plan text this drafter parses from (``decode.drafters.parse_drafter``)."""
+        """The plan text this drafter parses from (``decode.families.parse_drafter``)."""
         return repr(self)
 
 
 class PlanDrafter(Drafter):
-    """A drafter whose trees are one ``decode.plans.DraftPlan`` without contemplates (field
-    ``plan`` of the subclass dataclass): its depth, width, verification rule and plan text follow
-    from the plan. Draft models, Medusa heads and the MLP speculator; ``what`` names the family in
-    errors."""
+    """A drafter whose trees are one ``decode.plans.DraftPlan`` (field ``plan`` of the subclass
+    dataclass): its depth, width, verification rule and plan text follow from the plan. Heads,
+    draft models, Medusa heads, the MLP speculator, MTP and DFlash; ``what`` names the family in
+    errors. Only a family with ``contemplates`` (ConFu's heads) takes a plan's ``+cM``."""
 
     what = "this drafter"
+    contemplates = False
 
     def __post_init__(self):
-        if self.plan.contemplates:
+        if self.plan.contemplates and not self.contemplates:
             raise ValueError(f"{self.what} has no contemplates: plan {self.plan.text!r} (drop +cM)")
 
     @property
@@ -150,8 +150,8 @@ class PlanDrafter(Drafter):
     def n_nodes(self) -> int:
         return self.plan.n_nodes_total
 
-    def rule(self, greedy: bool) -> str:
-        return verification_rule(self.plan, greedy)
+    def rule(self, greedy: bool) -> verify_lib.AcceptanceRule:
+        return self.plan.rule(greedy)
 
     def describe(self) -> str:
         return self.plan.text
@@ -159,26 +159,8 @@ class PlanDrafter(Drafter):
     def draft(self, expand_fn, state, inp: DraftInput):
         """The plan's tree grown by ``expand_fn`` (``decode.tree``'s contract) -> (tree, q_btv or
         None, the expansion state after drafting)."""
-        tree, q, _, state = draft_by_plan(self.plan, expand_fn, state, inp)
+        tree, q, _, state = self.plan.grow(expand_fn, state, inp)
         return tree, q, state
-
-
-def draft_by_plan(plan: DraftPlan, expand_fn, state, inp: DraftInput, *, d2t_v=None, target_vocab=None):
-    """Grow ``plan``'s tree with ``expand_fn`` (``decode.tree``: EAGLE-2's dynamic tree, a sampled chain
-    with its q, or a static tree / chain filled with the draft's top-k) -> (tree, q_btv or None, each
-    node's cumulative draft log-probability [B,T] or None (sampled chains), the state after drafting).
-    ``d2t_v`` / ``target_vocab``: drafts over a smaller draft vocabulary (the EAGLE-3 / ConFu head)."""
-    if plan.kind == "dynamic":
-        tree, score, state = tree_lib.draft_dynamic_tree(expand_fn, state, inp.root_b, depth=plan.depth,
-                                                         top_k=plan.top_k, n_nodes=plan.n_nodes, d2t_v=d2t_v)
-        return tree, None, score, state
-    if plan.kind == "sampled_chain":
-        tree, q, state = tree_lib.draft_sampled_chain(expand_fn, state, inp.root_b, plan.k, inp.key, inp.temperature,
-                                                      inp.top_p, d2t_v=d2t_v, target_vocab=target_vocab)
-        return tree, q, None, state
-    tree, score, state = tree_lib.draft_static_tree(expand_fn, state, inp.root_b, plan.structure(), d2t_v=d2t_v,
-                                                    return_scores=True)
-    return tree, None, score, state
 
 
 def full_proposal(tree: DraftTree, q, state) -> Proposal:

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass, draft_by_plan
-from confu_jax.decode.plans import DraftPlan, verification_rule
+from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.plans import Chain, DraftPlan
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import draft as draft_lib
 from confu_jax.models.draft_decode import draft_block, init_draft_cache
@@ -165,7 +165,7 @@ def draft_cached_tree(plan: DraftPlan, block_fn, draft_cache: KVCache, tokens_ba
 
     scratch0 = jnp.zeros((b, plan.n_scratch, n_kv_heads, head_dim), jnp.dtype(dtype))
     st0 = DraftScratch(draft_cache, scratch0, scratch0, jnp.zeros((b, 1, d_model), jnp.dtype(dtype)))
-    tree, q, score_bt, st = draft_by_plan(plan, expand_fn, st0, inp, d2t_v=d2t_v, target_vocab=target_vocab)
+    tree, q, score_bt, st = plan.grow(expand_fn, st0, inp, d2t_v=d2t_v, target_vocab=target_vocab)
     return tree, q, score_bt, st.draft_cache
 
 
@@ -235,10 +235,9 @@ def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDra
         n_kv_heads=t.n_kv_heads, head_dim=t.head_dim, d_model=t.d_model, dtype=spec.head.dtype,
         d2t_v=params.draft_vocab["d2t"], target_vocab=t.vocab_size,
         ingest_block_fn=head_block(spec, params, future, future_input(spec, params, hs)))
-    dynamic = plan.kind == "dynamic"
-    con_nodes = contemplate_nodes(spec, plan, tree, score_bt if dynamic else None)
+    con_nodes = contemplate_nodes(spec, plan, tree, None if plan.nodes_ranked else score_bt)
     if with_scores:
-        return tree, q, draft_cache, con_nodes, (None if dynamic else score_bt)
+        return tree, q, draft_cache, con_nodes, (score_bt if plan.nodes_ranked else None)
     return tree, q, draft_cache, con_nodes
 
 
@@ -276,7 +275,7 @@ def _future_source(tree, last_node_b: jax.Array, con_nodes_bm) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadDrafter(Drafter):
+class HeadDrafter(PlanDrafter):
     """A trained (or random) EAGLE-3 / ConFu head drafting the trees of ``plan`` (chain, sampled
     chain, static or EAGLE-2 dynamic tree; ``+cM`` sparse contemplates for ConFu). The variant —
     and so whether verification runs contemplates — is the loop's ``spec.head``.
@@ -291,27 +290,19 @@ class HeadDrafter(Drafter):
 
     plan: DraftPlan
     min_prob: float = 0.0
+    what = "an EAGLE-3 / ConFu head"
+    contemplates = True  # +cM: sparse contemplates (ConFu heads; EAGLE-3 heads ignore it)
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0.0 <= self.min_prob < 1.0:
             raise ValueError(f"HeadDrafter.min_prob must lie in [0, 1), got {self.min_prob}")
-        if self.min_prob > 0 and self.plan.kind != "chain":
+        if self.min_prob > 0 and not isinstance(self.plan, Chain):
             raise ValueError(f"confidence-gated width (@P) needs a chain:K plan, got {self.plan.text}")
 
     @property
     def widths(self) -> tuple:
         return tuple(range(1, self.n_nodes + 1)) if self.min_prob > 0 else (self.n_nodes,)
-
-    @property
-    def max_depth(self) -> int:
-        return self.plan.max_depth
-
-    @property
-    def n_nodes(self) -> int:
-        return self.plan.n_nodes_total
-
-    def rule(self, greedy: bool) -> str:
-        return verification_rule(self.plan, greedy)
 
     def init(self, spec: ModelSpec, params: SpecParams, view: PrefillView) -> HeadDraftState:
         """Draft prefill: entries j = 0..n-2 (token x[j+1], g[j]) as one causal block, committed;

@@ -106,8 +106,9 @@ def imported_head(method: str, directory: str, target_cfg: LlamaConfig, target_p
     return DecodeHead(spec, spec_params(target_params, trainable, vocab), True, f"{directory} ({imp.fmt} format)")
 
 
-def draft_model_head(method: str, target_cfg: LlamaConfig, target_params: dict, source: Optional[str] = None,
-                     *, target_tokenizer=None, target_source: str = "the loaded target") -> DecodeHead:
+def draft_model_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[str] = None, *,
+                     steered: bool = False, target_tokenizer=None, target_source: str = "the loaded target"
+                     ) -> DecodeHead:
     """What an independent draft model (family ``draft_model``) or SD² (family ``sd2``) decodes with
     (``decode.draft_model``; sources: ``runs.draft_models``): ``source`` = ``self:N`` (the target's first
     N layers; default a quarter of them), an asset / GGUF / Hugging Face directory sharing the target's
@@ -121,7 +122,6 @@ def draft_model_head(method: str, target_cfg: LlamaConfig, target_params: dict, 
     from confu_jax.models.steering import init_steering
     from confu_jax.runs import draft_models
 
-    steered = get_method(method).family == "sd2"
     source = source or f"self:{default_self_layers(target_cfg)}"
     kw = dict(target_tokenizer=target_tokenizer, target_source=target_source)
     trained = True
@@ -314,37 +314,6 @@ def dflash_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[s
     draft = {**params, "mask_token_id": np.int32(mask)}
     return DecodeHead(spec, SpecParams(target=target_params, draft={"dflash": draft}, confu={}, draft_vocab={}),
                       trained, desc)
-
-
-def decode_head(method: str, target_cfg: LlamaConfig, target_params: dict, workdir: Optional[str] = None,
-                seed: int = 0, target_source: str = "the loaded target", target_tokenizer=None) -> DecodeHead:
-    """The head ``method`` drafts with: trained (``workdir``), random, none (model-free methods,
-    which refuse a workdir), or for draft-model methods the draft model of source ``workdir``
-    (``draft_model_head``; ``target_tokenizer`` checks an external model's tokenizer)."""
-    m = get_method(method)
-    workdir, step = split_step(workdir)
-    if step is not None and m.family not in ("head", "hybrid"):
-        raise ValueError(f"{workdir}@{step}: a checkpoint step (WORKDIR@STEP) is read for EAGLE-3 / ConFu "
-                         f"heads only; method {method!r} (family {m.family}) loads its run's latest step")
-    if m.family == "medusa":
-        return medusa_head(target_cfg, target_params, workdir, seed, target_source=target_source)
-    if m.family == "mlp_speculator":
-        return mlp_speculator_head(target_cfg, target_params, workdir, seed, target_source=target_source)
-    if m.family == "mtp":
-        return mtp_head(target_cfg, target_params, workdir, seed, target_source=target_source)
-    if m.family == "dflash":
-        return dflash_head(target_cfg, target_params, workdir, seed, target_source=target_source)
-    if m.family in ("draft_model", "sd2"):
-        return draft_model_head(method, target_cfg, target_params, workdir, target_tokenizer=target_tokenizer,
-                                target_source=target_source)
-    if m.speculative and not m.needs_head:
-        if workdir:
-            raise ValueError(f"method {method!r} is model-free: it takes no head (got {workdir})")
-        return model_free(target_cfg, target_params)
-    _speculative_method(method)
-    if workdir:
-        return trained_head(method, workdir, target_cfg, target_params, step=step, target_source=target_source)
-    return random_head(method, target_cfg, target_params, seed)
 
 
 def split_step(source: Optional[str]) -> tuple[Optional[str], Optional[int]]:

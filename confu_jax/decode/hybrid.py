@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
 from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.lookup import PromptLookup
+from confu_jax.decode.plans import Chain
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -36,7 +37,7 @@ class Hybrid(Drafter):
 
     def __post_init__(self):
         plan = self.head.plan
-        if plan.kind != "chain" or plan.contemplates:
+        if not isinstance(plan, Chain) or plan.contemplates:
             raise ValueError(f"Hybrid drafts chains: the head's plan must be chain:K, got {plan.text}")
         if self.lookup.branches != 1 or self.lookup.k != plan.k:
             raise ValueError(f"Hybrid needs a one-branch lookup of the head's depth {plan.k}; got "
@@ -76,4 +77,5 @@ class Hybrid(Drafter):
                            lookup=self.lookup.update(spec, params, st.lookup, v))
 
     def describe(self) -> str:
-        return f"hybrid({self.head.describe()}, {self.lookup.describe()})"
+        """The head's plan text (``chain:K`` or ``chain:K@P``): the lookup follows from it."""
+        return self.head.describe()

@@ -50,19 +50,13 @@ from confu_jax.models.unrolled import SplitParams, split_layers
 # ----------------------------------------------------------------------------- one iteration
 
 
-def _verify(spec: ModelSpec, params: SpecParams, rule: str, s: SpecState, prop: Proposal, key,
+def _verify(spec: ModelSpec, params: SpecParams, rule: verify_lib.AcceptanceRule, s: SpecState, prop: Proposal, key,
             temperature, top_p):
     """Target pass over the proposed tree and the acceptance rule -> (target outputs, Verification)."""
     tree = prop.tree
     vo = target_lib.verify(spec, params.target, params.confu, s.cache, tree.tokens_bt, tree.ancestor_btt,
                            con_src_bc=prop.con_src_bc, depth_bt=tree.depth_bt, con_nodes_bm=prop.con_nodes_bm)
-    if rule == "greedy":
-        ver = verify_lib.verify_greedy(tree, vo.logits_btv)
-    elif rule == "sampled_tree":
-        ver = verify_lib.verify_sampled_tree(tree, vo.logits_btv, key, temperature, top_p)
-    else:
-        ver = verify_lib.verify_sampled_chain(tree, vo.logits_btv, prop.q_btv, key, temperature, top_p)
-    return vo, ver
+    return vo, rule.accept(tree, vo.logits_btv, prop.q_btv, key, temperature, top_p)
 
 
 def _emit_accepted(s: SpecState, ver, active, eos_e, max_new_tokens: int):
@@ -99,7 +93,7 @@ def truncate_proposal(prop: Proposal, width: int) -> Proposal:
     return prop._replace(tree=tree, q_btv=q)
 
 
-def _finish(spec: ModelSpec, params: SpecParams, drafter: Drafter, rule: str, s: SpecState, prop: Proposal,
+def _finish(spec: ModelSpec, params: SpecParams, drafter: Drafter, rule: verify_lib.AcceptanceRule, s: SpecState, prop: Proposal,
             k_verify, temperature, top_p, eos_e, *, width: int, max_new_tokens: int, max_len: int) -> SpecState:
     """Verify the proposal's first ``width`` nodes, commit, emit, and let the drafter ingest."""
     b = s.root_b.shape[0]
@@ -139,7 +133,7 @@ def pass_width_index(widths: Sequence[int], n_nodes_b: jax.Array, active_b: jax.
     return jnp.sum(jnp.asarray(widths, jnp.int32) < need).astype(jnp.int32)
 
 
-def iteration(spec: ModelSpec, params: SpecParams, drafter, rule: str, s: SpecState,
+def iteration(spec: ModelSpec, params: SpecParams, drafter, rule: verify_lib.AcceptanceRule, s: SpecState,
               temperature, top_p, eos_e, *, max_new_tokens: int, max_len: int) -> SpecState:
     """Draft, verify, commit and emit once for every row (done rows ride along unchanged).
 
@@ -204,7 +198,7 @@ def _prefill(spec: ModelSpec, params: SpecParams, drafter, tokens_bt, lengths_b,
 
 
 def speculative_padded(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
-                       spec: ModelSpec, drafter: Drafter, rule: str, max_new_tokens: int,
+                       spec: ModelSpec, drafter: Drafter, rule: verify_lib.AcceptanceRule, max_new_tokens: int,
                        max_len: int, unroll_layers: bool, mesh: Optional[Mesh] = None) -> SpecResult:
     """The speculative program on a validated, padded request (``requests.DecodeRequest``).
 
@@ -218,7 +212,7 @@ def speculative_padded(params: SpecParams, tokens_bt, lengths_b, temperature, to
 
 
 def _speculative(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
-                 spec: ModelSpec, drafter: Drafter, rule: str, max_new_tokens: int,
+                 spec: ModelSpec, drafter: Drafter, rule: verify_lib.AcceptanceRule, max_new_tokens: int,
                  max_len: int, unroll_layers: bool) -> SpecResult:
     drafter = as_drafter(drafter)
     if unroll_layers:  # per-layer weight buffers, split once outside the loop (models.unrolled)

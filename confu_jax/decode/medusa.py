@@ -18,7 +18,7 @@ heads cost nothing on the target side: the hidden state is computed by every ver
 * ``sampled_chain:K`` (T > 0): node i+1 drawn from q_i = head i's distribution after the target's
   temperature / top-p (``decode.tree.draft_sampled_chain``), verified by Leviathan's rule;
 * ``static`` trees (Medusa's "choices" paths; text ``tree:k1,k2,...,kD`` = the Cartesian product of
-  head i's top-k_i, Medusa-1's original tree; ``static_choices`` builds it): a node of rank r at
+  head i's top-k_i, Medusa-1's original tree; ``plans.StaticTree.cartesian`` builds it): a node of rank r at
   depth d+1 is head d's r-th token, under every parent;
 * ``dynamic:D,K,N`` (EAGLE-2's selection by cumulative head log-probability) also works, since the
   tree drafters only ask for the log-probabilities below each frontier node.
@@ -31,7 +31,6 @@ implemented.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import flax.struct
 import jax
@@ -56,52 +55,13 @@ def medusa_params(params) -> dict:
     heads = (params.draft or {}).get("medusa")
     if heads is None:
         raise ValueError("a Medusa drafter needs params.draft['medusa'] (models.medusa.init_medusa, a trained "
-                         "configs/*_medusa.py workdir, or an imported FasterDecoding head: decode.heads.decode_head)")
+                         "configs/*_medusa.py workdir, or an imported FasterDecoding head: decode.families.decode_head)")
     return heads
-
-
-def cartesian_paths(top_ks) -> tuple:
-    """Medusa-1's Cartesian tree: every path (r_1..r_d), d ≤ D, r_i < top_ks[i-1]."""
-    paths = []
-    for d in range(1, len(top_ks) + 1):
-        paths.extend(itertools.product(*[range(k) for k in top_ks[:d]]))
-    return tuple(tuple(p) for p in paths)
-
-
-def parse_cartesian_plan(text: str, what: str, forms: str) -> DraftPlan:
-    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (the Cartesian tree
-    of per-depth top-k, ``cartesian_paths``; no ``+cM``), for the drafters whose depth-d guesses
-    come from their own d-th head or stage (Medusa, the MLP speculator). ``what`` names the family
-    in errors, ``forms`` lists what it accepts."""
-    kind, _, arg = text.partition(":")
-    if kind == "tree":
-        try:
-            ks = tuple(int(x) for x in arg.split(","))
-        except ValueError:
-            raise ValueError(f"bad {what} plan {text!r}: expected {forms}") from None
-        if not ks or min(ks) < 1:
-            raise ValueError(f"bad {what} plan {text!r}: tree:k1,...,kD needs every k_i >= 1")
-        return DraftPlan("static", paths=cartesian_paths(ks))
-    plan = parse_plan(text)
-    if plan.contemplates:
-        raise ValueError(f"{what} has no contemplates: {text!r} (drop +cM)")
-    return plan
-
-
-def describe_cartesian(plan: DraftPlan) -> str:
-    """The text ``parse_cartesian_plan`` reads back: ``tree:k1,...`` for a Cartesian static tree."""
-    if plan.kind == "static":
-        paths = tuple(tuple(q) for q in plan.paths)
-        ks = tuple(1 + max(q[i] for q in paths if len(q) > i) for i in range(max(map(len, paths))))
-        if sorted(cartesian_paths(ks)) == sorted(paths):
-            return "tree:" + ",".join(map(str, ks))
-        return f"static:{list(paths)}"
-    return plan.text
 
 
 def parse_medusa_plan(text: str) -> DraftPlan:
     """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
-    return parse_cartesian_plan(text, "Medusa", MEDUSA_FORMS)
+    return parse_plan(text, what="Medusa", forms=MEDUSA_FORMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +70,6 @@ class MedusaDrafter(PlanDrafter):
 
     plan: DraftPlan
     what = "Medusa heads"
-
-    def describe(self) -> str:
-        return describe_cartesian(self.plan)
 
     def init(self, spec, params, view: PrefillView) -> MedusaState:
         if view.last_hidden_bd is None:

@@ -33,7 +33,7 @@ inside one ``propose``, recomputed from the path.
   each node's children differ). The reference then keeps its ``n_candidates`` best full-depth
   candidates; ``dynamic:D,K,N`` is the project's form of that pruning (EAGLE-2's selection by
   cumulative draft log-probability), which needs no extra rule;
-* any static "choices" tree (``DraftPlan('static', paths=...)``).
+* any static "choices" tree (``plans.StaticTree(paths)``).
 
 Verification is the project's exact rules (§4); no lossy acceptance.
 """
@@ -49,8 +49,7 @@ import jax.numpy as jnp
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal,
                                      last_accepted_hidden)
-from confu_jax.decode.medusa import describe_cartesian, parse_cartesian_plan
-from confu_jax.decode.plans import DraftPlan
+from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.mlp_speculator import config_of, input_state, stage_logits, stage_state
 from confu_jax.models.vocab_map import to_target_vocab
 
@@ -68,13 +67,13 @@ def mlp_speculator_params(params) -> dict:
     if sp is None:
         raise ValueError("an MLP speculator drafter needs params.draft['mlp_speculator'] (models.mlp_speculator."
                          "init_mlp_speculator, a trained configs/*_mlp_speculator.py workdir, or an imported "
-                         "fms / vLLM mlp_speculator directory: decode.heads.decode_head)")
+                         "fms / vLLM mlp_speculator directory: decode.families.decode_head)")
     return sp
 
 
 def parse_mlp_speculator_plan(text: str) -> DraftPlan:
     """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
-    return parse_cartesian_plan(text, "MLP speculator", MLP_SPECULATOR_FORMS)
+    return parse_plan(text, what="MLP speculator", forms=MLP_SPECULATOR_FORMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +82,6 @@ class MLPSpeculatorDrafter(PlanDrafter):
 
     plan: DraftPlan
     what = "an MLP speculator"
-
-    def describe(self) -> str:
-        return describe_cartesian(self.plan)
 
     def init(self, spec, params, view: PrefillView) -> MLPSpeculatorState:
         if view.last_hidden_bd is None:

@@ -39,14 +39,13 @@ import jax.numpy as jnp
 
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
 from confu_jax.decode.drafting import commit_prompt, draft_cached_tree, prompt_buffer, refill_entries
-from confu_jax.decode.medusa import describe_cartesian, parse_cartesian_plan
-from confu_jax.decode.plans import DraftPlan
+from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.draft_decode import DraftBlockOutput
 from confu_jax.models.kv_cache import KVCache, init_cache
 from confu_jax.models.mtp import check_mtp_params, mtp_block
 from confu_jax.models.vocab_map import to_target_vocab
 
-MTP_FORMS = ("chain:K, sampled_chain:K, dynamic:D,K,N or tree:k1,...,kD (top-k_i of depth i under every node)")
+MTP_FORMS = "chain:K, sampled_chain:K, dynamic:D,K,N or tree:k1,...,kD (top-k_i of depth i under every node)"
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -64,13 +63,13 @@ def mtp_params(params) -> dict:
     m = (params.draft or {}).get("mtp")
     if m is None:
         raise ValueError("an MTP drafter needs params.draft['mtp'] (models.mtp.init_mtp, a trained configs/*_mtp.py "
-                         "workdir, or an imported DeepSeek-layout MTP directory: decode.heads.decode_head)")
+                         "workdir, or an imported DeepSeek-layout MTP directory: decode.families.decode_head)")
     return m
 
 
 def parse_mtp_plan(text: str) -> DraftPlan:
     """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
-    return parse_cartesian_plan(text, "MTP module", MTP_FORMS)
+    return parse_plan(text, what="MTP module", forms=MTP_FORMS)
 
 
 def _block(spec, params, mtp: dict, tokens_bt, hidden_btd, positions_bt, **kw) -> DraftBlockOutput:
@@ -84,9 +83,6 @@ class MTPDrafter(PlanDrafter):
 
     plan: DraftPlan
     what = "an MTP module"
-
-    def describe(self) -> str:
-        return describe_cartesian(self.plan)
 
     def block_fn(self, spec, params):
         m = mtp_params(params)

@@ -1,60 +1,61 @@
-"""Draft plans: how the draft proposes tokens each iteration, and the text form users type.
+"""Draft plans: the shape of the tree a drafter proposes each iteration, as types.
 
-A plan is a hashable static argument of the speculative program: changing it recompiles.
-``parse_plan`` reads the CLI/config form (``chain:4``, ``dynamic:6,8,30``); ``verification_rule``
-picks the lossless acceptance rule a plan needs at a temperature (docs/DESIGN.md §5).
+A plan is a small frozen value — ``Chain``, ``SampledChain``, ``StaticTree`` or ``DynamicTree`` —
+and a static argument of the speculative program (changing it recompiles). Each type knows its
+depth, node count, draft scratch size and text form, how its tree grows from a drafter's
+``expand_fn`` (``grow``), and the lossless acceptance rule it needs at a temperature (``rule``), so
+nothing in ``decode/`` switches on a plan's name. ``parse_plan`` reads the CLI/config form
+(``chain:4``, ``dynamic:6,8,30``, ``tree:3,2``); ``text`` writes it back.
+
+``contemplates`` (ConFu only; 0 = after every node) makes contemplates sparse: only M of the T nodes
+get a contemplate token in the verification pass (T + M queries instead of 2T) — the M nodes the
+draft scores highest (``DraftPlan.nodes_ranked``: chains and static trees list their nodes in that
+order already, so the first M; a dynamic tree by cumulative draft log-probability), the root always
+among them. The next iteration's future vector comes from the deepest contemplated node on the
+accepted path (docs/DESIGN.md §4). Other families refuse it.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import itertools
+from typing import ClassVar
 
 from confu_jax.decode import tree as tree_lib
+from confu_jax.decode import verify as verify_lib
 
-PLAN_FORMS = ("chain:K, sampled_chain:K or dynamic:DEPTH,TOPK,NODES, optionally +cM for ConFu's sparse "
-              "contemplates (e.g. chain:4, dynamic:6,8,30, dynamic:6,10,60+c15)")
+PLAN_FORMS = ("chain:K, sampled_chain:K, dynamic:DEPTH,TOPK,NODES or tree:k1,...,kD (the Cartesian tree of "
+              "per-depth top-k), optionally +cM for ConFu's sparse contemplates (e.g. chain:4, dynamic:6,8,30, "
+              "dynamic:6,10,60+c15, tree:3,2)")
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftPlan:
-    """How the draft proposes tokens each iteration (hashable: a static jit argument).
+class DraftPlan(abc.ABC):
+    """Base of the plan types (hashable: a static jit argument)."""
 
-    kinds: ``chain`` (k greedy tokens), ``sampled_chain`` (k tokens sampled from the draft; the
-    Leviathan rule at temperature > 0), ``static`` (EAGLE/Medusa "choices" paths filled with the
-    draft's top-k), ``dynamic`` (EAGLE-2: depth, top_k per expansion, n_nodes including the root).
+    contemplates: int = dataclasses.field(default=0, kw_only=True)
 
-    ``contemplates`` (ConFu; 0 = after every node): sparse contemplates — only M of the T nodes get a
-    contemplate token in the verification pass (T + M queries instead of 2T): the M nodes the draft
-    scores highest (cumulative draft log-probability; for chains and static trees, whose nodes are
-    in that order already, the first M), the root always among them. The next iteration's future
-    vector comes from the deepest contemplated node on the accepted path (docs/DESIGN.md §4).
-    EAGLE-3 heads ignore it.
-    """
-
-    kind: str
-    k: int = 0
-    depth: int = 0
-    top_k: int = 0
-    n_nodes: int = 0
-    paths: tuple = ()
-    contemplates: int = 0
+    #: the tree lists its nodes best-first (root, then the draft's preferred children first), so
+    #: sparse contemplates take the first M; False: rank them by the tree's node scores
+    nodes_ranked: ClassVar[bool] = True
+    #: one node per depth (a drafter that keeps no sibling state may draft it)
+    linear: ClassVar[bool] = False
 
     def __post_init__(self):
-        if self.kind in ("chain", "sampled_chain"):
-            if self.k < 1:
-                raise ValueError(f"{self.kind} needs k >= 1, got {self.k}")
-        elif self.kind == "dynamic":
-            if self.depth < 1 or self.top_k < 1 or self.n_nodes < 2:
-                raise ValueError(f"dynamic tree needs depth>=1, top_k>=1, n_nodes>=2; got {self}")
-        elif self.kind == "static":
-            if not self.paths:
-                raise ValueError("static tree needs a non-empty list of paths")
-        else:
-            raise ValueError(f"unknown draft plan kind {self.kind!r}; expected chain, sampled_chain, "
-                             "static or dynamic")
         if not 0 <= self.contemplates <= self.n_nodes_total:
             raise ValueError(f"contemplates must be in [1, T={self.n_nodes_total}] (or 0: after every node); "
-                             f"got {self.contemplates}")
+                             f"got {self.contemplates} for {self.body_text}")
+
+    @property
+    @abc.abstractmethod
+    def max_depth(self) -> int:
+        """D: the deepest node (the root is depth 0)."""
+
+    @property
+    def n_nodes_total(self) -> int:
+        """T: tree nodes per verification, root included."""
+        return self.structure().n_nodes
 
     @property
     def n_contemplates(self) -> int:
@@ -62,76 +63,195 @@ class DraftPlan:
         return self.contemplates or self.n_nodes_total
 
     @property
-    def max_depth(self) -> int:
-        if self.kind in ("chain", "sampled_chain"):
-            return self.k
-        if self.kind == "dynamic":
-            return self.depth
-        return max(len(p) for p in self.paths)
+    def n_scratch(self) -> int:
+        """Draft scratch slots one iteration uses (the K/V of the expanded tree nodes)."""
+        return tree_lib.scratch_slots(self.structure())
 
     def structure(self) -> tree_lib.StaticStructure:
-        """The fixed tree shape of a chain, sampled chain or static plan (not of a dynamic one)."""
-        if self.kind == "dynamic":
-            raise ValueError("a dynamic plan has no fixed structure")
-        if self.kind == "static":
-            return tree_lib.static_structure(self.paths)
-        return tree_lib.chain_structure(self.k)
+        """The fixed tree shape (every plan but a dynamic tree has one)."""
+        raise ValueError(f"a {type(self).__name__} plan has no fixed structure")
 
     @property
-    def n_nodes_total(self) -> int:
-        """T: tree nodes per verification, root included."""
-        if self.kind == "dynamic":
-            return self.n_nodes
-        return self.structure().n_nodes
+    @abc.abstractmethod
+    def body_text(self) -> str:
+        """The text form without the ``+cM`` suffix."""
 
     @property
     def text(self) -> str:
-        """The form ``parse_plan`` reads (static trees, which have no text form, show their paths)."""
-        if self.kind in ("chain", "sampled_chain"):
-            body = f"{self.kind}:{self.k}"
-        elif self.kind == "dynamic":
-            body = f"dynamic:{self.depth},{self.top_k},{self.n_nodes - 1}"
-        else:
-            body = f"static:{list(self.paths)}"
-        return body + (f"+c{self.contemplates}" if self.contemplates else "")
+        """The form ``parse_plan`` reads."""
+        return self.body_text + (f"+c{self.contemplates}" if self.contemplates else "")
+
+    def grow(self, expand_fn, state, inp, *, d2t_v=None, target_vocab=None):
+        """This plan's tree grown by ``expand_fn`` (``decode.tree``'s contract) from ``inp.root_b``
+        -> (tree, q_btv or None, each node's cumulative draft log-probability [B,T] or None, the
+        state after drafting). ``inp``: a ``decode.drafter.DraftInput``; ``d2t_v`` /
+        ``target_vocab``: drafts over a smaller draft vocabulary (the EAGLE-3 / ConFu head)."""
+        tree, score, state = tree_lib.draft_static_tree(expand_fn, state, inp.root_b, self.structure(), d2t_v=d2t_v,
+                                                        return_scores=True)
+        return tree, None, score, state
+
+    def rule(self, greedy: bool) -> verify_lib.AcceptanceRule:
+        """The lossless acceptance rule for this plan's trees: greedy at temperature 0, else
+        sequential residuals (deterministic drafts)."""
+        return verify_lib.GREEDY if greedy else verify_lib.SAMPLED_TREE
+
+
+@dataclasses.dataclass(frozen=True)
+class _KChain(DraftPlan):
+    """K nodes in a line below the root (shared by the two chain plans)."""
+
+    k: int
+    linear: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"{self.body_text} needs k >= 1, got {self.k}")
+        super().__post_init__()
+
+    @property
+    def max_depth(self) -> int:
+        return self.k
+
+    def structure(self) -> tree_lib.StaticStructure:
+        return tree_lib.chain_structure(self.k)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain(_KChain):
+    """``chain:K``: the draft's top-1, K deep."""
+
+    @property
+    def body_text(self) -> str:
+        return f"chain:{self.k}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledChain(_KChain):
+    """``sampled_chain:K``: K tokens sampled from the draft at the target's temperature / top-p,
+    verified by Leviathan's rule at temperature > 0 (greedy at 0)."""
+
+    @property
+    def body_text(self) -> str:
+        return f"sampled_chain:{self.k}"
+
+    def grow(self, expand_fn, state, inp, *, d2t_v=None, target_vocab=None):
+        tree, q, state = tree_lib.draft_sampled_chain(expand_fn, state, inp.root_b, self.k, inp.key, inp.temperature,
+                                                      inp.top_p, d2t_v=d2t_v, target_vocab=target_vocab)
+        return tree, q, None, state
+
+    def rule(self, greedy: bool) -> verify_lib.AcceptanceRule:
+        return verify_lib.GREEDY if greedy else verify_lib.SAMPLED_CHAIN
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticTree(DraftPlan):
+    """A fixed tree of paths ((r_1..r_d): the r_i-th best draft token at depth i), as EAGLE's and
+    Medusa's "choices"; ``cartesian(ks)`` builds Medusa-1's tree (text ``tree:k1,...,kD``)."""
+
+    paths: tuple
+
+    def __post_init__(self):
+        if not self.paths:
+            raise ValueError("a static tree needs a non-empty list of paths")
+        object.__setattr__(self, "paths", tuple(tuple(int(r) for r in p) for p in self.paths))
+        super().__post_init__()
+
+    @classmethod
+    def cartesian(cls, top_ks, **kw) -> "StaticTree":
+        """Medusa-1's Cartesian tree: every path (r_1..r_d), d ≤ D, r_i < top_ks[i-1]."""
+        return cls(cartesian_paths(top_ks), **kw)
+
+    @property
+    def max_depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    def structure(self) -> tree_lib.StaticStructure:
+        return tree_lib.static_structure(self.paths)
+
+    @property
+    def body_text(self) -> str:
+        ks = tuple(1 + max(q[i] for q in self.paths if len(q) > i) for i in range(self.max_depth))
+        if sorted(cartesian_paths(ks)) == sorted(self.paths):
+            return "tree:" + ",".join(map(str, ks))
+        return f"static:{list(self.paths)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree(DraftPlan):
+    """``dynamic:DEPTH,TOPK,NODES`` (EAGLE-2): expand the top_k best frontier nodes per depth, keep
+    the n_nodes best by cumulative draft log-probability (``n_nodes`` includes the root; the text's
+    NODES does not, as EAGLE-2's total_tokens)."""
+
+    depth: int
+    top_k: int
+    n_nodes: int
+    nodes_ranked: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.n_nodes < 2:
+            raise ValueError(f"a dynamic tree needs depth>=1, top_k>=1, n_nodes>=2; got {self}")
+        super().__post_init__()
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def n_nodes_total(self) -> int:
+        return self.n_nodes
 
     @property
     def n_scratch(self) -> int:
-        """Draft scratch slots one iteration uses (the K/V of the expanded tree nodes)."""
-        if self.kind == "dynamic":
-            return tree_lib.dynamic_scratch_size(self.depth, self.top_k)
-        return tree_lib.scratch_slots(self.structure())
+        return tree_lib.dynamic_scratch_size(self.depth, self.top_k)
+
+    @property
+    def body_text(self) -> str:
+        return f"dynamic:{self.depth},{self.top_k},{self.n_nodes - 1}"
+
+    def grow(self, expand_fn, state, inp, *, d2t_v=None, target_vocab=None):
+        tree, score, state = tree_lib.draft_dynamic_tree(expand_fn, state, inp.root_b, depth=self.depth,
+                                                         top_k=self.top_k, n_nodes=self.n_nodes, d2t_v=d2t_v)
+        return tree, None, score, state
 
 
-def parse_plan(text: str) -> DraftPlan:
+def cartesian_paths(top_ks) -> tuple:
+    """Medusa-1's Cartesian tree: every path (r_1..r_d), d ≤ D, r_i < top_ks[i-1]."""
+    paths = []
+    for d in range(1, len(top_ks) + 1):
+        paths.extend(itertools.product(*[range(k) for k in top_ks[:d]]))
+    return tuple(tuple(p) for p in paths)
+
+
+def parse_plan(text: str, *, what: str = "", forms: str = PLAN_FORMS) -> DraftPlan:
     """``chain:K`` | ``sampled_chain:K`` | ``dynamic:DEPTH,TOPK,NODES`` (NODES excludes the root,
-    as EAGLE-2's total_tokens), each optionally followed by ``+cM`` (M sparse contemplates)
-    -> DraftPlan. Errors say which form was expected."""
+    as EAGLE-2's total_tokens) | ``tree:k1,...,kD``, each optionally followed by ``+cM`` (M sparse
+    contemplates) -> a plan. ``what`` (a family without contemplates, e.g. "Medusa") refuses
+    ``+cM`` naming it; ``forms`` is what errors list as accepted."""
     body, plus, con = text.partition("+")
     kind, _, arg = body.partition(":")
+    label = f"bad {what + ' ' if what else ''}draft plan {text!r}"
     try:
         m = 0
         if plus:
+            if what:
+                raise ValueError(f"{what} has no contemplates (drop +cM)")
             if not con.startswith("c"):
                 raise ValueError(f"the suffix {'+' + con!r} is not +cM")
             m = int(con[1:])
             if m < 1:
                 raise ValueError(f"+cM needs M >= 1, got {m}")
-        if kind in ("chain", "sampled_chain"):
-            return DraftPlan(kind, k=int(arg), contemplates=m)
+        if kind == "chain":
+            return Chain(int(arg), contemplates=m)
+        if kind == "sampled_chain":
+            return SampledChain(int(arg), contemplates=m)
         if kind == "dynamic":
             d, k, t = (int(x) for x in arg.split(","))
-            return DraftPlan("dynamic", depth=d, top_k=k, n_nodes=t + 1, contemplates=m)
+            return DynamicTree(d, k, t + 1, contemplates=m)
+        if kind == "tree":
+            ks = tuple(int(x) for x in arg.split(","))
+            if not ks or min(ks) < 1:
+                raise ValueError("tree:k1,...,kD needs every k_i >= 1")
+            return StaticTree.cartesian(ks, contemplates=m)
     except ValueError as e:
-        raise ValueError(f"bad draft plan {text!r}: {e}. Expected {PLAN_FORMS}") from None
-    raise ValueError(f"bad draft plan {text!r}: expected {PLAN_FORMS}")
-
-
-VERIFICATION_RULES = ("greedy", "sampled_tree", "sampled_chain")
-
-
-def verification_rule(plan: DraftPlan, greedy: bool) -> str:
-    """greedy at temperature 0; the Leviathan rule for sampled chains; else sequential residuals."""
-    if greedy:
-        return "greedy"
-    return "sampled_chain" if plan.kind == "sampled_chain" else "sampled_tree"
+        raise ValueError(f"{label}: {e}; expected {forms}") from None
+    raise ValueError(f"{label}: expected {forms}")

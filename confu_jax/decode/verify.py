@@ -8,12 +8,16 @@ are distributed exactly as autoregressive sampling from ``target_probs`` would p
 Temperature and top-p go through ``confu_jax.decode.sampling.target_probs``, the same function
 the AR path uses; both may be traced scalars.
 
-All rules are batched over rows, jittable, and loop only over the static node count.
+All rules are batched over rows, jittable, and loop only over the static node count. The loop
+takes a rule as a value (``AcceptanceRule``: ``GREEDY``, ``SAMPLED_TREE``, ``SAMPLED_CHAIN``), which
+a draft plan picks for a temperature (``decode.plans.DraftPlan.rule``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import abc
+import dataclasses
+from typing import ClassVar, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -163,3 +167,57 @@ def verify_sampled_chain(tree: DraftTree, logits_btv: jax.Array, q_btv: jax.Arra
     use_resid = rejected & (jnp.sum(resid, axis=-1) > 0)
     bonus_b = sample(k_bonus, jnp.where(use_resid[:, None], resid, p_last)).astype(jnp.int32)
     return make_verification(tree, last_b, bonus_b)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptanceRule(abc.ABC):
+    """A lossless acceptance rule as a value (hashable: a static argument of the jitted loop).
+    ``name`` is its text form in logs and benchmark tables."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def accept(self, tree: DraftTree, logits_btv: jax.Array, q_btv: Optional[jax.Array], key: jax.Array,
+               temperature, top_p) -> Verification:
+        """The accepted path and bonus of every row (``q_btv``: the draft distributions, where the
+        rule needs them)."""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class GreedyRule(AcceptanceRule):
+    """Temperature 0: follow the target's argmax (``verify_greedy``)."""
+
+    name: ClassVar[str] = "greedy"
+
+    def accept(self, tree, logits_btv, q_btv, key, temperature, top_p) -> Verification:
+        return verify_greedy(tree, logits_btv)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledTreeRule(AcceptanceRule):
+    """Temperature > 0, deterministically drafted trees: sequential residuals (``verify_sampled_tree``)."""
+
+    name: ClassVar[str] = "sampled_tree"
+
+    def accept(self, tree, logits_btv, q_btv, key, temperature, top_p) -> Verification:
+        return verify_sampled_tree(tree, logits_btv, key, temperature, top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledChainRule(AcceptanceRule):
+    """Temperature > 0, chains sampled from the draft: Leviathan's rule (``verify_sampled_chain``)."""
+
+    name: ClassVar[str] = "sampled_chain"
+
+    def accept(self, tree, logits_btv, q_btv, key, temperature, top_p) -> Verification:
+        if q_btv is None:
+            raise ValueError("the sampled-chain rule needs the draft distributions q_btv; the proposal has none")
+        return verify_sampled_chain(tree, logits_btv, q_btv, key, temperature, top_p)
+
+
+GREEDY = GreedyRule()
+SAMPLED_TREE = SampledTreeRule()
+SAMPLED_CHAIN = SampledChainRule()

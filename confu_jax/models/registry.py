@@ -29,7 +29,8 @@ class Method:
     name: str
     variants: tuple  # head variants it decodes with (the first one for random heads); () = no head
     description: str
-    family: str = "head"  # one of FAMILIES: how it drafts (decode.drafters.parse_drafter)
+    family: str = "head"  # one of FAMILIES: how it drafts (decode.families.FAMILIES holds its record)
+    own_weights: bool = False  # a head of its own kind (Medusa, MLP speculator, MTP, DFlash): no variant
 
     @property
     def speculative(self) -> bool:
@@ -37,10 +38,8 @@ class Method:
 
     @property
     def needs_head(self) -> bool:
-        """Whether it drafts with a trained (or untrained) head: a workdir / imported head to load.
-        Medusa's heads, the MLP speculator and the MTP module have no EAGLE-3 / ConFu variant but are a head
-        all the same."""
-        return bool(self.variants) or self.family in ("medusa", "mlp_speculator", "mtp", "dflash")
+        """Whether it drafts with a trained (or untrained) head: a workdir / imported head to load."""
+        return bool(self.variants) or self.own_weights
 
 
 VARIANTS: dict = {v.name: v for v in (
@@ -65,15 +64,16 @@ METHODS: dict = {m.name: m for m in (
     Method("sd2", (), "SD²: a draft model steered by the target's hidden states (trained with configs/*_sd2.py)",
            "sd2"),
     Method("medusa", (), "Medusa-1 heads on the target's last hidden state (trained with configs/*_medusa.py, or a "
-           "FasterDecoding medusa_lm_head directory)", "medusa"),
+           "FasterDecoding medusa_lm_head directory)", "medusa", own_weights=True),
     Method("mlp_speculator", (), "IBM's MLP speculator: recurrent stages on the target's last hidden state and the "
            "drafted tokens (trained with configs/*_mlp_speculator.py, or an fms / vLLM mlp_speculator directory)",
-           "mlp_speculator"),
+           "mlp_speculator", own_weights=True),
     Method("mtp", (), "DeepSeek-V3's MTP module: one Llama layer on the target's last hidden state and the next "
            "token, the target's embedding and LM head, drafting recursively (trained with configs/*_mtp.py, or a "
-           "DeepSeek-layout MTP directory)", "mtp"),
+           "DeepSeek-layout MTP directory)", "mtp", own_weights=True),
     Method("dflash", (), "DFlash: a block-diffusion draft drafting a whole block in one forward, conditioned on the "
-           "target's taps as extra K/V (trained with configs/*_dflash.py, or a z-lab DFlash directory)", "dflash"),
+           "target's taps as extra K/V (trained with configs/*_dflash.py, or a z-lab DFlash directory)", "dflash",
+           own_weights=True),
     Method("auto", (), "benchmark only: budget auto across the run's other methods (family and plan)", "auto"),
 )}
 

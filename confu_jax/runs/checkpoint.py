@@ -138,6 +138,19 @@ def restore_params(directory: str, abstract_params, step: Optional[int] = None) 
     return jax.tree_util.tree_map(np.asarray, out["state"]["params"]), step
 
 
+def save_head_checkpoint(workdir: str, step: int, params, d2t, t2d) -> None:
+    """``workdir/checkpoints/<step>`` as ``launch.train`` lays it out for a head — the params, the draft
+    vocabulary as extras, an empty data state — for weights that came from elsewhere (an export
+    rebuilt into a run folder): what ``runs.heads.load_trained_head`` reads."""
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=0, keep=0, async_save=False)
+    try:
+        ckpt.save(int(step), {"params": params}, {}, extras={"draft_vocab_d2t": d2t, "draft_vocab_t2d": t2d},
+                  force=True)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+
+
 class Checkpointer:
     """Thin policy layer over ``ocp.CheckpointManager`` for training runs."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,21 +29,14 @@ import orbax.checkpoint as ocp
 
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.params import trainable_shapes
-from confu_jax.models.spec import ModelSpec, model_spec_from_config
+from confu_jax.models.spec import model_spec_from_config
 from confu_jax.runs.checkpoint import Checkpointer, restore_args_for
+from confu_jax.runs.trainable_export import TrainedHead, is_trainable_export, load_trainable_export, write_trainable
 
 TARGET_FILE = "target.json"
 # Elements sampled (evenly strided) from each tensor for the fingerprint: enough that two
 # fine-tunes of one base differ, small enough to hash an 8B target in well under a second.
 _FINGERPRINT_SAMPLES = 4096
-
-
-class TrainedHead(NamedTuple):
-    config: ml_collections.ConfigDict  # the training config (model / confu / draft sections)
-    spec: ModelSpec  # target preset's LlamaConfig + the head; swap in the loaded target's cfg
-    trainable: dict  # {'draft': ..., 'confu': ...} as in models.params.init_trainable
-    draft_vocab: dict  # {'d2t': int32 [V_draft], 't2d': bool [V_target]}
-    step: int
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
@@ -59,8 +52,6 @@ def load_trained_head(workdir: str, step: Optional[int] = None) -> TrainedHead:
     """(config, spec, trainable, draft_vocab, step) of ``workdir``'s latest (or ``step``) checkpoint,
     or of a trainable-tree export (``runs.trainable_export``: ConFu releases) in its place."""
     workdir = os.path.abspath(os.path.expanduser(workdir))
-    from confu_jax.runs.trainable_export import is_trainable_export, load_trainable_export
-
     if is_trainable_export(workdir):
         head = load_trainable_export(workdir)
         if step is not None and int(step) != head.step:
@@ -234,3 +225,11 @@ def load_family_run(workdir: str, section: str, abstract_fn, target_params, *, s
     check_run_fingerprint(workdir, target_params, target_source, why)
     params, step = restore_params(os.path.join(workdir, "checkpoints"), abstract_fn(config), step)
     return params, step, config, workdir
+
+
+def export_trainable(workdir: str, out: str, *, step=None, dtype: str = "bfloat16") -> dict:
+    """Write the head of ``workdir``'s checkpoint ``step`` (default: the latest) to ``out`` as a
+    trainable-tree export (``runs.trainable_export``); returns ``export.json``'s content."""
+    head = load_trained_head(workdir, step)
+    return write_trainable(head, out, dtype=dtype, config_file=os.path.join(workdir, "config.json"),
+                           target_file=os.path.join(workdir, TARGET_FILE))

@@ -21,16 +21,30 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import NamedTuple
 
 import jax
 import ml_collections
 import numpy as np
 
+from confu_jax.models.spec import ModelSpec
+
 FORMAT = "confu_jax.trainable"
-# what the first GPU campaign wrote (launch.gpu_campaign's export_confu): the same files
+# what the first GPU campaign wrote (experiments.gpu_campaign's export_confu): the same files
 _FORMATS = (FORMAT, "confu_jax.trainable_bf16")
 EXPORT_FILE = "export.json"
 FILES = ("model.safetensors", "draft_vocab.npz", "config.json")
+
+
+class TrainedHead(NamedTuple):
+    """A saved head as it loads (a ``launch.train`` workdir's checkpoint, a release or this export):
+    ``runs.heads.load_trained_head`` returns it."""
+
+    config: ml_collections.ConfigDict  # the training config (model / confu / draft sections)
+    spec: ModelSpec  # target preset's LlamaConfig + the head; swap in the loaded target's cfg
+    trainable: dict  # {'draft': ..., 'confu': ...} as in models.params.init_trainable
+    draft_vocab: dict  # {'d2t': int32 [V_draft], 't2d': bool [V_target]}
+    step: int
 
 
 def _key(path) -> str:
@@ -43,13 +57,13 @@ def is_trainable_export(directory: str) -> bool:
     return declared_format(os.path.join(directory, EXPORT_FILE)) in _FORMATS
 
 
-def export_trainable(workdir: str, out: str, *, step=None, dtype: str = "bfloat16") -> dict:
-    """Write the head of ``workdir``'s checkpoint ``step`` (default: the latest) to ``out``; returns
-    ``export.json``'s content."""
-    from confu_jax.runs.heads import TARGET_FILE, load_trained_head
+def write_trainable(head: "TrainedHead", out: str, *, dtype: str = "bfloat16", config_file: str = "",
+                    target_file: str = "") -> dict:
+    """Write ``head`` to ``out`` (``config_file``: the run's config.json to copy, else the head's config;
+    ``target_file``: its target record, copied when given); returns ``export.json``'s content.
+    ``runs.heads.export_trainable`` reads a workdir's checkpoint and calls this."""
     from confu_jax.weights.safetensors_io import save_file
 
-    head = load_trained_head(workdir, step)
     tensors = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(head.trainable):
         a = np.asarray(leaf)
@@ -58,14 +72,13 @@ def export_trainable(workdir: str, out: str, *, step=None, dtype: str = "bfloat1
     save_file(tensors, os.path.join(out, "model.safetensors"))
     np.savez(os.path.join(out, "draft_vocab.npz"), d2t=np.asarray(head.draft_vocab["d2t"], np.int32),
              t2d=np.asarray(head.draft_vocab["t2d"], bool))
-    src_config = os.path.join(workdir, "config.json")
-    if os.path.isfile(src_config):
-        shutil.copyfile(src_config, os.path.join(out, "config.json"))
+    if config_file and os.path.isfile(config_file):
+        shutil.copyfile(config_file, os.path.join(out, "config.json"))
     else:  # a trainable export re-exported: its config is in memory
         with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
             json.dump(head.config.to_dict(), f, indent=1)
-    if os.path.isfile(os.path.join(workdir, TARGET_FILE)):
-        shutil.copyfile(os.path.join(workdir, TARGET_FILE), os.path.join(out, TARGET_FILE))
+    if target_file and os.path.isfile(target_file):
+        shutil.copyfile(target_file, os.path.join(out, os.path.basename(target_file)))
     meta = {"format": FORMAT, "dtype": dtype, "step": int(head.step), "variant": head.spec.head.variant,
             "n_params": int(sum(np.size(x) for x in jax.tree_util.tree_leaves(head.trainable)))}
     with open(os.path.join(out, EXPORT_FILE), "w", encoding="utf-8") as f:
@@ -74,11 +87,10 @@ def export_trainable(workdir: str, out: str, *, step=None, dtype: str = "bfloat1
 
 
 def load_trainable_export(directory: str):
-    """The head of an export as ``runs.heads.TrainedHead`` (float32 leaves), its shapes checked against
-    the architecture its ``config.json`` describes."""
+    """The head of an export as a ``TrainedHead`` (float32 leaves), its shapes checked against the
+    architecture its ``config.json`` describes."""
     from confu_jax.models.params import trainable_shapes
     from confu_jax.models.spec import model_spec_from_config
-    from confu_jax.runs.heads import TrainedHead
     from confu_jax.weights.safetensors_io import SafetensorsFile
 
     missing = [f for f in FILES + (EXPORT_FILE,) if not os.path.isfile(os.path.join(directory, f))]

@@ -8,7 +8,7 @@ one), which would make a scanned 32-layer target look 32x cheaper. Element-wise 
 MFU conventionally does; the count is checked against XLA's on a loop-free program
 (tests/test_throughput.py).
 
-Peak: dense bf16 FLOP/s of one device from ``PEAK_BF16_FLOPS`` by ``device_kind``; unknown devices
+Peak: dense bf16 FLOP/s of one device from ``confu_jax.devices`` by ``device_kind``; unknown devices
 (CPUs included) report MFU as "n/a" rather than a guess.
 """
 
@@ -20,31 +20,12 @@ from typing import Optional
 
 import jax
 
-# Dense bf16 matmul peak per device (vendor datasheets, no sparsity), matched as a substring of
-# ``jax.Device.device_kind`` (lower case), most specific first.
-PEAK_BF16_FLOPS = (
-    ("h200", 989e12),
-    ("h100", 989e12),  # SXM; the PCIe card's 756e12 is matched below
-    ("a100", 312e12),
-    ("l40s", 362e12),
-    ("tpu v6 lite", 918e12),  # v6e
-    ("tpu v6e", 918e12),
-    ("tpu v5p", 459e12),
-    ("tpu v5 lite", 197e12),  # v5e
-    ("tpu v5e", 197e12),
-    ("tpu v4", 275e12),
-)
-
+from confu_jax.devices import device_peaks
 
 def device_peak_flops(device=None) -> Optional[float]:
-    """Dense bf16 FLOP/s of ``device`` (default: the first), or None where the table has no entry."""
-    kind = str(getattr(device or jax.devices()[0], "device_kind", "")).lower()
-    if "h100" in kind and "pcie" in kind:
-        return 756e12
-    for key, peak in PEAK_BF16_FLOPS:
-        if key in kind:
-            return peak
-    return None
+    """Dense bf16 FLOP/s of ``device`` (default: the first), or None where ``confu_jax.devices`` has no entry."""
+    _, tflops = device_peaks(str(getattr(device or jax.devices()[0], "device_kind", "")))
+    return None if tflops is None else tflops * 1e12
 
 
 def _dot_flops(eqn) -> float:

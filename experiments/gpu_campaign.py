@@ -3,12 +3,12 @@ self-distil SmolLM2 on ShareGPT's questions, train EAGLE-3 and ConFu at equal bu
 MT-Bench, and bring back heads, results and the data release. Step by step: experiments/GPU_CAMPAIGN.md.
 
     # here (network): wheels, prompts, assets and the model in two chunks under .gpu_bundle/
-    python -m launch.gpu_campaign bundle
-    python -m launch.gpu_campaign calls                  # the device `run` calls to issue, in order
+    python -m experiments.gpu_campaign bundle
+    python -m experiments.gpu_campaign calls                  # the device `run` calls to issue, in order
     # on the GPU machine, every call (the carried bundle folder differs per call)
-    bash experiments/gpu_campaign.sh                      # = python3 -m launch.gpu_campaign run --out $OUT
+    bash experiments/gpu_campaign.sh                      # = python3 -m experiments.gpu_campaign run --out $OUT
     # here again: check and extract what came back
-    python -m launch.gpu_campaign unpack /work/.device/<call 1 files> ... --dest runs/gpu_campaign
+    python -m experiments.gpu_campaign unpack /work/.device/<call 1 files> ... --dest runs/gpu_campaign
 
 Why calls and chunks: the lent machine has no network, at most 64 MiB of working tree travels per
 call, a command runs at most 10 minutes, and the machine keeps the working-tree copy (ignored files
@@ -50,7 +50,7 @@ pass anyway (it needs per-layer K/V).
 Scale: every knob of ``Scale`` can be set with ``CAMPAIGN_<NAME>`` (e.g. ``CAMPAIGN_E3_STEPS=300``);
 ``CAMPAIGN_SCALE=tiny`` (or ``--scale tiny``) is the CPU dry run of tests/test_gpu_campaign.py.
 This driver imports only the standard library: every piece of work runs in a subprocess (a stage
-command, or ``python -m launch.gpu_campaign step <name>``), so the driver never holds the GPU.
+command, or ``python -m experiments.gpu_campaign step <name>``), so the driver never holds the GPU.
 """
 
 from __future__ import annotations
@@ -559,7 +559,7 @@ def print_calls(bundle_dir: str = DEFAULT_BUNDLE) -> None:
 def cmd_calls(args) -> int:
     b = read_json(os.path.join(args.bundle, "bundle.json"))
     if b is None:
-        print(f"no bundle in {args.bundle}: run `python -m launch.gpu_campaign bundle` first", file=sys.stderr)
+        print(f"no bundle in {args.bundle}: run `python -m experiments.gpu_campaign bundle` first", file=sys.stderr)
         return 1
     tree = tree_bytes()
     fixed1 = b["travel"]["call1"] - b["travel"]["working_tree"] - b["model"]["parts"][0]["bytes"]
@@ -568,7 +568,7 @@ def cmd_calls(args) -> int:
     print_calls(args.bundle)
     if max(now.values()) > TRAVEL_LIMIT - 2**20:
         print(f"WARNING: a call would carry more than {TRAVEL_LIMIT / 2**20:.0f} MiB now (the working tree grew): "
-              "rerun `python -m launch.gpu_campaign bundle`", file=sys.stderr)
+              "rerun `python -m experiments.gpu_campaign bundle`", file=sys.stderr)
         return 1
     return 0
 
@@ -703,7 +703,7 @@ class Campaign:
     def st_setup(self) -> str:
         b = self.bundle_meta()
         if b is None:
-            raise CampaignError("no bundle: call 1 must carry .gpu_bundle/call1 (python -m launch.gpu_campaign "
+            raise CampaignError("no bundle: call 1 must carry .gpu_bundle/call1 (python -m experiments.gpu_campaign "
                                 "bundle builds it here)")
         call1 = os.path.join(self.bundle_dir, "call1")
         if not os.path.isdir(call1):
@@ -802,7 +802,7 @@ class Campaign:
             os.replace(target + ".tmp", target)
             self.log(f"model: reassembled {m['file']} ({m['bytes'] / 2**20:.1f} MiB), sha256 checked")
         # the loader gives the same f32 weights as on the machine that bundled it
-        rc, _ = self.run_cmd("model_check", [sys.executable, "-m", "launch.gpu_campaign", "step", "digest",
+        rc, _ = self.run_cmd("model_check", [sys.executable, "-m", "experiments.gpu_campaign", "step", "digest",
                                              "--out", self.path("model_digest.json")], timeout=max(30, self.left()),
                              cpu=True)
         got = read_json(self.path("model_digest.json"), {})
@@ -852,8 +852,7 @@ class Campaign:
                    "--steps_per_sync", s.gen_steps_per_sync]
             if s.gen_dtype:
                 cmd += ["--dtype", s.gen_dtype]
-            if _flag_defined("launch/generate_data.py", "fill_rows"):
-                cmd += ["--fill_rows", s.gen_fill_rows]
+            cmd += ["--fill_rows", s.gen_fill_rows]
             skip = self.released_elsewhere()
             if skip:
                 cmd += ["--release", ",".join(skip)]
@@ -908,7 +907,7 @@ class Campaign:
                 self.log(f"release: continuing the repository's {self.scale.repo_releases}/{name}")
             p = self.stage("data")["passes"].get(key, {})
             rc, _ = self.run_cmd(f"release_{key}", [
-                sys.executable, "-m", "launch.gpu_campaign", "step", "release", "--input", src, "--release", rel,
+                sys.executable, "-m", "experiments.gpu_campaign", "step", "release", "--input", src, "--release", rel,
                 "--release_name", name, "--level", self.scale.release_level, "--commit", b.get("git_commit") or "",
                 "--gen_seconds", p.get("gen_seconds", 0.0), "--summary", self.path("data", f"{key}_summary.json")],
                 timeout=max(60, self.left()), cpu=True)
@@ -1136,7 +1135,7 @@ class Campaign:
             if steps not in checkpoint_steps(os.path.join(workdir, "checkpoints")):
                 return "again" if self.left() > 60 else "later"
         out = self.path("export", "confu_bf16")
-        rc, _ = self.run_cmd("export_confu", [sys.executable, "-m", "launch.gpu_campaign", "step", "export_confu",
+        rc, _ = self.run_cmd("export_confu", [sys.executable, "-m", "experiments.gpu_campaign", "step", "export_confu",
                                               "--workdir", workdir, "--out", out], timeout=max(60, self.left()), cpu=True)
         if rc != 0:
             raise CampaignError("confu: export failed (logs/export_confu.log)")
@@ -1191,12 +1190,14 @@ class Campaign:
         heads = {"eagle3": e3, "confu": confu, "hybrid": e3, **{f: self.path("runs", f) for f in FAMILY_CONFIGS}}
         methods = [m for m in s.bench_methods.split(",") if m]
         methods += [f for f in self.family_costs() if f not in methods]
-        # launch.decode_bench, with budget auto's candidates narrowed (step_decode_bench)
-        cmd = [sys.executable, "-m", "launch.gpu_campaign", "step", "decode_bench", "--methods", ",".join(methods),
+        # launch.decode_bench, with budget auto's candidates narrowed to the scale's
+        cmd = [sys.executable, "-m", "launch.decode_bench", "--methods", ",".join(methods),
                "--heads", ",".join(f"{m}={heads[m]}" for m in methods if m in heads),
                "--prompts", s.bench_prompts, "--n_per_category", s.bench_n_per_category, "--turns", "1",
                "--max_new_tokens", s.bench_max_new, "--temperatures", "0", "--budgets", s.bench_budgets,
                "--min_bucket", s.bench_min_bucket, "--out", out]
+        if auto_candidates(s):
+            cmd += ["--auto_candidates", auto_candidates(s)]
         if s.bench_calibration:
             cmd += ["--calibration", s.bench_calibration, "--n_calibration", "4"]
         budget = self.left()
@@ -1305,11 +1306,6 @@ def _reap_leftover(child: Optional[dict], log) -> None:
     if "launch." in cmdline:
         log(f"ending {child['name']} (pid {child['pid']}) left running by an interrupted call")
         _kill_group(int(child["pid"]))
-
-
-def _flag_defined(rel: str, flag: str) -> bool:
-    with open(os.path.join(ROOT, rel)) as f:
-        return f'"{flag}"' in f.read()
 
 
 class TokenEstimate:
@@ -1478,18 +1474,16 @@ def step_release(args) -> int:
     from confu_jax.data import releases
     from confu_jax.runs.heads import target_fingerprint
     from confu_jax.weights import load_model
+    from confu_jax.decode import self_distill
     from launch import generate_data as gd
 
-    records = gd.read_records(args.input)
+    records = self_distill.read_records(args.input)
     if not records:
         raise SystemExit(f"{args.input}: no generated conversation to release")
-    runs = [json.loads(line) for line in open(args.input + gd.RUNS_SUFFIX) if line.strip()]
-    settings = [gd.parse_generation_command(r["command"]) for r in runs]
-    for s in settings[1:]:
-        diff = {k: (settings[0][k], s[k]) for k in releases.RECIPE_KEYS if settings[0][k] != s[k]}
-        if diff:
-            raise SystemExit(f"the runs that wrote {args.input} used different settings {diff}")
-    generation = settings[-1]
+    try:
+        generation = self_distill.recorded_settings([args.input], legacy_parse=gd.parse_generation_command)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     _, params = load_model(generation["model"], generation["dtype"] or None)
     target = {"model": generation["model"], "fingerprint": target_fingerprint(params)}
     del params
@@ -1563,7 +1557,7 @@ def export_confu(workdir: str, out: str, dtype: str = "bfloat16") -> dict:
     """A ConFu (or any) head of a launch.train workdir as a trainable-tree export
     (``confu_jax.runs.trainable_export``: every trainable leaf in ``dtype``, the draft vocabulary,
     the run's config and target record)."""
-    from confu_jax.runs.trainable_export import export_trainable
+    from confu_jax.runs.heads import export_trainable
 
     return export_trainable(workdir, out, dtype=dtype)
 
@@ -1585,28 +1579,10 @@ def rebuild_workdir(export_dir: str, workdir: str) -> str:
     for f in ("config.json", "target.json"):
         if os.path.isfile(os.path.join(export_dir, f)):
             shutil.copyfile(os.path.join(export_dir, f), os.path.join(workdir, f))
-    _save_head_checkpoint(workdir, step, trainable, vocab["d2t"], vocab["t2d"])
+    from confu_jax.runs.checkpoint import save_head_checkpoint
+
+    save_head_checkpoint(workdir, step, trainable, vocab["d2t"], vocab["t2d"])
     return workdir
-
-
-def _save_head_checkpoint(workdir: str, step: int, params, d2t, t2d) -> None:
-    """``workdir/checkpoints/<step>`` as launch.train lays it out for a head (the params, the draft
-    vocabulary as extras, an empty data state): what ``runs.heads.load_trained_head`` reads."""
-    import orbax.checkpoint as ocp
-
-    from confu_jax.runs.checkpoint import DataStateHandler, DataStateSave
-
-    mgr = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                                options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False),
-                                item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                               "extras": ocp.PyTreeCheckpointHandler(),
-                                               "data": DataStateHandler()})
-    mgr.save(int(step), args=ocp.args.Composite(
-        state=ocp.args.PyTreeSave({"params": params}),
-        extras=ocp.args.PyTreeSave({"draft_vocab_d2t": d2t, "draft_vocab_t2d": t2d}),
-        data=DataStateSave({})))
-    mgr.wait_until_finished()
-    mgr.close()
 
 
 def rebuild_eagle3_checkpoint(official_dir: str, run_dir: str, step: int) -> str:
@@ -1632,42 +1608,20 @@ def rebuild_eagle3_checkpoint(official_dir: str, run_dir: str, step: int) -> str
         raise ValueError(f"{official_dir}: its tensors do not form the head {run_dir}/config.json describes "
                          f"(expected {jax.tree_util.tree_structure(want)}, got {jax.tree_util.tree_structure(got)})")
     params = jax.tree_util.tree_map(lambda w, a: np.asarray(a, w.dtype).reshape(w.shape), want, got)
-    _save_head_checkpoint(run_dir, step, params, np.asarray(imp.d2t, np.int32), np.asarray(imp.t2d, bool))
+    from confu_jax.runs.checkpoint import save_head_checkpoint
+
+    save_head_checkpoint(run_dir, step, params, np.asarray(imp.d2t, np.int32), np.asarray(imp.t2d, bool))
     return run_dir
 
 
-def auto_candidates(scale: Scale, family: str) -> Optional[tuple]:
-    """(chains, trees) budget auto measures for a drafter family (None: bench.budget's defaults). The MTP
-    module drafts at any depth with its one module: the head's plans."""
-    text = {"lookup": scale.auto_lookup_plans, "medusa": scale.auto_medusa_plans,
-            "mlp_speculator": scale.auto_medusa_plans,
-            "dflash": scale.auto_medusa_plans}.get(family, scale.auto_head_plans)
-    plans = [p for p in text.split(";") if p]
-    if not plans:
-        return None
-    chains = tuple(p for p in plans if p.startswith("chain:"))
-    trees = tuple(p for p in plans if not p.startswith("chain:"))
-    return (chains, ()) if family == "hybrid" else (chains, trees)
-
-
-def step_decode_bench(argv) -> int:
-    """``launch.decode_bench`` (speculative mode) with budget auto's candidate plans taken from
-    ``CAMPAIGN_AUTO_HEAD_PLANS`` / ``CAMPAIGN_AUTO_LOOKUP_PLANS`` (';'-separated; the scale's by
-    default) instead of bench.budget's defaults: each candidate costs a compile, and decode_bench has
-    no flag for them (bench.budget.default_candidates is replaced for this process)."""
-    from absl import app
-
-    from confu_jax.bench import budget
-    from confu_jax.models.registry import get_method
-
-    scale = resolve_scale(os.environ.get("CAMPAIGN_SCALE", "gpu"))
-    default = budget.default_candidates
-    budget.default_candidates = lambda method: auto_candidates(scale, get_method(method).family) or default(method)
-    import launch.decode_bench as decode_bench
-
-    sys.argv = ["launch.decode_bench", *argv]
-    app.run(decode_bench.main)
-    return 0
+def auto_candidates(scale: Scale) -> str:
+    """``launch.decode_bench --auto_candidates``: the plans budget auto measures, per drafter family (each
+    costs a compile; families not named keep their defaults). The MTP module drafts at any depth with its
+    one module: the head's plans; hybrid drafts chains."""
+    head, lookup, cartesian = scale.auto_head_plans, scale.auto_lookup_plans, scale.auto_medusa_plans
+    groups = {"head": head, "hybrid": ";".join(p for p in head.split(";") if p.startswith("chain:")),
+              "mtp": head, "lookup": lookup, "medusa": cartesian, "mlp_speculator": cartesian, "dflash": cartesian}
+    return ";".join(f"{family}={plans.replace(';', ',')}" for family, plans in groups.items() if plans)
 
 
 def step_export_confu(args) -> int:
@@ -1740,7 +1694,7 @@ def cmd_unpack(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launch.gpu_campaign", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m experiments.gpu_campaign", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bundle", help="build .gpu_bundle/call1 and call2 here (pip download needs the network)")
@@ -1773,8 +1727,6 @@ def main(argv=None) -> int:
     s.add_argument("--summary", default="")
     s.add_argument("--workdir", default="")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:2] == ["step", "decode_bench"]:
-        return step_decode_bench(argv[2:])
     args = ap.parse_args(argv)
     if args.cmd == "bundle":
         return cmd_bundle(args)
