@@ -32,9 +32,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 
 from absl import app, flags
+
+from confu_jax.bench.ar_baseline import CompiledAR, first_divergence, hf_generate, load_hf_reference
 
 # A handful of fixed chat prompts of varied length and kind (a later issue swaps in MT-Bench).
 PROMPTS = [
@@ -101,64 +102,6 @@ flags.DEFINE_string("out", "results/decode_bench.json", "speculative mode: resul
 FLAGS = flags.FLAGS
 
 
-class _Ours:
-    """Our jitted AR loop: one compiled program per (batch, bucket), timed runs without compile."""
-
-    def __init__(self, params, cfg, eos_ids):
-        self.params, self.cfg = params, cfg
-        self.kw = dict(max_new_tokens=FLAGS.max_new_tokens, eos_ids=eos_ids, min_bucket=FLAGS.min_bucket)
-        self.programs, self.compile_s = {}, 0.0
-
-    def program(self, batch):
-        from confu_jax.decode.generate import generate_padded_jit, prepare_ar_inputs
-
-        args, static = prepare_ar_inputs(self.cfg, batch, **self.kw)
-        key = (args[0].shape, static["max_len"])
-        if key not in self.programs:
-            t0 = time.perf_counter()
-            self.programs[key] = generate_padded_jit.lower(self.params, *args, **static).compile()
-            self.compile_s += time.perf_counter() - t0
-        return self.programs[key], args
-
-    def run(self, batch):
-        """-> (emitted tokens per row, wall seconds, process CPU seconds of the compiled run)."""
-        import jax
-        import numpy as np
-
-        fn, args = self.program(batch)
-        t0, c0 = time.perf_counter(), time.process_time()
-        res = jax.block_until_ready(fn(self.params, *args))
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        toks, n = np.asarray(res.tokens_bn), np.asarray(res.n_generated_b)
-        return [toks[b, : n[b]].tolist() for b in range(len(batch))], dt, dc
-
-
-def _load_hf(model_path):
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:  # dev dependency only
-        raise SystemExit(
-            f"decode_bench: transformers reference unavailable ({e}). Install it with "
-            "`pip install -r requirements-dev.txt` (torch, transformers, accelerate), or pass --nohf."
-        )
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32)
-    return model.eval()
-
-
-def _hf_generate(model, prompt, eos_ids, pad_id, max_new_tokens):
-    import torch
-
-    x = torch.tensor([prompt])
-    t0, c0 = time.perf_counter(), time.process_time()
-    with torch.no_grad():
-        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                           do_sample=False, eos_token_id=list(eos_ids), pad_token_id=pad_id)
-    return y[0, len(prompt):].tolist(), time.perf_counter() - t0, time.process_time() - c0
-
-
 def _limit_cores(n: int):
     """Give both sides the same n cores (before JAX's backend starts: XLA_FLAGS is read then)."""
     if n <= 0:
@@ -169,13 +112,6 @@ def _limit_cores(n: int):
     os.sched_setaffinity(0, cores[:n])
     if n == 1:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
-
-
-def _first_divergence(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def main_speculative():
@@ -277,15 +213,15 @@ def main(argv):
     print(f"model {FLAGS.model}: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, "
           f"max_new_tokens={FLAGS.max_new_tokens}, greedy, eos={list(eos_ids)}", flush=True)
 
-    ours_ar = _Ours(params, cfg, eos_ids)
+    ours_ar = CompiledAR(params, cfg, eos_ids, max_new_tokens=FLAGS.max_new_tokens, min_bucket=FLAGS.min_bucket)
     for p in prompts:
         ours_ar.program([p])  # compile every bucket up front
     ours_ar.run([prompts[0]])  # warm-up execution (first-run allocations), untimed
     compile_s = ours_ar.compile_s
     hf = None
     if FLAGS.hf:
-        hf = _load_hf(model_path)
-        _hf_generate(hf, prompts[0], eos_ids, tok.pad_id, 8)  # warm-up, untimed
+        hf = load_hf_reference(model_path)
+        hf_generate(hf, prompts[0], eos_ids, tok.pad_id, 8)  # warm-up, untimed
 
     rows = []
     for i, p in enumerate(prompts):
@@ -293,9 +229,9 @@ def main(argv):
         row = {"prompt": i, "prompt_tokens": len(p), "ours_tokens": len(ours), "ours_s": ours_s,
                "ours_cpu_s": ours_cpu}
         if hf is not None:
-            theirs, hf_s, hf_cpu = _hf_generate(hf, p, eos_ids, tok.pad_id, FLAGS.max_new_tokens)
+            theirs, hf_s, hf_cpu = hf_generate(hf, p, eos_ids, tok.pad_id, FLAGS.max_new_tokens)
             row.update(hf_tokens=len(theirs), hf_s=hf_s, hf_cpu_s=hf_cpu, identical=ours == theirs,
-                       first_divergence=_first_divergence(ours, theirs))
+                       first_divergence=first_divergence(ours, theirs))
         rows.append(row)
         print(json.dumps(row), flush=True)
 
