@@ -307,7 +307,7 @@ def test_continuous_progress_log_counts_finished_conversations(tmp_path, monkeyp
     clock = iter(range(0, 10_000, 61))  # every reading a minute after the last: a log line each time
     monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
     convs = [_conv(i, 1) for i in range(4)]
-    with caplog.at_level(logging.INFO, logger="generate_data"):
+    with caplog.at_level(logging.INFO, logger="self_distill"):
         stats = sd.generate_dataset_continuous(convs, str(tmp_path / "o.jsonl"), FakeChatTokenizer(), Instant(),
                                                max_prompt_len=200, progress=True)
     assert stats["written"] == 4

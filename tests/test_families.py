@@ -101,3 +101,13 @@ def test_plans_are_types_with_their_rule_and_text():
     assert plans.StaticTree(((0,), (1,), (0, 0))).text == "static:[(0,), (1,), (0, 0)]"
     with pytest.raises(ValueError, match="Medusa has no contemplates"):
         plans.parse_plan("chain:3+c2", what="Medusa")
+
+
+def test_auto_candidates_per_family_or_for_all():
+    from confu_jax.bench.cli_args import parse_auto_candidates
+
+    assert parse_auto_candidates("chain:2,dynamic:4,4,8") == {None: ("chain:2", "dynamic:4,4,8")}
+    assert parse_auto_candidates("head=chain:2,dynamic:4,4,8;lookup=chain:2,lookup:4,2") == {
+        "head": ("chain:2", "dynamic:4,4,8"), "lookup": ("chain:2", "lookup:4,2")}
+    with pytest.raises(ValueError, match="FAMILY=PLAN"):
+        parse_auto_candidates("heads=chain:2")
