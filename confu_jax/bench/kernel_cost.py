@@ -85,13 +85,10 @@ def make_case(cfg, b: int, t_nodes: int, s_len: int, p: int, dtype, seed: int = 
     t2 = 2 * t_nodes
     hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     ks = jax.random.split(jax.random.PRNGKey(seed), 7)
-    parents = [-1] + [(i - 1) // 4 for i in range(1, t_nodes)]
-    anc = np.zeros((t_nodes, t_nodes), bool)
-    for i in range(t_nodes):
-        j = i
-        while j >= 0:
-            anc[i, j] = True
-            j = parents[j]
+    from confu_jax.models.tree_layout import ancestors_from_parents
+
+    parents = np.array([[-1] + [(i - 1) // 4 for i in range(1, t_nodes)]], np.int32)
+    anc = np.asarray(ancestors_from_parents(jnp.asarray(parents)))[0]
     mask = np.zeros((t2, t2), bool)
     mask[:t_nodes, :t_nodes] = anc
     mask[t_nodes:, :t_nodes] = anc
