@@ -87,13 +87,15 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     import numpy as np
 
     from confu_jax.decode.stopping import StopReason
-    from confu_jax.decode.families import decode_head, family_of
+    from confu_jax.decode.families import FAMILIES, decode_head, family_of
     from confu_jax.decode.loop import compile_speculative
     from confu_jax.decode.sharded import place_spec_params
 
     family = family_of(method)
     if draft_model and family.source_flag != "draft_model":
-        raise ValueError(f"--draft_model is for the draft-model methods, not {method} (its weights: --draft_ckpt)")
+        takes = sorted(m for m, spec in REGISTERED_METHODS.items() if spec.family in FAMILIES
+                       and FAMILIES[spec.family].source_flag == "draft_model")
+        raise ValueError(f"--draft_model is for --method {' / '.join(takes)}, not {method} (its weights: --draft_ckpt)")
     source = (draft_model or draft_ckpt) if family.source_flag == "draft_model" else draft_ckpt
     head = decode_head(method, cfg, params, source, seed=seed, target_source=target_source)
     plan = family.parse(tree or family.default_plan(head.params))  # the default plan fits the head
