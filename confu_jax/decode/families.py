@@ -35,7 +35,7 @@ from confu_jax.decode.medusa import MedusaDrafter, parse_medusa_plan
 from confu_jax.decode.mlp_speculator import MLPSpeculatorDrafter, parse_mlp_speculator_plan
 from confu_jax.decode.mtp import MTPDrafter, parse_mtp_plan
 from confu_jax.decode.plans import Chain, parse_plan
-from confu_jax.models.registry import get_method
+from confu_jax.models.registry import METHODS, get_method
 
 # budget auto's default candidates (chains, then trees; bench.budget)
 DEFAULT_CHAINS = tuple(f"chain:{k}" for k in range(1, 8))
@@ -214,15 +214,9 @@ def family_of(method: str) -> DrafterFamily:
     """The record of the family ``method`` drafts with (errors name the methods that draft)."""
     fam = get_method(method).family
     if fam not in FAMILIES:
-        drafting = sorted(m for m in _drafting_methods())
+        drafting = sorted(name for name, m in METHODS.items() if m.family in FAMILIES)
         raise ValueError(f"method {method!r} does not draft (family {fam!r}); the drafting methods: {drafting}")
     return FAMILIES[fam]
-
-
-def _drafting_methods():
-    from confu_jax.models.registry import METHODS
-
-    return [name for name, m in METHODS.items() if m.family in FAMILIES]
 
 
 def parse_drafter(method: str, text: str) -> Drafter:
