@@ -157,7 +157,7 @@ def sharded_report(name: str, mesh, plan_text: str, head_vocab: int, lower: bool
     ``mesh``, and whether its decode loops lower there and for TPU."""
     import jax
 
-    from confu_jax.decode import sharded
+    from confu_jax.decode import sharded, tracing
     from confu_jax.decode.plans import parse_plan
     from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import HeadConfig, ModelSpec
@@ -183,7 +183,7 @@ def sharded_report(name: str, mesh, plan_text: str, head_vocab: int, lower: bool
         print(f"  {name}: not divisible on this mesh, replicated: {f}")
     if lower:
         spec = ModelSpec(cfg, HeadConfig(variant="confu", draft_vocab_size=min(head_vocab, cfg.vocab_size)))
-        traced = sharded.trace_loops(spec, mesh, parse_plan(plan_text))
+        traced = tracing.trace_loops(spec, mesh, parse_plan(plan_text))
         for prog, tr in traced.items():
             tr.lower()
             res[f"lowers_{prog}"] = True

@@ -124,7 +124,7 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
 # one entry per method of the registry (confu_jax.models.registry)
 METHODS: dict[str, Callable[..., MethodOutput]] = {
     name: functools.partial(run_speculative, method=name) if m.speculative else run_ar
-    for name, m in REGISTERED_METHODS.items() if m.family != "auto"
+    for name, m in REGISTERED_METHODS.items() if not m.chooses_method
 }
 
 flags.DEFINE_string("prompt", None, "user message; rendered with the model's chat template", required=True)
@@ -201,8 +201,8 @@ def main(argv):
         prompt_ids = tok.encode(tok.render(messages, add_generation_prompt=True))
     except (ValueError, FileNotFoundError) as e:  # CheckpointError, AssetNotFoundError included
         sys.exit(f"launch.generate: {e}")
-    if FLAGS.method == "ar" and FLAGS.draft_ckpt:
-        raise app.UsageError("--draft_ckpt is for the speculative methods (eagle3, confu), not ar")
+    if FLAGS.draft_ckpt and not REGISTERED_METHODS[FLAGS.method].speculative:
+        raise app.UsageError(f"--draft_ckpt is for the speculative methods, not {FLAGS.method}")
     mesh = None
     if FLAGS.mesh:
         from confu_jax.decode.sharded import parse_mesh

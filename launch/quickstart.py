@@ -165,11 +165,13 @@ def head_config(variant: str, data_path: str | None):
     """configs/smollm2_<variant>.py shrunk for a CPU run of a few minutes."""
     import importlib
 
+    from confu_jax.models.registry import get_variant
+
     config = importlib.import_module(f"configs.smollm2_{variant}").get_config()
     config.train.steps = FLAGS.train_steps
     config.train.optim.lr = 1e-3  # short run: EAGLE's 1e-4 barely moves in a few dozen steps
     config.train.optim.warmup_steps = max(1, FLAGS.train_steps // 20)
-    if variant == "eagle3":
+    if not get_variant(variant).has_future:  # EAGLE-3, the recipe's first stage
         # a checkpoint at half the budget is ConFu's starting point (kept beside the final one)
         config.train.checkpoint.every = half_budget()
         config.train.checkpoint.keep = 2
@@ -216,7 +218,8 @@ def ensure_head(variant: str, data_path: str | None) -> str:
     elif head_ready(workdir):
         print(f"[{variant}] using the cached head in {workdir}", flush=True)
         return workdir
-    start = (f"from EAGLE-3 step {config.train.checkpoint.init_from_step}, " if variant != "eagle3" else "")
+    start = (f"from EAGLE-3 step {config.train.checkpoint.init_from_step}, "
+             if config.train.checkpoint.get("init_from") else "")
     data = (f"the self-distilled {os.path.basename(data_path)}" if data_path
             else f"{FLAGS.train_records} ShareGPT conversations (original answers)")
     print(f"[{variant}] no cached head: training {start}{config.train.steps} steps on {data} into {workdir}",

@@ -21,7 +21,7 @@ import tempfile
 
 from absl import app, flags
 
-from confu_jax.runs.lineage import lineage, tokens_seen  # noqa: F401  (tokens_seen: re-export)
+from confu_jax.runs.lineage import lineage
 
 flags.DEFINE_string("workdir", None, "the launch.train workdir of an EAGLE-3 or ConFu head", required=True)
 flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")

@@ -74,6 +74,7 @@ def main(argv):
     from confu_jax.data import formats, pipeline
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.data.draft_vocab import draft_vocab_from_conversations
+    from confu_jax.models.registry import get_variant
     from confu_jax.models.params import init_trainable
     from confu_jax.models.spec import ModelSpec, model_spec_from_config
     from confu_jax.train.loss import confu_loss, objective_from_config
@@ -180,7 +181,7 @@ def main(argv):
         jax.block_until_ready(m)
         runs[run_name] = [compiled, state, [], data]
         results[run_name] = {"compile_s": compile_s, "step_memory_mib": step_mib, "layout": layout,
-                             "k_train": int(config.objective.k_train) if name != "eagle3" else None}
+                             "k_train": int(config.objective.k_train) if get_variant(name).has_future else None}
         print(f"{run_name:>16}: compiled in {compile_s:.1f}s, step memory {step_mib or float('nan'):.0f} MiB",
               flush=True)
 

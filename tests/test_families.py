@@ -69,6 +69,21 @@ def test_export_formats_are_the_clis_and_belong_to_one_family_each():
     assert r.returncode != 0 and f"<{'|'.join(fmts)}>" in r.stderr, r.stderr[-1000:]
 
 
+def test_every_export_format_has_one_writer_and_options_the_cli_refuses_elsewhere():
+    """Each family's formats are records of ``runs.exports`` (no format without a writer, no writer
+    no family offers); a flag a format does not read is one line naming the formats that do."""
+    from confu_jax.runs.exports import EXPORT_FORMATS
+
+    assert set(families.export_formats()) == set(EXPORT_FORMATS)
+    fmt = next(f for f in EXPORT_FORMATS.values() if "mtp_shared" not in f.options)
+    r = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", "x", "--format", fmt.name, "--out",
+                        "y", "--mtp_shared"], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"),
+                       capture_output=True, text=True, timeout=300)
+    takers = [n for n, f in EXPORT_FORMATS.items() if "mtp_shared" in f.options]
+    assert r.returncode != 0 and f"--mtp_shared is for --format {' / '.join(takers)}, not {fmt.name}" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("family", RECORDS)
 def test_what_a_family_loads_without_a_source_drafts_its_default_plan(family):
     from confu_jax.models.llama import init_params

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from confu_jax import sharding as shd
-from confu_jax.decode import loop, plans, sharded
+from confu_jax.decode import loop, plans, sharded, tracing
 from confu_jax.decode.generate import generate_ar, prepare_ar_inputs
 from confu_jax.decode.stopping import StopReason
 from confu_jax.models.kv_cache import init_cache
@@ -161,7 +161,7 @@ def llama8b_traced(llama8b):
     """The AR and speculative (ConFu, dynamic tree) 8B programs traced with sharded inputs, scanned
     layers (the accelerator form)."""
     mesh, spec, _ = llama8b
-    traced = sharded.trace_loops(spec, mesh, plans.parse_plan("dynamic:4,4,16"))
+    traced = tracing.trace_loops(spec, mesh, plans.parse_plan("dynamic:4,4,16"))
     return traced["ar"], traced["speculative"]
 
 

@@ -25,7 +25,8 @@ from confu_jax.models.llama import Llama, init_params as llama_init, param_shape
 from confu_jax.models.presets import get_preset
 from confu_jax.train.config import default_train_config
 from confu_jax.train.acceptance import chain_acceptance_length
-from confu_jax.train.task import PositionStream, TrainTask
+from confu_jax.train.streams import PositionStream
+from confu_jax.train.task import TrainTask
 
 
 def get_toy_config() -> ml_collections.ConfigDict:

@@ -24,7 +24,7 @@ import gzip
 import json
 
 from confu_jax import assets
-from confu_jax.bench.prompts import BenchPrompt
+from confu_jax.bench.question import BenchPrompt
 
 GROUNDED_CATEGORIES = ("summarize", "answer_from", "rewrite", "code_edit")
 PASSAGE_CHARS = (500, 1500)

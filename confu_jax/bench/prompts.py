@@ -12,7 +12,6 @@ and :func:`run_conversation`. By default only the first turn is run (``n_turns=1
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import json
 import os
@@ -20,7 +19,9 @@ import random
 from typing import Callable, Iterable, Sequence
 
 from confu_jax import assets
+from confu_jax.bench.grounded import load_grounded
 from confu_jax.bench.metrics import GenerationLog
+from confu_jax.bench.question import BenchPrompt, QuestionFileError
 
 MTBENCH_CATEGORIES = (
     "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
@@ -36,22 +37,6 @@ HUMANEVAL_INSTRUCTION = (
     "Please complete the following Python code without providing any additional tasks such as "
     "testing or explanations\n"
 )
-
-
-class QuestionFileError(ValueError):
-    """A question file that does not follow the MT-Bench / Spec-Bench ``question.jsonl`` format."""
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchPrompt:
-    """One benchmark question: its id, its category (the report's grouping key) and user turns."""
-
-    question_id: int | str
-    category: str
-    turns: tuple[str, ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "turns", tuple(self.turns))
 
 
 def _check_record(obj, where: str) -> BenchPrompt:
@@ -174,13 +159,7 @@ def load_humaneval(category: str = "humaneval") -> list[BenchPrompt]:
     return prompts
 
 
-def _load_grounded() -> list[BenchPrompt]:
-    from confu_jax.bench.grounded import load_grounded  # imports this module
-
-    return load_grounded()
-
-
-_NAMED_SOURCES = {"mtbench": load_mtbench, "humaneval": load_humaneval, "grounded": _load_grounded}
+_NAMED_SOURCES = {"mtbench": load_mtbench, "humaneval": load_humaneval, "grounded": load_grounded}
 
 
 def load_prompts(source: str) -> list[BenchPrompt]:

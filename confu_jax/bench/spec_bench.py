@@ -276,8 +276,8 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
     from confu_jax.bench.cli_args import plan_families
     from confu_jax.models.registry import get_method
 
-    spec_methods = [m for m in methods if m != "ar"]
-    drafting = [m for m in spec_methods if get_method(m).family != "auto"]
+    spec_methods = [m for m in methods if get_method(m).speculative]
+    drafting = [m for m in spec_methods if not get_method(m).chooses_method]
     if len(drafting) < len(spec_methods) and not drafting:
         raise ValueError("method 'auto' chooses among the run's other speculative methods; name some "
                          "(e.g. --methods ar,lookup,eagle3,auto)")
@@ -336,9 +336,9 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
     def resolve(m, bud):
         """The plan row (m, bud) decodes with -> None (skipped, logged), or (plan text, plan, head,
         budget auto's choice or None); plan None: budget auto chose plain AR."""
-        family = get_method(m).family
+        family, chooser = get_method(m).family, get_method(m).chooses_method
         head = loaded.get(m)
-        if family == "auto" and bud != "auto":
+        if chooser and bud != "auto":
             log(f"[{m}] chooses its own plan: budget {bud} skipped (only auto)")
             return None
         if bud != "auto" and family not in plan_families(bud):
@@ -347,16 +347,16 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
         best, plan_text = None, bud
         if bud == "auto":
             # across families (method auto): every candidate of every drafting method competes
-            cands = [c for x in (drafting if family == "auto" else [m]) for c in calibrate(x)]
+            cands = [c for x in (drafting if chooser else [m]) for c in calibrate(x)]
             best = budget_lib.choose(cands)
             plan_text = best.plan
-            if family == "auto" and plan_text != budget_lib.AR:
+            if chooser and plan_text != budget_lib.AR:
                 head = loaded[best.method]
-            log(f"[{m}] budget auto -> {best.method if family == 'auto' else m} {plan_text} (expected "
+            log(f"[{m}] budget auto -> {best.method if chooser else m} {plan_text} (expected "
                 f"tau {best.expected_tau:.2f}, {best.tokens_per_s:.1f} tokens/s)")
             if plan_text == budget_lib.AR:  # speculation does not pay: decode as AR does
                 return plan_text, None, head, best
-        return plan_text, parse_drafter(best.method if family == "auto" else m, plan_text), head, best
+        return plan_text, parse_drafter(best.method if chooser else m, plan_text), head, best
 
     for temp in temperatures:
         ar_key, again_key = f"ar__T{temp:g}", f"ar_again__T{temp:g}"
@@ -423,7 +423,6 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
         for m, bud, key in row_keys:
             if resumed(key) is not None:
                 continue
-            family = get_method(m).family
             r = resolve_once(m, bud, key)
             if r is None:
                 continue
@@ -445,7 +444,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             sp_logs, sp_tokens, programs = execute(
                 key, lambda pr, head=head, plan=plan: _spec_decoder(setup, pr, head, plan, temp), f"{m} {bud} T={temp}")
             setting = {"plan": plan_text, "budget": bud}
-            if family == "auto":
+            if get_method(m).chooses_method:
                 setting["method"] = best.method  # the family budget auto chose
             row = _spec_row(m, sp_logs, ar_logs, plan=plan, setting=setting, budget=bud, head=head,
                             temperature=temp, compile_s=programs.compile_s, seed=setup.seed,

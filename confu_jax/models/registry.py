@@ -37,6 +37,11 @@ class Method:
         return self.family != "ar"
 
     @property
+    def chooses_method(self) -> bool:
+        """Benchmark-only ``auto``: budget auto picks the family and plan among the run's other methods."""
+        return self.family == "auto"
+
+    @property
     def needs_head(self) -> bool:
         """Whether it drafts with a trained (or untrained) head: a workdir / imported head to load."""
         return bool(self.variants) or self.own_weights

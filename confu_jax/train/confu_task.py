@@ -33,7 +33,7 @@ from confu_jax.models.vocab_map import lm_head_from_target
 from confu_jax.runs.heads import target_fingerprint
 from confu_jax.train.loss import confu_loss, lm_head_layout, objective_from_config
 from confu_jax.train.real_data import real_data
-from confu_jax.train.synthetic_data import SelfDistilledStream, abstract_data
+from confu_jax.train.synthetic_data import abstract_data, synthetic_data
 from confu_jax.models.llama import param_shapes
 from confu_jax.train.target_loading import (is_abstract, load_target, load_target_sharded, sharded_source,
                                             target_name)
@@ -94,30 +94,6 @@ def warn_if_windows_unused(config) -> bool:
                 "rows of data.max_length=%d: the replication windows have (almost) no effect; use k_train <= "
                 "%d for windows that matter", k, l_win, n - 2, n, max(1, (n - 2) // (2 * (l_win + 1))))
     return True
-
-
-def synthetic_data(config, spec: ModelSpec, target_host: dict):
-    """(draft vocab, train_iterator, eval_batches) of self-distilled random prompts (``source='random'``)."""
-    from confu_jax.data.draft_vocab import build_draft_vocab, count_answer_tokens
-
-    data = config.data
-
-    def stream(pidx=0, pcount=1, seed_offset=0):
-        return SelfDistilledStream(spec.target, target_host, global_batch=int(data.global_batch_size),
-                                   seq_len=int(data.max_length), prompt_len=int(config.synthetic.prompt_len),
-                                   seed=int(config.synthetic.seed) + seed_offset, process_index=pidx,
-                                   process_count=pcount)
-
-    counted = [stream().batch_at(i) for i in range(4)]
-    counts = count_answer_tokens(((t, m) for b in counted for t, m in zip(b["tokens"], b["loss_mask"])),
-                                 spec.target.vocab_size)
-    vocab = build_draft_vocab(counts, spec.head.draft_vocab_size, always_include=spec.target.eos_token_ids)
-
-    def eval_batches(pidx, pcount):
-        held = stream(pidx, pcount, seed_offset=10_000)
-        return [held.batch_at(i) for i in range(int(config.objective.eval_batches))]
-
-    return vocab, (lambda pidx, pcount: stream(pidx, pcount)), eval_batches
 
 
 def _init_params_fn(spec: ModelSpec, head_rows):

@@ -9,8 +9,6 @@ from __future__ import annotations
 import jax
 import optax
 
-from confu_jax.train.config import default_train_config  # noqa: F401  (re-export for configs)
-
 
 def warmup_steps(optim_cfg, total_steps: int) -> int:
     if optim_cfg.warmup_steps >= 0:

@@ -117,7 +117,7 @@ def sd2_loss(spec, drafter_cfg, early_exit: bool, max_offset: int, trainable, fr
 
 def build_task(config) -> TrainTask:
     """The TrainTask of an SD² config (``configs/smollm2_sd2.py``; see the module docstring)."""
-    from confu_jax.train.confu_task import synthetic_data
+    from confu_jax.train.synthetic_data import synthetic_data
     from confu_jax.train.real_data import real_data
 
     if config.data.get("pack", False):

@@ -15,7 +15,8 @@ import ml_collections
 import numpy as np
 
 from confu_jax.models.llama import Llama, LlamaConfig
-from confu_jax.train.task import PositionStream
+from confu_jax.models.spec import ModelSpec
+from confu_jax.train.streams import PositionStream
 
 
 def default_synthetic_config() -> ml_collections.ConfigDict:
@@ -117,3 +118,27 @@ def abstract_data(config, spec):
         return ShapeOnlyBatches(g // pcount, n, packed)
 
     return vocab, train_iterator, None
+
+
+def synthetic_data(config, spec: ModelSpec, target_host: dict):
+    """(draft vocab, train_iterator, eval_batches) of self-distilled random prompts (``source='random'``)."""
+    from confu_jax.data.draft_vocab import build_draft_vocab, count_answer_tokens
+
+    data = config.data
+
+    def stream(pidx=0, pcount=1, seed_offset=0):
+        return SelfDistilledStream(spec.target, target_host, global_batch=int(data.global_batch_size),
+                                   seq_len=int(data.max_length), prompt_len=int(config.synthetic.prompt_len),
+                                   seed=int(config.synthetic.seed) + seed_offset, process_index=pidx,
+                                   process_count=pcount)
+
+    counted = [stream().batch_at(i) for i in range(4)]
+    counts = count_answer_tokens(((t, m) for b in counted for t, m in zip(b["tokens"], b["loss_mask"])),
+                                 spec.target.vocab_size)
+    vocab = build_draft_vocab(counts, spec.head.draft_vocab_size, always_include=spec.target.eos_token_ids)
+
+    def eval_batches(pidx, pcount):
+        held = stream(pidx, pcount, seed_offset=10_000)
+        return [held.batch_at(i) for i in range(int(config.objective.eval_batches))]
+
+    return vocab, (lambda pidx, pcount: stream(pidx, pcount)), eval_batches

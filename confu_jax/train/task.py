@@ -10,57 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 
 from confu_jax import sharding as shd
-
-
-class DataIterator(Protocol):
-    """Per-process batch iterator whose position can be checkpointed exactly.
-
-    ``next()`` returns THIS process's rows of the global batch (global rows / process_count) as a
-    dict of numpy arrays. ``get_state()`` returns a JSON-able dict (or bytes) and
-    ``set_state(state)`` restores it: the batches after a restore are those that followed the save.
-    """
-
-    def __iter__(self) -> Iterator[dict]: ...
-
-    def __next__(self) -> dict: ...
-
-    def get_state(self) -> Any: ...
-
-    def set_state(self, state: Any) -> None: ...
-
-
-class PositionStream:
-    """A deterministic batch stream: batch ``i`` is a function of (seed, i) only, so the iterator's
-    checkpointable state is its position. Subclasses set ``seed``, ``position`` and
-    ``seed_setting`` (the config key named when a restored seed differs) and define ``batch_at``."""
-
-    seed: int
-    position: int = 0
-    seed_setting: str = "seed"
-
-    def batch_at(self, index: int) -> dict:
-        raise NotImplementedError
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        batch = self.batch_at(self.position)
-        self.position += 1
-        return batch
-
-    def get_state(self) -> dict:
-        return {"position": int(self.position), "seed": int(self.seed)}
-
-    def set_state(self, state: dict) -> None:
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"data state seed {state['seed']} != configured {self.seed_setting} {self.seed}")
-        self.position = int(state["position"])
+from confu_jax.train.streams import DataIterator
 
 
 @dataclasses.dataclass
@@ -182,7 +137,7 @@ def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None,
     layer): then ``build`` gets the host weights."""
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.heads import target_fingerprint
-    from confu_jax.train.confu_task import synthetic_data
+    from confu_jax.train.synthetic_data import synthetic_data
     from confu_jax.train.real_data import real_data
     from confu_jax.train.target_loading import load_target, load_target_sharded, sharded_source
 

@@ -13,8 +13,6 @@ import json
 import os
 from typing import Optional
 
-import numpy as np
-
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.weights.errors import CheckpointError
 from confu_jax.weights.safetensors_io import SafetensorsFile
