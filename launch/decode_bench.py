@@ -35,6 +35,7 @@ import os
 
 from absl import app, flags
 
+from confu_jax.bench.cli_args import LAYER_SCHEDULES, LAYERS_HELP
 from confu_jax.bench.ar_baseline import CompiledAR, first_divergence, hf_generate, load_hf_reference
 
 # A handful of fixed chat prompts of varied length and kind (a later issue swaps in MT-Bench).
@@ -64,6 +65,7 @@ flags.DEFINE_bool("ar_again", False, "speculative mode: decode AR again after ea
 flags.DEFINE_bool("interleave", False, "speculative mode: decode every row question by question in turn (who goes "
                   "first rotating) instead of row after row, so a drift of the machine's speed falls on all rows "
                   "alike; all rows' programs stay compiled together (a few rows)")
+flags.DEFINE_enum("layers", "auto", list(LAYER_SCHEDULES), LAYERS_HELP)
 flags.DEFINE_string("json_out", "", "write the figures to this JSON file as well")
 # --- speculative mode (any --methods given)
 flags.DEFINE_list("methods", [], "speculative benchmark mode: comma list of ar, eagle3, confu, confu_nomoe, "
@@ -162,13 +164,15 @@ def main_speculative():
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=FLAGS.turns,
                                   top_p=FLAGS.top_p, seed=FLAGS.seed, min_bucket=FLAGS.min_bucket,
                                   calibration=calibration, auto_candidates=auto_candidates, ar_again=FLAGS.ar_again,
-                                  interleave=FLAGS.interleave)
+                                  interleave=FLAGS.interleave, unroll_layers=LAYER_SCHEDULES[FLAGS.layers])
     parts = None
     if FLAGS.resume:
         settings = {"model": FLAGS.model, "questions": [[p.category, p.question_id] for p in prompts],
                     "max_new_tokens": FLAGS.max_new_tokens, "turns": FLAGS.turns, "top_p": FLAGS.top_p,
                     "seed": FLAGS.seed, "min_bucket": FLAGS.min_bucket, "heads": heads,
                     "calibration": [list(c) for c in calibration or ()]}
+        if FLAGS.layers != "auto":  # only when given, as auto_candidates
+            settings["layers"] = FLAGS.layers
         if auto_candidates:  # only when given: parts of benchmarks without it stay resumable
             settings["auto_candidates"] = {str(k): list(v) for k, v in auto_candidates.items()}
         try:
@@ -213,7 +217,8 @@ def main(argv):
     print(f"model {FLAGS.model}: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, "
           f"max_new_tokens={FLAGS.max_new_tokens}, greedy, eos={list(eos_ids)}", flush=True)
 
-    ours_ar = CompiledAR(params, cfg, eos_ids, max_new_tokens=FLAGS.max_new_tokens, min_bucket=FLAGS.min_bucket)
+    ours_ar = CompiledAR(params, cfg, eos_ids, max_new_tokens=FLAGS.max_new_tokens, min_bucket=FLAGS.min_bucket,
+                         unroll_layers=LAYER_SCHEDULES[FLAGS.layers])
     for p in prompts:
         ours_ar.program([p])  # compile every bucket up front
     ours_ar.run([prompts[0]])  # warm-up execution (first-run allocations), untimed

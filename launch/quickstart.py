@@ -44,6 +44,8 @@ import os
 from absl import app, flags
 from absl import logging as absl_logging
 
+from confu_jax.bench.cli_args import LAYER_SCHEDULES, LAYERS_HELP
+
 flags.DEFINE_string("model", "smollm2-135m-instruct", "target: asset name or .gguf (must match the configs' preset)")
 flags.DEFINE_bool("train", False, "train the heads here (self-distilled data + EAGLE-3 + ConFu, cached) instead of "
                   "decoding with the released ones (releases/heads/)")
@@ -62,6 +64,8 @@ flags.DEFINE_integer("n_prompts", 8, "MT-Bench questions decoded (at most one pe
 flags.DEFINE_integer("max_new_tokens", 64, "tokens generated per question")
 flags.DEFINE_string("tree", "chain:3", "draft plan of every method (chain:K; dynamic:DEPTH,TOPK,NODES runs the "
                     "heads only: lookup and hybrid skip it)")
+flags.DEFINE_enum("layers", "scan", list(LAYER_SCHEDULES), LAYERS_HELP + "; scan here: a first run is mostly "
+                  "compiling, and one scan compiles 3-5x faster than 30 unrolled layers (docs/RESULTS.md \"The main job\")")
 flags.DEFINE_string("cache", "", "head cache root (default $CONFU_JAX_CACHE or ~/.cache/confu_jax)")
 flags.DEFINE_string("out", "results/quickstart.json", "results JSON (+ .md table, .png figure)")
 FLAGS = flags.FLAGS
@@ -297,7 +301,8 @@ def main(argv):
     # land on one row (the same row measured 14% apart in two row-after-row runs)
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=1,
                                   min_bucket=MIN_BUCKET, calibration=calibration or None,
-                                  auto_candidates={None: ("chain:1", "chain:2", "chain:3")}, interleave=True)
+                                  auto_candidates={None: ("chain:1", "chain:2", "chain:3")}, interleave=True,
+                                  unroll_layers=LAYER_SCHEDULES[FLAGS.layers])
     # beside the heads: model-free prompt lookup, lookup + the EAGLE-3 head (hybrid), and auto
     heads["hybrid"] = heads["eagle3"]
     methods = ["ar", *variants, "lookup", "hybrid"] + (["auto"] if calibration else [])

@@ -99,3 +99,22 @@ def test_training_resume_and_init_from_print_no_orbax_chatter(tmp_path):
         assert "\r" not in out  # no progress-bar redraws when stderr is not a terminal
         assert "Unable to initialize backend 'tpu'" not in out
     assert "resumed from" in runs[1].stderr and "compiled train step" in runs[1].stderr  # our own lines stay
+
+
+def test_a_long_phase_prints_a_plain_line_in_a_log_and_nothing_when_short(capsys):
+    """Where stderr is not a terminal (pytest captures it), ``progress.phase`` draws no bar; a phase
+    that outlasts ``log_every_s`` prints one plain line per period (a long compile in a CI log is
+    never silent), a short one prints nothing, and ``enabled=False`` silences it."""
+    import time
+
+    from confu_jax import progress
+
+    with progress.phase("compiling x", log_every_s=0.1):
+        time.sleep(0.35)
+    lines = capsys.readouterr().err.splitlines()
+    assert 2 <= len(lines) <= 4 and all(line.startswith("compiling x: still running (") for line in lines), lines
+    with progress.phase("compiling y", log_every_s=5.0):
+        time.sleep(0.05)
+    with progress.phase("compiling z", enabled=False, log_every_s=0.05):
+        time.sleep(0.2)
+    assert capsys.readouterr().err == ""

@@ -189,6 +189,33 @@ def test_budget_auto_row(tmp_path):
         assert auto["tau"] == pytest.approx(1.0) and auto["speedup"] == pytest.approx(1.0)
 
 
+def test_the_layer_schedule_reaches_every_program_and_changes_no_token(tmp_path, monkeypatch):
+    """``BenchSetup.unroll_layers`` (``--layers``) is the schedule of every program the run compiles —
+    AR, the rows and budget auto's calibration — and the rows are the same under both schedules
+    (tokens, τ, losslessness): only the cost differs."""
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.decode import generate, loop
+    from confu_jax.weights import load_model
+
+    gguf = tiny_chat_gguf(tmp_path)
+    cfg, params = load_model(gguf)
+    asked = []
+    for mod in (generate, loop):
+        real = mod.default_unroll_layers
+        monkeypatch.setattr(mod, "default_unroll_layers", lambda u, real=real: asked.append(u) or real(u))
+    rows = {}
+    for unroll in (False, True):
+        asked.clear()
+        setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=8,
+                                      auto_candidates={None: ("chain:1",)}, unroll_layers=unroll)
+        rows[unroll] = spec_bench.run_benchmark(setup, load_question_file(FIXTURE)[:1], methods=["ar", "eagle3"],
+                                                temperatures=[0.0], budgets=["chain:2", "auto"], heads={},
+                                                log=lambda m: None)
+        assert asked and set(asked) == {unroll}, asked
+    assert [(r["method"], r["tau"], r["new_tokens"], r["lossless_greedy"]) for r in rows[False]] == \
+        [(r["method"], r["tau"], r["new_tokens"], r["lossless_greedy"]) for r in rows[True]]
+
+
 def test_budget_auto_calibrates_on_the_given_prompts(tmp_path, monkeypatch):
     """Held-out calibration prompts reach ``auto_plan`` instead of the measured questions."""
     from confu_jax.bench import budget

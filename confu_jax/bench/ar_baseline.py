@@ -12,9 +12,10 @@ import time
 class CompiledAR:
     """Our jitted AR loop: one compiled program per (batch, bucket), timed runs without compile."""
 
-    def __init__(self, params, cfg, eos_ids, *, max_new_tokens: int, min_bucket: int):
+    def __init__(self, params, cfg, eos_ids, *, max_new_tokens: int, min_bucket: int, unroll_layers=None):
         self.params, self.cfg = params, cfg
-        self.kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, min_bucket=min_bucket)
+        self.kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, min_bucket=min_bucket,
+                       unroll_layers=unroll_layers)
         self.programs, self.compile_s = {}, 0.0
 
     def program(self, batch):

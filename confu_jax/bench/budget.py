@@ -109,14 +109,15 @@ def _timed_call(run, timed: bool):
     return res, time.perf_counter() - t0
 
 
-def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: int, method: str):
+def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: int, method: str,
+                 unroll_layers: Optional[bool] = None):
     """decode(prompt) -> (seconds, passes, accepted lengths incl. bonus) of ``method``'s ``plan``,
     greedy, EOS off, batch 1 (``timed=False``: a warm-up call, nothing returned)."""
     from confu_jax.decode.families import parse_drafter
     from confu_jax.decode.loop import generate_speculative
 
     p = parse_drafter(method, plan)
-    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket, unroll_layers=unroll_layers)
 
     def decode(prompt, timed=True):
         res, seconds = _timed_call(lambda: generate_speculative(spec, params, p, [list(prompt)], **kw), timed)
@@ -128,12 +129,12 @@ def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: in
     return decode
 
 
-def _ar_runner(spec, params, *, max_new_tokens: int, min_bucket: int):
+def _ar_runner(spec, params, *, max_new_tokens: int, min_bucket: int, unroll_layers: Optional[bool] = None):
     """decode(prompt) -> (seconds, steps after the first token, [1] * steps) of plain AR decoding
     of the target (greedy, EOS off, batch 1): the first token comes from the prefill."""
     from confu_jax.decode.generate import generate_ar
 
-    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket)
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket, unroll_layers=unroll_layers)
 
     def decode(prompt, timed=True):
         res, seconds = _timed_call(lambda: generate_ar(params.target, spec.target, [list(prompt)], **kw), timed)
@@ -145,12 +146,15 @@ def _ar_runner(spec, params, *, max_new_tokens: int, min_bucket: int):
     return decode
 
 
-def _warm(decode, prompts, min_bucket: int) -> None:
-    """Compile ``decode``'s programs for every prompt bucket (one untimed call per bucket)."""
+def _warm(decode, prompts, min_bucket: int, what: str) -> None:
+    """Compile ``decode``'s programs for every prompt bucket (one untimed call per bucket), with a
+    progress line while it lasts (``progress.phase``)."""
+    from confu_jax import progress
     from confu_jax.decode.requests import one_prompt_per_bucket
 
-    for prompt in one_prompt_per_bucket(prompts, min_bucket):
-        decode(prompt, timed=False)
+    with progress.phase(f"budget auto: compiling {what}"):
+        for prompt in one_prompt_per_bucket(prompts, min_bucket):
+            decode(prompt, timed=False)
 
 
 def _summarise(timed, what: str):
@@ -174,7 +178,7 @@ def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, m
     compilation inside the timed calls and doubled SmolLM2's measured pass cost, docs/RESULTS.md),
     then every prompt is decoded once, batch 1, and timed."""
     decode = _plan_runner(spec, params, plan, max_new_tokens=max_new_tokens, min_bucket=min_bucket, method=method)
-    _warm(decode, prompts, min_bucket)
+    _warm(decode, prompts, min_bucket, f"{method} {plan}")
     return _summarise([decode(p) for p in prompts], plan)
 
 
@@ -184,7 +188,7 @@ def measure_ar(spec, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
     on the same prompts and bucket as ``measure_plan``: the wall time over the tokens after the
     first (which comes from the prefill)."""
     decode = _ar_runner(spec, params, max_new_tokens=max_new_tokens, min_bucket=min_bucket)
-    _warm(decode, prompts, min_bucket)
+    _warm(decode, prompts, min_bucket, AR)
     return _summarise([decode(p) for p in prompts], "ar")[2]
 
 
@@ -234,7 +238,7 @@ def release_compiled() -> None:
 def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequence[str] = DEFAULT_CHAINS,
               trees: Sequence[str] = DEFAULT_TREES, max_new_tokens: int = 64, include_ar: bool = True,
               log: Optional[Callable[[str], None]] = None, method: str = "eagle3", min_bucket: int = 64,
-              interleave: bool = False):
+              interleave: bool = False, unroll_layers: Optional[bool] = None):
     """Measure every candidate plan of ``method`` on the calibration prompts and choose -> (best,
     all Candidates). One compile per candidate; E[τ] is the candidate's own measured τ. With
     ``include_ar`` plain AR (``AR``, τ = 1) competes too, so the choice may be to not speculate.
@@ -245,21 +249,23 @@ def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequenc
     rotating), instead of one candidate over all prompts after another: a change of the machine's
     speed during calibration then moves every candidate alike instead of favouring the ones measured
     while it was fast (on the shared 2-core VM, AR calibrated 7% apart in two runs: more than the
-    margin auto decides by, docs/RESULTS.md). All candidates' programs stay compiled together."""
-    kw = dict(max_new_tokens=max_new_tokens, min_bucket=min_bucket)
+    margin auto decides by, docs/RESULTS.md). All candidates' programs stay compiled together.
+    ``unroll_layers``: the target's layer schedule, the one the decoding it chooses for runs (None:
+    the backend's default)."""
+    kw = dict(max_new_tokens=max_new_tokens, min_bucket=min_bucket, unroll_layers=unroll_layers)
     runners = ([(AR, _ar_runner(spec, params, **kw))] if include_ar else []) + [
         (plan, _plan_runner(spec, params, plan, method=method, **kw)) for plan in (*chains, *trees)]
     timed = {plan: [] for plan, _ in runners}
     if interleave:
-        for _, decode in runners:
-            _warm(decode, prompts, min_bucket)
+        for plan, decode in runners:
+            _warm(decode, prompts, min_bucket, plan if plan == AR else f"{method} {plan}")
         for i, prompt in enumerate(prompts):
             r = i % len(runners)
             for plan, decode in runners[r:] + runners[:r]:
                 timed[plan].append(decode(prompt))
     else:
         for plan, decode in runners:
-            _warm(decode, prompts, min_bucket)
+            _warm(decode, prompts, min_bucket, plan if plan == AR else f"{method} {plan}")
             timed[plan] = [decode(p) for p in prompts]
             if plan != AR:
                 release_compiled()  # each candidate's programs are used once (mmap limit)

@@ -3,6 +3,12 @@ that show an accepted example."""
 
 from __future__ import annotations
 
+# --layers: the target's layer schedule in every decode program (BenchSetup.unroll_layers)
+LAYER_SCHEDULES = {"auto": None, "scan": False, "unroll": True}
+LAYERS_HELP = ("the target's layers in every decode program: one scan (scan), per-layer weight buffers (unroll), or the "
+               "backend's default (auto: unroll on CPU, scan elsewhere). Same outputs; compile time and step cost "
+               "differ by host (docs/benchmarks.md)")
+
 
 def parse_budgets(text: str) -> list[str]:
     """``chain:4,dynamic:6,8,30,auto`` -> ['chain:4', 'dynamic:6,8,30', 'auto'] (a plan's numbers

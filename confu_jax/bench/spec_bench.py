@@ -80,6 +80,9 @@ class BenchSetup:
     # all questions after another: a drift of the machine's speed then falls on every row alike
     # (all rows' programs stay compiled together: a few rows, not dozens)
     interleave: bool = False
+    # the target's layers as per-layer buffers (True) or one scan (False) in every program the run
+    # compiles (rows and calibration); None: the backend's default (decode.requests.default_unroll_layers)
+    unroll_layers: Optional[bool] = None
 
 
 def _turn_runner(setup: BenchSetup, programs: _Programs, decode_one: Callable, record: list):
@@ -104,7 +107,8 @@ def _ar_decoder(setup: BenchSetup, programs: _Programs, temperature: float):
     def decode_one(ids):
         args, static = prepare_ar_inputs(setup.target_cfg, [ids], max_new_tokens=setup.max_new_tokens,
                                          temperature=temperature, top_p=setup.top_p, seed=setup.seed,
-                                         eos_ids=setup.tokenizer.eos_ids, min_bucket=setup.min_bucket)
+                                         eos_ids=setup.tokenizer.eos_ids, min_bucket=setup.min_bucket,
+                                         unroll_layers=setup.unroll_layers)
         fn = programs.get(generate_padded_jit, setup.target_params, args, static)
         t0 = time.perf_counter()
         res = jax.block_until_ready(fn(setup.target_params, *args))
@@ -123,7 +127,8 @@ def _spec_decoder(setup: BenchSetup, programs: _Programs, head, plan, temperatur
     def decode_one(ids):
         args, static = prepare_spec_inputs(head.spec, plan, [ids], max_new_tokens=setup.max_new_tokens,
                                            temperature=temperature, top_p=setup.top_p, seed=setup.seed,
-                                           eos_ids=setup.tokenizer.eos_ids, min_bucket=setup.min_bucket)
+                                           eos_ids=setup.tokenizer.eos_ids, min_bucket=setup.min_bucket,
+                                           unroll_layers=setup.unroll_layers)
         fn = programs.get(speculative_padded_jit, head.params, args, static)
         t0 = time.perf_counter()
         res = jax.block_until_ready(fn(head.params, *args))
@@ -316,7 +321,8 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             h = loaded[m]
             _, calibrations[m] = budget_lib.auto_plan(
                 h.spec, h.params, calib, max_new_tokens=setup.max_new_tokens, min_bucket=setup.min_bucket,
-                log=log, chains=chains, trees=trees, method=m, interleave=setup.interleave)
+                log=log, chains=chains, trees=trees, method=m, interleave=setup.interleave,
+                unroll_layers=setup.unroll_layers)
         return calibrations[m]
 
     kept: dict = {}  # parts.load per row key, read once (the interleaved pre-pass asks first)
