@@ -64,7 +64,7 @@ def test_five_tap_dflash(target):
     head = decode_head("dflash", cfg, tp, None, seed=2)
     taps = D.default_taps(cfg.n_layers, 5)
     assert len(set(taps)) == 5
-    spec = dataclasses.replace(head.spec, head=dataclasses.replace(head.spec.head, tap_layers=taps))
+    spec = dataclasses.replace(head.spec, tap_layers=taps)
     import jax
 
     p = jax.device_get(D.init_dflash(jax.random.PRNGKey(3), spec.draft_model, 5, init_std=0.3))

@@ -42,9 +42,8 @@ def _speculative_method(method: str):
 
 
 def model_free(target_cfg: LlamaConfig, target_params: dict) -> DecodeHead:
-    """What a model-free drafter (prompt lookup) decodes with: the target alone. The spec's head
-    is a placeholder EAGLE-3 config (no contemplates); the drafter never reads it."""
-    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size))
+    """What a model-free drafter (prompt lookup) decodes with: the target alone (no head)."""
+    spec = ModelSpec(target_cfg)
     return DecodeHead(spec, SpecParams(target=target_params, draft={}, confu={}, draft_vocab={}), True,
                       "model-free (no head)")
 
@@ -139,8 +138,7 @@ def draft_model_head(target_cfg: LlamaConfig, target_params: dict, source: Optio
     draft = {} if d.params is None else {"model": d.params}
     if steering is not None:
         draft["steering"] = steering
-    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size),
-                     draft_model=d.cfg)
+    spec = ModelSpec(target_cfg, draft_model=d.cfg)
     desc = d.source + ("" if not steered else " + SD² steering" + ("" if trained else " (untrained: W_s = 0)"))
     return DecodeHead(spec, SpecParams(target=target_params, draft=draft, confu={}, draft_vocab={}), trained, desc)
 
@@ -181,7 +179,7 @@ def medusa_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[s
         if c.vocab_size < target_cfg.vocab_size:
             raise ValueError(f"{source}: Medusa heads over {c.vocab_size} tokens; the target has {target_cfg.vocab_size}")
         trained = True
-    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size))
+    spec = ModelSpec(target_cfg)
     return DecodeHead(spec, SpecParams(target=target_params, draft={"medusa": heads}, confu={}, draft_vocab={}),
                       trained, desc)
 
@@ -221,7 +219,7 @@ def mlp_speculator_head(target_cfg: LlamaConfig, target_params: dict, source: Op
             raise ValueError(f"{source}: MLP speculator over {c.vocab_size} tokens; the target has "
                              f"{target_cfg.vocab_size}")
         trained = True
-    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size))
+    spec = ModelSpec(target_cfg)
     return DecodeHead(spec, SpecParams(target=target_params, draft={"mlp_speculator": params}, confu={},
                                        draft_vocab={}), trained, desc)
 
@@ -260,7 +258,7 @@ def mtp_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[str]
                              "num_nextn_predict_layers + model.safetensors)")
         trained = True
     check_mtp_params(params, target_cfg)
-    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size))
+    spec = ModelSpec(target_cfg)
     return DecodeHead(spec, SpecParams(target=target_params, draft={"mtp": params}, confu={}, draft_vocab={}),
                       trained, desc)
 
@@ -309,8 +307,7 @@ def dflash_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[s
                              "['DFlashDraftModel'] + model.safetensors)")
         trained = True
     check_dflash_params(params, dcfg, len(taps))
-    spec = ModelSpec(target_cfg, HeadConfig(variant="eagle3", draft_vocab_size=target_cfg.vocab_size,
-                                            tap_layers=tuple(taps)), draft_model=dcfg)
+    spec = ModelSpec(target_cfg, draft_model=dcfg, tap_layers=tuple(taps))
     draft = {**params, "mask_token_id": np.int32(mask)}
     return DecodeHead(spec, SpecParams(target=target_params, draft={"dflash": draft}, confu={}, draft_vocab={}),
                       trained, desc)

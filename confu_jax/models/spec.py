@@ -86,11 +86,18 @@ class HeadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
+    """What the loop runs: the target, and the drafter's architecture where it has one. ``head``: an
+    EAGLE-3 / ConFu head (None for every other family, whose drafter carries its own configuration
+    and reads only the target here); ``draft_model``: an independent draft model's or DFlash's
+    architecture; ``tap_layers``: the target layers a headless drafter reads (DFlash), when they are
+    not the target's defaults."""
+
     target: LlamaConfig
-    head: HeadConfig
+    head: Optional[HeadConfig] = None
     # An independent draft model's architecture (drafter family 'draft_model' / SD²,
-    # ``decode.draft_model``); None for heads and model-free drafters.
+    # ``decode.draft_model``; DFlash's draft); None for heads and model-free drafters.
     draft_model: Optional[LlamaConfig] = None
+    tap_layers: Optional[tuple] = None
 
     def __post_init__(self):
         taps = self.taps
@@ -99,7 +106,9 @@ class ModelSpec:
         for li in taps:
             if not 0 <= li < self.target.n_layers:
                 raise ValueError(f"ModelSpec: tap layer {li} outside [0, {self.target.n_layers})")
-        if self.head.draft_vocab_size > self.target.vocab_size:
+        if self.head is not None and self.tap_layers is not None:
+            raise ValueError("ModelSpec: a head names its tap layers itself (HeadConfig.tap_layers)")
+        if self.head is not None and self.head.draft_vocab_size > self.target.vocab_size:
             raise ValueError(
                 f"ModelSpec: draft_vocab_size {self.head.draft_vocab_size} exceeds the target vocab "
                 f"{self.target.vocab_size}"
@@ -107,7 +116,14 @@ class ModelSpec:
 
     @property
     def taps(self) -> tuple:
-        return tuple(self.head.tap_layers) if self.head.tap_layers is not None else self.target.default_taps
+        if self.head is not None and self.head.tap_layers is not None:
+            return tuple(self.head.tap_layers)
+        return tuple(self.tap_layers) if self.tap_layers is not None else self.target.default_taps
+
+    @property
+    def has_future(self) -> bool:
+        """Whether verification runs contemplates (a ConFu head); False for every other drafter."""
+        return self.head is not None and self.head.has_future
 
     @property
     def d_model(self) -> int:

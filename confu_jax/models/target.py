@@ -67,7 +67,7 @@ def _con_embedder(spec: ModelSpec):
 
 def init_confu_params(spec: ModelSpec, rng: jax.Array) -> dict:
     """Random soft prompts (normal, ``soft_prompt_init_std``) and MoE_con; ``{}`` for eagle3."""
-    if not spec.head.has_future:
+    if not spec.has_future:
         return {}
     t, h = spec.target, spec.head
     k_rng, v_rng, m_rng = jax.random.split(rng, 3)
@@ -88,7 +88,7 @@ def con_embedding(spec: ModelSpec, confu_params: dict, h_cat_nc: jax.Array) -> j
 
 
 def _require_future(spec: ModelSpec, confu_params, fn: str):
-    if not spec.head.has_future:
+    if not spec.has_future:
         raise ValueError(f"{fn}: variant 'eagle3' has no contemplate path")
     if not confu_params or "soft_prompt_k_lphd" not in confu_params:
         raise ValueError(f"{fn}: confu_params lacks 'soft_prompt_k_lphd' (got keys {sorted(confu_params or {})})")
@@ -215,7 +215,7 @@ def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVC
     last = jnp.maximum(n_tokens_b - 1, 0)
     last_logits = lm_logits(spec, target_params, out.hidden_btd[rows, last][:, None])[:, 0]
     future_bd = None
-    if spec.head.has_future:
+    if spec.has_future:
         src = out.taps_btc[rows, jnp.maximum(n_tokens_b - 2, 0)]  # h_cat of the token before the anchor
         anchor = (cache.length_b + last)[:, None]
         future_bd = contemplate_queries(spec, target_params, confu_params, new_cache.k_lbhsd, new_cache.v_lbhsd,
@@ -243,7 +243,7 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
     tp = jax.lax.stop_gradient(target_params)
     common = dict(cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd, cache_len_bt=cache.length_b,
                   tap_layers=spec.taps, return_logits=False)
-    if not spec.head.has_future:
+    if not spec.has_future:
         positions = cache.length_b[:, None] + depth_bt.astype(jnp.int32)
         out = _forward(spec, tp, tokens_bt, positions, block_mask_btt=anc_btt, **common)
         return VerifyOutput(lm_logits(spec, tp, out.hidden_btd), out.taps_btc, None,
