@@ -256,16 +256,17 @@ def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequenc
     runners = ([(AR, _ar_runner(spec, params, **kw))] if include_ar else []) + [
         (plan, _plan_runner(spec, params, plan, method=method, **kw)) for plan in (*chains, *trees)]
     timed = {plan: [] for plan, _ in runners}
+    label = {plan: plan if plan == AR else f"{method} {plan}" for plan, _ in runners}  # progress lines
     if interleave:
         for plan, decode in runners:
-            _warm(decode, prompts, min_bucket, plan if plan == AR else f"{method} {plan}")
+            _warm(decode, prompts, min_bucket, label[plan])
         for i, prompt in enumerate(prompts):
             r = i % len(runners)
             for plan, decode in runners[r:] + runners[:r]:
                 timed[plan].append(decode(prompt))
     else:
         for plan, decode in runners:
-            _warm(decode, prompts, min_bucket, plan if plan == AR else f"{method} {plan}")
+            _warm(decode, prompts, min_bucket, label[plan])
             timed[plan] = [decode(p) for p in prompts]
             if plan != AR:
                 release_compiled()  # each candidate's programs are used once (mmap limit)

@@ -130,8 +130,3 @@ EXPORT_FORMATS: dict = {f.name: f for f in (
                  help="z-lab's DFlashDraftModel model.safetensors + config.json (a DFlash run)"),
 )}
 
-
-def get_export_format(name: str) -> ExportFormat:
-    if name not in EXPORT_FORMATS:
-        raise ValueError(f"unknown export format {name!r}; expected one of {tuple(EXPORT_FORMATS)}")
-    return EXPORT_FORMATS[name]
