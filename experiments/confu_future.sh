@@ -13,6 +13,9 @@
 #   input     f also enters the first draft step's input through a learned map starting at zero
 #             (confu.future_input)
 #   aux_input the auxiliary loss and f in the first step
+#   eagle3    the control: the EAGLE-3 release continued under its own objective on the same data, seed,
+#             batches, steps and schedule (INIT_EAGLE3; the two releases are at equal compute, ConFu
+#             trained from EAGLE-3's midpoint, so the continued pair is too)
 #   <arm>_gc  that arm with gradients clipped per group (train.optim.clip_per_group: the draft and the
 #             contemplate path each to the clip norm, so the auxiliary loss's large gradients do not shrink
 #             the draft's update)
@@ -42,11 +45,12 @@ LR=${LR:-2e-4}
 EVAL_BATCHES=${EVAL_BATCHES:-4}
 DTYPE=${DTYPE:-float32}
 INIT=${INIT:-releases/heads/smollm2_confu}
+INIT_EAGLE3=${INIT_EAGLE3:-releases/heads/smollm2_eagle3}
 OUT=${OUT:-runs/confu_future}
 
-common=(--config configs/smollm2_confu.py
-        "--config.train.checkpoint.init_from=$INIT"
-        --config.data.train_files=releases/data/sharegpt_smollm2_gpu,releases/data/sharegpt_smollm2
+# the EAGLE-3 release keeps its vocabulary maps inside its safetensors (speculators' layout); they are
+# the ConFu release's draft_vocab.npz, id for id, so both arms read that one
+common=(--config.data.train_files=releases/data/sharegpt_smollm2_gpu,releases/data/sharegpt_smollm2
         "--config.data.max_length=$LEN" "--config.data.global_batch_size=$ROWS" --config.data.pack=True
         --config.data.min_loss_tokens=1 --config.data.num_workers=0 "--config.data.draft_vocab_path=$INIT/draft_vocab.npz"
         --config.draft.draft_vocab_size=4096 --config.draft.ttt_steps=4 --config.confu.max_lag=4
@@ -63,7 +67,7 @@ for arm in $ARMS; do
   base="$arm"
   if [[ "$arm" == *_gc ]]; then gc=(--config.train.optim.clip_per_group=True); base="${arm%_gc}"; fi
   case "$base" in
-    paper) extra=() ;;
+    paper|eagle3) extra=() ;;
     bias) extra=("--config.confu.future_bias=$BIAS") ;;
     aux) extra=("--config.objective.future_aux_weight=$AUX" "--config.objective.future_aux_ahead=$AHEAD") ;;
     aux_bias) extra=("--config.confu.future_bias=$BIAS" "--config.objective.future_aux_weight=$AUX"
@@ -71,21 +75,26 @@ for arm in $ARMS; do
     input) extra=(--config.confu.future_input=True) ;;
     aux_input) extra=(--config.confu.future_input=True "--config.objective.future_aux_weight=$AUX"
                       "--config.objective.future_aux_ahead=$AHEAD") ;;
-    *) echo "unknown arm '$arm' (expected paper, bias, aux, aux_bias, input, aux_input, each with an optional _gc)" >&2; exit 2 ;;
+    *) echo "unknown arm '$arm' (expected eagle3, paper, bias, aux, aux_bias, input, aux_input, each with an optional _gc)" >&2; exit 2 ;;
   esac
   extra+=("${gc[@]}")
+  head=(--config configs/smollm2_confu.py "--config.train.checkpoint.init_from=$INIT")
   # the head at step 0 differs only with a bias (future_input's map starts at zero: the paper's head; the
   # objective does not change the start's evaluation)
   start=paper_start
   [[ "$base" == *bias ]] && start=bias_start
+  if [[ "$base" == eagle3 ]]; then
+    head=(--config configs/smollm2_eagle3.py "--config.train.checkpoint.init_from=$INIT_EAGLE3")
+    start=eagle3_start
+  fi
   if [ ! -f "$OUT/$start/eval_only.json" ]; then
     echo "== $start: held-out evaluation at the start ($(date -u +%H:%M:%S))"
-    python -m launch.train --eval_only --workdir "$OUT/$start" "${common[@]}" "${extra[@]}" \
+    python -m launch.train --eval_only --workdir "$OUT/$start" "${head[@]}" "${common[@]}" "${extra[@]}" \
       > "$OUT/$start.log" 2>&1
   fi
   if [ ! -d "$OUT/$arm/checkpoints/$STEPS" ]; then
     echo "== $arm: $STEPS steps ($(date -u +%H:%M:%S))"
-    python -m launch.train --workdir "$OUT/$arm" "${common[@]}" "${extra[@]}" "${train[@]}" \
+    python -m launch.train --workdir "$OUT/$arm" "${head[@]}" "${common[@]}" "${extra[@]}" "${train[@]}" \
       >> "$OUT/$arm.log" 2>&1
   fi
 done
@@ -97,7 +106,10 @@ keys = ["decode_tau/chain3", "no_future/decode_tau/chain3", "cond_acc/step0", "n
         "future/attn_weight/step0", "future/attn_weight/step1", "future/attn_weight/step2", "future/attn_weight/step3",
         "future/f_top1_x1", "future/f_top1_x2", "future/f_top1_x3", "future/aux_ce_x2", "loss"]
 rows = {}
-for start in sorted({"bias_start" if a.removesuffix("_gc").endswith("bias") else "paper_start" for a in arms}):
+def start_of(arm):
+    base = arm.removesuffix("_gc")
+    return "eagle3_start" if base == "eagle3" else "bias_start" if base.endswith("bias") else "paper_start"
+for start in sorted({start_of(a) for a in arms}):
     with open(os.path.join(out, start, "eval_only.json")) as f:
         rows[start.replace("_start", "@0")] = json.load(f)["eval"]
 for arm in arms:

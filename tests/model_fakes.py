@@ -80,3 +80,10 @@ def path_to(parents: np.ndarray, i: int) -> list:
     while parents[path[-1]] >= 0:
         path.append(int(parents[path[-1]]))
     return path[::-1]
+
+
+def random_target(vocab: int, seed: int = 0):
+    """(config, params): the tiny preset over ``vocab`` tokens, weights N(0, 0.1²) (norm scales 1 +
+    noise) — varied enough that its greedy text is not one repeated token."""
+    cfg = get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=())
+    return cfg, _fill(param_shapes(cfg), np.random.default_rng(seed), 0.1, {})

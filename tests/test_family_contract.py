@@ -1,60 +1,92 @@
 """The decoding contract, checked for every record of the drafter-family registry
-(``decode.families.FAMILIES``) with what the record loads without a source (random or untrained
-weights on the tiny target): greedy speculative decoding equals AR token for token — under the
-family's default plan and, where it offers trees, its first tree — and decoding over a
-``data × tensor`` mesh emits the single-device tokens. A family added to the registry is checked here
-without a line of its own; its own tests add what needs trained weights (the sampled chi-square, which
-needs accepted drafts; export round trips; kill-and-resume of its training)."""
+(``decode.families.FAMILIES``) on one tiny target over a 6-token vocabulary, with what each record
+loads without a source (random or untrained weights) and every float weight of the drafter then moved
+by noise, so every term acts and — at six tokens — drafts are accepted, partly, on every row:
+
+* greedy speculative decoding equals AR token for token under every plan shape the family runs (its
+  default plan, a chain, a static tree, an EAGLE-2 dynamic tree, a sampled chain, its own first tree),
+  the accept log adds up to the tokens emitted, drafts were accepted, and with an EOS that falls
+  inside a draft the rows stop where AR's do, for the same reason;
+* decoding over a ``data × tensor`` mesh emits the single-device tokens with the same accept log.
+
+A family added to the registry is checked here without a line of its own; its own tests add what is
+particular to it (reference implementations, the sampled chi-square, export round trips,
+kill-and-resume of its training)."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from confu_jax.decode import families, generate, loop
-from confu_jax.models.llama import init_params
-from confu_jax.models.presets import get_preset
 from confu_jax.models.registry import METHODS
 from family_checks import assert_sharded_equals_single_device
-from loop_fixtures import generated_rows
+from loop_fixtures import generated_rows, prompts_for
+from model_fakes import random_target
 
+VOCAB = 6
+PROMPTS = prompts_for(VOCAB)
 RECORDS = sorted(families.FAMILIES)
-PROMPTS = [[5, 17, 3, 9, 2, 11, 40, 7], [1, 3, 1, 3, 2]]
+SHAPES = ("chain:3", "tree:2,2,1", "dynamic:3,2,5", "sampled_chain:2")
+NEW = 30
 
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = get_preset("tiny")
-    return cfg, init_params(cfg, jax.random.PRNGKey(0))
+    return random_target(VOCAB, seed=0)
+
+
+def _moved(tree, seed: int):
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda x: x + jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def _loaded(family: str, target):
+    """(record, spec, params with moved drafter weights, the plan texts the family runs)."""
     cfg, tp = target
     method = next(name for name, m in METHODS.items() if m.family == family)
     rec = families.FAMILIES[family]
     head = families.decode_head(method, cfg, tp, None, seed=1)
+    params = head.params.replace(draft=_moved(head.params.draft, 1), confu=_moved(head.params.confu, 2))
     limit = rec.max_depth(head.params) if rec.max_depth else None
-    plans = [rec.default_plan(head.params)]
-    for text in rec.trees:
-        if limit is None or rec.parse(text).max_depth <= limit:
+    plans = []
+    for text in (rec.default_plan(head.params), *SHAPES, *rec.trees[:1]):
+        try:
+            depth = rec.parse(text).max_depth
+        except ValueError:  # a shape this family does not draft
+            continue
+        if text not in plans and (limit is None or depth <= limit):
             plans.append(text)
-            break
-    return rec, head, plans
+    return rec, head.spec, params, plans
 
 
 @pytest.mark.parametrize("family", RECORDS)
-def test_greedy_equals_ar_for_every_family(family, target):
+def test_greedy_equals_ar_for_every_family_and_plan_shape(family, target):
     cfg, tp = target
-    rec, head, plans = _loaded(family, target)
-    want = generated_rows(generate.generate_ar(tp, cfg, PROMPTS, max_new_tokens=12, eos_ids=()), len(PROMPTS))
+    rec, spec, params, plans = _loaded(family, target)
+    assert len(plans) >= 2, (family, plans)
+    ar = generate.generate_ar(tp, cfg, PROMPTS, max_new_tokens=NEW, eos_ids=())
+    want = generated_rows(ar, len(PROMPTS))
+    eos = want[0][11]  # inside a draft: rows stop at different times
+    ar_eos = generate.generate_ar(tp, cfg, PROMPTS, max_new_tokens=NEW, eos_ids=(eos,))
     for text in plans:
-        out = loop.generate_speculative(head.spec, head.params, rec.parse(text), PROMPTS, max_new_tokens=12,
-                                        eos_ids=())
+        drafter = rec.parse(text)
+        out = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=NEW, eos_ids=())
         assert generated_rows(out, len(PROMPTS)) == want, (family, text)
+        log = np.asarray(out.accept_log_bi)
+        assert np.array_equal(log.sum(1) + 1, np.asarray(out.n_generated_b)), (family, text)
+        assert log.max() > 1, (family, text, "no draft accepted: the check would be vacuous")
+        out = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=NEW, eos_ids=(eos,))
+        assert generated_rows(out, len(PROMPTS)) == generated_rows(ar_eos, len(PROMPTS)), (family, text, "eos")
+        assert np.array_equal(np.asarray(out.stop_reason_b), np.asarray(ar_eos.stop_reason_b)), (family, text)
 
 
 @pytest.mark.parametrize("family", RECORDS)
 def test_sharded_equals_single_device_for_every_family(family, target):
-    rec, head, plans = _loaded(family, target)
-    assert_sharded_equals_single_device(head.spec, head.params, rec.parse(plans[0]), PROMPTS * 2,
-                                        max_new_tokens=10, same_accepts=False)
+    rec, spec, params, plans = _loaded(family, target)
+    tree = next((p for p in plans if not p.startswith("chain:")), plans[0])  # a tree where the family has one
+    assert_sharded_equals_single_device(spec, params, rec.parse(tree), PROMPTS, max_new_tokens=16)

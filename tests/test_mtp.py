@@ -13,7 +13,7 @@ layer-relative MTP names: our export loads into it with strict=True.
 recursion on the module's own output (chain; a tree's children differ per parent); in the loop, greedy
 output equals AR (chain, static tree, dynamic tree; two prompts of different lengths, EOS inside a
 draft), sampled output passes the chi-square test at T=1 against the exact joint (sampled chain, static
-tree), sharded equals single-device; (3) the DeepSeek-layout round trip (bf16, shared embedding / LM head
+tree; greedy = AR for every plan shape and sharded = single device: tests/test_family_contract.py); (3) the DeepSeek-layout round trip (bf16, shared embedding / LM head
 checked against the target, a file holding the main model's layers too) and decoding from it; (4) the
 loss equals a hand computation with the torch reference, packed rows equal padded rows, a short run
 lowers it and loads for decoding, and a killed run resumes with identical losses and exports through
@@ -32,13 +32,12 @@ import pytest
 
 from confu_jax.decode import loop
 from confu_jax.decode.families import parse_drafter
-from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.mtp import MTPDrafter, parse_mtp_plan
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import mtp as mtp_lib
 from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.registry import get_method
-from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
+from family_checks import assert_sampling_is_lossless
 from jitting import jit_static
 from loop_fixtures import generated_rows, make
 
@@ -257,24 +256,6 @@ def test_drafts_are_the_recursive_module():
     assert len(set(below.values())) > 1, below
 
 
-PLANS = ["chain:3", "tree:2,2,1", "dynamic:3,2,5"]  # sampled chains: test_sampling_lossless_joint
-
-
-@pytest.mark.parametrize("plan", PLANS)
-def test_greedy_equals_ar(plan):
-    spec, tp, params = setup(6)
-    drafter = parse_drafter("mtp", plan)
-    ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
-    sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
-    assert generated_rows(sp, 2) == generated_rows(ar, 2)
-    log = np.asarray(sp.accept_log_bi)
-    assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
-    assert np.max(log) > 1  # drafts were accepted, not just lossless
-    eos = generated_rows(ar, 2)[0][11]  # EOS inside a draft: rows stop at different times
-    ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
-    assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
 
 @pytest.mark.slow
@@ -283,13 +264,6 @@ def test_sampling_lossless_joint(plan):
     spec, tp, params = setup(4, seed=3, n_layers=4, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     drafter = parse_drafter("mtp", plan)
     assert_sampling_is_lossless(spec, tp, params, drafter, reps=2)
-
-
-def test_sharded_equals_single_device():
-    prompts = PROMPTS * 2
-    spec, tp, params = setup(6)
-    drafter = parse_drafter("mtp", "tree:2,2")  # the draft cache, the scratch and the tree, rows over data
-    assert_sharded_equals_single_device(spec, params, drafter, prompts)
 
 
 # ----------------------------------------------------------------------------- import / export
@@ -468,7 +442,7 @@ def test_training_lowers_the_loss_and_the_run_loads(tmp_path):
     trained = head.params.draft["mtp"]
     assert np.abs(np.asarray(trained["eh_proj"]["kernel"]) - np.asarray(
         init_mtp(jax.random.PRNGKey(0), spec.target, tp)["eh_proj"]["kernel"])).max() > 0
-    mtp_lib.check_mtp_params(trained, spec.target)  # decodes as any module does (test_greedy_equals_ar)
+    mtp_lib.check_mtp_params(trained, spec.target)  # decodes as any module does (tests/test_family_contract.py)
 
 
 @pytest.mark.slow
