@@ -79,6 +79,9 @@ def base_config(preset, variant: str) -> ml_collections.ConfigDict:
     # Not the paper's (False = the paper): f also enters the first draft step's input through a learned
     # map that starts at zero (HeadConfig.future_input; docs/DESIGN.md §4 "Future in the first step").
     config.confu.future_input = False
+    # Not the paper's (False = the paper): f is the contemplate's taps (h_cat, 3d) read through the draft's
+    # fc like every other position, not its last layer (HeadConfig.future_taps; docs/DESIGN.md §4).
+    config.confu.future_taps = False
 
     config.draft = ml_collections.ConfigDict()
     # None (no preset): a quarter of the target's vocabulary, at most 32000 (EAGLE-3 and SpecForge keep

@@ -13,6 +13,9 @@
 #   input     f also enters the first draft step's input through a learned map starting at zero
 #             (confu.future_input)
 #   aux_input the auxiliary loss and f in the first step
+#   taps      f is the contemplate's taps at the EAGLE-3 layers, read through the draft's fc like every other
+#             position (confu.future_taps), not its last layer
+#   aux_input_taps  aux_input with f as taps
 #   eagle3    the control: the EAGLE-3 release continued under its own objective on the same data, seed,
 #             batches, steps and schedule (INIT_EAGLE3; the two releases are at equal compute, ConFu
 #             trained from EAGLE-3's midpoint, so the continued pair is too)
@@ -75,14 +78,18 @@ for arm in $ARMS; do
     input) extra=(--config.confu.future_input=True) ;;
     aux_input) extra=(--config.confu.future_input=True "--config.objective.future_aux_weight=$AUX"
                       "--config.objective.future_aux_ahead=$AHEAD") ;;
-    *) echo "unknown arm '$arm' (expected eagle3, paper, bias, aux, aux_bias, input, aux_input, each with an optional _gc)" >&2; exit 2 ;;
+    taps) extra=(--config.confu.future_taps=True) ;;
+    aux_input_taps) extra=(--config.confu.future_input=True --config.confu.future_taps=True
+                           "--config.objective.future_aux_weight=$AUX" "--config.objective.future_aux_ahead=$AHEAD") ;;
+    *) echo "unknown arm '$arm' (expected eagle3, paper, bias, aux, aux_bias, input, aux_input, taps, aux_input_taps, each with an optional _gc)" >&2; exit 2 ;;
   esac
   extra+=("${gc[@]}")
   head=(--config configs/smollm2_confu.py "--config.train.checkpoint.init_from=$INIT")
-  # the head at step 0 differs only with a bias (future_input's map starts at zero: the paper's head; the
-  # objective does not change the start's evaluation)
+  # the head at step 0 differs only with a bias or with f as taps (future_input's map starts at zero: the
+  # paper's head; the objective does not change the start's evaluation)
   start=paper_start
   [[ "$base" == *bias ]] && start=bias_start
+  [[ "$base" == *taps ]] && start=taps_start
   if [[ "$base" == eagle3 ]]; then
     head=(--config configs/smollm2_eagle3.py "--config.train.checkpoint.init_from=$INIT_EAGLE3")
     start=eagle3_start
@@ -108,7 +115,9 @@ keys = ["decode_tau/chain3", "no_future/decode_tau/chain3", "cond_acc/step0", "n
 rows = {}
 def start_of(arm):
     base = arm.removesuffix("_gc")
-    return "eagle3_start" if base == "eagle3" else "bias_start" if base.endswith("bias") else "paper_start"
+    if base == "eagle3":
+        return "eagle3_start"
+    return "bias_start" if base.endswith("bias") else "taps_start" if base.endswith("taps") else "paper_start"
 for start in sorted({start_of(a) for a in arms}):
     with open(os.path.join(out, start, "eval_only.json")) as f:
         rows[start.replace("_start", "@0")] = json.load(f)["eval"]

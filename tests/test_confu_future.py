@@ -11,7 +11,6 @@ the linear schedule in the training log of a real run.
 
 import csv
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -136,3 +135,38 @@ def test_future_input_starts_as_the_papers_head_and_gets_a_gradient():
     moved = {**tr_in, "draft": {**tr_in["draft"], "future_in": {"kernel": jnp.asarray(-1e-2 * grad / np.abs(grad).max())}}}
     (l2, _), _ = _loss_and_grads(spec_in, tp, moved, dv, batch, CFG)
     assert float(l2) < float(l1)  # a step against the gradient lowers the loss: the map is trainable
+
+
+def test_future_taps_read_through_fc_reach_the_contemplate_path():
+    """With ``future_taps`` f is the contemplate's taps [3d]: the draft reads it through its own fc (the
+    future entry's hidden slot is fc(f), as every real position's is fc(h_cat)), the draft's loss
+    differs from the paper head's on the same weights, its gradient reaches the soft prompts, MoE_con
+    and fc through the entry, and the auxiliary loss reads the top tap through the target's final norm."""
+    from confu_jax.models import draft as draft_lib
+    from confu_jax.models.llama import rms_norm
+    from confu_jax.models.target import future_readout
+
+    spec, tp, tr, dv, batch = tiny_objective_case("confu", 3, V, NB, NN)
+    spec_t = dataclasses.replace(spec, head=dataclasses.replace(spec.head, future_taps=True))
+    cfg = dataclasses.replace(CFG, future_aux_weight=1.0, future_aux_ahead=2)
+    (l0, _), _ = _loss_and_grads(spec, tp, tr, dv, batch, cfg)
+    (l1, m1), g1 = _loss_and_grads(spec_t, tp, tr, dv, batch, cfg)
+    assert np.isfinite(float(l1)) and abs(float(l1) - float(l0)) > 1e-4
+    assert np.isfinite(float(m1["future/aux_loss"]))
+    for name in ("soft_prompt_k_lphd", "soft_prompt_v_lphd"):
+        assert np.abs(np.asarray(g1["confu"][name])).max() > 0, name
+    assert max(np.abs(np.asarray(x)).max() for x in jax.tree_util.tree_leaves(g1["confu"]["moe_con"])) > 0
+    # fc's gradient differs from the paper head's: f reaches the loss through it
+    (_, _), g0 = _loss_and_grads(spec, tp, tr, dv, batch, dataclasses.replace(cfg, future_aux_weight=0.0))
+    (_, _), g1n = _loss_and_grads(spec_t, tp, tr, dv, batch, dataclasses.replace(cfg, future_aux_weight=0.0))
+    fc0, fc1 = (np.asarray(jax.tree_util.tree_leaves(g["draft"]["fc"])[0]) for g in (g0, g1n))
+    assert np.abs(fc1 - fc0).max() > 1e-6
+    # the entry's hidden slot is fc(f); the LM-head readout is the final norm of the top tap
+    d = spec.target.d_model
+    f = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 3 * d))
+    np.testing.assert_allclose(draft_lib.future_hidden(spec_t, tr["draft"], f),
+                               draft_lib.draft_features(spec_t, tr["draft"], f), rtol=1e-6)
+    np.testing.assert_allclose(future_readout(spec_t, tp, f),
+                               rms_norm(f[..., 2 * d:], tp["final_norm"]["scale"], spec.target.rms_eps), rtol=1e-6)
+    with pytest.raises(ValueError, match="future_taps"):
+        dataclasses.replace(spec.head, variant="eagle3", future_taps=True)

@@ -83,8 +83,8 @@ def _with_future_input(spec, params, head_kw):
 
 @pytest.mark.parametrize("variant,plan_text,head_kw", [
     ("confu", "dynamic:2,4,20", {}), ("confu_nomoe", "dynamic:2,4,20", {}), ("confu", "dynamic:2,4,20+c1", {}),
-    ("confu", "dynamic:2,4,20+c1", {"future_input": True})],
-    ids=["confu", "confu_nomoe", "confu_sparse", "confu_sparse_future_input"])
+    ("confu", "dynamic:2,4,20+c1", {"future_input": True}), ("confu", "dynamic:2,4,20", {"future_taps": True})],
+    ids=["confu", "confu_nomoe", "confu_sparse", "confu_sparse_future_input", "confu_future_taps"])
 def test_loop_depth0_draft_equals_training_form(variant, plan_text, head_kw):
     # vocab 4 with the full 2-level tree: the target's choice is always drafted, so the first
     # pass accepts >= 2 nodes and the second draft runs at a lag > 1. With +c1 only the root gets
@@ -137,8 +137,8 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text, head_kw):
 
 
 @pytest.mark.parametrize("variant,head_kw", [("eagle3", {}), ("confu", {"future_bias": 1.0}), ("confu_nomoe", {}),
-                                             ("confu", {"future_input": True})],
-                         ids=["eagle3", "confu_future_bias", "confu_nomoe", "confu_future_input"])
+                                             ("confu", {"future_input": True}), ("confu", {"future_taps": True})],
+                         ids=["eagle3", "confu_future_bias", "confu_nomoe", "confu_future_input", "confu_future_taps"])
 def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
     """Depths 1..3: the loop's chain drafts, each fed the loop's own previous draft, equal TTT steps
     1..3 of ``draft_ttt`` at the anchor on (context, bonus, those drafts) — after the prefill and after

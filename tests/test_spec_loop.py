@@ -19,16 +19,17 @@ from loop_fixtures import PROMPTS, chi_square_pvalue, exact_joint, generated_row
 
 # vocab 24 with a random draft: most drafts are rejected. vocab 4 with a full 2-level tree
 # (dynamic:2,4,20): the target's choice is always in the tree, so every pass accepts >= 3 tokens.
-# ConFu with f in its first step (future_input, its map randomised: it starts at zero) drafts otherwise.
+# ConFu with f in its first step (future_input, its map randomised: it starts at zero) drafts otherwise, and
+# so does ConFu whose f is the contemplate's taps read through fc (future_taps).
 @pytest.mark.parametrize(
     "variant,vocab,plan,head_kw",
     [("eagle3", 24, "chain:3", {}), ("confu", 24, "dynamic:3,3,8", {}),
      ("eagle3", 4, "dynamic:2,4,20", {}), ("confu", 4, "dynamic:2,4,20", {}),
-     ("confu", 24, "chain:3", {"future_input": True})],
+     ("confu", 24, "chain:3", {"future_input": True}), ("confu", 24, "dynamic:3,3,8", {"future_taps": True})],
 )
 def test_greedy_lossless_batch(variant, vocab, plan, head_kw):
     spec, tp, params = make(variant, vocab, head_kw=head_kw)
-    if head_kw:
+    if head_kw.get("future_input"):
         d = spec.target.d_model
         params = params.replace(draft={**params.draft, "future_in": {
             "kernel": 0.3 * jax.random.normal(jax.random.PRNGKey(5), (d, d), jnp.float32)}})
@@ -119,12 +120,13 @@ def test_one_compiled_program_no_host_round_trip():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan,temperature,top_p", [
-    ("dynamic:2,2,5", 0.7, 1.0), ("dynamic:2,2,5", 1.0, 0.8),
-    ("sampled_chain:2", 1.0, 1.0), ("sampled_chain:2", 0.7, 0.9),
+@pytest.mark.parametrize("plan,temperature,top_p,head_kw", [
+    ("dynamic:2,2,5", 0.7, 1.0, {}), ("dynamic:2,2,5", 1.0, 0.8, {}),
+    ("sampled_chain:2", 1.0, 1.0, {}), ("sampled_chain:2", 0.7, 0.9, {}),
+    ("sampled_chain:2", 1.0, 1.0, {"future_taps": True}),  # f read through fc: other q, the same joint
 ])
-def test_sampling_lossless_joint(plan, temperature, top_p):
-    spec, tp, params = make("confu", 8, seed=3, n_layers=4, d_model=32, n_heads=2, n_kv_heads=1,
+def test_sampling_lossless_joint(plan, temperature, top_p, head_kw):
+    spec, tp, params = make("confu", 8, seed=3, head_kw=head_kw, n_layers=4, d_model=32, n_heads=2, n_kv_heads=1,
                             ffn_dim=64)
     plan = plans.parse_plan(plan)
     prompt = [1, 5, 2]

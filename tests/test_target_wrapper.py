@@ -47,9 +47,12 @@ def test_verification_layout_rules():
     np.testing.assert_array_equal(np.asarray(pv[0]), [False] * 4 + [True] * 4)
 
 
-@pytest.mark.parametrize("variant", ["confu", "eagle3"])
+@pytest.mark.parametrize("variant", ["confu", "eagle3", "confu_taps"])
 def test_verify_equals_plain_forward_of_each_path(variant):
-    spec = tiny_spec(variant)
+    # confu_taps: f is the contemplate's taps (HeadConfig.future_taps), not its last layer
+    taps = variant == "confu_taps"
+    variant = "confu" if taps else variant
+    spec = tiny_spec(variant, future_taps=taps)
     tp, tr = tiny_params(spec, seed=1)
     confu = tr["confu"]
     b, t, v = 3, 8, spec.target.vocab_size
@@ -85,7 +88,9 @@ def test_verify_equals_plain_forward_of_each_path(variant):
     _close(vo.k_new_lbthd, k_ref)
     _close(vo.v_new_lbthd, ref.v_new_lbthd[:, rows, last].reshape(vo.v_new_lbthd.shape))
     if variant == "confu":
-        _close(vo.future_btd.reshape(b * t, -1), ref.hidden_btd[rows, jnp.asarray(lens)])
+        f_ref = (ref.taps_btc if taps else ref.hidden_btd)[rows, jnp.asarray(lens)]
+        _close(vo.future_btd.reshape(b * t, -1), f_ref)
+        assert vo.future_btd.shape[-1] == (3 if taps else 1) * spec.d_model
         # the future vectors really depend on the soft prompts (the check above is not vacuous)
         moved = dict(confu, soft_prompt_v_lphd=confu["soft_prompt_v_lphd"] * 2.0)
         vo2 = vfn(tp, moved, cache, jnp.asarray(tokens), ancestors_from_parents(jnp.asarray(parents)),
@@ -174,8 +179,9 @@ def _naive_training_forward(spec, tp, confu, tokens, con_src, is_con, src, pos, 
         prefix_visible_bt=is_con, tap_layers=spec.taps)
 
 
-def test_training_form_equals_naive_in_value_and_gradient():
-    spec = tiny_spec("confu")
+@pytest.mark.parametrize("future_taps", [False, True], ids=["last_layer", "taps"])
+def test_training_form_equals_naive_in_value_and_gradient(future_taps):
+    spec = tiny_spec("confu", future_taps=future_taps)
     tp, tr = tiny_params(spec, seed=4)
     confu = tr["confu"]
     b, n, k, v = 2, 12, 3, spec.target.vocab_size
@@ -186,7 +192,7 @@ def test_training_form_equals_naive_in_value_and_gradient():
     real = _real_forward(spec, tp, jnp.asarray(tokens))
     src_idx = np.maximum(anchors - delta, 0)
     con_src = real.taps_btc[np.arange(b)[:, None], src_idx]  # h_cat[t - δ]
-    w = jax.random.normal(jax.random.PRNGKey(9), (b, k, spec.d_model))
+    w = jax.random.normal(jax.random.PRNGKey(9), (b, k, (3 if future_taps else 1) * spec.d_model))
 
     def eff_loss(tp_, confu_):
         f = contemplate_queries(spec, tp_, confu_, to_cache_layout(real.k_new_lbthd), to_cache_layout(real.v_new_lbthd),
@@ -198,7 +204,7 @@ def test_training_form_equals_naive_in_value_and_gradient():
 
     def naive_loss(confu_):
         out = _naive_training_forward(spec, tp, confu_, jnp.asarray(tokens), con_src, is_con, src, pos, mask)
-        f = out.hidden_btd[rr, con_idx]
+        f = (out.taps_btc if future_taps else out.hidden_btd)[rr, con_idx]
         return jnp.sum(f * w), (f, out)
 
     (l_e, f_e), (g_tp, g_e) = jax.jit(jax.value_and_grad(eff_loss, argnums=(0, 1), has_aux=True))(tp, confu)

@@ -45,7 +45,7 @@ class PrefillView(NamedTuple):
     lengths_b: jax.Array  # [B] int32 true prompt lengths n (p = n-1 after prefill)
     first_b: jax.Array  # [B] int32 the first emitted token x[n]: the root of the first tree
     h_cat_btc: jax.Array  # [B,W,3d] the target's taps at every prompt position
-    future_bd: Optional[jax.Array]  # [B,d] f of the prefill contemplate (ConFu specs), else None
+    future_bd: Optional[jax.Array]  # [B,F] f of the prefill contemplate (ConFu specs; F = d, 3d with future_taps), else None
     max_len: int  # S: target cache slots (positions 0..S-1)
     last_hidden_bd: Optional[jax.Array] = None  # [B,d] the target's final-normed hidden state at position n-1
     hidden_btd: Optional[jax.Array] = None  # [B,W,d] the target's final-normed hidden states of the prompt

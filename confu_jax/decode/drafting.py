@@ -48,7 +48,7 @@ class HeadDraftState:
     ingest_tokens_ba: jax.Array  # [B, A] int32 token slot x[j+1] of pending draft entries j = p-n+1..p
     ingest_h_cat_bac: jax.Array  # [B, A, 3d] their target features h_cat[j]
     ingest_count_b: jax.Array  # [B] int32 n, the number of valid pending entries (>= 1)
-    future_bd: jax.Array  # [B, d] ConFu's future vector f[a] (zeros, unused, for EAGLE-3)
+    future_bd: jax.Array  # [B, F] ConFu's future vector f[a] (F = d, 3d with future_taps; zeros, unused, for EAGLE-3)
     # [B] int32 a: the position whose contemplate made future_bd — p, or with sparse contemplates
     # the deepest contemplated node on the accepted path (p-n+1 <= a <= p); the future entry's anchor
     future_anchor_b: jax.Array

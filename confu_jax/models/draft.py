@@ -170,17 +170,26 @@ class DraftFuture(NamedTuple):
     bias_h: Optional[jax.Array] = None  # [Hq] logit added to every query head's score of the entry (HeadConfig.future_bias)
 
 
+def future_hidden(spec: ModelSpec, draft_params: dict, f_bnf: jax.Array) -> jax.Array:
+    """f as the draft reads it, [B,N,d]: the contemplate's last layer as it comes, or with
+    ``HeadConfig.future_taps`` its taps [B,N,3d] through the draft's fc (``draft_features``), the way
+    the draft reads every real position's h_cat."""
+    return draft_features(spec, draft_params, f_bnf) if spec.head.future_taps else f_bnf
+
+
 def draft_future_entry(spec: ModelSpec, draft_params: dict, f_bnd: jax.Array, g_bnd: jax.Array,
                        anchor_bn: jax.Array) -> DraftFuture:
     """K/V of future entries: token slot MoE_f(g[p]), hidden slot f[p], key at position p+1.
 
-    ``f_bnd`` from the target's contemplate (``contemplate_queries`` / ``verify`` / ``prefill``),
+    ``f_bnd`` from the target's contemplate (``contemplate_queries`` / ``verify`` / ``prefill``; [B,N,3d]
+    with ``future_taps``, read through ``future_hidden``),
     ``g_bnd`` = fc(h_cat[p]) of the anchor, ``anchor_bn`` = p. N anchors per row (decode: N=1).
     """
     if not spec.head.has_future:
         raise ValueError("draft_future_entry: variant 'eagle3' has no future token")
     tok = apply_head(spec, draft_params, g_bnd, method=DraftHead.future_token)
-    _, k, v = apply_head(spec, draft_params, tok, f_bnd, anchor_bn.astype(jnp.int32) + 1, method=DraftHead.project)
+    _, k, v = apply_head(spec, draft_params, tok, future_hidden(spec, draft_params, f_bnd),
+                         anchor_bn.astype(jnp.int32) + 1, method=DraftHead.project)
     return DraftFuture(k, v, draft_params["future_bias"] if spec.head.future_bias is not None else None)
 
 
@@ -190,4 +199,4 @@ def draft_future_input(spec: ModelSpec, draft_params: dict, f_bnd: jax.Array) ->
     (``draft_ttt``), decoding at ingestion (``decode.drafting``); the keys the cache keeps never carry it."""
     if not spec.head.future_input:
         return None
-    return apply_head(spec, draft_params, f_bnd, method=DraftHead.future_input)
+    return apply_head(spec, draft_params, future_hidden(spec, draft_params, f_bnd), method=DraftHead.future_input)

@@ -32,7 +32,7 @@ def _rows(x):
 class TTTFuture(NamedTuple):
     """Per-position future entries for ``draft_ttt``.
 
-    ``f_bkd`` [B,K,d]: f of each anchor's contemplate; ``anchor_bk`` [B,K]: anchor positions t;
+    ``f_bkd`` [B,K,F]: f of each anchor's contemplate (F = d, 3d with future_taps); ``anchor_bk`` [B,K]: anchor positions t;
     ``index_bn`` [B,N] int: which anchor's entry draft position j sees (-1: none). ConFu's
     replication window makes positions t..t+l share anchor t; one entry per position.
     """

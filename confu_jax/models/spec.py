@@ -43,6 +43,11 @@ class HeadConfig:
     # of step 0's queries and residual stream (not to the keys the draft cache keeps). The draft's loss
     # reaches it directly, not only through the attention the future entry gets (docs/DESIGN.md §4).
     future_input: bool = False
+    # ConFu only, not the paper's (False = the paper): f is the contemplate's taps at the EAGLE-3 tap layers
+    # ([3d], h_cat of the contemplate) and the draft reads it through its own fc, as it reads every other
+    # position, instead of the contemplate's final-normed last layer ([d]) entering the draft as it is.
+    # The auxiliary loss and the f diagnostics read the top tap through the target's final norm and LM head.
+    future_taps: bool = False
     dtype: str = "float32"  # draft compute dtype
     param_dtype: str = "float32"  # trainable parameters (soft prompts, MoEs, draft)
     # The draft's own RoPE and norms. Our heads use the target's (None / False); a published EAGLE-3
@@ -71,6 +76,8 @@ class HeadConfig:
             )
         if self.future_input and not self.has_future:
             raise ValueError(f"HeadConfig: future_input needs a variant with a future path, got {self.variant!r}")
+        if self.future_taps and not self.has_future:
+            raise ValueError(f"HeadConfig: future_taps needs a variant with a future path, got {self.variant!r}")
         if self.has_future and self.n_soft_prompts < 0:
             raise ValueError(f"HeadConfig.n_soft_prompts must be >= 0, got {self.n_soft_prompts}")
 
@@ -171,6 +178,7 @@ def model_spec_from_config(config, backend: Optional[str] = None) -> ModelSpec:
         soft_prompt_init_std=float(c.soft_prompt_init_std),
         future_bias=_opt(c, "future_bias", float),
         future_input=bool(c.get("future_input", False)),
+        future_taps=bool(c.get("future_taps", False)),
         dtype=d.dtype,
         param_dtype=d.param_dtype,
         rope_theta=_opt(d, "rope_theta", float),

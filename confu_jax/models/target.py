@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from confu_jax.kernels.flash_attention import CausalSegments
 from confu_jax.models.kv_cache import KVCache, commit
-from confu_jax.models.llama import Llama, LlamaOutput
+from confu_jax.models.llama import Llama, LlamaOutput, rms_norm
 from confu_jax.models.moe import make_token_embedder
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.tree_layout import depth_from_ancestors, verification_layout
@@ -42,7 +42,8 @@ from confu_jax.models.unrolled import apply_target, shared_params, target_logits
 class VerifyOutput(NamedTuple):
     logits_btv: jax.Array  # [B,T,V] float32, target logits at each tree node
     h_cat_btc: jax.Array  # [B,T,3d] EAGLE-3 taps of each node (next draft features)
-    future_btd: Optional[jax.Array]  # [B,M,d] f of each contemplate (M = T: one after each node); None for eagle3
+    # [B,M,F] f of each contemplate (M = T: one after each node; F = d, or 3d with future_taps); None for eagle3
+    future_btd: Optional[jax.Array]
     k_new_lbthd: jax.Array  # [L,B,T,Hkv,hd] the nodes' post-RoPE keys (contemplates' are never kept)
     v_new_lbthd: jax.Array
     hidden_btd: Optional[jax.Array] = None  # [B,T,d] the nodes' final-normed hidden states (Medusa heads read them)
@@ -51,7 +52,7 @@ class VerifyOutput(NamedTuple):
 class PrefillOutput(NamedTuple):
     last_logits_bv: jax.Array  # [B,V] float32 logits at the last prompt token (samples the first bonus)
     h_cat_btc: jax.Array  # [B,T,3d] taps of every prompt token (draft features for the draft prefill)
-    future_bd: Optional[jax.Array]  # [B,d] f of the contemplate after the last prompt token; None for eagle3
+    future_bd: Optional[jax.Array]  # [B,F] f of the contemplate after the last prompt token; None for eagle3
     last_hidden_bd: Optional[jax.Array] = None  # [B,d] final-normed hidden state at the last prompt token
     hidden_btd: Optional[jax.Array] = None  # [B,T,d] final-normed hidden states of every prompt token (MTP reads them)
 
@@ -108,6 +109,16 @@ def lm_logits(spec: ModelSpec, target_params: dict, hidden_btd: jax.Array) -> ja
     return target_logits(jax.lax.stop_gradient(target_params), spec.target, hidden_btd)
 
 
+def future_readout(spec: ModelSpec, target_params, f_bkf: jax.Array) -> jax.Array:
+    """[B,K,d] f as the target's LM head reads it (the auxiliary future loss, the f diagnostics): f
+    itself — the contemplate's final-normed last layer — or, with ``HeadConfig.future_taps``, its top
+    tap through the target's final norm (a logit lens on that layer; the taps are residual states)."""
+    if not spec.head.future_taps:
+        return f_bkf
+    scale = shared_params(jax.lax.stop_gradient(target_params))["final_norm"]["scale"]
+    return rms_norm(f_bkf[..., -spec.target.d_model:], scale, spec.target.rms_eps)
+
+
 def embed_tokens(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array) -> jax.Array:
     return Llama(spec.target).apply({"params": jax.lax.stop_gradient(shared_params(target_params))},
                                     tokens_bt, method=Llama.embed_tokens)
@@ -156,7 +167,9 @@ def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict
     ``kv_cache.to_cache_layout``). ``anchors_bk`` [B,K] int: anchor
     positions q; contemplate k has position q+1 and sees slots <= q, the soft prompts and itself
     (not the other contemplates). ``con_src_bkc`` [B,K,3d]: the h_cat that MoE_con reads (training:
-    h_cat[q - δ]). Returns f [B,K,d]. Differentiable w.r.t. ``confu_params`` only.
+    h_cat[q - δ]). Returns f [B,K,F]: the contemplate's final-normed last layer (F = d), or with
+    ``HeadConfig.future_taps`` its taps at the EAGLE-3 layers (F = 3d, what the draft's fc reads).
+    Differentiable w.r.t. ``confu_params`` only.
 
     Packed rows: ``anchor_positions_bk`` is the anchor's RoPE position inside its segment (the
     contemplate sits at that + 1; default: the slot index) and ``segment_start_bk`` the first slot of
@@ -183,8 +196,9 @@ def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict
         prefix_visible_bt=jnp.ones((b, k), bool),
         return_logits=False,
         remat_layers=True,  # training differentiates through every layer to the soft prompts
+        **({"tap_layers": spec.taps} if spec.head.future_taps else {}),
     )
-    return out.hidden_btd
+    return out.taps_btc if spec.head.future_taps else out.hidden_btd
 
 
 def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCache,
@@ -232,7 +246,7 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
     ``cache.length_b`` (= p+1); ``anc_btt`` [B,T,T] ancestor-or-self mask (``ancestors_from_parents``);
     ``con_src_bc`` [B,3d]: h_cat[p] of the last accepted token (ConFu only), shared by all T
     contemplates. ``con_nodes_bm`` [B,M] (ConFu, optional): the nodes that get a contemplate
-    (sparse contemplates; default every node, M = T); ``future_btd`` is then [B,M,d] in that order.
+    (sparse contemplates; default every node, M = T); ``future_btd`` is then [B,M,F] in that order.
     Block layout: ``verification_layout``. Cost: T tokens (eagle3), T + M (ConFu).
     The caller commits accepted nodes with ``commit(cache, out.k_new_lbthd, out.v_new_lbthd, n,
     src_idx_bt=path)``.
@@ -259,11 +273,12 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
     out = _forward(
         spec, tp, None, positions, embeds_btd=embeds, block_mask_btt=mask,
         prefix_k_lphd=confu_params["soft_prompt_k_lphd"], prefix_v_lphd=confu_params["soft_prompt_v_lphd"],
-        prefix_visible_bt=prefix_visible, tap_rows=t, **common)
+        # the nodes' taps only (tap_rows=t), unless f is the contemplates' taps (future_taps)
+        prefix_visible_bt=prefix_visible, tap_rows=None if spec.head.future_taps else t, **common)
     return VerifyOutput(
         lm_logits(spec, tp, out.hidden_btd[:, :t]),
-        out.taps_btc,  # the nodes' taps only (tap_rows=t): no contemplate's taps are kept
-        out.hidden_btd[:, t:],
+        out.taps_btc[:, :t],
+        out.taps_btc[:, t:] if spec.head.future_taps else out.hidden_btd[:, t:],
         out.k_new_lbthd[:, :, :t],
         out.v_new_lbthd[:, :, :t],
         out.hidden_btd[:, :t],

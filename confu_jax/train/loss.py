@@ -64,7 +64,7 @@ from confu_jax.models.draft import draft_logits
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.kv_cache import to_cache_layout
-from confu_jax.models.target import contemplate_queries, real_forward
+from confu_jax.models.target import contemplate_queries, future_readout, real_forward
 from confu_jax.train.acceptance import (conditional_step_accuracy, decode_path_acceptance_length,
                                         simulated_acceptance_length, step_duplication_rate)
 
@@ -608,9 +608,10 @@ def future_probe_metrics(spec: ModelSpec, trainable: dict, target_params: dict, 
                                                   sel_bm, ok_bm, tokens_bn.shape[1], cfg)
     metrics = _chain_metrics(correct, answer, in_draft, sel_bm, ok_bm, base_bn, loss_mask_bn, cfg, "no_future/")
     w, axis = lm_head_layout(spec, target_params)
-    f_top1_bk, f_lse_bk = full_vocab_argmax_lse(jax.lax.stop_gradient(f_bkd), w, axis, cfg.vocab_chunk)
+    f_lm = future_readout(spec, target_params, jax.lax.stop_gradient(f_bkd))
+    f_top1_bk, f_lse_bk = full_vocab_argmax_lse(f_lm, w, axis, cfg.vocab_chunk)
     # f's cross-entropy on the tokens ahead (future/aux_ce_x*), from the same vocabulary scan
-    metrics.update(future_aux_loss(spec, target_params, jax.lax.stop_gradient(f_bkd), tokens_bn, loss_mask_bn, rows,
+    metrics.update(future_aux_loss(spec, target_params, f_lm, tokens_bn, loss_mask_bn, rows,
                                    plan, cfg.future_aux_ahead, cfg.vocab_chunk, lse_bk=f_lse_bk)[1])
     b_idx = jnp.arange(tokens_bn.shape[0])[:, None]
     for s in FUTURE_PROBE_AHEAD:
@@ -640,7 +641,7 @@ def future_aux_loss(spec: ModelSpec, target_params: dict, f_bkd: jax.Array, toke
     through the attention the draft gives its future entry — and an ignored entry passes back no
     gradient (docs/RESULTS.md "Why ConFu ignores its future"). This loss reaches f whatever the draft
     attends, as BiTA trains its prompt tokens: it makes f name the tokens the draft is about to draft
-    (f is the contemplate's final-normed state, what the LM head reads; ``contemplate_queries``).
+    (``f_bkd`` as the LM head reads it: ``models.target.future_readout`` of the contemplate's f).
     Its gradient reaches the contemplate path only (soft prompts, MoE_con): the draft's parameters and
     the frozen target do not enter it. Terms count where x[t+1+s] is an answer token of t's
     conversation; the loss is their mean over valid anchors and s. The log-sum-exp runs over vocabulary
@@ -748,8 +749,8 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     metrics["teacher/draft_vocab_mass"] = jnp.sum(teacher.draft_mass_bn * answer_w) / n_ans
     metrics["teacher/argmax_in_draft"] = jnp.sum(teacher.in_draft_bn * answer_w) / n_ans
     if future is not None and cfg.future_aux_weight > 0:  # (evaluation reports it through the probe)
-        aux, aux_metrics = future_aux_loss(spec, target_params, f_bkd, tokens_bn, loss_mask_bn, rows, plan,
-                                           cfg.future_aux_ahead, cfg.vocab_chunk)
+        aux, aux_metrics = future_aux_loss(spec, target_params, future_readout(spec, target_params, f_bkd),
+                                           tokens_bn, loss_mask_bn, rows, plan, cfg.future_aux_ahead, cfg.vocab_chunk)
         metrics.update(aux_metrics)
         scale = future_aux_scale(cfg, batch.get("step"))
         metrics["future/aux_weight"] = scale
