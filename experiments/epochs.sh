@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multi-epoch training on offline target features (issue 23 item 3): does reading a subset of the
+# Multi-epoch training on offline target features: does reading a subset of the
 # data for several epochs train a head as well as reading as much fresh data once?
 #
 #   bash experiments/epochs.sh features   # the target's taps + teacher, once, into one store

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 25's comparison at equal training compute, CPU scale: EAGLE-3, ConFu, Medusa-1, the MLP
+# The drafter families compared at equal training compute, CPU scale: EAGLE-3, ConFu, Medusa-1, the MLP
 # speculator, the MTP module and DFlash trained on the same batches (the repository's two data
 # releases, padded rows so every family reads exactly the same tokens), then benchmarked side by
 # side on MT-Bench and on held-out conversations (docs/RESULTS.md "Six drafter families at equal

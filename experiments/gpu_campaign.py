@@ -1,4 +1,4 @@
-"""The GPU campaign (issue 23, item 6): on one lent H100, in a few calls of at most 10 minutes,
+"""The GPU campaign: on one lent H100, in a few calls of at most 10 minutes,
 self-distil SmolLM2 on ShareGPT's questions, train EAGLE-3 and ConFu at equal budgets, benchmark
 MT-Bench, and bring back heads, results and the data release. Step by step: experiments/GPU_CAMPAIGN.md.
 
@@ -1151,7 +1151,7 @@ class Campaign:
     def st_families(self) -> str:
         """The other drafter families at EAGLE-3's training budget (``Scale.families``), one after
         another: the same data, rows and length for E + P steps, from each family's reference
-        initialisation (issue 25's protocol). Each run's info goes to ``stages.families.info``."""
+        initialisation (the families' equal-compute protocol). Each run's info goes to ``stages.families.info``."""
         info = self.stage("families").setdefault("info", {})
         for family in self.family_costs():
             if family in info:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU campaign (issue 23 item 6), one call of the device tool: every call runs this same
+# The GPU campaign, one call of the device tool: every call runs this same
 # script; it resumes from .gpu_campaign/ (the working-tree copy the warm machine keeps) and stops
 # before the call's 10 minutes are up. Calls, carried folders and what comes back:
 # experiments/GPU_CAMPAIGN.md. Here, first: python -m experiments.gpu_campaign bundle

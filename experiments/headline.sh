@@ -67,7 +67,7 @@ if has confu; then
   done
 fi
 
-# Lag distribution (issue 11 item 4): ConFu with the contemplate lag drawn from the accepted-length
+# Lag distribution: ConFu with the contemplate lag drawn from the accepted-length
 # histogram measured at decode time (docs/RESULTS.md: 491/170/43/9 passes accepting 0/1/2/3 drafts,
 # so lag 1..4 with weights 0.69/0.24/0.06/0.01) instead of uniform on 1..4; compared with ConFu on
 # held-out tau_sim at the same step (every ConFu run is evaluated with the lag drawn from that

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23's scaling curve at CPU scale: held-out τ of EAGLE-3 and ConFu against tokens seen, both
+# The scaling curve at CPU scale: held-out τ of EAGLE-3 and ConFu against tokens seen, both
 # trained from scratch on identical batches (the repository's data releases, packed rows of
 # ROWS x LEN >= 8k tokens), evaluated and kept at doubling milestones, then decoded on held-out
 # conversations (chain:3 and a 60-node dynamic tree) and fitted (docs/RESULTS.md "Scaling curve").

@@ -1,5 +1,5 @@
 #!/bin/bash
-# SD² against its unsteered drafters on SmolLM2-135M (issue 24 item 4; docs/RESULTS.md "SD²").
+# SD² against its unsteered drafters on SmolLM2-135M (docs/RESULTS.md "SD²").
 #
 #   bash experiments/sd2_compare.sh train_sd2 train_distill bench_sd2 bench_distill compare
 #

@@ -1,4 +1,4 @@
-"""The equal-compute comparison of drafter families as a table and a figure (issue 25).
+"""The equal-compute comparison of drafter families as a table and a figure.
 
     python -m launch.families_table --runs runs/families --methods eagle3,medusa,mlp_speculator,mtp,dflash \\
         --at_step eagle3=100 --mtbench docs/results/families_equal_mtbench.json \\

@@ -1,4 +1,4 @@
-"""Draft-vocabulary coverage: which size to train with (issue 23 item 3).
+"""Draft-vocabulary coverage: which size to train with.
 
     python -m launch.vocab_coverage --data releases/data/sharegpt_smollm2 [--sizes 4096,8192,16384,32768]
 

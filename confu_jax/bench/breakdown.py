@@ -3,7 +3,7 @@
 Why: one pooled τ hides two things that move it. Acceptance is not uniform along an answer (an
 opening sentence, boilerplate, code or a list each accept differently), so answers of different
 lengths weight the positions differently; and prompt sources differ (held-out ShareGPT questions
-like the training data, MT-Bench, HumanEval). Issue 23 asks which explains held-out decode τ 1.63
+like the training data, MT-Bench, HumanEval). The question: which explains held-out decode τ 1.63
 against MT-Bench's 1.28 on the same heads.
 
 Definitions (the logs are :class:`confu_jax.bench.metrics.GenerationLog`, one per generated turn):

@@ -1,5 +1,5 @@
 """Drafter families compared at equal training compute: one table from their training runs and
-two ``decode_bench`` results files (``launch.families_table``; issue 25's comparison).
+two ``decode_bench`` results files (``launch.families_table``: the families at equal training compute).
 
 Why a table of its own: ``decode_bench`` measures decoding, the training directories hold what each
 head cost to train; a user choosing a drafter needs both on one line — tokens seen and wall time,
