@@ -54,6 +54,9 @@ def base_config(preset, variant: str) -> ml_collections.ConfigDict:
     # target without the checkpoint. Empty: the preset's.
     config.model.arch = ml_collections.ConfigDict()
     config.model.attention_impl = "xla"  # 'xla' | 'pallas' | 'pallas_interpret' (target attention)
+    # Training rows attending to themselves (the target's pass, a draft model's): XLA's flash form, or a
+    # fused kernel — 'pallas' (CUDA GPU), 'splash' (TPU), '*_interpret' (tests) (kernels.fused_attention)
+    config.model.flash_impl = "xla"
 
     config.confu = ml_collections.ConfigDict()
     config.confu.variant = variant  # eagle3 | confu | confu_nomoe | confu_nomoe_norep

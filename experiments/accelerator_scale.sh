@@ -16,7 +16,9 @@
 #         launch.decode_cost --measure, twice
 #   (iv)  the 8B training step on one device, random weights (cost does not depend on values): rows of
 #         2048 / 4096, EAGLE-3 and ConFu; step time, tokens/s, MFU, peak memory:
-#         launch.train --compile_only --time_steps --config.model.source=abstract
+#         launch.train --compile_only --time_steps --config.model.source=abstract; with the target's
+#         training attention in XLA's flash form and through the fused Pallas kernel (model.flash_impl,
+#         FLASH; kernels.fused_attention), side by side
 # Not here yet: the measured 8B decode step (AR and verification timed with random bf16 weights);
 # (ii) is XLA's cost analysis of those programs, not a timing.
 set -euo pipefail
@@ -31,12 +33,14 @@ if [ "${DRY_RUN:-0}" = "1" ]; then
   DC=(--models tiny --caches 64 --tokens 1,4 --dtype float32)
   TRAIN=(--config.model.preset=tiny --config.data.max_length=64 --config.objective.k_train=8)
   ROWS=${ROWS:-64}
+  FLASH=${FLASH:-xla}
   MEASURE=0
 else
   KB=(--model llama-3.1-8b --seq_lens=2048,8192 --tree_sizes=30,60)
   DC=(--models llama-3.1-8b --caches 2048,8192 --tokens 1,4,8,16,32,64,128 --dtype model)
   TRAIN=(--config.model.preset=llama-3.1-8b)
   ROWS=${ROWS:-2048,4096}
+  FLASH=${FLASH:-xla,pallas}
   MEASURE=1
 fi
 
@@ -70,14 +74,18 @@ fi
 
 for head in eagle3 confu; do
   for rows in ${ROWS//,/ }; do
-    f="$OUT/train_${head}_${rows}.json"
-    [ -f "$f" ] && continue
-    log "(iv) $head training step, rows of $rows"
-    $PY -m launch.train --config "configs/$head.py" --workdir "$OUT/train_${head}_${rows}" --compile_only \
-      --time_steps=3 --config.model.source=abstract "${TRAIN[@]}" --config.data.max_length="$rows" \
-      --config.data.global_batch_size=1 --config.train.mesh.data=1 --config.train.progress_bar=False \
-      > "$f.tmp"
-    mv "$f.tmp" "$f"
+    for flash in ${FLASH//,/ }; do
+      name="train_${head}_${rows}"
+      [ "$flash" = xla ] || name="${name}_$flash"
+      f="$OUT/$name.json"
+      [ -f "$f" ] && continue
+      log "(iv) $head training step, rows of $rows, training attention $flash"
+      $PY -m launch.train --config "configs/$head.py" --workdir "$OUT/$name" --compile_only \
+        --time_steps=3 --config.model.source=abstract "${TRAIN[@]}" --config.data.max_length="$rows" \
+        --config.data.global_batch_size=1 --config.train.mesh.data=1 --config.train.progress_bar=False \
+        --config.model.flash_impl="$flash" > "$f.tmp"
+      mv "$f.tmp" "$f"
+    done
   done
 done
 log "done: $OUT"

@@ -36,7 +36,8 @@ def early_exit_params(target_params, n_layers: int):
 def is_early_exit_of(draft: LlamaConfig, target: LlamaConfig) -> bool:
     """Whether ``draft`` is ``target`` cut after its first ``draft.n_layers`` layers."""
     return (draft.n_layers <= target.n_layers
-            and draft.replace(n_layers=target.n_layers, attention_impl=target.attention_impl) == target)
+            and draft.replace(n_layers=target.n_layers, attention_impl=target.attention_impl,
+                              flash_impl=target.flash_impl) == target)
 
 
 def parse_self_source(source: str, target: LlamaConfig) -> Optional[int]:

@@ -51,6 +51,8 @@ class LlamaConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     attention_impl: str = "xla"  # 'xla' | 'pallas' | 'pallas_interpret'
+    # a training row attending to itself: 'xla' | 'pallas' (GPU) | 'splash' (TPU) | '*_interpret' (kernels.fused_attention)
+    flash_impl: str = "xla"
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     # Qwen2 / Qwen2.5: q, k and v projections carry biases ('q_proj': {'kernel', 'bias'}, ...).
@@ -235,6 +237,7 @@ class DecoderLayer(nn.Module):
             v_prefix_phd=xs.get("v_prefix"),
             prefix_visible_bt=ctx.get("prefix_visible"),
             impl=cfg.attention_impl,
+            flash_impl=cfg.flash_impl,
         )
         x_btd = x_btd + _dense(cfg.d_model, cfg, "o_proj")(attn.reshape(b, t, -1))
         h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="mlp_norm")(x_btd)

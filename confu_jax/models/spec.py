@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from confu_jax.kernels.fused_attention import resolve_flash_impl
 from confu_jax.kernels.tree_attention import resolve_attention_impl
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.presets import get_preset
@@ -165,6 +166,7 @@ def model_spec_from_config(config, backend: Optional[str] = None) -> ModelSpec:
     target = target_from_config(m).replace(
         dtype=m.dtype, param_dtype=m.param_dtype,
         attention_impl=resolve_attention_impl(m.attention_impl, backend),
+        flash_impl=resolve_flash_impl(m.get("flash_impl", "xla"), backend),
     )
     head = HeadConfig(
         variant=c.variant,

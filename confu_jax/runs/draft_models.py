@@ -92,7 +92,8 @@ def load_drafter(source: str, target_cfg: LlamaConfig, *, target_tokenizer=None,
     check_tokenizers(target_tokenizer, ChatTokenizer.load(source), target_name=f"the target ({target_source})",
                      draft_name=f"draft model {source!r}")
     cfg, params = load_model(source, target_cfg.param_dtype)
-    cfg = cfg.replace(dtype=target_cfg.dtype, attention_impl=target_cfg.attention_impl)
+    cfg = cfg.replace(dtype=target_cfg.dtype, attention_impl=target_cfg.attention_impl,
+                      flash_impl=target_cfg.flash_impl)
     return DraftSource(cfg, params, source)
 
 

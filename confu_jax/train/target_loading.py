@@ -26,7 +26,7 @@ TREE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "he
                "tie_embeddings", "attention_bias", "qk_norm")
 # What config.model.arch records: the architecture, not how it is computed (dtype, attention kernel).
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaConfig)
-                    if f.name not in ("dtype", "param_dtype", "attention_impl"))
+                    if f.name not in ("dtype", "param_dtype", "attention_impl", "flash_impl"))
 DRAFT_VOCAB_SHARE, DRAFT_VOCAB_MAX, DRAFT_VOCAB_ALIGN = 4, 32000, 64
 
 
@@ -202,5 +202,5 @@ def load_target(config, spec: ModelSpec) -> tuple[ModelSpec, dict]:
         raise ValueError(f"{source}: parameters do not match {against} "
                          f"(path, expected, found): {bad or 'different tree structure'}")
     target = cfg.replace(dtype=spec.target.dtype, param_dtype=spec.target.param_dtype,
-                         attention_impl=spec.target.attention_impl)
+                         attention_impl=spec.target.attention_impl, flash_impl=spec.target.flash_impl)
     return dataclasses.replace(spec, target=target), params  # keeps the spec's draft_model (DFlash, SD²)
