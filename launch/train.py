@@ -93,6 +93,7 @@ def main(argv):
 
     import jax
 
+    from confu_jax import storage
     from confu_jax.train.loop import compile_report, describe_memory, evaluate_only, train
 
     logging.info("process %d/%d (%s start), %d local / %d global devices", jax.process_index(),
@@ -101,7 +102,7 @@ def main(argv):
 
     try:  # the user's checkpoint, preset and batch, checked before anything is built: one line each
         resolve_run_config(config)
-    except (ValueError, FileNotFoundError) as e:  # CheckpointError, AssetNotFoundError included
+    except (ValueError, FileNotFoundError, storage.StorageError) as e:  # CheckpointError, AssetNotFoundError included
         sys.stderr.write(f"launch.train: {e}\n")
         sys.exit(2)
     from confu_jax.train.target_loading import is_abstract
@@ -117,17 +118,16 @@ def main(argv):
             logging.info("train step %s", describe_memory(report["memory_per_device"]))
             if "timed" in report:
                 logging.info("train step timed: %s", json.dumps(report["timed"]))
-            os.makedirs(_WORKDIR.value, exist_ok=True)
-            with open(os.path.join(_WORKDIR.value, "train_step_memory.json"), "w") as f:
-                json.dump(report, f, indent=1, sort_keys=True)
+            storage.write_text(os.path.join(_WORKDIR.value, "train_step_memory.json"),
+                               json.dumps(report, indent=1, sort_keys=True))
             print(json.dumps(report, indent=1, sort_keys=True))
         return
     if _EVAL_ONLY.value:
-        result = evaluate_only(config, os.path.abspath(_WORKDIR.value))
+        result = evaluate_only(config, storage.absolute(_WORKDIR.value))
         if jax.process_index() == 0:
             print(json.dumps(result, indent=1, sort_keys=True))
         return
-    result = train(config, os.path.abspath(_WORKDIR.value))
+    result = train(config, storage.absolute(_WORKDIR.value))
     if jax.process_index() == 0:
         summary = {"step": result.step, "start_step": result.start_step,
                    "preempted": result.preempted, **{f"train/{k}": v for k, v in

@@ -26,6 +26,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from confu_jax import storage
 from confu_jax.assets import resolve_model_path
 from confu_jax.weights.errors import CheckpointError
 
@@ -106,7 +107,7 @@ class ChatTokenizer:
     def load(cls, source: str) -> "ChatTokenizer":
         """From an asset name, a ``.gguf`` file or a Hugging Face directory."""
         path = resolve_model_path(source)
-        if os.path.isdir(path):
+        if storage.isdir(path):
             return cls.from_hf_dir(path)
         if path.endswith(".gguf"):
             return cls.from_gguf(path)
@@ -163,26 +164,26 @@ class ChatTokenizer:
     @classmethod
     def from_hf_dir(cls, directory: str) -> "ChatTokenizer":
         tj = os.path.join(directory, "tokenizer.json")
-        if not os.path.isfile(tj):
+        if not storage.isfile(tj):
             raise CheckpointError(f"{directory}: no tokenizer.json (expected a Hugging Face tokenizer directory)")
-        tok = Tokenizer.from_file(tj)
+        tok = Tokenizer.from_str(storage.read_text(tj))  # a local or gs:// file
         cfg = {}
         tc = os.path.join(directory, "tokenizer_config.json")
-        if os.path.isfile(tc):
-            with open(tc) as f:
+        if storage.isfile(tc):
+            with storage.open(tc) as f:
                 cfg = json.load(f)
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default")
         jinja_file = os.path.join(directory, "chat_template.jinja")  # transformers >= 4.43 saves it here
-        if template is None and os.path.isfile(jinja_file):
-            with open(jinja_file) as f:
+        if template is None and storage.isfile(jinja_file):
+            with storage.open(jinja_file) as f:
                 template = f.read()
         extra = []
         gen = os.path.join(directory, "generation_config.json")
-        if os.path.isfile(gen):  # Llama-3 instruct: [<|end_of_text|>, <|eom_id|>, <|eot_id|>]
-            with open(gen) as f:
+        if storage.isfile(gen):  # Llama-3 instruct: [<|end_of_text|>, <|eom_id|>, <|eot_id|>]
+            with storage.open(gen) as f:
                 e = json.load(f).get("eos_token_id")
             extra = [e] if isinstance(e, int) else list(e or [])
         return cls(

@@ -20,6 +20,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from confu_jax import storage
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftVocab:
@@ -80,12 +82,12 @@ class DraftVocab:
         return cls(d2t=d2t, t2d=np.asarray(arrays["t2d"], bool), counts=counts)
 
     def save(self, path: str) -> None:
-        with open(path, "wb") as f:  # a file object keeps np.savez from appending '.npz'
+        with storage.open(path, "wb") as f:  # a file object keeps np.savez from appending '.npz'
             np.savez(f, **self.as_arrays())
 
     @classmethod
     def load(cls, path: str) -> "DraftVocab":
-        with np.load(path) as z:
+        with storage.open(path, "rb") as f, np.load(f) as z:
             try:
                 return cls.from_arrays(dict(z))
             except (KeyError, ValueError) as e:

@@ -29,13 +29,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import io
 import json
 import logging
 import os
 import re
 from typing import Iterator, Sequence
 
-from confu_jax import assets, progress
+from confu_jax import assets, progress, storage
 from confu_jax.data import releases
 
 log = logging.getLogger(__name__)
@@ -121,12 +122,12 @@ def resolve_path(source: str) -> str:
         return assets.resolve(source)
     if releases.is_release(source):
         return source
-    if os.path.isdir(source):
+    if storage.isdir(source):
         raise FileNotFoundError(
             f"{source!r} is a folder without {releases.MANIFEST}: not a data release (expected a "
             f".json/.jsonl file, a release folder or one of the assets {assets.known_assets()})"
         )
-    if not os.path.isfile(source):
+    if not storage.isfile(source):
         raise FileNotFoundError(
             f"conversation file {source!r} does not exist (expected a .json/.jsonl file, a data release "
             f"folder or one of the assets {assets.known_assets()})"
@@ -216,7 +217,7 @@ def iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[tuple[int
     off inside an element ends with one item whose error starts with ``'truncated'``.
     """
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
+    with storage.open(path, encoding="utf-8") as f:
         buf = ""
         pos = 0
         line = 1  # line number of buf[pos]
@@ -293,7 +294,7 @@ def iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[tuple[int
 
 def iter_json_lines(path: str) -> Iterator[tuple[int, object, str | None]]:
     """Yield (line, value, error) per non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8") as f:
+    with storage.open(path, encoding="utf-8") as f:
         for lineno, text in enumerate(f, start=1):
             if not text.strip():
                 continue
@@ -304,7 +305,7 @@ def iter_json_lines(path: str) -> Iterator[tuple[int, object, str | None]]:
 
 
 def _container(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
+    with storage.open(path, encoding="utf-8") as f:
         while True:
             chunk = f.read(4096)
             if not chunk:
@@ -363,8 +364,8 @@ def bad_records_log_to(path: str | None):
     detail) to ``path`` (emptied on entry, appended to by each load inside) and logs only one
     summary line per reason (None: no file). The CLIs wrap their data loading in it with their run directory."""
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        open(path, "w").close()  # this attempt's list (a resumed run reads the same records again)
+        storage.makedirs(os.path.dirname(storage.absolute(path)))
+        storage.write_text(path, "")  # this attempt's list (a resumed run reads the same records again)
     _BAD_RECORDS_LOG.append(path)
     try:
         yield path
@@ -414,7 +415,9 @@ def load_conversations(
     if not sources:
         raise ValueError("load_conversations: no data files given")
     log_path = bad_records_log or (_BAD_RECORDS_LOG[-1] if _BAD_RECORDS_LOG else None)
-    report = LoadReport(sink=open(log_path, "a") if log_path else None)
+    # an object store has no append: a remote log collects this load's lines and is rewritten once
+    remote_log = bool(log_path) and storage.is_remote(log_path)
+    report = LoadReport(sink=(io.StringIO() if remote_log else open(log_path, "a")) if log_path else None)
     out: list[dict] = []
     try:
         for src in sources:
@@ -429,6 +432,9 @@ def load_conversations(
                         break
     finally:
         if report.sink is not None:
+            if remote_log:
+                before = storage.read_text(log_path) if storage.exists(log_path) else ""
+                storage.write_text(log_path, before + report.sink.getvalue())
             report.sink.close()
             report.sink = None
     if report.n_bad or report.truncated:

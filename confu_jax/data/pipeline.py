@@ -31,7 +31,6 @@ that position* is an assistant token to predict (assistant content + its end-of-
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 from typing import Protocol, Sequence
 
@@ -39,6 +38,7 @@ import grain
 import ml_collections
 import numpy as np
 
+from confu_jax import storage
 from confu_jax.data import formats
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class _Encode(grain.transforms.Map):
             pickle.dumps(tok)
         except Exception as e:  # e.g. ChatTokenizer holds a compiled jinja template
             source = getattr(tok, "source", None)
-            if not (source and os.path.exists(source) and hasattr(type(tok), "load")):
+            if not (source and storage.exists(source) and hasattr(type(tok), "load")):
                 raise TypeError(
                     f"data.num_workers > 0 needs a picklable tokenizer or one with a loadable "
                     f"'source' path; {type(tok).__name__} has neither ({e})"

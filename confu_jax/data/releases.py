@@ -52,6 +52,8 @@ import os
 import subprocess
 from typing import Callable, Iterable, Iterator, Optional
 
+from confu_jax import storage
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -88,14 +90,14 @@ def _zstd():
 
 def is_release(path: str) -> bool:
     """Whether ``path`` is a release folder (a directory holding ``manifest.json``)."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+    return storage.isfile(os.path.join(path, MANIFEST))
 
 
 def read_manifest(directory: str) -> dict:
     path = os.path.join(directory, MANIFEST)
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise ReleaseError(f"{directory}: not a data release (no {MANIFEST})")
-    with open(path, encoding="utf-8") as f:
+    with storage.open(path, encoding="utf-8") as f:
         try:
             manifest = json.load(f)
         except json.JSONDecodeError as e:
@@ -109,7 +111,7 @@ def read_manifest(directory: str) -> dict:
 
 def _sha256_file(path: str) -> tuple[str, int]:
     h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
             n += len(chunk)
@@ -125,7 +127,7 @@ def verify_release(directory: str, manifest: Optional[dict] = None) -> dict:
     manifest = manifest if manifest is not None else read_manifest(directory)
     for part in manifest["parts"]:
         path = os.path.join(directory, part["file"])
-        if not os.path.isfile(path):
+        if not storage.isfile(path):
             raise ReleaseHashError(
                 f"{path}: part missing (the manifest expects sha256 {part['sha256']}, found no file)")
         found, n = _sha256_file(path)
@@ -140,7 +142,7 @@ def verify_release(directory: str, manifest: Optional[dict] = None) -> dict:
 def _part_lines(path: str) -> Iterator[tuple[int, bytes]]:
     """(line number, line bytes without the newline) of one compressed part, streamed."""
     zstd = _zstd()
-    with open(path, "rb") as raw:
+    with storage.open(path, "rb") as raw:
         reader = zstd.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
         text = io.BufferedReader(reader, buffer_size=1 << 20)
         for lineno, line in enumerate(text, start=1):
@@ -158,7 +160,7 @@ def iter_release_records(directory: str, verify: bool = True) -> Iterator[tuple[
     manifest = verify_release(directory) if verify else read_manifest(directory)
     for part in manifest["parts"]:
         path = os.path.join(directory, part["file"])
-        if not os.path.isfile(path):
+        if not storage.isfile(path):
             raise ReleaseHashError(f"{path}: part missing (the manifest expects sha256 {part['sha256']}, found no file)")
         n = 0
         for lineno, line in _part_lines(path):
@@ -345,6 +347,10 @@ def append_release(
     are verified first and never written; the manifest is replaced atomically after the new parts
     are durable. Returns counts: ``added``, ``already_released``, ``duplicates``, ``new_parts``.
     """
+    if storage.is_remote(directory):
+        raise ReleaseError(f"{directory}: releases are appended on a local disk (an append locks the folder and "
+                           "replaces its manifest atomically, which an object store cannot do); append locally, "
+                           "then copy the folder (gcloud storage cp -r, or confu_jax.storage.copy_tree)")
     os.makedirs(directory, exist_ok=True)
     with _locked(directory):
         if is_release(directory):

@@ -32,6 +32,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy
 from jax.experimental import multihost_utils
 from etils import epath
 
+from confu_jax import storage
 from confu_jax.runs.quiet_logs import quiet_read_only_warning
 from confu_jax.runs.head_release import is_head_release, verify_head_release
 from confu_jax.runs.trainable_export import is_trainable_export, load_trainable_export
@@ -159,7 +160,7 @@ class Checkpointer:
         """``every``: save period in steps (<= 0: only forced saves); ``keep``: the newest
         checkpoints kept (<= 0: all); ``milestones``: steps that are always saved and never pruned
         (the points of a scaling curve, evaluated long after the run moved on)."""
-        self.directory = epath.Path(directory).absolute()
+        self.directory = epath.Path(storage.absolute(directory))  # epath's absolute() mangles gs://
         self.every = int(every) if every and every > 0 else 0
         self.milestones = frozenset(int(m) for m in milestones)
         if read_only:
@@ -327,7 +328,7 @@ def init_params_from(directory: str, params, step: int = -1,
         return _init_from_head(directory, params, draft_vocab_d2t, model_spec)
     if is_trainable_export(directory):
         return _init_from_trainable_export(directory, params, draft_vocab_d2t)
-    if os.path.isdir(os.path.join(directory, "checkpoints")) and os.path.isfile(os.path.join(directory, "config.json")):
+    if storage.isdir(os.path.join(directory, "checkpoints")) and storage.isfile(os.path.join(directory, "config.json")):
         directory = os.path.join(directory, "checkpoints")  # a launch.train workdir: its checkpoints
     ckpt = Checkpointer(directory, read_only=True)
     try:

@@ -19,6 +19,8 @@ import json
 import os
 from typing import Optional
 
+from confu_jax import storage
+
 FORMAT = "confu_jax.head_release"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -31,7 +33,7 @@ class HeadReleaseError(ValueError):
 
 def sha256_file(path: str) -> tuple[str, int]:
     h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
             n += len(chunk)
@@ -41,10 +43,10 @@ def sha256_file(path: str) -> tuple[str, int]:
 def declared_format(path: str) -> Optional[str]:
     """The ``format`` field of the JSON file at ``path``; None when the file is missing, unreadable
     or not a JSON object (how a folder says what it holds: a release, an export)."""
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
+        with storage.open(path, encoding="utf-8") as f:
             return json.load(f).get("format")
     except (json.JSONDecodeError, OSError, AttributeError):
         return None
@@ -57,7 +59,7 @@ def is_head_release(directory: str) -> bool:
 def read_head_manifest(directory: str) -> dict:
     path = os.path.join(directory, MANIFEST)
     try:
-        with open(path, encoding="utf-8") as f:
+        with storage.open(path, encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise HeadReleaseError(f"{path}: cannot read the head release manifest ({e})") from e
@@ -73,7 +75,7 @@ def verify_head_release(directory: str) -> dict:
     manifest = read_head_manifest(directory)
     for entry in manifest["files"]:
         path = os.path.join(directory, entry["file"])
-        if not os.path.isfile(path):
+        if not storage.isfile(path):
             raise HeadReleaseError(f"{path}: missing (the manifest expects sha256 {entry['sha256']})")
         found, n = sha256_file(path)
         if found != entry["sha256"]:
@@ -109,10 +111,7 @@ def write_head_manifest(directory: str, *, name: str, files: list, data: Optiona
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "files": entries,
                 "data": data, "training": training, "target": target, "tau": tau, "command": command,
                 "commit": commit}
-    tmp = os.path.join(directory, MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, os.path.join(directory, MANIFEST))
+    storage.write_text(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1))
     return manifest
 
 

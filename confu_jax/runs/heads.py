@@ -27,6 +27,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from confu_jax import storage
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.params import trainable_shapes
 from confu_jax.models.spec import model_spec_from_config
@@ -41,17 +42,17 @@ _FINGERPRINT_SAMPLES = 4096
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
     path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
-        found = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else "directory does not exist"
+    if not storage.isfile(path):
+        found = sorted(storage.listdir(workdir)) if storage.isdir(workdir) else "directory does not exist"
         raise FileNotFoundError(f"{path} not found: not a launch.train workdir (contents: {found})")
-    with open(path) as f:
+    with storage.open(path) as f:
         return ml_collections.ConfigDict(json.load(f))
 
 
 def load_trained_head(workdir: str, step: Optional[int] = None) -> TrainedHead:
     """(config, spec, trainable, draft_vocab, step) of ``workdir``'s latest (or ``step``) checkpoint,
     or of a trainable-tree export (``runs.trainable_export``: ConFu releases) in its place."""
-    workdir = os.path.abspath(os.path.expanduser(workdir))
+    workdir = storage.absolute(os.path.expanduser(workdir))
     if is_trainable_export(workdir):
         head = load_trainable_export(workdir)
         if step is not None and int(step) != head.step:
@@ -63,13 +64,13 @@ def load_trained_head(workdir: str, step: Optional[int] = None) -> TrainedHead:
     except (KeyError, AttributeError, ValueError) as e:
         raise ValueError(f"{workdir}/config.json does not describe a draft head: {e}") from e
     ckdir = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(ckdir):
+    if not storage.isdir(ckdir):
         raise FileNotFoundError(f"{ckdir} not found: the run in {workdir} saved no checkpoint yet")
     ckpt = Checkpointer(ckdir, read_only=True)
     try:
         steps = ckpt.all_steps()
         if not steps:
-            raise FileNotFoundError(f"no complete checkpoint in {ckdir} (contents: {sorted(os.listdir(ckdir))}; "
+            raise FileNotFoundError(f"no complete checkpoint in {ckdir} (contents: {sorted(storage.listdir(ckdir))}; "
                                     "an interrupted save leaves only a tmp directory)")
         step = steps[-1] if step is None else int(step)
         if step not in steps:
@@ -138,16 +139,16 @@ def _fingerprint_sample(leaf) -> np.ndarray:
 
 def write_target_record(workdir: str, fingerprint: str, source: str) -> None:
     """``<workdir>/target.json``: which target a run trains against (read by ``check_head_target``)."""
-    with open(os.path.join(workdir, TARGET_FILE), "w") as f:
-        json.dump({"fingerprint": fingerprint, "source": source}, f, indent=2)
+    storage.write_text(os.path.join(workdir, TARGET_FILE),
+                       json.dumps({"fingerprint": fingerprint, "source": source}, indent=2))
 
 
 def read_target_record(workdir: str) -> Optional[dict]:
     """The run's ``target.json``, or None for workdirs written before it existed."""
     path = os.path.join(workdir, TARGET_FILE)
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return None
-    with open(path) as f:
+    with storage.open(path) as f:
         record = json.load(f)
     if not isinstance(record, dict) or not isinstance(record.get("fingerprint"), str):
         raise ValueError(f"{path}: expected a JSON object with a string 'fingerprint', found {record!r}")
@@ -203,9 +204,9 @@ def is_family_workdir(path: str, section: str) -> bool:
     """A ``launch.train`` workdir (config.json + checkpoints/) whose config has a ``section`` section
     (``medusa``, ``mlp_speculator``, ``mtp``: the family it trained)."""
     cfg = os.path.join(path, "config.json")
-    if not (os.path.isdir(os.path.join(path, "checkpoints")) and os.path.isfile(cfg)):
+    if not (storage.isdir(os.path.join(path, "checkpoints")) and storage.isfile(cfg)):
         return False
-    with open(cfg) as f:
+    with storage.open(cfg) as f:
         c = json.load(f)
     return isinstance(c, dict) and section in c
 
@@ -218,7 +219,7 @@ def load_family_run(workdir: str, section: str, abstract_fn, target_params, *, s
     gives the checkpoint's abstract tree (``runs.checkpoint.restore_params``: last step, or ``step``)."""
     from confu_jax.runs.checkpoint import restore_params
 
-    workdir = os.path.abspath(os.path.expanduser(workdir))
+    workdir = storage.absolute(os.path.expanduser(workdir))
     config = read_config(workdir)
     if section not in config:
         raise ValueError(f"{workdir}/config.json has no {section!r} section: not a {section} run")

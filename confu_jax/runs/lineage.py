@@ -14,15 +14,17 @@ import csv
 import json
 import os
 
+from confu_jax import storage
+
 
 def tokens_seen(workdir: str, step: int) -> int | None:
     """Trained positions (step 0 of TTT: the loss tokens a step sees) up to ``step``, from
     metrics.csv: their exact sum when every step up to ``step`` was logged (``train.log_every`` 1),
     else the mean over the logged steps scaled to ``step``. None without the file or the column."""
     path = os.path.join(workdir, "metrics.csv")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return None
-    with open(path) as f:
+    with storage.open(path) as f:
         rows = [r for r in csv.DictReader(f) if r.get("step")]
     col = next((c for c in ("positions/step0", "loss_tokens") if rows and c in rows[0]), None)
     if not rows or col is None:
@@ -41,9 +43,9 @@ def row_tokens(workdir: str, step: int) -> int | None:
     their loss reads (ConFu trains sampled windows, EAGLE-3 every answer position). None without
     the config."""
     path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return None
-    with open(path) as f:
+    with storage.open(path) as f:
         data = json.load(f).get("data", {})
     try:
         return int(data["global_batch_size"]) * int(data["max_length"]) * int(step)
@@ -62,9 +64,9 @@ def lineage(workdir: str, step: int, _depth: int = 0) -> list[dict]:
     out = [{"workdir": workdir, "step": step, "tokens_seen": tokens_seen(workdir, step),
             "row_tokens": row_tokens(workdir, step)}]
     path = os.path.join(workdir, "init_from.json")
-    if _depth > 16 or not os.path.isfile(path):
+    if _depth > 16 or not storage.isfile(path):
         return out
-    with open(path) as f:
+    with storage.open(path) as f:
         src = json.load(f)
     if "source_lineage" in src:
         return out + list(src["source_lineage"])
@@ -75,16 +77,16 @@ def source_lineage(source: str, step: int, workdir: str = "", _depth: int = 0) -
     """The lineage of what a run is initialised from (``train.checkpoint.init_from`` at ``step``):
     a released head's manifest (one entry: its tokens_seen already sums its own lineage), another run's
     checkpoints (that run's lineage up to ``step``), or [] (a head in another framework's format)."""
-    source = os.path.abspath(source)
-    if workdir and not os.path.exists(source) and os.path.basename(source.rstrip("/")) == "checkpoints":
+    source = storage.absolute(source)
+    if workdir and not storage.exists(source) and os.path.basename(source.rstrip("/")) == "checkpoints":
         # a run moved from where it trained (a GPU campaign's runs, unpacked here): its ancestor
         # is the run of the same name beside it
-        moved = os.path.join(os.path.dirname(os.path.abspath(workdir)),
+        moved = os.path.join(os.path.dirname(storage.absolute(workdir)),
                              os.path.basename(os.path.dirname(source.rstrip("/"))), "checkpoints")
-        source = moved if os.path.isdir(os.path.dirname(moved)) else source
+        source = moved if storage.isdir(os.path.dirname(moved)) else source
     manifest = os.path.join(source, "manifest.json")
-    if os.path.isfile(manifest):  # a released head (confu_jax.runs.head_release)
-        with open(manifest) as f:
+    if storage.isfile(manifest):  # a released head (confu_jax.runs.head_release)
+        with storage.open(manifest) as f:
             training = json.load(f).get("training", {})
         return [{"release": source, "step": training.get("step"), "tokens_seen": training.get("tokens_seen")}]
     if os.path.basename(source.rstrip("/")) == "checkpoints":  # another launch.train run

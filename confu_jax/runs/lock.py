@@ -11,15 +11,19 @@ the first one's pid.
 dies (a SIGKILL leaves no stale lock behind, so resuming a killed run needs no clean-up), and each
 process of a multi-host run locks its own file, so the processes of one run never block each other
 on a shared file system. (flock on NFS is advisory and may be local to the client; it guards the
-common case, a second launch on the same host.)
+common case, a second launch on the same host.) An object store has no lock at all: a ``gs://``
+workdir runs unlocked and the run says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 from typing import Iterator
+
+from confu_jax import storage
 
 
 class WorkdirLocked(RuntimeError):
@@ -33,7 +37,15 @@ def lock_path(workdir: str, process_index: int) -> str:
 @contextlib.contextmanager
 def workdir_lock(workdir: str, process_index: int = 0) -> Iterator[str]:
     """Hold ``workdir``'s lock for process ``process_index`` for the body; raise
-    :class:`WorkdirLocked` (naming the holder's pid) if another process holds it."""
+    :class:`WorkdirLocked` (naming the holder's pid) if another process holds it.
+
+    On an object store (``gs://``) there is no lock to take: the run says so in one line and goes on
+    unlocked (starting a second run on the same workdir is then the user's to avoid)."""
+    if storage.is_remote(workdir):
+        logging.warning("%s is on an object store, which cannot be locked (no flock): this run holds no "
+                        "workdir lock, so make sure no other run trains in it", workdir)
+        yield ""
+        return
     os.makedirs(workdir, exist_ok=True)
     path = lock_path(workdir, process_index)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

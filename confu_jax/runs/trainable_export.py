@@ -27,6 +27,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from confu_jax import storage
 from confu_jax.models.spec import ModelSpec
 
 FORMAT = "confu_jax.trainable"
@@ -68,20 +69,20 @@ def write_trainable(head: "TrainedHead", out: str, *, dtype: str = "bfloat16", c
     for path, leaf in jax.tree_util.tree_leaves_with_path(head.trainable):
         a = np.asarray(leaf)
         tensors[_key(path)] = a.astype(jax.numpy.dtype(dtype)) if a.dtype.kind == "f" else a
-    os.makedirs(out, exist_ok=True)
+    storage.makedirs(out)
     save_file(tensors, os.path.join(out, "model.safetensors"))
     np.savez(os.path.join(out, "draft_vocab.npz"), d2t=np.asarray(head.draft_vocab["d2t"], np.int32),
              t2d=np.asarray(head.draft_vocab["t2d"], bool))
-    if config_file and os.path.isfile(config_file):
+    if config_file and storage.isfile(config_file):
         shutil.copyfile(config_file, os.path.join(out, "config.json"))
     else:  # a trainable export re-exported: its config is in memory
-        with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        with storage.open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
             json.dump(head.config.to_dict(), f, indent=1)
-    if target_file and os.path.isfile(target_file):
+    if target_file and storage.isfile(target_file):
         shutil.copyfile(target_file, os.path.join(out, os.path.basename(target_file)))
     meta = {"format": FORMAT, "dtype": dtype, "step": int(head.step), "variant": head.spec.head.variant,
             "n_params": int(sum(np.size(x) for x in jax.tree_util.tree_leaves(head.trainable)))}
-    with open(os.path.join(out, EXPORT_FILE), "w", encoding="utf-8") as f:
+    with storage.open(os.path.join(out, EXPORT_FILE), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)
     return meta
 
@@ -93,13 +94,13 @@ def load_trainable_export(directory: str):
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.weights.safetensors_io import SafetensorsFile
 
-    missing = [f for f in FILES + (EXPORT_FILE,) if not os.path.isfile(os.path.join(directory, f))]
+    missing = [f for f in FILES + (EXPORT_FILE,) if not storage.isfile(os.path.join(directory, f))]
     if missing:
         raise FileNotFoundError(f"{directory}: a trainable-tree head export needs {list(FILES + (EXPORT_FILE,))}; "
                                 f"missing {missing}")
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+    with storage.open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
         config = ml_collections.ConfigDict(json.load(f))
-    with open(os.path.join(directory, EXPORT_FILE), encoding="utf-8") as f:
+    with storage.open(os.path.join(directory, EXPORT_FILE), encoding="utf-8") as f:
         meta = json.load(f)
     st = SafetensorsFile(os.path.join(directory, "model.safetensors"))
     names = set(st.names())
@@ -118,7 +119,7 @@ def load_trainable_export(directory: str):
         return a
 
     trainable = jax.tree_util.tree_map_with_path(leaf, shapes)
-    with np.load(os.path.join(directory, "draft_vocab.npz")) as z:
+    with storage.open(os.path.join(directory, "draft_vocab.npz"), "rb") as f, np.load(f) as z:
         vocab = {"d2t": np.asarray(z["d2t"], np.int32), "t2d": np.asarray(z["t2d"], bool)}
     if vocab["d2t"].shape != (spec.head.draft_vocab_size,) or vocab["t2d"].shape != (spec.target.vocab_size,):
         raise ValueError(f"{directory}/draft_vocab.npz: d2t {vocab['d2t'].shape} / t2d {vocab['t2d'].shape}, "

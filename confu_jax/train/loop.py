@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import threading
+import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from confu_jax import progress
+from confu_jax import progress, storage
 from confu_jax import sharding as shd
 from confu_jax.train import distributed
 from confu_jax.models.spec import model_spec_from_config
@@ -286,9 +287,9 @@ def config_changes(saved: dict, current: dict) -> dict:
 def disallowed_changes(workdir: str, config) -> dict:
     """Settings that differ from the run saved in ``workdir`` and may not change on resume."""
     path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return {}  # a workdir without its config (older runs, or a host without the shared file system)
-    with open(path) as f:
+    with storage.open(path) as f:
         saved = json.load(f)
     current = json.loads(config.to_json_best_effort())
     return {k: v for k, v in config_changes(saved, current).items()
@@ -316,10 +317,9 @@ def run_target_fingerprint(run: RunSetup) -> Optional[str]:
 def write_run_files(config, workdir: str, run: RunSetup, fingerprint: Optional[str]) -> None:
     """config.json, target.json, mesh.json and the run's description in the log (process 0 only)."""
     task = run.task
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
-    with open(os.path.join(workdir, "mesh.json"), "w") as f:  # which process holds which mesh position
-        json.dump(shd.mesh_layout(run.mesh), f, indent=1)
+    storage.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+    # which process holds which mesh position
+    storage.write_text(os.path.join(workdir, "mesh.json"), json.dumps(shd.mesh_layout(run.mesh), indent=1))
     if fingerprint:
         write_target_record(workdir, fingerprint, task.target_source)
     logging.info("task: %s | mesh %s over %d processes | trainable %s params | frozen %s params",
@@ -360,8 +360,7 @@ def _restore_or_init(config, workdir: str, run: RunSetup, ckpt: Checkpointer, it
             # what the source had seen, fixed now: a release may be replaced later (runs.lineage)
             record = dict(dataclasses.asdict(init_report),
                           source_lineage=source_lineage(tc.checkpoint.init_from, init_report.step))
-            with open(os.path.join(workdir, "init_from.json"), "w") as f:
-                json.dump(record, f, indent=2)
+            storage.write_text(os.path.join(workdir, "init_from.json"), json.dumps(record, indent=2))
     return state, 0, init_report
 
 
@@ -402,8 +401,7 @@ def evaluate_only(config, workdir: str, task: Optional[TrainTask] = None, mesh=N
         finally:
             ckpt.close()
     if main:
-        with open(os.path.join(workdir, EVAL_ONLY_FILE), "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
+        storage.write_text(os.path.join(workdir, EVAL_ONLY_FILE), json.dumps(result, indent=1, sort_keys=True))
     return result
 
 
@@ -500,6 +498,8 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
 
     profile = parse_profile_steps(tc.get("profile_steps", ""))
     profile_dir = os.path.join(workdir, "profile")
+    # the profiler writes to a local disk; a trace for a workdir on an object store is copied there after
+    trace_dir = tempfile.mkdtemp(prefix="confu_jax_profile_") if storage.is_remote(workdir) else profile_dir
     tracing = False
     meter = None
     watcher = PreemptionWatcher()
@@ -525,7 +525,7 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
                                  describe_memory(train_step.memory_report()))
                 meter = _meter(run, batch, train_step, main)
             if profile and step + 1 == profile[0] and not tracing:
-                jax.profiler.start_trace(profile_dir)
+                jax.profiler.start_trace(trace_dir)
                 tracing = True
             state, metrics = train_step(state, batch)
             step += 1
@@ -534,6 +534,8 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
                 jax.block_until_ready(metrics)
                 jax.profiler.stop_trace()
                 tracing = False
+                if trace_dir != profile_dir:
+                    storage.copy_tree(trace_dir, profile_dir)
                 if main:
                     logging.info("profiler trace of steps %d-%d in %s", profile[0], profile[1], profile_dir)
             if step == start + 1:

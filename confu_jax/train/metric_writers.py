@@ -7,9 +7,12 @@ rest, so a run killed after its last checkpoint does not leave duplicate steps b
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 from typing import Optional
+
+from confu_jax import storage
 
 
 class CsvWriter:
@@ -17,34 +20,39 @@ class CsvWriter:
         self.path = path
         self.header: list = []
         self.rows: list = []
-        if os.path.exists(path):
+        if storage.exists(path):
             if resume_step is not None:
-                with open(path, newline="") as f:
+                with storage.open(path, newline="") as f:
                     reader = csv.DictReader(f)
                     self.header = list(reader.fieldnames or [])
                     self.rows = [r for r in reader if int(r["step"]) <= resume_step]
             self._rewrite()
 
     def _rewrite(self):
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self.header, restval="")
-            if self.header:
-                w.writeheader()
-                w.writerows(self.rows)
-        os.replace(tmp, self.path)
+        """The whole file at once (a reader never sees half of it; an object store has no append)."""
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=self.header, restval="")
+        if self.header:
+            w.writeheader()
+            w.writerows(self.rows)
+        storage.write_text(self.path, buf.getvalue())
+
+    def _append(self, row: dict) -> bool:
+        """Append one row where the file system can; False where it cannot (rewrite instead)."""
+        if storage.is_remote(self.path) or not os.path.exists(self.path):
+            return False
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.header, restval="").writerow(row)
+        return True
 
     def write(self, step: int, metrics: dict):
         row = {"step": int(step), **{k: _fmt(v) for k, v in metrics.items()}}
         new_keys = [k for k in row if k not in self.header]
         self.rows.append(row)
-        if new_keys or not os.path.exists(self.path):
+        if new_keys:
             self.header = ["step"] + sorted(set(self.header + new_keys) - {"step"})
+        if new_keys or not self._append(row):
             self._rewrite()
-            return
-        with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.header, restval="").writerow(row)
 
     def close(self):
         pass
@@ -59,19 +67,17 @@ class RecordLog(CsvWriter):
     def write(self, step: int, records) -> None:  # type: ignore[override]
         row = {"step": int(step), "records": " ".join(str(int(r)) for r in records)}
         self.rows.append(row)
-        if not self.header or not os.path.exists(self.path):
-            self.header = ["step", "records"]
+        fresh = not self.header
+        self.header = ["step", "records"]
+        if fresh or not self._append(row):
             self._rewrite()
-            return
-        with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.header).writerow(row)
 
 
 def read_record_logs(directory: str) -> dict:
     """``{step: [record, ...]}`` over every process's record log in ``directory`` (process order)."""
     out: dict = {}
-    for name in sorted(os.listdir(directory)):
-        with open(os.path.join(directory, name), newline="") as f:
+    for name in sorted(storage.listdir(directory)):
+        with storage.open(os.path.join(directory, name), newline="") as f:
             for r in csv.DictReader(f):
                 out.setdefault(int(r["step"]), []).extend(int(x) for x in r["records"].split())
     return out
@@ -84,7 +90,7 @@ def _fmt(v) -> str:
 
 def read_csv(path: str) -> list[dict]:
     """Rows as dicts of floats (step as int) — for tests and plots."""
-    with open(path, newline="") as f:
+    with storage.open(path, newline="") as f:
         return [{k: (int(v) if k == "step" else float(v)) for k, v in r.items() if v != ""}
                 for r in csv.DictReader(f)]
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import jax
 from typing import Optional
 
+from confu_jax import storage
 from confu_jax.assets import resolve_model_path
 from confu_jax.weights.errors import CheckpointError
 from confu_jax.weights.export import save_hf
@@ -67,8 +66,12 @@ def checkpoint_kind(source: str) -> str:
 def _checkpoint(source: str) -> tuple:
     """('hf' | 'gguf', path) of an asset name, a Hugging Face directory or a .gguf file."""
     path = resolve_model_path(source)
-    if os.path.isdir(path):
+    if storage.isdir(path):
         return "hf", path
+    if path.endswith(".gguf") and storage.is_remote(path):
+        raise CheckpointError(f"model source {source!r}: GGUF files are read through a memory map, which an "
+                              "object store does not offer; copy it to a local disk (Hugging Face safetensors "
+                              "directories load from gs:// directly)")
     if path.endswith(".gguf"):
         return "gguf", path
     raise CheckpointError(

@@ -13,6 +13,7 @@ import json
 import os
 from typing import Optional
 
+from confu_jax import storage
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.weights.errors import CheckpointError
 from confu_jax.weights.safetensors_io import SafetensorsFile
@@ -131,13 +132,13 @@ def config_from_dict(c: dict, where: str = "config.json", dtype: Optional[str] =
 
 def read_config(directory: str, dtype: Optional[str] = None) -> LlamaConfig:
     path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face model directory)")
-    with open(path) as f:
+    with storage.open(path) as f:
         cfg = config_from_dict(json.load(f), path, dtype)
     gen_path = os.path.join(directory, "generation_config.json")
-    if os.path.isfile(gen_path):  # Llama-3 instruct lists <|eot_id|> here, not in config.json
-        with open(gen_path) as f:
+    if storage.isfile(gen_path):  # Llama-3 instruct lists <|eot_id|> here, not in config.json
+        with storage.open(gen_path) as f:
             extra = _ids(json.load(f).get("eos_token_id"))
         cfg = cfg.replace(eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
     return cfg
@@ -147,18 +148,18 @@ def open_tensors(directory: str) -> dict:
     """tensor name -> SafetensorsFile holding it (single file or ``model.safetensors.index.json``)."""
     single = os.path.join(directory, "model.safetensors")
     index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(single):
+    if storage.isfile(single):
         f = SafetensorsFile(single)
         return {n: f for n in f.names()}
-    if os.path.isfile(index):
-        with open(index) as fh:
+    if storage.isfile(index):
+        with storage.open(index) as fh:
             weight_map = json.load(fh).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
         files = {}
         for shard in sorted(set(weight_map.values())):
             p = os.path.join(directory, shard)
-            if not os.path.isfile(p):
+            if not storage.isfile(p):
                 raise CheckpointError(f"{index}: shard {shard!r} listed in weight_map is missing")
             files[shard] = SafetensorsFile(p)
         out = {}
@@ -167,7 +168,7 @@ def open_tensors(directory: str) -> dict:
                 raise CheckpointError(f"{index}: tensor {name!r} mapped to {shard!r} but not in that shard")
             out[name] = files[shard]
         return out
-    present = sorted(os.listdir(directory))
+    present = sorted(storage.listdir(directory)) if storage.isdir(directory) else []
     raise CheckpointError(
         f"{directory}: expected model.safetensors or model.safetensors.index.json; found {present[:12]}"
         " (convert .bin/.pt checkpoints to safetensors first)"

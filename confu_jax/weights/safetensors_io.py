@@ -9,12 +9,12 @@ JSON header ``{name: {dtype, shape, data_offsets}}``, then the raw little-endian
 from __future__ import annotations
 
 import json
-import os
 import struct
 
 import ml_dtypes
 import numpy as np
 
+from confu_jax import storage
 from confu_jax.weights.errors import CheckpointError
 
 # safetensors dtype tag -> numpy dtype (float types a Llama checkpoint may hold).
@@ -27,16 +27,17 @@ _NP_TO_TAG = {v: k for k, v in FLOAT_DTYPES.items()}
 
 
 class SafetensorsFile:
-    """Lazy view of one ``.safetensors`` file: header parsed at open, tensors mapped on demand."""
+    """Lazy view of one ``.safetensors`` file: header parsed at open, tensors mapped on demand
+    (memory maps on a local disk, :class:`RemoteTensor` byte-range reads on an object store)."""
 
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as f:
+        with storage.open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
                 raise CheckpointError(f"{path}: too short to be a safetensors file")
             (n,) = struct.unpack("<Q", raw)
-            if n > os.path.getsize(path):
+            if n > storage.getsize(path):
                 raise CheckpointError(f"{path}: header length {n} exceeds the file size; not a safetensors file")
             header = json.loads(f.read(n))
         self.metadata = header.pop("__metadata__", {}) or {}
@@ -66,7 +67,55 @@ class SafetensorsFile:
                 f"{self.path}: tensor {name!r} spans {end - begin} bytes; shape {shape} x {tag} needs "
                 f"{count * dt.itemsize}"
             )
+        if storage.is_remote(self.path):
+            return RemoteTensor(self.path, dt, self._data_start + begin, shape)
         return np.memmap(self.path, dtype=dt, mode="r", offset=self._data_start + begin, shape=shape)
+
+
+class RemoteTensor:
+    """A tensor of a safetensors file on an object store, read on indexing: ``x[a:b, ...]`` fetches
+    rows ``a:b`` of the leading axis (one ranged GET) and cuts the other axes after, so a process
+    loading its devices' slices of a row-sharded weight reads only those rows. What the sharded
+    loader needs of a memory map: ``shape``, ``dtype``, indexing, ``.T`` and ``np.asarray``."""
+
+    def __init__(self, path: str, dtype: np.dtype, offset: int, shape: tuple):
+        self.path, self.dtype, self.offset, self.shape = path, np.dtype(dtype), int(offset), tuple(shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def T(self) -> np.ndarray:  # noqa: N802 (numpy's name)
+        return np.asarray(self).T
+
+    def _rows(self, a: int, b: int) -> np.ndarray:
+        row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        raw = storage.read_range(self.path, self.offset + a * row, (b - a) * row)
+        if len(raw) != (b - a) * row:
+            raise CheckpointError(f"{self.path}: expected {(b - a) * row} bytes at {self.offset + a * row}, "
+                                  f"got {len(raw)} (truncated file?)")
+        return np.frombuffer(raw, self.dtype).reshape((b - a,) + self.shape[1:])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        arr = self._rows(0, self.shape[0]) if self.shape else self._rows(0, 1).reshape(())
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        first = index[0] if index else slice(None)
+        if self.shape and isinstance(first, slice):
+            a, b, step = first.indices(self.shape[0])
+            if step == 1 and b > a:
+                return self._rows(a, b)[(slice(None),) + tuple(index[1:])]
+        if self.shape and isinstance(first, (int, np.integer)):
+            i = int(first) % self.shape[0]
+            return self._rows(i, i + 1)[0][tuple(index[1:])]
+        return np.asarray(self)[index]
 
 
 def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
@@ -84,7 +133,7 @@ def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
     header["__metadata__"] = metadata if metadata is not None else {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned
-    with open(path, "wb") as f:
+    with storage.open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for arr in order:
