@@ -118,6 +118,13 @@ def test_training_in_a_gs_workdir_matches_the_local_run_and_resumes(bucket, tmp_
     assert [r["step"] for r in rows] == [r["step"] for r in ref] == [1, 2, 3, 4]
     for r, q in zip(rows, ref):
         np.testing.assert_allclose(r["loss"], q["loss"], rtol=1e-6, atol=0, err_msg=f"step {q['step']}")
+    # a run initialised from the gs:// run's checkpoints starts from its step-4 parameters
+    init = _config(f"{root}/target", f"{root}/data.jsonl", 1)
+    with init.unlocked():
+        init.train.checkpoint.init_from = workdir
+    train(init, str(tmp_path / "from_gs"))
+    record = json.loads((tmp_path / "from_gs" / "init_from.json").read_text())
+    assert record["step"] == 4 and record["source"].startswith(f"{workdir}/checkpoints"), record
     saved = json.loads(storage.read_text(f"{workdir}/config.json"))
     assert saved["model"]["source"] == f"{root}/target"
     assert json.loads(storage.read_text(f"{workdir}/target.json")) == \
@@ -125,6 +132,8 @@ def test_training_in_a_gs_workdir_matches_the_local_run_and_resumes(bucket, tmp_
 
 
 def test_released_heads_and_data_load_from_gs_with_their_hash_check(bucket, tmp_path):
+    """A data release, a trainable-tree head release and an EAGLE-3 export in speculators' layout, each
+    copied to the bucket: read back equal to the local copy; a changed byte fails the hash check."""
     from confu_jax.data.releases import ReleaseError, ReleaseHashError, append_release, load_release
     from confu_jax.runs.head_release import HeadReleaseError, verify_head_release, write_head_manifest
     from confu_jax.runs.heads import load_trained_head
@@ -172,6 +181,19 @@ def test_released_heads_and_data_load_from_gs_with_their_hash_check(bucket, tmp_
     for a, b in zip(jax.tree_util.tree_leaves(remote.trainable), jax.tree_util.tree_leaves(here.trainable)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(remote.draft_vocab["d2t"], here.draft_vocab["d2t"])
+    # the same head in speculators' layout (vLLM's EAGLE-3 format) reads from the bucket as from disk
+    from confu_jax.weights.eagle3_formats import export_head, load_head
+
+    spec_dir = str(tmp_path / "speculators")
+    export_head(spec_dir, "speculators", spec, trainable["draft"], vocab["d2t"], vocab["t2d"])
+    storage.copy_tree(spec_dir, f"{root}/releases/speculators")
+    got, want = load_head(f"{root}/releases/speculators"), load_head(spec_dir)
+    assert got.head == want.head and got.fmt == want.fmt == "speculators"
+    for a, b in zip(jax.tree_util.tree_leaves(got.draft), jax.tree_util.tree_leaves(want.draft)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(got.d2t, want.d2t)
+    np.testing.assert_array_equal(got.t2d, want.t2d)
+
     with storage.open(f"{root}/releases/head/draft_vocab.npz", "wb") as f:
         f.write(b"changed")
     with pytest.raises(HeadReleaseError, match="sha256"):

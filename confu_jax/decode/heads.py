@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 import jax
 import numpy as np
 
+from confu_jax import storage
 from confu_jax.decode.spec_params import SpecParams, spec_params
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.params import init_trainable
@@ -67,7 +68,7 @@ def trained_head(method: str, workdir: str, target_cfg: LlamaConfig, target_para
                  step: Optional[int] = None, target_source: str = "the loaded target") -> DecodeHead:
     """The head of a ``launch.train`` workdir on this target (architecture and weights checked)."""
     accepted = _speculative_method(method).variants
-    workdir = os.path.abspath(os.path.expanduser(workdir))
+    workdir = storage.absolute(os.path.expanduser(workdir))
     if detect_format(workdir) is not None:
         return imported_head(method, workdir, target_cfg, target_params)
     _check_release(workdir, target_params)  # a released ConFu head (trainable-tree export)
@@ -162,7 +163,7 @@ def medusa_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[s
         heads = jax.device_get(init_medusa(jax.random.PRNGKey(seed), num_heads, 1, jnp.asarray(w), axis))
         trained, desc = False, f"Medusa reference initialisation ({num_heads} heads, seed {seed})"
     else:
-        path = os.path.abspath(os.path.expanduser(source))
+        path = storage.absolute(os.path.expanduser(source))
         if is_medusa_workdir(path):
             run = load_medusa_run(path, target_cfg, target_params, target_source=target_source)
             heads, desc = run.heads, run.source
@@ -201,7 +202,7 @@ def mlp_speculator_head(target_cfg: LlamaConfig, target_params: dict, source: Op
         params = jax.device_get(init_mlp_speculator(jax.random.PRNGKey(seed), c))
         trained, desc = False, f"MLP speculator reference initialisation ({n_predict} stages, seed {seed})"
     else:
-        path = os.path.abspath(os.path.expanduser(source))
+        path = storage.absolute(os.path.expanduser(source))
         if is_mlp_speculator_workdir(path):
             run = load_mlp_speculator_run(path, target_cfg, target_params, target_source=target_source)
             params, desc = run.params, run.source
@@ -239,7 +240,7 @@ def mtp_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[str]
         params = jax.device_get(init_mtp(jax.random.PRNGKey(seed), target_cfg, target_params))
         trained, desc = False, f"MTP module initialisation (the target's last layer, seed {seed})"
     else:
-        path = os.path.abspath(os.path.expanduser(source))
+        path = storage.absolute(os.path.expanduser(source))
         if is_mtp_workdir(path):
             run = load_mtp_run(path, target_cfg, target_params, target_source=target_source)
             params, desc = run.params, run.source
@@ -282,7 +283,7 @@ def dflash_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[s
         mask, trained = target_cfg.vocab_size - 1, False
         desc = f"DFlash initialisation ({num_layers} layers, seed {seed})"
     else:
-        path = os.path.abspath(os.path.expanduser(source))
+        path = storage.absolute(os.path.expanduser(source))
         if is_dflash_workdir(path):
             run = load_dflash_run(path, target_cfg, target_params, target_source=target_source)
             params, dcfg, taps, mask, desc = run.params, run.draft, run.taps, run.mask_token_id, run.source

@@ -43,13 +43,14 @@ from typing import Optional
 import ml_dtypes
 import numpy as np
 
+from confu_jax import storage
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.spec import HeadConfig, ModelSpec
 from confu_jax.weights.errors import CheckpointError
 from confu_jax.weights.export import model_type_of
 from confu_jax.weights.hf import SUPPORTED_MODEL_TYPES
 from confu_jax.weights.hf import rope_from_config
-from confu_jax.weights.safetensors_io import FLOAT_DTYPES, SafetensorsFile
+from confu_jax.weights.safetensors_io import FLOAT_DTYPES, RemoteTensor, SafetensorsFile
 
 FORMATS = ("eagle3", "speculators")
 OFFICIAL_ARCH = "LlamaForCausalLMEagle3"
@@ -115,10 +116,10 @@ class ImportedHead:
 def detect_format(directory: str) -> Optional[str]:
     """'speculators' | 'eagle3' for a directory holding such a head, else None (e.g. a train workdir)."""
     path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return None
     try:
-        with open(path) as f:
+        with storage.open(path) as f:
             c = json.load(f)
     except (OSError, ValueError):
         return None
@@ -134,7 +135,7 @@ def detect_format(directory: str) -> Optional[str]:
 def load_head(directory: str, param_dtype: str = "float32") -> ImportedHead:
     """Read an EAGLE-3 head in either format; tensors are converted to ``param_dtype`` exactly (f32
     holds every bf16/f16 value), transposed to flax's [in, out] kernels, d2t turned into absolute ids."""
-    directory = os.path.abspath(os.path.expanduser(directory))
+    directory = storage.absolute(os.path.expanduser(directory))
     fmt = detect_format(directory)
     if fmt is None:
         raise CheckpointError(
@@ -142,7 +143,7 @@ def load_head(directory: str, param_dtype: str = "float32") -> ImportedHead:
             f"(speculators / vLLM) or architectures [{OFFICIAL_ARCH!r}] / 'draft_vocab_size' (official, "
             "SGLang, SpecForge)")
     where = os.path.join(directory, "config.json")
-    with open(where) as f:
+    with storage.open(where) as f:
         c = json.load(f)
     parsed = _parse_speculators(c, where) if fmt == "speculators" else _parse_official(c, where)
     tensors = read_tensors(directory)
@@ -318,41 +319,41 @@ def read_tensors(directory: str) -> dict:
     """name -> numpy array from model.safetensors, its sharded index, or pytorch_model.bin (+ index)."""
     single = os.path.join(directory, "model.safetensors")
     index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(single):
+    if storage.isfile(single):
         return _read_safetensors(single)
-    if os.path.isfile(index):
+    if storage.isfile(index):
         out = {}
         for shard in _shards(index):
             out.update(_read_safetensors(os.path.join(directory, shard)))
         return out
     binary = os.path.join(directory, "pytorch_model.bin")
     bindex = os.path.join(directory, "pytorch_model.bin.index.json")
-    if os.path.isfile(binary):
+    if storage.isfile(binary):
         return load_torch_pickle(binary)
-    if os.path.isfile(bindex):
+    if storage.isfile(bindex):
         out = {}
         for shard in _shards(bindex):
             out.update(load_torch_pickle(os.path.join(directory, shard)))
         return out
     raise CheckpointError(f"{directory}: expected model.safetensors, model.safetensors.index.json or "
-                          f"pytorch_model.bin; found {sorted(os.listdir(directory))[:12]}")
+                          f"pytorch_model.bin; found {sorted(storage.listdir(directory))[:12]}")
 
 
 def _shards(index: str) -> list:
-    with open(index) as f:
+    with storage.open(index) as f:
         wm = json.load(f).get("weight_map")
     if not isinstance(wm, dict):
         raise CheckpointError(f"{index}: no 'weight_map' object")
     shards = sorted(set(wm.values()))
     for s in shards:
-        if not os.path.isfile(os.path.join(os.path.dirname(index), s)):
+        if not storage.isfile(os.path.join(os.path.dirname(index), s)):
             raise CheckpointError(f"{index}: shard {s!r} listed in weight_map is missing")
     return shards
 
 
 def _read_safetensors(path: str) -> dict:
     sf = SafetensorsFile(path)
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         data_start = 8 + struct.unpack("<Q", f.read(8))[0]
     out = {}
     for name in sf.names():
@@ -365,7 +366,8 @@ def _read_safetensors(path: str) -> dict:
             if end - begin != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
                 raise CheckpointError(f"{path}: tensor {name!r} spans {end - begin} bytes; shape {shape} x {tag} "
                                       "does not")
-            out[name] = np.memmap(path, dtype=dt, mode="r", offset=data_start + begin, shape=tuple(shape))
+            out[name] = (RemoteTensor(path, dt, data_start + begin, tuple(shape)) if storage.is_remote(path) else
+                         np.memmap(path, dtype=dt, mode="r", offset=data_start + begin, shape=tuple(shape)))
         else:
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {tag}; expected one of {sorted(_ALL_TAGS)}")
     return out

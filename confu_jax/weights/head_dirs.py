@@ -11,6 +11,8 @@ from typing import Optional
 import ml_dtypes
 import numpy as np
 
+from confu_jax import storage
+
 STORE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
                 "float16": np.dtype(np.float16)}
 
@@ -18,10 +20,10 @@ STORE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.
 def read_config_json(directory: str) -> Optional[dict]:
     """``directory/config.json`` as a dict, or None when it is missing, unreadable or not an object."""
     path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return None
     try:
-        with open(path) as f:
+        with storage.open(path) as f:
             c = json.load(f)
     except (OSError, ValueError):
         return None
