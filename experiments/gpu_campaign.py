@@ -169,6 +169,10 @@ class Scale:
     # ConFu's future-entry bias (HeadConfig.future_bias, not the paper's): '' = the paper's head; a
     # number = the learned per-head logit's start (docs/RESULTS.md "Does ConFu use its future?")
     confu_future_bias: str = ""
+    # more ConFu config overrides, space-separated key=value (the future mechanisms of
+    # experiments/confu_future.sh's arms; docs/DESIGN.md §4): CONFU_FUTURE_AUX_INPUT_GC is the arm
+    # 'aux_input_gc', the one whose future helped on CPU held-out rows; '' = none
+    confu_overrides: str = ""
     draft_vocab: int = 16384
     draft_vocab_records: int = 4000  # conversations counted for the draft vocabulary
     lr: float = 1e-3
@@ -227,13 +231,18 @@ TINY = dict(  # the CPU dry run: same stages and flags, a tiny model, a dozen co
 # re-planned to 50 + 50, which stopped EAGLE-3 and relaunched it (79 s of startup and compile, about
 # 35 steps' worth, and ConFu then no longer fit call 3). Starting at the measured plan, the re-plan
 # confirms it (a multiple of ckpt_every) and relaunches only on a machine fast enough for more.
-# ConFu with the future-entry bias (4): four loans measured the paper's head at ConFu / EAGLE-3
-# 1.002-1.007, its future entry unattended (docs/RESULTS.md "Why ConFu ignores its future"); the
-# next loan tests the bias at GPU scale instead (CAMPAIGN_CONFU_FUTURE_BIAS= runs the paper's head).
+# ConFu with the auxiliary future loss, f in the first draft step and per-group clipping (confu_future.sh's
+# arm aux_input_gc): five loans measured the paper's head at ConFu / EAGLE-3 1.002-1.008, its future entry
+# unattended (docs/RESULTS.md "Why ConFu ignores its future"); on CPU this arm's future helped the
+# held-out τ (+0.006) where the bias only drew attention, so the next loan tests it at GPU scale
+# (CAMPAIGN_CONFU_OVERRIDES= runs the paper's head; CAMPAIGN_CONFU_FUTURE_BIAS=4 the bias).
+CONFU_FUTURE_AUX_INPUT_GC = ("confu.future_input=True objective.future_aux_weight=1.0 objective.future_aux_ahead=2 "
+                             "train.optim.clip_per_group=True")
 GPU15 = dict(
     gen_passes=0, draft_vocab=4096, e3_init="releases/heads/smollm2_eagle3", num_workers=0, train_batch=32, e3_steps=50, plus_steps=50, train_s=390, min_steps=40, log_every=1,
     train_xla_flags="--xla_gpu_autotune_level=0", bench_methods="eagle3,confu", bench_budgets="chain:3",
-    bench_n_per_category=1, bench_calibration="", bench_s=110, total_s=820, call_s=565, confu_future_bias="4")
+    bench_n_per_category=1, bench_calibration="", bench_s=110, total_s=820, call_s=565,
+    confu_overrides=CONFU_FUTURE_AUX_INPUT_GC)
 SCALES = {"gpu": {}, "gpu15": GPU15, "tiny": TINY}
 
 
@@ -1125,6 +1134,10 @@ class Campaign:
                    f"--config.train.checkpoint.init_from_step={plan['e3']}"]
             if s.confu_future_bias:
                 cmd.append(f"--config.confu.future_bias={float(s.confu_future_bias)}")
+            for item in s.confu_overrides.split():
+                if "=" not in item:
+                    raise CampaignError(f"confu_overrides: {item!r} is not key=value")
+                cmd.append(f"--config.{item}")
             if self.left() < 60:
                 return "later"
             rc, stopped = self.run_cmd("confu", cmd, self.left(), extra_env=self.train_env())

@@ -451,9 +451,12 @@ def test_eagle3_can_continue_a_release(tmp_path, monkeypatch):
     assert len(launched) == 2
 
 
-def test_confu_future_bias_reaches_the_confu_launch(tmp_path, monkeypatch):
-    """ConFu's launch sets confu.future_bias: 4 by default at the 15-minute scale, CAMPAIGN_CONFU_FUTURE_BIAS
-    chooses it, empty = the paper's head (the full-scale campaign's default)."""
+def test_confu_future_options_reach_the_confu_launch(tmp_path, monkeypatch):
+    """ConFu's launch carries the future mechanisms: the 15-minute scale's default is confu_future.sh's
+    arm aux_input_gc; CAMPAIGN_CONFU_OVERRIDES replaces it ('' = the paper's head, the full scale's
+    default) and CAMPAIGN_CONFU_FUTURE_BIAS adds the entry bias."""
+    from experiments.gpu_campaign import CONFU_FUTURE_AUX_INPUT_GC, CampaignError
+
     launched = []
 
     def fake_run(self, name, cmd, timeout, **kw):
@@ -462,10 +465,16 @@ def test_confu_future_bias_reaches_the_confu_launch(tmp_path, monkeypatch):
 
     monkeypatch.setattr("experiments.gpu_campaign.Campaign.run_cmd", fake_run)
     _campaign(tmp_path / "a", scale="gpu15").st_confu()
-    assert "--config.confu.future_bias=4.0" in launched[-1]
-    _campaign(tmp_path / "b", scale="gpu15", env={"CAMPAIGN_CONFU_FUTURE_BIAS": "2.5"}).st_confu()
-    assert "--config.confu.future_bias=2.5" in launched[-1]
-    for name, kw in (("c", dict(scale="gpu15", env={"CAMPAIGN_CONFU_FUTURE_BIAS": ""})), ("d", dict(scale="gpu"))):
+    want = [f"--config.{kv}" for kv in CONFU_FUTURE_AUX_INPUT_GC.split()]
+    assert want == [a for a in launched[-1] if a in want] and len(want) == 4
+    assert not any(a.startswith("--config.confu.future_bias") for a in launched[-1])
+    _campaign(tmp_path / "b", scale="gpu15", env={"CAMPAIGN_CONFU_FUTURE_BIAS": "2.5",
+                                                   "CAMPAIGN_CONFU_OVERRIDES": "confu.future_taps=True"}).st_confu()
+    assert "--config.confu.future_bias=2.5" in launched[-1] and "--config.confu.future_taps=True" in launched[-1]
+    assert "--config.confu.future_input=True" not in launched[-1]
+    for name, kw in (("c", dict(scale="gpu15", env={"CAMPAIGN_CONFU_OVERRIDES": ""})), ("d", dict(scale="gpu"))):
         _campaign(tmp_path / name, **kw).st_confu()
-        assert not any(a.startswith("--config.confu.future_bias") for a in launched[-1]), name
+        assert not any(a.startswith(("--config.confu.future", "--config.objective.future")) for a in launched[-1]), name
+    with pytest.raises(CampaignError, match="key=value"):
+        _campaign(tmp_path / "e", scale="gpu15", env={"CAMPAIGN_CONFU_OVERRIDES": "future_input"}).st_confu()
     assert len(launched) == 4
