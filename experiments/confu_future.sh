@@ -30,7 +30,11 @@
 #   ARMS="paper bias aux aux_bias" STEPS=100 ROWS=32 LEN=2048 DTYPE=bfloat16 bash experiments/confu_future.sh
 #
 # INIT (default: the ConFu release) must be a trainable-tree export or release: its draft_vocab.npz is
-# the runs' draft vocabulary, so its LM head is copied column for column.
+# the runs' draft vocabulary, so its LM head is copied column for column. INIT=none (and
+# INIT_EAGLE3=none) trains from scratch instead, on the same draft vocabulary (VOCAB, default the
+# ConFu release's): the paper's other protocol, ConFu and EAGLE-3 from nothing at equal compute.
+#   INIT=none INIT_EAGLE3=none ARMS="eagle3 aux_input_gc" STEPS=120 OUT=runs/confu_future_scratch \
+#     bash experiments/confu_future.sh
 # Resumable: a finished stage (its eval_only.json or final checkpoint) is skipped; launch.train
 # resumes a stopped run. The table at the end is also written to $OUT/summary.json.
 set -euo pipefail
@@ -49,13 +53,14 @@ EVAL_BATCHES=${EVAL_BATCHES:-4}
 DTYPE=${DTYPE:-float32}
 INIT=${INIT:-releases/heads/smollm2_confu}
 INIT_EAGLE3=${INIT_EAGLE3:-releases/heads/smollm2_eagle3}
+VOCAB=${VOCAB:-releases/heads/smollm2_confu/draft_vocab.npz}
 OUT=${OUT:-runs/confu_future}
 
 # the EAGLE-3 release keeps its vocabulary maps inside its safetensors (speculators' layout); they are
 # the ConFu release's draft_vocab.npz, id for id, so both arms read that one
 common=(--config.data.train_files=releases/data/sharegpt_smollm2_gpu,releases/data/sharegpt_smollm2
         "--config.data.max_length=$LEN" "--config.data.global_batch_size=$ROWS" --config.data.pack=True
-        --config.data.min_loss_tokens=1 --config.data.num_workers=0 "--config.data.draft_vocab_path=$INIT/draft_vocab.npz"
+        --config.data.min_loss_tokens=1 --config.data.num_workers=0 "--config.data.draft_vocab_path=$VOCAB"
         --config.draft.draft_vocab_size=4096 --config.draft.ttt_steps=4 --config.confu.max_lag=4
         "--config.objective.k_train=$K_TRAIN" "--config.objective.eval_batches=$EVAL_BATCHES"
         "--config.model.dtype=$DTYPE" "--config.model.param_dtype=$DTYPE" "--config.draft.dtype=$DTYPE"
@@ -84,17 +89,20 @@ for arm in $ARMS; do
     *) echo "unknown arm '$arm' (expected eagle3, paper, bias, aux, aux_bias, input, aux_input, taps, aux_input_taps, each with an optional _gc)" >&2; exit 2 ;;
   esac
   extra+=("${gc[@]}")
-  head=(--config configs/smollm2_confu.py "--config.train.checkpoint.init_from=$INIT")
+  head=(--config configs/smollm2_confu.py)
+  [[ "$INIT" != none ]] && head+=("--config.train.checkpoint.init_from=$INIT")
   # the head at step 0 differs only with a bias or with f as taps (future_input's map starts at zero: the
   # paper's head; the objective does not change the start's evaluation)
   start=paper_start
   [[ "$base" == *bias ]] && start=bias_start
   [[ "$base" == *taps ]] && start=taps_start
   if [[ "$base" == eagle3 ]]; then
-    head=(--config configs/smollm2_eagle3.py "--config.train.checkpoint.init_from=$INIT_EAGLE3")
+    head=(--config configs/smollm2_eagle3.py)
+    [[ "$INIT_EAGLE3" != none ]] && head+=("--config.train.checkpoint.init_from=$INIT_EAGLE3")
     start=eagle3_start
   fi
-  if [ ! -f "$OUT/$start/eval_only.json" ]; then
+  from="$INIT"; [[ "$base" == eagle3 ]] && from="$INIT_EAGLE3"
+  if [[ "$from" != none ]] && [ ! -f "$OUT/$start/eval_only.json" ]; then  # from scratch: no start to evaluate
     echo "== $start: held-out evaluation at the start ($(date -u +%H:%M:%S))"
     python -m launch.train --eval_only --workdir "$OUT/$start" "${head[@]}" "${common[@]}" "${extra[@]}" \
       > "$OUT/$start.log" 2>&1
@@ -119,6 +127,8 @@ def start_of(arm):
         return "eagle3_start"
     return "bias_start" if base.endswith("bias") else "taps_start" if base.endswith("taps") else "paper_start"
 for start in sorted({start_of(a) for a in arms}):
+    if not os.path.exists(os.path.join(out, start, "eval_only.json")):  # trained from scratch
+        continue
     with open(os.path.join(out, start, "eval_only.json")) as f:
         rows[start.replace("_start", "@0")] = json.load(f)["eval"]
 for arm in arms:
