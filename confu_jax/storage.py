@@ -20,6 +20,8 @@ Emulators (tests, local development): ``STORAGE_EMULATOR_HOST`` points ``gcsfs``
 from __future__ import annotations
 
 import builtins
+import functools
+import importlib.util
 import os
 import shutil
 from typing import IO
@@ -50,12 +52,15 @@ def is_remote(path) -> bool:
     return str(path).startswith(REMOTE_SCHEMES)
 
 
-def _epath(path):
-    import importlib.util
+@functools.lru_cache(maxsize=None)
+def _gcs_backend_installed() -> bool:
+    return any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow"))
 
+
+def _epath(path):
     from etils import epath  # imported on first remote use: local runs never load gcsfs
 
-    if str(path).startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+    if str(path).startswith("gs://") and not _gcs_backend_installed():
         raise StorageError(f"{path}: gs:// paths need gcsfs (pip install -r requirements-cloud.txt)")
     return epath.Path(str(path))
 
@@ -63,10 +68,6 @@ def _epath(path):
 def absolute(path: str) -> str:
     """``os.path.abspath`` for a local path; a remote URL as given."""
     return str(path) if is_remote(path) else os.path.abspath(path)
-
-
-def join(path: str, *parts: str) -> str:
-    return os.path.join(str(path), *parts)
 
 
 def open(path, mode: str = "r", *, encoding: str | None = None, newline: str | None = None) -> IO:  # noqa: A001
@@ -138,13 +139,6 @@ def getsize(path) -> int:
     return _guarded(path, "stat", lambda: _epath(path).stat().length) if is_remote(path) else os.path.getsize(path)
 
 
-def remove(path) -> None:
-    if is_remote(path):
-        _epath(path).unlink()
-    else:
-        os.remove(path)
-
-
 def copy_tree(src, dst) -> None:
     """Copy a folder (local or remote) to another (local or remote), file by file."""
     if not (is_remote(src) or is_remote(dst)):
@@ -152,7 +146,7 @@ def copy_tree(src, dst) -> None:
         return
     makedirs(dst)
     for name in listdir(src):
-        s, d = join(src, name), join(dst, name)
+        s, d = os.path.join(src, name), os.path.join(dst, name)
         if isdir(s):
             copy_tree(s, d)
         else:

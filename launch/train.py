@@ -99,10 +99,11 @@ def main(argv):
     logging.info("process %d/%d (%s start), %d local / %d global devices", jax.process_index(),
                  jax.process_count(), spec.mode, jax.local_device_count(), jax.device_count())
     from confu_jax.train.task import resolve_run_config
+    from confu_jax.user_errors import USER_ERRORS
 
     try:  # the user's checkpoint, preset and batch, checked before anything is built: one line each
         resolve_run_config(config)
-    except (ValueError, FileNotFoundError, storage.StorageError) as e:  # CheckpointError, AssetNotFoundError included
+    except USER_ERRORS as e:  # CheckpointError, AssetNotFoundError, StorageError included
         sys.stderr.write(f"launch.train: {e}\n")
         sys.exit(2)
     from confu_jax.train.target_loading import is_abstract

@@ -364,7 +364,6 @@ def bad_records_log_to(path: str | None):
     detail) to ``path`` (emptied on entry, appended to by each load inside) and logs only one
     summary line per reason (None: no file). The CLIs wrap their data loading in it with their run directory."""
     if path:
-        storage.makedirs(os.path.dirname(storage.absolute(path)))
         storage.write_text(path, "")  # this attempt's list (a resumed run reads the same records again)
     _BAD_RECORDS_LOG.append(path)
     try:

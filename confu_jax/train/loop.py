@@ -499,7 +499,8 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     profile = parse_profile_steps(tc.get("profile_steps", ""))
     profile_dir = os.path.join(workdir, "profile")
     # the profiler writes to a local disk; a trace for a workdir on an object store is copied there after
-    trace_dir = tempfile.mkdtemp(prefix="confu_jax_profile_") if storage.is_remote(workdir) else profile_dir
+    trace_dir = (tempfile.mkdtemp(prefix="confu_jax_profile_") if profile and storage.is_remote(workdir)
+                 else profile_dir)
     tracing = False
     meter = None
     watcher = PreemptionWatcher()
