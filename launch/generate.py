@@ -36,6 +36,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from confu_jax.models.registry import METHODS as REGISTERED_METHODS
+from confu_jax.user_errors import one_line_errors
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                "configs", "generate.py")
@@ -189,6 +190,12 @@ def main(argv):
     quiet_orbax_logs()  # no save-phase chatter or read-only warnings from orbax
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}; pass the text with --prompt")
+    if not REGISTERED_METHODS[FLAGS.method].speculative:  # before the target loads: a flag it would ignore
+        given = [f"--{name}" for name in ("draft_ckpt", "draft_model", "tree") if getattr(FLAGS, name)]
+        if given:
+            with one_line_errors("launch.generate"):
+                raise ValueError(f"{' / '.join(given)} set, but --method {FLAGS.method} drafts nothing (they are "
+                                 "for the speculative methods)")
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model
 
@@ -201,8 +208,6 @@ def main(argv):
         prompt_ids = tok.encode(tok.render(messages, add_generation_prompt=True))
     except (ValueError, FileNotFoundError) as e:  # CheckpointError, AssetNotFoundError included
         sys.exit(f"launch.generate: {e}")
-    if FLAGS.draft_ckpt and not REGISTERED_METHODS[FLAGS.method].speculative:
-        raise app.UsageError(f"--draft_ckpt is for the speculative methods, not {FLAGS.method}")
     mesh = None
     if FLAGS.mesh:
         from confu_jax.decode.sharded import parse_mesh
@@ -211,8 +216,6 @@ def main(argv):
             mesh = parse_mesh(FLAGS.mesh)
         except ValueError as e:
             raise app.UsageError(str(e))
-    from confu_jax.user_errors import one_line_errors
-
     with one_line_errors("launch.generate"):  # a bad plan, head or setting: one line, exit 2
         out = METHODS[FLAGS.method](params, cfg, prompt_ids, config.decode, tok.eos_ids,
                                     draft_ckpt=FLAGS.draft_ckpt, tree=FLAGS.tree, target_source=FLAGS.model,
