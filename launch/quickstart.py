@@ -7,8 +7,8 @@
 By default the heads come from the repo's ``releases/heads/`` (``smollm2_<variant>`` folders,
 hash-checked against their manifests before loading; docs/RESULTS.md says what they were trained
 on and the τ they measured), so a new user sees heads that accept without waiting for training.
-Only the EAGLE-3 head is released today; ConFu joins the table once ``releases/heads/smollm2_confu``
-exists, or with ``--train``.
+The released ConFu head (``releases/heads/smollm2_confu``) joins the table with ``--released_confu``
+(off by default: its extra compiles would take command 1 past its time), or train both with ``--train``.
 
 With ``--train``, the heads are trained here first:
 
