@@ -80,12 +80,17 @@ MODEL = "smollm2-135m-instruct"
 CPU_RELEASE = os.path.join("releases", "data", "sharegpt_smollm2")  # skipped by --release
 RELEASE_NAME = "sharegpt_smollm2_gpu"
 STAGES = ("setup", "model", "data", "release", "eagle3", "confu", "families", "bench")
-# the drafter families the campaign can train beside the heads (their configs: configs/smollm2_<family>.py);
-# their tasks read padded rows (no packing)
-FAMILY_CONFIGS = {"medusa": "configs/smollm2_medusa.py", "mlp_speculator": "configs/smollm2_mlp_speculator.py",
-                  "mtp": "configs/smollm2_mtp.py", "dflash": "configs/smollm2_dflash.py"}
-# the families whose training reads padded rows only (the others pack rows as EAGLE-3 and ConFu do)
-PADDED_FAMILIES = ("medusa", "mlp_speculator", "dflash")  # dflash: its packed-row path is not yet tested
+# the drafter families the campaign can train beside the heads: those with a planner cost (``Scale.<family>_cost``);
+# their config, and whether their training packs rows, come from the package's registry (``family_record``)
+CAMPAIGN_FAMILIES = ("medusa", "mlp_speculator", "mtp", "dflash")
+
+def family_record(method: str):
+    """The package's ``DrafterFamily`` of a run's method (eagle3 / confu: the heads'); imported late, as
+    the package's dependencies are installed by the campaign's setup stage."""
+    from confu_jax.decode.families import family_of
+
+    return family_of(method)
+
 
 # Device limits (/work/.library/device/README.md): what travels and what comes back per call.
 TRAVEL_LIMIT = 64 * 2**20
@@ -153,7 +158,7 @@ class Scale:
     replan: int = 1  # re-plan E and P once from EAGLE-3's measured step time
     confu_cost: float = 1.35  # ConFu step time / EAGLE-3's (the planner's assumption)
     # other drafter families trained at EAGLE-3's budget (same data, rows, length and E + P steps:
-    # equal token-steps) and benchmarked beside it, comma-separated; '' = none. Known: FAMILY_CONFIGS
+    # equal token-steps) and benchmarked beside it, comma-separated; '' = none. Known: CAMPAIGN_FAMILIES
     # (Medusa's four full-vocabulary LM heads are 226 MB in bf16, the MLP speculator's tied stages
     # 115 MB: too large to bring back; their numbers come back)
     families: str = ""
@@ -944,10 +949,10 @@ class Campaign:
         train_files = self.training_releases()
         o = {
             "data.train_files": ",".join(train_files), "data.max_length": s.train_len,
-            # Medusa's and the MLP speculator's tasks read padded rows only (PADDED_FAMILIES): their rows
-            # carry fewer answer tokens at the same rows x length (the campaign's token-steps); their
-            # metrics.csv says how many they saw
-            "data.global_batch_size": self.train_batch(run), "data.pack": run not in PADDED_FAMILIES,
+            # the families whose training reads padded rows (``DrafterFamily.packs_rows`` false: Medusa, the
+            # MLP speculator, DFlash) carry fewer answer tokens at the same rows x length (the campaign's
+            # token-steps); their metrics.csv says how many they saw
+            "data.global_batch_size": self.train_batch(run), "data.pack": family_record(run).packs_rows,
             "data.min_loss_tokens": 1, "data.num_workers": fb.get("num_workers", s.num_workers),
             "data.draft_vocab_max_records": s.draft_vocab_records,
             "draft.draft_vocab_size": s.draft_vocab, "draft.ttt_steps": s.ttt_steps,
@@ -1094,7 +1099,7 @@ class Campaign:
 
     def family_costs(self) -> dict:
         """{family: step time / EAGLE-3's} of the extra families this campaign trains."""
-        costs = {f: getattr(self.scale, f"{f}_cost") for f in FAMILY_CONFIGS}
+        costs = {f: getattr(self.scale, f"{f}_cost") for f in CAMPAIGN_FAMILIES}
         fams = [f for f in self.scale.families.split(",") if f]
         unknown = sorted(set(fams) - set(costs))
         if unknown:
@@ -1181,7 +1186,7 @@ class Campaign:
         workdir = self.path("runs", family)
         steps = (plan["e3"] + plan["plus"]) * self.stage(family).get("fallback", {}).get("steps_factor", 1)
         if steps not in checkpoint_steps(os.path.join(workdir, "checkpoints")):
-            cmd = [sys.executable, "-m", "launch.train", "--config", FAMILY_CONFIGS[family], "--workdir", workdir,
+            cmd = [sys.executable, "-m", "launch.train", "--config", family_record(family).configs[0], "--workdir", workdir,
                    *self.train_overrides(family), f"--config.train.steps={steps}"]
             if self.left() < 60:
                 return "later"
@@ -1200,7 +1205,7 @@ class Campaign:
         s, st = self.scale, self.stage("bench")
         e3, confu = self.path("runs", "eagle3"), self.path("runs", "confu")
         out = self.path("bench", "mtbench.json")
-        heads = {"eagle3": e3, "confu": confu, "hybrid": e3, **{f: self.path("runs", f) for f in FAMILY_CONFIGS}}
+        heads = {"eagle3": e3, "confu": confu, "hybrid": e3, **{f: self.path("runs", f) for f in CAMPAIGN_FAMILIES}}
         methods = [m for m in s.bench_methods.split(",") if m]
         methods += [f for f in self.family_costs() if f not in methods]
         # launch.decode_bench, with budget auto's candidates narrowed to the scale's
@@ -1631,8 +1636,11 @@ def auto_candidates(scale: Scale) -> str:
     """``launch.decode_bench --auto_candidates``: the plans budget auto measures, per drafter family (each
     costs a compile; families not named keep their defaults). The MTP module drafts at any depth with its
     one module: the head's plans; hybrid drafts chains."""
+    from confu_jax.decode.plans import Chain, parse_plan
+
     head, lookup, cartesian = scale.auto_head_plans, scale.auto_lookup_plans, scale.auto_medusa_plans
-    groups = {"head": head, "hybrid": ";".join(p for p in head.split(";") if p.startswith("chain:")),
+    chains = ";".join(p for p in head.split(";") if p and isinstance(parse_plan(p), Chain))
+    groups = {"head": head, "hybrid": chains,
               "mtp": head, "lookup": lookup, "medusa": cartesian, "mlp_speculator": cartesian, "dflash": cartesian}
     return ";".join(f"{family}={plans.replace(';', ',')}" for family, plans in groups.items() if plans)
 

@@ -13,7 +13,8 @@ A method (``models.registry.METHODS``: what ``--method`` names) belongs to one f
 * drafts by default and how deep its weights let it (``default_plan``, ``max_depth``),
 * is swept by budget ``auto`` (``chains``, ``trees``: the candidate plans),
 * is exported (``export_formats``: ``launch.export_head --format``) and trained
-  (``train_task``: the ``config.train.task`` entry point, ``configs``: the shipped configs).
+  (``train_task``: the ``config.train.task`` entry point, ``configs``: the shipped configs,
+  ``packs_rows``: whether its training runs on packed rows).
 
 Adding a family: its own modules, then one record in ``FAMILIES`` (docs/families.md "Adding a
 family"); ``tests/test_families.py`` checks every record's contract.
@@ -69,6 +70,9 @@ class DrafterFamily:
     export_formats: tuple = ()
     train_task: Optional[str] = None
     configs: tuple = ()
+    # its training is run on packed rows (``data.pack``) where a caller packs; False: padded rows (the
+    # task refuses packing, or its packed path is untested: DFlash)
+    packs_rows: bool = False
 
     def default_plan(self, params=None) -> str:
         """The plan a CLI drafts with when none is given: chain:4, or as deep as ``params`` allow."""
@@ -186,7 +190,7 @@ def _mlp_speculator_depth(params) -> int:
 FAMILIES: dict = {f.name: f for f in (
     DrafterFamily("head", parse_head, _load_head, reads_step=True, export_formats=("eagle3", "speculators"),
                   train_task="confu_jax.train.confu_task:build_task",
-                  configs=("configs/smollm2_eagle3.py", "configs/smollm2_confu.py")),
+                  configs=("configs/smollm2_eagle3.py", "configs/smollm2_confu.py"), packs_rows=True),
     DrafterFamily("lookup", parse_lookup, _load_model_free, chains=LOOKUP_CHAINS, trees=DEFAULT_LOOKUP_TREES),
     DrafterFamily("hybrid", parse_hybrid, _load_head, trees=(), reads_step=True),
     DrafterFamily("draft_model", _parse_draft_model, _draft_model_loader(False), source_flag="draft_model"),
@@ -203,7 +207,7 @@ FAMILIES: dict = {f.name: f for f in (
                   configs=("configs/smollm2_mlp_speculator.py",)),
     DrafterFamily("mtp", lambda text: MTPDrafter(parse_mtp_plan(text)), _own_head(heads.mtp_head),
                   export_formats=("mtp",), train_task="confu_jax.train.mtp_task:build_task",
-                  configs=("configs/smollm2_mtp.py",)),
+                  configs=("configs/smollm2_mtp.py",), packs_rows=True),
     DrafterFamily("dflash", lambda text: DFlashDrafter(parse_dflash_plan(text)), _own_head(heads.dflash_head),
                   trees=DEFAULT_CARTESIAN_TREES, export_formats=("dflash",),
                   train_task="confu_jax.train.dflash_task:build_task", configs=("configs/smollm2_dflash.py",)),
