@@ -23,6 +23,9 @@ from typing import Iterator
 
 _LOCK = threading.Lock()
 _PATCHED = False
+# what the emulator served: per object name {"gets": reads of its content, "bytes": content bytes sent},
+# and "requests": every request it answered; a test clears it and checks a load fetched what it needed
+SERVED: dict = {}
 
 
 def _object_name(request):
@@ -45,6 +48,7 @@ def _conditional(handler, method: str):
     def wrapped(request, response, storage, *args, **kwargs):
         bucket, name = request.params.get("bucket_name"), _object_name(request)
         with _LOCK:
+            SERVED["requests"] = SERVED.get("requests", 0) + 1
             if bucket and name:
                 gen = _generation(storage, bucket, name)
                 match = request.query.get("ifGenerationMatch")
@@ -56,6 +60,10 @@ def _conditional(handler, method: str):
                     response.status = HTTPStatus.NOT_MODIFIED if method == "GET" else HTTPStatus.PRECONDITION_FAILED
                     return None
             out = handler(request, response, storage, *args, **kwargs)
+            if method == "GET" and name and request.query.get("alt") == ["media"]:
+                served = SERVED.setdefault(name, {"gets": 0, "bytes": 0})
+                served["gets"] += 1
+                served["bytes"] += len(response._content or b"")
             if method == "GET" and bucket and name and response.status in (HTTPStatus.OK, HTTPStatus.PARTIAL_CONTENT):
                 gen = _generation(storage, bucket, name)
                 if gen != "0":

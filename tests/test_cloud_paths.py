@@ -29,7 +29,7 @@ from confu_jax.weights import load_model, load_model_sharded  # noqa: E402
 from confu_jax.weights.export import save_hf  # noqa: E402
 from confu_jax.weights.hf import open_tensors  # noqa: E402
 from confu_jax.weights.tree import ReadCounter  # noqa: E402
-from tests.gcs_emulator import emulated_gcs  # noqa: E402
+from tests.gcs_emulator import SERVED, emulated_gcs  # noqa: E402
 
 from tests.fixtures.tiny_checkpoints import tiny_vocab  # noqa: E402
 
@@ -62,13 +62,20 @@ def test_a_target_on_gs_loads_sharded_and_reads_each_byte_once(bucket):
     mesh = shd.make_mesh(1, 4, 2)
     shardings = shd.tree_shardings(param_shapes(CFG), mesh, axis_units=shd.llama_axis_units(CFG.head_dim))
     counter = ReadCounter()
+    SERVED.clear()
     cfg, sharded = load_model_sharded(f"{root}/target", shardings, "float32", counter)
+    served = dict(SERVED)
     cfg_local, host = load_model(os.path.join(local, "target"), "float32")
     assert cfg == cfg_local
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(sharded), jax.tree_util.tree_leaves(host)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
     files = open_tensors(os.path.join(local, "target"))
     assert counter.bytes == sum(int(np.prod(f.info(n)[1])) * 4 for n, f in files.items())
+    # what crossed the wire: each byte of the weights once (ranged GETs of the header and of each row slab
+    # the devices need, no read-ahead), and no per-read metadata request
+    size = os.path.getsize(os.path.join(local, "target", "model.safetensors"))
+    assert served["target/model.safetensors"]["bytes"] == size, served
+    assert served["requests"] <= served["target/model.safetensors"]["gets"] + 30, served
 
 
 def _config(source: str, data: str, steps: int):

@@ -353,8 +353,7 @@ def _shards(index: str) -> list:
 
 def _read_safetensors(path: str) -> dict:
     sf = SafetensorsFile(path)
-    with storage.open(path, "rb") as f:
-        data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+    data_start = sf.data_start
     out = {}
     for name in sf.names():
         tag, shape = sf.info(name)

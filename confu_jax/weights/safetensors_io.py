@@ -32,17 +32,16 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
-        with storage.open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise CheckpointError(f"{path}: too short to be a safetensors file")
-            (n,) = struct.unpack("<Q", raw)
-            if n > storage.getsize(path):
-                raise CheckpointError(f"{path}: header length {n} exceeds the file size; not a safetensors file")
-            header = json.loads(f.read(n))
+        raw = storage.read_range(path, 0, 8)  # ranged reads: an object store sends the header, not the file
+        if len(raw) != 8:
+            raise CheckpointError(f"{path}: too short to be a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > storage.getsize(path):
+            raise CheckpointError(f"{path}: header length {n} exceeds the file size; not a safetensors file")
+        header = json.loads(storage.read_range(path, 8, n))
         self.metadata = header.pop("__metadata__", {}) or {}
         self.header = header
-        self._data_start = 8 + n
+        self.data_start = 8 + n  # byte offset of the tensors (their data_offsets count from here)
 
     def names(self) -> list:
         return list(self.header)
@@ -68,15 +67,18 @@ class SafetensorsFile:
                 f"{count * dt.itemsize}"
             )
         if storage.is_remote(self.path):
-            return RemoteTensor(self.path, dt, self._data_start + begin, shape)
-        return np.memmap(self.path, dtype=dt, mode="r", offset=self._data_start + begin, shape=shape)
+            return RemoteTensor(self.path, dt, self.data_start + begin, shape)
+        return np.memmap(self.path, dtype=dt, mode="r", offset=self.data_start + begin, shape=shape)
 
 
 class RemoteTensor:
     """A tensor of a safetensors file on an object store, read on indexing: ``x[a:b, ...]`` fetches
     rows ``a:b`` of the leading axis (one ranged GET) and cuts the other axes after, so a process
     loading its devices' slices of a row-sharded weight reads only those rows. What the sharded
-    loader needs of a memory map: ``shape``, ``dtype``, indexing, ``.T`` and ``np.asarray``."""
+    loader needs of a memory map: ``shape``, ``dtype``, indexing, ``.T`` and ``np.asarray``; it keeps
+    the rows it fetched for the devices that split the other axis (``reads_whole_rows``)."""
+
+    reads_whole_rows = True  # a slice of a later axis costs the whole rows it spans
 
     def __init__(self, path: str, dtype: np.dtype, offset: int, shape: tuple):
         self.path, self.dtype, self.offset, self.shape = path, np.dtype(dtype), int(offset), tuple(shape)

@@ -169,11 +169,28 @@ def assemble_sharded(
         for key in path:
             node_s, node_a = node_s[key], node_a[key]
         cache: dict = {}
+        slabs: dict = {}  # this param's checkpoint rows already fetched from an object store
+
+        def rows(w, sl):
+            """``w[sl]``, rows of the checkpoint tensor's leading axis. An object store's tensor
+            (``safetensors_io.RemoteTensor``) fetches whole rows, and the devices that split the other
+            axis need the same ones: each distinct slab is fetched once for the param (held until
+            its global array is built: at most this process's share of one stacked param)."""
+            if not getattr(w, "reads_whole_rows", False):
+                return w[sl]  # a memory map: a view, nothing read yet
+            key = (id(w), sl.start, sl.stop, sl.step)
+            if key not in slabs:
+                slabs[key] = w[sl]
+            return slabs[key]
 
         def read(w, index, path=path):
             """ours[index] of one checkpoint tensor, reading only those elements."""
-            if path[-1] == "kernel":  # ours = w.T
-                part = w[index[1], index[0]].T if len(index) == 2 else w[index].T
+            if path[-1] == "kernel" and len(index) == 2:  # ours = w.T
+                part = rows(w, index[1])[:, index[0]].T
+            elif path[-1] == "kernel":
+                part = w[index].T
+            elif index and isinstance(index[0], slice):
+                part = rows(w, index[0])[(slice(None),) + tuple(index[1:])]
             else:
                 part = w[index]
             if counter is not None:
