@@ -44,26 +44,3 @@ def _release_compiled_programs():
     import jax
 
     jax.clear_caches()
-
-
-# The slowest test files, longest first (their summed --durations on a 2-core Zen 5 host, CI's command).
-# With ``--dist loadfile`` a file runs whole on one worker, and xdist would hand files out largest test
-# count first, which put the long few-test files (the documented recipe's three tests: ~5 minutes) at the
-# very end with one core idle beside them. Longest first, then the rest in collection order, keeps both
-# workers busy to the end. Keep it roughly true when a file's time changes by minutes; order is all it sets.
-SLOWEST_FIRST = (
-    "test_family_contract.py", "test_own_target.py", "test_gpu_campaign.py", "test_scale_memory.py",
-    "test_confu_future.py", "test_multihost_tasks.py", "test_draft_model.py", "test_spec_bench.py",
-    "test_generate_spec_cli.py", "test_loss.py", "test_spec_loop.py", "test_lookup.py", "test_accelerator_scale.py",
-    "test_mlp_speculator.py", "test_confu_task.py", "test_scaling.py",
-)
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
