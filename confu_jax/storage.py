@@ -57,11 +57,15 @@ def _gcs_backend_installed() -> bool:
     return any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow"))
 
 
+def _require_backend(path) -> None:
+    if str(path).startswith("gs://") and not _gcs_backend_installed():
+        raise StorageError(f"{path}: gs:// paths need gcsfs (pip install -r requirements-cloud.txt)")
+
+
 def _epath(path):
     from etils import epath  # imported on first remote use: local runs never load gcsfs
 
-    if str(path).startswith("gs://") and not _gcs_backend_installed():
-        raise StorageError(f"{path}: gs:// paths need gcsfs (pip install -r requirements-cloud.txt)")
+    _require_backend(path)
     return epath.Path(str(path))
 
 
@@ -115,7 +119,7 @@ def read_range(path, start: int, length: int) -> bytes:
     def fetch():
         import fsspec
 
-        _epath(path)  # the one-line message when gcsfs is missing
+        _require_backend(path)
         fs, key = fsspec.core.url_to_fs(str(path))
         return fs.cat_file(key, start=start, end=start + length)
 

@@ -84,6 +84,7 @@ STAGES = ("setup", "model", "data", "release", "eagle3", "confu", "families", "b
 # their config, and whether their training packs rows, come from the package's registry (``family_record``)
 CAMPAIGN_FAMILIES = ("medusa", "mlp_speculator", "mtp", "dflash")
 
+
 def family_record(method: str):
     """The package's ``DrafterFamily`` of a run's method (eagle3 / confu: the heads'); imported late, as
     the package's dependencies are installed by the campaign's setup stage."""
@@ -1186,8 +1187,8 @@ class Campaign:
         workdir = self.path("runs", family)
         steps = (plan["e3"] + plan["plus"]) * self.stage(family).get("fallback", {}).get("steps_factor", 1)
         if steps not in checkpoint_steps(os.path.join(workdir, "checkpoints")):
-            cmd = [sys.executable, "-m", "launch.train", "--config", family_record(family).configs[0], "--workdir", workdir,
-                   *self.train_overrides(family), f"--config.train.steps={steps}"]
+            cmd = [sys.executable, "-m", "launch.train", "--config", family_record(family).configs[0],
+                   "--workdir", workdir, *self.train_overrides(family), f"--config.train.steps={steps}"]
             if self.left() < 60:
                 return "later"
             rc, stopped = self.run_cmd(family, cmd, self.left(), extra_env=self.train_env())
