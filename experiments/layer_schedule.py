@@ -45,7 +45,7 @@ def main(argv):
         programs[f"ar/{schedule}"] = (*generate.compile_ar(params, cfg, prompt, unroll_layers=unroll, **kw), params)
         compile_s[f"ar/{schedule}"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        programs[f"{FLAGS.plan}/{schedule}"] = (*loop.compile_speculative(
+        programs[f"{FLAGS.plan}/{schedule}"] = (*loop.compile_from_spec(
             head.spec, head.params, parse_drafter("eagle3", FLAGS.plan), prompt, unroll_layers=unroll, **kw),
             head.params)
         compile_s[f"{FLAGS.plan}/{schedule}"] = time.perf_counter() - t0

@@ -86,7 +86,7 @@ def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab:
 
     from confu_jax.decode.generate import compile_ar
     from confu_jax.decode.heads import random_head
-    from confu_jax.decode.loop import compile_speculative
+    from confu_jax.decode.loop import compile_from_spec
     from confu_jax.decode.plans import parse_plan
     from confu_jax.weights import load_model
 
@@ -110,7 +110,7 @@ def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab:
         run, args = compile_ar(params, cfg, [prompt], max_new_tokens=n, **kw)
         progs[("ar", n)] = (run, params, args)
         for m, head in heads.items():
-            run, args = compile_speculative(head.spec, head.params, plan, [prompt], max_new_tokens=n, **kw)
+            run, args = compile_from_spec(head.spec, head.params, plan, [prompt], max_new_tokens=n, **kw)
             progs[(m, n)] = (run, head.params, args)
     times = {k: [] for k in progs}
     outs = {}

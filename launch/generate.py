@@ -103,15 +103,16 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     if mesh is not None:
         head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
     t0 = time.perf_counter()
+    target, drafter_params = head.target, head.drafter_params
     run, args = compile_speculative(  # a plan the drafter cannot run is refused here, at trace time
-        head.spec, head.params, plan, [prompt_ids], max_new_tokens=decode.max_new_tokens,
+        target, plan, drafter_params, [prompt_ids], max_new_tokens=decode.max_new_tokens,
         temperature=decode.temperature, top_p=decode.top_p, seed=decode.seed, eos_ids=eos_ids,
         max_len=decode.max_len or None, min_bucket=decode.min_bucket, mesh=mesh)
     t1 = time.perf_counter()
     if not head.trained and REGISTERED_METHODS[method].needs_head:
         print(f"[{method}] no --draft_ckpt: using an UNTRAINED draft head ({head.source}); "
               "output is still the target's, but expect tau ~ 1", file=sys.stderr)
-    res = jax.block_until_ready(run(head.params, *args))
+    res = jax.block_until_ready(run(target, drafter_params, *args))
     t2 = time.perf_counter()
     n = int(np.asarray(res.n_generated_b)[0])
     passes = int(np.asarray(res.n_passes_b)[0])

@@ -79,7 +79,7 @@ def test_decode_tau_metric_equals_the_loops_tau_on_its_own_greedy_text(vocab, se
     trainable = {"draft": params.draft, "confu": params.confu}
     n_new, r_steps = 40, 3
     for depth in (1, 2, 3):
-        res = loop.generate_speculative(spec, params, plans.parse_plan(f"chain:{depth}"), [prompt],
+        res = loop.generate_from_spec(spec, params, plans.parse_plan(f"chain:{depth}"), [prompt],
                                         max_new_tokens=n_new, eos_ids=())
         out = np.asarray(res.tokens_bn)[0, : int(res.n_generated_b[0])].tolist()
         passes = int(res.n_passes_b[0])

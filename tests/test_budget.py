@@ -128,7 +128,7 @@ def test_calibration_compiles_every_prompt_bucket_before_timing(monkeypatch):
 
     prompts = [[1] * 10, [1] * 70, [1] * 100, [1] * 200, [1] * 65]  # widths 64, 128, 128, 256, 128
     assert [len(p) for p in one_prompt_per_bucket(prompts, 64)] == [10, 70, 200]
-    for module, name in ((loop, "generate_speculative"), (generate, "generate_ar")):
+    for module, name in ((loop, "generate_from_spec"), (generate, "generate_ar")):
         clock, calls = [0], []
 
         def tick():  # odd between a timed call's t0 and t1, even otherwise
@@ -143,7 +143,7 @@ def test_calibration_compiles_every_prompt_bucket_before_timing(monkeypatch):
         monkeypatch.setattr(module, name, fake_decode)
         monkeypatch.setattr(budget.time, "perf_counter", tick)
         fakes = SimpleNamespace(target=None)
-        if name == "generate_speculative":
+        if name == "generate_from_spec":
             budget.measure_plan(fakes, fakes, "chain:1", prompts, min_bucket=64)
         else:
             budget.measure_ar(fakes, fakes, prompts, min_bucket=64)

@@ -228,7 +228,7 @@ def test_plan_parsing():
     assert get_method("dflash").needs_head and get_method("dflash").speculative
     spec, tp, _ = setup(6)
     with pytest.raises(ValueError, match="needs params.draft\\['dflash'\\]"):
-        loop.generate_speculative(spec, SpecParams(target=tp, draft={}, confu={}, draft_vocab={}),
+        loop.generate_from_spec(spec, SpecParams(target=tp, draft={}, confu={}, draft_vocab={}),
                                   parse_drafter("dflash", "chain:2"), PROMPTS, max_new_tokens=4, eos_ids=())
 
 
@@ -320,8 +320,8 @@ def test_published_layout_round_trip(tmp_path):
     head = decode_head("dflash", spec.target, tp, d)
     assert head.trained and head.spec.draft_model.n_layers == 2 and head.spec.taps == spec.taps
     drafter = parse_drafter("dflash", "chain:3")
-    a = loop.generate_speculative(head.spec, head.params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
-    b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    a = loop.generate_speculative(head.target, drafter, head.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
+    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     with pytest.raises(ValueError, match="cannot read a target of width"):
@@ -351,8 +351,8 @@ def test_five_tap_drafter_imports_and_decodes(tmp_path):
     assert head.spec.taps == taps
     drafter = parse_drafter("dflash", "chain:3")
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=20, eos_ids=())
-    a = loop.generate_speculative(head.spec, head.params, drafter, PROMPTS, max_new_tokens=20, eos_ids=())
-    b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=20, eos_ids=())
+    a = loop.generate_speculative(head.target, drafter, head.drafter_params, PROMPTS, max_new_tokens=20, eos_ids=())
+    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=20, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(ar, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     # a drafter reading the target's last layer's output (no tap exists after it) is refused, naming the ids
@@ -472,7 +472,7 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, imp.params, rounded)
     prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
-    res = loop.generate_speculative(head.spec, head.params, parse_drafter("dflash", "chain:3"), prompts,
+    res = loop.generate_speculative(head.target, parse_drafter("dflash", "chain:3"), head.drafter_params, prompts,
                                     max_new_tokens=16, eos_ids=())
     assert generated_rows(res, 2) == generated_rows(ar, 2)
 

@@ -111,7 +111,7 @@ def test_full_depth_self_drafter_is_always_accepted(plan):
     that hold the top-1 path: the static tree's (0, 0, 0), EAGLE-2 with top_k 1)."""
     spec, tp, params = pair(24, early=8)
     drafter = dm.DraftModel(plan if isinstance(plan, plans.DraftPlan) else plans.parse_plan(plan))
-    sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=25, eos_ids=())
+    sp = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=25, eos_ids=())
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=25, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
@@ -142,7 +142,7 @@ def test_greedy_equals_ar(which, plan, steered):
     spec, tp, params = _pair_for(which, 6, steered)
     drafter = dm.DraftModel(plans.parse_plan(plan), steered=steered)
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
-    sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
+    sp = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log = np.asarray(sp.accept_log_bi)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
@@ -150,7 +150,7 @@ def test_greedy_equals_ar(which, plan, steered):
     # EOS inside a draft: rows stop at different times
     eos = generated_rows(ar, 2)[0][11]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
+    sp_e = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
     assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
@@ -165,17 +165,17 @@ def test_zero_steering_equals_unsteered():
         cfg = spec.draft_model
         steered = params.replace(draft=dict(params.draft, steering=steer_lib.init_steering(spec.target.d_model, 3, cfg)))
         kw = dict(max_new_tokens=20, eos_ids=(), temperature=temp, seed=3)
-        a = loop.generate_speculative(spec, params, dm.DraftModel(plans.parse_plan(plan)), PROMPTS, **kw)
-        b = loop.generate_speculative(spec, steered, dm.DraftModel(plans.parse_plan(plan), steered=True),
+        a = loop.generate_from_spec(spec, params, dm.DraftModel(plans.parse_plan(plan)), PROMPTS, **kw)
+        b = loop.generate_from_spec(spec, steered, dm.DraftModel(plans.parse_plan(plan), steered=True),
                                       PROMPTS, **kw)
         assert generated_rows(a, 2) == generated_rows(b, 2)
         np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     # and non-zero steering changes what is drafted (so the test above is not vacuous)
     spec, tp, params = _pair_for("early3", 24, True)
     plain = params.replace(draft={})
-    a = loop.generate_speculative(spec, plain, dm.DraftModel(plans.parse_plan("chain:3")), PROMPTS,
+    a = loop.generate_from_spec(spec, plain, dm.DraftModel(plans.parse_plan("chain:3")), PROMPTS,
                                   max_new_tokens=20, eos_ids=())
-    b = loop.generate_speculative(spec, params, dm.DraftModel(plans.parse_plan("chain:3"), steered=True), PROMPTS,
+    b = loop.generate_from_spec(spec, params, dm.DraftModel(plans.parse_plan("chain:3"), steered=True), PROMPTS,
                                   max_new_tokens=20, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(b, 2)
     assert not np.array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
@@ -202,8 +202,8 @@ def test_sharded_draft_model_equals_single_device():
 def test_stacked_and_unrolled_loops_agree():
     spec, tp, params = _pair_for("other", 6, True)
     drafter = dm.DraftModel(plans.parse_plan("chain:3"), steered=True)
-    a = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=16, eos_ids=(), unroll_layers=True)
-    b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=16, eos_ids=(), unroll_layers=False)
+    a = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=16, eos_ids=(), unroll_layers=True)
+    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=16, eos_ids=(), unroll_layers=False)
     assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
 
@@ -213,11 +213,11 @@ def test_drafter_refuses_bad_setups():
     with pytest.raises(ValueError, match="no contemplates"):
         dm.DraftModel(plans.parse_plan("chain:3+c2"))
     with pytest.raises(ValueError, match="needs params.draft\\['steering'\\]"):
-        loop.generate_speculative(spec, params, dm.DraftModel(plans.parse_plan("chain:2"), steered=True), PROMPTS,
+        loop.generate_from_spec(spec, params, dm.DraftModel(plans.parse_plan("chain:2"), steered=True), PROMPTS,
                                   max_new_tokens=4, eos_ids=())
     no_draft = ModelSpec(spec.target, spec.head)
     with pytest.raises(ValueError, match="has no draft model"):
-        loop.generate_speculative(no_draft, params, dm.DraftModel(plans.parse_plan("chain:2")), PROMPTS,
+        loop.generate_from_spec(no_draft, params, dm.DraftModel(plans.parse_plan("chain:2")), PROMPTS,
                                   max_new_tokens=4, eos_ids=())
     with pytest.raises(ValueError, match="n_layers must be in"):
         early_exit.early_exit_config(spec.target, 9)

@@ -46,7 +46,7 @@ def test_gated_greedy_equals_ar(variant, text):
     drafter = families.parse_drafter(variant, text)
     assert drafter.widths == tuple(range(1, drafter.n_nodes + 1))
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=())
-    sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=24, eos_ids=())
+    sp = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=24, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
@@ -54,7 +54,7 @@ def test_gated_greedy_equals_ar(variant, text):
         assert np.all(log[np.arange(log.shape[1])[None] < passes[:, None]] == 1)
     eos = generated_rows(ar, 2)[1][9]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
-    sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
+    sp_e = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
     assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
@@ -84,7 +84,7 @@ def test_gate_counts_the_confident_prefix_and_hybrid():
     hyb = families.parse_drafter("hybrid", "chain:3@0.3")
     assert hyb.widths == (1, 2, 3, 4) and hyb.head.min_prob == 0.3
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=())
-    sp = loop.generate_speculative(spec, params, hyb, PROMPTS, max_new_tokens=24, eos_ids=())
+    sp = loop.generate_from_spec(spec, params, hyb, PROMPTS, max_new_tokens=24, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
     for text, msg in (("chain:3@1.5", "probability in"), ("dynamic:2,2,4@0.5", "needs a chain"),
                       ("chain:3@x", "probability in")):
@@ -101,7 +101,7 @@ def test_gated_sampling_lossless_joint():
     n_per, reps = 25_000, 4
     samples = []
     for r in range(reps):
-        res = loop.generate_speculative(spec, params, drafter, [prompt] * n_per, max_new_tokens=3, eos_ids=(),
+        res = loop.generate_from_spec(spec, params, drafter, [prompt] * n_per, max_new_tokens=3, eos_ids=(),
                                         temperature=1.0, top_p=1.0, seed=300 + r, min_bucket=8)
         assert np.all(np.asarray(res.n_generated_b) == 3)
         samples.append(np.asarray(res.tokens_bn)[:, :3])

@@ -94,7 +94,8 @@ def test_trained_head_decodes_losslessly_and_checks_the_method(trained):
     assert dh.trained and dh.source.endswith("(step 2)")
     prompts = [[3, 5, 7, 2, 9], [4, 4, 1]]
     ar = generate_ar(target, spec.target, prompts, max_new_tokens=12, eos_ids=())
-    sp = generate_speculative(dh.spec, dh.params, parse_plan("chain:2"), prompts, max_new_tokens=12, eos_ids=())
+    sp = generate_speculative(dh.target, parse_plan("chain:2"), dh.drafter_params, prompts,
+                              max_new_tokens=12, eos_ids=())
     for b in range(2):
         n = int(np.asarray(sp.n_generated_b)[b])
         assert n == 12

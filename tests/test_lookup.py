@@ -148,7 +148,7 @@ def test_greedy_equals_ar(variant, drafter):
     if isinstance(drafter, PromptLookup):
         params = _lookup_params(spec, tp)
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
-    sp = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
+    sp = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
@@ -156,7 +156,7 @@ def test_greedy_equals_ar(variant, drafter):
     # EOS inside a draft: stop at a token each row emits mid-text; rows stop at different times
     eos = generated_rows(ar, 2)[0][11]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    sp_e = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
+    sp_e = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
     assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
@@ -168,7 +168,7 @@ def test_no_match_iteration_is_an_ar_step():
     params = _lookup_params(spec, tp)
     prompts = [[1, 2, 3, 4, 5, 6, 7]]
     drafter = PromptLookup(k=3, min_match=4, max_match=4)
-    sp = loop.generate_speculative(spec, params, drafter, prompts, max_new_tokens=6, eos_ids=())
+    sp = loop.generate_from_spec(spec, params, drafter, prompts, max_new_tokens=6, eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=6, eos_ids=())
     assert generated_rows(sp, 1) == generated_rows(ar, 1)
     # the width chosen: 1 while no active row has a match, else the full tree

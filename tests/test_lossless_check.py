@@ -113,7 +113,7 @@ def test_bf16_speculative_run_is_lossless_up_to_ties(variant, plan):
         return [toks[b, : n[b]].tolist() for b in range(len(prompts))]
 
     ar = rows(generate_ar(tp, spec.target, prompts, max_new_tokens=40, eos_ids=()))
-    sp = rows(loop.generate_speculative(spec, params, plans.parse_plan(plan), prompts, max_new_tokens=40,
+    sp = rows(loop.generate_from_spec(spec, params, plans.parse_plan(plan), prompts, max_new_tokens=40,
                                         eos_ids=()))
     res = lossless.compare_greedy(tp, spec.target, [(i, 0) for i in range(len(prompts))],
                                   list(zip(prompts, ar)), list(zip(prompts, sp)))

@@ -138,7 +138,7 @@ def test_plan_parsing():
     assert all(parse_drafter("medusa", p).max_depth <= 3 for p in chains + trees)
     spec, tp, params = setup(6, num_heads=2)
     with pytest.raises(ValueError, match="medusa_num_heads"):
-        loop.generate_speculative(spec, params, parse_drafter("medusa", "chain:3"), PROMPTS, max_new_tokens=4,
+        loop.generate_from_spec(spec, params, parse_drafter("medusa", "chain:3"), PROMPTS, max_new_tokens=4,
                                   eos_ids=())
 
 
@@ -152,7 +152,7 @@ def test_full_tree_accepts_every_depth():
     tokens are always in the tree and every pass emits 3 (the last may be clipped)."""
     spec, tp, params = setup(4, num_heads=2)
     prompts = [[t % 4 for t in p] for p in PROMPTS]
-    sp = loop.generate_speculative(spec, params, parse_drafter("medusa", "tree:4,4"), prompts, max_new_tokens=25,
+    sp = loop.generate_from_spec(spec, params, parse_drafter("medusa", "tree:4,4"), prompts, max_new_tokens=25,
                                    eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=25, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
@@ -172,7 +172,7 @@ def test_state_follows_the_last_accepted_node():
     heads["resblocks"]["bias"][:] = 0
     params = SpecParams(target=tp, draft={"medusa": heads}, confu={}, draft_vocab={})
     prompts = [[t % 4 for t in p] for p in PROMPTS]
-    sp = loop.generate_speculative(spec, params, parse_drafter("medusa", "chain:1"), prompts, max_new_tokens=20,
+    sp = loop.generate_from_spec(spec, params, parse_drafter("medusa", "chain:1"), prompts, max_new_tokens=20,
                                    eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=20, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
@@ -226,8 +226,8 @@ def test_faster_decoding_format_round_trip(tmp_path):
     head = decode_head("medusa", spec.target, tp, d)
     assert head.trained and "FasterDecoding" in head.source
     drafter = parse_drafter("medusa", "chain:3")
-    a = loop.generate_speculative(head.spec, head.params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
-    b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    a = loop.generate_speculative(head.target, drafter, head.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
+    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     with pytest.raises(ValueError, match="missing keys"):
@@ -322,7 +322,7 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
     for plan in ("chain:3", "tree:2,2,1"):
-        sp = loop.generate_speculative(head.spec, head.params, parse_drafter("medusa", plan), prompts,
+        sp = loop.generate_speculative(head.target, parse_drafter("medusa", plan), head.drafter_params, prompts,
                                        max_new_tokens=16, eos_ids=())
         assert generated_rows(sp, 2) == generated_rows(ar, 2)
 

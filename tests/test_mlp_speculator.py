@@ -330,7 +330,7 @@ def test_plan_parsing():
     assert get_method("mlp_speculator").needs_head and get_method("mlp_speculator").speculative
     spec, tp, params = setup(6, n_predict=2)
     with pytest.raises(ValueError, match="depth <= n_predict"):
-        loop.generate_speculative(spec, params, parse_drafter("mlp_speculator", "chain:3"), PROMPTS,
+        loop.generate_from_spec(spec, params, parse_drafter("mlp_speculator", "chain:3"), PROMPTS,
                                   max_new_tokens=4, eos_ids=())
 
 
@@ -344,7 +344,7 @@ def test_full_tree_accepts_every_depth():
     tokens are always in the tree and every pass emits 3 (the last may be clipped)."""
     spec, tp, params = setup(4, n_predict=2)
     prompts = [[t % 4 for t in p] for p in PROMPTS]
-    sp = loop.generate_speculative(spec, params, parse_drafter("mlp_speculator", "tree:4,4"), prompts,
+    sp = loop.generate_from_spec(spec, params, parse_drafter("mlp_speculator", "tree:4,4"), prompts,
                                    max_new_tokens=25, eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=25, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
@@ -376,7 +376,7 @@ def test_state_follows_the_last_accepted_node():
     assert ms.config_of(p) == c
     params = SpecParams(target=tp, draft={"mlp_speculator": p}, confu={}, draft_vocab={})
     prompts = [[t % 4 for t in q] for q in PROMPTS]
-    sp = loop.generate_speculative(spec, params, parse_drafter("mlp_speculator", "chain:1"), prompts,
+    sp = loop.generate_from_spec(spec, params, parse_drafter("mlp_speculator", "chain:1"), prompts,
                                    max_new_tokens=20, eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=20, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
@@ -468,8 +468,8 @@ def test_published_format_round_trip(tmp_path):
     head = decode_head("mlp_speculator", spec.target, tp, d)
     assert head.trained and "mlp_speculator format" in head.source
     drafter = parse_drafter("mlp_speculator", "tree:2,2")
-    a = loop.generate_speculative(head.spec, head.params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
-    b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    a = loop.generate_speculative(head.target, drafter, head.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
+    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     with pytest.raises(ValueError, match="neither an MLP speculator"):
@@ -567,7 +567,8 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
     for plan in ("chain:3", "tree:2,2,1"):
-        res = loop.generate_speculative(head.spec, head.params, parse_drafter("mlp_speculator", plan), prompts,
+        res = loop.generate_speculative(head.target, parse_drafter("mlp_speculator", plan), head.drafter_params,
+                                        prompts,
                                         max_new_tokens=16, eos_ids=())
         assert generated_rows(res, 2) == generated_rows(ar, 2)
 

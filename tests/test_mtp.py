@@ -189,7 +189,7 @@ def test_plan_parsing():
     assert get_method("mtp").needs_head and get_method("mtp").speculative
     spec, tp, _ = make("eagle3", 6)
     with pytest.raises(ValueError, match="needs params.draft\\['mtp'\\]"):
-        loop.generate_speculative(spec, SpecParams(target=tp, draft={}, confu={}, draft_vocab={}),
+        loop.generate_from_spec(spec, SpecParams(target=tp, draft={}, confu={}, draft_vocab={}),
                                   parse_drafter("mtp", "chain:2"), PROMPTS, max_new_tokens=4, eos_ids=())
 
 
@@ -321,9 +321,9 @@ def test_deepseek_layout_round_trip(tmp_path):
         decode_head("mtp", cfg, tp, str(tmp_path))
     # and it decodes exactly as the in-memory module
     drafter = parse_drafter("mtp", "tree:2,2")
-    a = loop.generate_speculative(spec, decode_head("mtp", cfg, tp, d).params, drafter, PROMPTS, max_new_tokens=12,
+    a = loop.generate_from_spec(spec, decode_head("mtp", cfg, tp, d).params, drafter, PROMPTS, max_new_tokens=12,
                                   eos_ids=())
-    b = loop.generate_speculative(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     assert not decode_head("mtp", cfg, tp, None).trained

@@ -51,7 +51,7 @@ def test_greedy_equals_ar(target, method):
     assert all(len(r) == N_NEW for r in ar)
     head = decode_head(method, cfg, tp, None, seed=1)
     assert head.spec.target.qk_norm == cfg.qk_norm and head.spec.target.attention_bias == cfg.attention_bias
-    out = loop.generate_speculative(head.spec, head.params, parse_drafter(method, PLANS[method]), PROMPTS,
+    out = loop.generate_speculative(head.target, parse_drafter(method, PLANS[method]), head.drafter_params, PROMPTS,
                                     max_new_tokens=N_NEW, eos_ids=())
     assert _rows(out) == ar, method
     assert np.asarray(out.accept_log_bi).max() >= 1
@@ -70,6 +70,6 @@ def test_five_tap_dflash(target):
     p = jax.device_get(D.init_dflash(jax.random.PRNGKey(3), spec.draft_model, 5, init_std=0.3))
     draft = {"dflash": {**p, "mask_token_id": head.params.draft["dflash"]["mask_token_id"]}}
     params = dataclasses.replace(head.params, draft=draft)
-    out = loop.generate_speculative(spec, params, parse_drafter("dflash", "chain:3"), PROMPTS,
+    out = loop.generate_from_spec(spec, params, parse_drafter("dflash", "chain:3"), PROMPTS,
                                     max_new_tokens=N_NEW, eos_ids=())
     assert _rows(out) == ar

@@ -82,7 +82,7 @@ def test_training_lowers_the_kl_and_the_run_decodes(tmp_path):
     assert np.abs(np.asarray(head.params.draft["steering"]["w_s"]["kernel"])).max() > 0
     prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
-    sp = loop.generate_speculative(head.spec, head.params, parse_drafter("sd2", "chain:3"), prompts,
+    sp = loop.generate_speculative(head.target, parse_drafter("sd2", "chain:3"), head.drafter_params, prompts,
                                    max_new_tokens=16, eos_ids=())
     n = np.asarray(sp.n_generated_b)
     assert [np.asarray(sp.tokens_bn)[b, :n[b]].tolist() for b in range(2)] == \
@@ -138,7 +138,7 @@ def test_distilled_baseline_fine_tunes_the_drafter_alone(tmp_path):
         jax.tree_util.tree_leaves(head.params.draft["model"]), jax.tree_util.tree_leaves(pretrained))) > 0
     prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
-    sp = loop.generate_speculative(head.spec, head.params, parse_drafter("draft_model", "chain:3"), prompts,
+    sp = loop.generate_speculative(head.target, parse_drafter("draft_model", "chain:3"), head.drafter_params, prompts,
                                    max_new_tokens=16, eos_ids=())
     n = np.asarray(sp.n_generated_b)
     assert [np.asarray(sp.tokens_bn)[b, :n[b]].tolist() for b in range(2)] == \

@@ -118,7 +118,7 @@ def test_sharded_speculative_equals_single_device(reference, variant, plan, mesh
     if shardy_aborts:
         jax.config.update("jax_use_shardy_partitioner", False)
     try:
-        out = loop.generate_speculative(spec, params, plans.parse_plan(plan), prompts_for(VOCAB),
+        out = loop.generate_from_spec(spec, params, plans.parse_plan(plan), prompts_for(VOCAB),
                                         max_new_tokens=N_NEW, eos_ids=(), mesh=mesh)
     finally:
         jax.config.update("jax_use_shardy_partitioner", shardy)

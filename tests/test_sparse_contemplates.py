@@ -106,7 +106,7 @@ def test_sparse_contemplates_greedy_equals_ar(variant, vocab, plan):
     spec, tp, params = make(variant, vocab)
     prompts = prompts_for(vocab)
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=24, eos_ids=())
-    sp = loop.generate_speculative(spec, params, plans.parse_plan(plan), prompts, max_new_tokens=24, eos_ids=())
+    sp = loop.generate_from_spec(spec, params, plans.parse_plan(plan), prompts, max_new_tokens=24, eos_ids=())
     assert generated_rows(sp, 4) == generated_rows(ar, 4)
     if vocab == 4:  # the full 2-level tree: passes accept >= 3 tokens, so f comes from deep nodes
         log = np.asarray(sp.accept_log_bi)[:, : int(np.asarray(sp.n_passes_b).min()) - 1]

@@ -36,7 +36,7 @@ def test_greedy_lossless_batch(variant, vocab, plan, head_kw):
     plan = plans.parse_plan(plan)
     prompts = prompts_for(vocab)
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=30, eos_ids=())
-    sp = loop.generate_speculative(spec, params, plan, prompts, max_new_tokens=30, eos_ids=())
+    sp = loop.generate_from_spec(spec, params, plan, prompts, max_new_tokens=30, eos_ids=())
     assert generated_rows(sp, 4) == generated_rows(ar, 4)
     assert np.all(np.asarray(sp.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
     log = np.asarray(sp.accept_log_bi)
@@ -56,13 +56,13 @@ def test_greedy_lossless_batch1_and_eos():
     plan = plans.parse_plan("dynamic:3,3,8")
     prompt = [PROMPTS[1]]
     ar = generate_ar(tp, spec.target, prompt, max_new_tokens=24, eos_ids=())
-    sp = loop.generate_speculative(spec, params, plan, prompt, max_new_tokens=24, eos_ids=())
+    sp = loop.generate_from_spec(spec, params, plan, prompt, max_new_tokens=24, eos_ids=())
     assert generated_rows(sp, 1) == generated_rows(ar, 1)
     # rows finishing at different times: stop at EOS = a token each row emits at a different step
     ar_rows = generated_rows(ar, 1)[0]
     eos = ar_rows[7]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
-    sp_e = loop.generate_speculative(spec, params, plan, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
+    sp_e = loop.generate_from_spec(spec, params, plan, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
     assert generated_rows(sp_e, 4) == generated_rows(ar_e, 4)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
@@ -72,7 +72,7 @@ def test_cache_full_stops_cleanly():
     plan = plans.parse_plan("dynamic:2,4,20")
     max_len = 16 + 12  # bucket 16 + a few verifications
     prompts = prompts_for(4)
-    sp = loop.generate_speculative(spec, params, plan, prompts, max_new_tokens=64, eos_ids=(),
+    sp = loop.generate_from_spec(spec, params, plan, prompts, max_new_tokens=64, eos_ids=(),
                                    max_len=max_len)
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=64, eos_ids=())
     reasons = np.asarray(sp.stop_reason_b)
@@ -105,14 +105,14 @@ def test_one_compiled_program_no_host_round_trip():
     prims = set(all_prims(jaxpr.jaxpr))
     assert not {p for p in prims if "callback" in p or p in ("infeed", "outfeed")}, prims
     before = loop.trace_count()
-    run, args2 = loop.compile_speculative(spec, params, plan, PROMPTS[:2], max_new_tokens=12, eos_ids=())
+    run, args2 = loop.compile_from_spec(spec, params, plan, PROMPTS[:2], max_new_tokens=12, eos_ids=())
     after_compile = loop.trace_count()
     out = run(params, *args2)
     jax.block_until_ready(out)
     assert after_compile - before == 1 and loop.trace_count() == after_compile
     # a second prompt set in the same bucket reuses the program
-    loop.generate_speculative(spec, params, plan, [[1, 2], [3, 4, 5]], max_new_tokens=12, eos_ids=())
-    loop.generate_speculative(spec, params, plan, [[7], [3, 4, 5, 6]], max_new_tokens=12, eos_ids=())
+    loop.generate_from_spec(spec, params, plan, [[1, 2], [3, 4, 5]], max_new_tokens=12, eos_ids=())
+    loop.generate_from_spec(spec, params, plan, [[7], [3, 4, 5, 6]], max_new_tokens=12, eos_ids=())
     assert loop.trace_count() - after_compile <= 1
 
 
@@ -134,7 +134,7 @@ def test_sampling_lossless_joint(plan, temperature, top_p, head_kw):
     n_per, reps = 25_000, 4
     samples = []
     for r in range(reps):
-        res = loop.generate_speculative(spec, params, plan, [prompt] * n_per, max_new_tokens=3,
+        res = loop.generate_from_spec(spec, params, plan, [prompt] * n_per, max_new_tokens=3,
                                         eos_ids=(), temperature=temperature, top_p=top_p,
                                         seed=100 + r, min_bucket=4)
         toks = np.asarray(res.tokens_bn)

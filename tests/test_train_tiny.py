@@ -93,7 +93,7 @@ def test_training_lowers_loss_and_raises_acceptance(variant):
 
     prompts = [list(map(int, r[:PROMPT])) for r in np.asarray(held_out["tokens"])[:4]]
     params = spec_params_lib.spec_params(target, trainable, draft_vocab)
-    sp = loop.generate_speculative(spec, params, plans.parse_plan("dynamic:3,2,6"), prompts,
+    sp = loop.generate_from_spec(spec, params, plans.parse_plan("dynamic:3,2,6"), prompts,
                                    max_new_tokens=N - PROMPT, eos_ids=())
     ar = generate_ar(target, spec.target, prompts, max_new_tokens=N - PROMPT, eos_ids=())
     assert np.array_equal(np.asarray(sp.tokens_bn), np.asarray(ar.tokens_bn))

@@ -114,13 +114,13 @@ def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: in
     """decode(prompt) -> (seconds, passes, accepted lengths incl. bonus) of ``method``'s ``plan``,
     greedy, EOS off, batch 1 (``timed=False``: a warm-up call, nothing returned)."""
     from confu_jax.decode.families import parse_drafter
-    from confu_jax.decode.loop import generate_speculative
+    from confu_jax.decode.loop import generate_from_spec
 
     p = parse_drafter(method, plan)
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket, unroll_layers=unroll_layers)
 
     def decode(prompt, timed=True):
-        res, seconds = _timed_call(lambda: generate_speculative(spec, params, p, [list(prompt)], **kw), timed)
+        res, seconds = _timed_call(lambda: generate_from_spec(spec, params, p, [list(prompt)], **kw), timed)
         if not timed:
             return None
         n = int(np.asarray(res.n_passes_b)[0])

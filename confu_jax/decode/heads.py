@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from confu_jax import storage
-from confu_jax.decode.spec_params import SpecParams, spec_params
+from confu_jax.decode.spec_params import DrafterParams, SpecParams, Target, spec_params, split
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.params import init_trainable
 from confu_jax.models.registry import get_method
@@ -29,10 +29,22 @@ from confu_jax.weights.eagle3_formats import bind_to_target, detect_format, load
 
 
 class DecodeHead(NamedTuple):
+    """A family's loaded drafter weights beside the target: ``target`` and ``drafter_params`` are what
+    ``decode.loop.generate_speculative`` takes; ``spec`` / ``params`` the joined form
+    (``spec_params.join``) a cost model or a training run reads."""
+
     spec: ModelSpec
     params: SpecParams  # target + trainable + draft vocab
     trained: bool
     source: str  # the workdir, or 'random (seed N)'
+
+    @property
+    def target(self) -> Target:
+        return split(self.spec, self.params)[0]
+
+    @property
+    def drafter_params(self) -> DrafterParams:
+        return split(self.spec, self.params)[1]
 
 
 def _speculative_method(method: str):

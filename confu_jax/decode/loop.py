@@ -38,7 +38,7 @@ from confu_jax.decode.drafters import as_drafter
 from confu_jax.decode.requests import default_unroll_layers, validate_request
 from confu_jax.decode.sampling import choose_token
 from confu_jax.decode.sharded import constrain_tree, place_request, place_spec_params
-from confu_jax.decode.spec_params import SpecParams
+from confu_jax.decode.spec_params import DrafterParams, SpecParams, Target, join
 from confu_jax.decode.spec_state import SpecResult, SpecState
 from confu_jax.decode.stopping import PAD_OUT, emit, is_eos, update_stop
 from confu_jax.models import target as target_lib
@@ -263,23 +263,46 @@ def prepare_spec_inputs(spec: ModelSpec, drafter, prompts, *, max_new_tokens: in
     return (args if mesh is None else place_request(args, mesh)), static
 
 
-def generate_speculative(spec: ModelSpec, params: SpecParams, drafter, prompts, **kw) -> SpecResult:
-    """Speculative generation for a list of token-id prompts; ``params`` from ``spec_params``.
+def generate_speculative(target: Target, drafter, drafter_params: DrafterParams, prompts, **kw) -> SpecResult:
+    """Speculative generation for a list of token-id prompts: the loop's public form.
 
-    ``drafter``: any ``decode.drafter.Drafter`` (head, prompt lookup, hybrid), or a ``DraftPlan``
-    for the head of ``spec`` (EAGLE-3 or ConFu by ``spec.head.variant``). Keyword arguments as
-    ``generate_ar`` (max_new_tokens, temperature, top_p, seed, eos_ids, max_len, min_bucket, mesh). With
-    ``mesh`` the params are placed on it by the training table (``decode.sharded``).
+    ``target``: the frozen target (``spec_params.Target``: config and weights); ``drafter``: any
+    ``decode.drafter.Drafter`` (a head's plan, prompt lookup, hybrid, ...: how to draft, from
+    ``decode.families.parse_drafter``), or a ``DraftPlan`` for a head; ``drafter_params``: what it drafts
+    with (``spec_params.DrafterParams``: its architecture and weights, ``decode.families.decode_head``).
+    Keyword arguments as ``generate_ar`` (max_new_tokens, temperature, top_p, seed, eos_ids, max_len,
+    min_bucket, mesh). With ``mesh`` the params are placed on it by the training table (``decode.sharded``).
     """
+    spec, params = join(target, drafter_params)
+    return generate_from_spec(spec, params, drafter, prompts, **kw)
+
+
+def compile_speculative(target: Target, drafter, drafter_params: DrafterParams, prompts, **kw):
+    """Ahead-of-time compile -> (run, args): ``run(target, drafter_params, *args)`` neither traces nor
+    compiles (with ``mesh=``, it places what is not on the mesh yet)."""
+    spec, params = join(target, drafter_params)
+    compiled, args = compile_from_spec(spec, params, drafter, prompts, **kw)
+    mesh = kw.get("mesh")
+
+    def run(target_: Target, drafter_params_: DrafterParams, *a):
+        p = join(target_, drafter_params_)[1]
+        return compiled(p if mesh is None else place_spec_params(p, spec, mesh), *a)
+
+    return run, args
+
+
+def generate_from_spec(spec: ModelSpec, params: SpecParams, drafter, prompts, **kw) -> SpecResult:
+    """``generate_speculative`` on the joined form (``spec_params.join``): what a training run holds
+    (its spec and ``spec_params``) and what the loop's own tests drive."""
     args, static = prepare_spec_inputs(spec, drafter, prompts, **kw)
     if static["mesh"] is not None:
         params = place_spec_params(params, spec, static["mesh"])
     return speculative_padded_jit(params, *args, **static)
 
 
-def compile_speculative(spec: ModelSpec, params: SpecParams, drafter, prompts, **kw):
-    """Ahead-of-time compile -> (run, args): ``run(params, *args)`` neither traces nor compiles.
-    With ``mesh=``, ``run`` expects params placed by ``decode.sharded.place_spec_params``."""
+def compile_from_spec(spec: ModelSpec, params: SpecParams, drafter, prompts, **kw):
+    """``compile_speculative`` on the joined form -> (run, args): ``run(params, *args)`` neither traces nor
+    compiles. With ``mesh=``, ``run`` expects params placed by ``decode.sharded.place_spec_params``."""
     args, static = prepare_spec_inputs(spec, drafter, prompts, **kw)
     if static["mesh"] is not None:
         params = place_spec_params(params, spec, static["mesh"])

@@ -1,4 +1,9 @@
-"""The parameters the speculative loop reads, as one typed pytree.
+"""The parameters the speculative loop reads, as typed pytrees.
+
+The loop's public form takes ``(target, drafter, drafter_params)``: a ``Target`` (the target's
+config and weights) and a ``DrafterParams`` (the drafter's own architecture and parameter tree, ConFu's
+verification extras one optional field). Inside, ``join`` turns the pair into the static
+``models.spec.ModelSpec`` every program is traced with and one ``SpecParams`` pytree; ``split`` goes back.
 
 Three trees are kept apart on purpose (docs/DESIGN.md §2): the frozen target (never trained,
 never donated), the trainable head (``draft`` and ConFu's target-side ``confu`` extras, exactly
@@ -9,11 +14,13 @@ from ``target`` (``embed_vd``), not stored twice.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import flax.struct
 import jax
 
+from confu_jax.models.llama import LlamaConfig
+from confu_jax.models.spec import HeadConfig, ModelSpec
 from confu_jax.models.target import embedding_table
 
 
@@ -38,3 +45,56 @@ def spec_params(target_params, trainable: dict, draft_vocab: dict) -> SpecParams
                          f"keys {sorted(trainable)} and draft_vocab keys {sorted(draft_vocab)}")
     return SpecParams(target=target_params, draft=trainable["draft"], confu=trainable.get("confu", {}),
                       draft_vocab=draft_vocab)
+
+
+@flax.struct.dataclass
+class Target:
+    """The frozen target as the loop takes it: its architecture (static: a jit argument's structure,
+    not a traced leaf) and its weights (the stacked Llama tree ``weights.load_target`` returns)."""
+
+    config: LlamaConfig = flax.struct.field(pytree_node=False)
+    params: Any
+
+
+@flax.struct.dataclass
+class DrafterParams:
+    """What a drafter drafts with: its own architecture (static fields) and its parameter tree.
+
+    ``head``: an EAGLE-3 / ConFu head's config (None for every other family); ``draft_model``: an
+    independent draft model's or DFlash's architecture; ``tap_layers``: the target layers a headless
+    drafter reads when they are not the target's defaults (DFlash). ``weights``: the drafter's tree —
+    a head's (fc, attention, MLP, norms, LM head), or ``{family: tree}`` for the other families (what
+    ``decode.families``' loaders build and each family's ``init`` reads); ``{}`` for model-free
+    drafters. ``confu``: ConFu's verification extras (soft prompts, MoE_con: what the target's
+    contemplates read), None for every other drafter. ``draft_vocab``: a head's d2t / t2d maps."""
+
+    weights: dict
+    draft_vocab: dict
+    confu: Optional[dict] = None
+    head: Optional[HeadConfig] = flax.struct.field(pytree_node=False, default=None)
+    draft_model: Optional[LlamaConfig] = flax.struct.field(pytree_node=False, default=None)
+    tap_layers: Optional[tuple] = flax.struct.field(pytree_node=False, default=None)
+
+    def spec(self, target: LlamaConfig) -> ModelSpec:
+        """The static description the loop's programs are traced with, for this drafter on ``target``."""
+        return ModelSpec(target, self.head, self.draft_model, self.tap_layers)
+
+
+def join(target: Target, drafter_params: DrafterParams) -> tuple:
+    """(Target, DrafterParams) -> (ModelSpec, SpecParams): what the loop's programs read."""
+    if not isinstance(target, Target) or not isinstance(drafter_params, DrafterParams):
+        raise TypeError(f"expected (Target, DrafterParams), got ({type(target).__name__}, "
+                        f"{type(drafter_params).__name__})")
+    dp = drafter_params
+    return dp.spec(target.config), SpecParams(target=target.params, draft=dp.weights,
+                                              confu={} if dp.confu is None else dp.confu,
+                                              draft_vocab=dp.draft_vocab)
+
+
+def split(spec: ModelSpec, params: SpecParams) -> tuple:
+    """(ModelSpec, SpecParams) -> (Target, DrafterParams), ``join``'s inverse (a training run's spec and
+    its ``spec_params`` become what ``decode.loop.generate_speculative`` takes)."""
+    dp = DrafterParams(weights=params.draft, draft_vocab=params.draft_vocab,
+                       confu=params.confu if spec.has_future else None, head=spec.head,
+                       draft_model=spec.draft_model, tap_layers=spec.tap_layers)
+    return Target(config=spec.target, params=params.target), dp
