@@ -18,8 +18,6 @@ lowers it and decodes losslessly, and a killed run resumes with identical losses
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +35,6 @@ from family_checks import assert_sampling_is_lossless
 from loop_fixtures import generated_rows, jit_propose, make
 from jitting import jit_static
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 MASK = 3  # the mask token of the tests' drafts
 # the draft's pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
@@ -475,18 +472,3 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     res = loop.generate_speculative(head.target, parse_drafter("dflash", "chain:3"), head.drafter_params, prompts,
                                     max_new_tokens=16, eos_ids=())
     assert generated_rows(res, 2) == generated_rows(ar, 2)
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_with_identical_losses(tmp_path):
-    from train_resume import assert_killed_run_resumes
-
-    workdir, env = assert_killed_run_resumes(tmp_path, "test_dflash")
-    with open(os.path.join(workdir, "config.json")) as f:
-        assert json.load(f)["dflash"]["block_size"] == 4
-    # the CLI export of the resumed run (subprocess: no launch module in-process)
-    out = str(tmp_path / "export")
-    p = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", workdir, "--format", "dflash",
-                        "--out", out], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "step 12" in p.stdout and "dflash format" in p.stdout

@@ -58,6 +58,9 @@ def test_training_entry_point_and_configs_agree(family):
     for path in rec.configs:
         config = runpy.run_path(os.path.join(REPO, path))["get_config"]()
         assert config.train.task == rec.train_task, path
+    path, _, arg = rec.tiny_config.partition(":")  # the tiny config trains this family, on the tiny target
+    tiny = runpy.run_path(os.path.join(REPO, path))["get_config"](*([arg] if arg else []))
+    assert tiny.train.task == rec.train_task and tiny.model.preset == "tiny", rec.tiny_config
 
 
 def test_export_formats_are_the_clis_and_belong_to_one_family_each():

@@ -325,12 +325,3 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
         sp = loop.generate_speculative(head.target, parse_drafter("medusa", plan), head.drafter_params, prompts,
                                        max_new_tokens=16, eos_ids=())
         assert generated_rows(sp, 2) == generated_rows(ar, 2)
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_with_identical_losses(tmp_path):
-    from train_resume import assert_killed_run_resumes
-
-    workdir, _ = assert_killed_run_resumes(tmp_path, "test_medusa")
-    with open(os.path.join(workdir, "config.json")) as f:
-        assert json.load(f)["medusa"]["num_heads"] == 3

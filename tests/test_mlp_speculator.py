@@ -23,8 +23,6 @@ with identical losses and exports through ``launch.export_head --format mlp_spec
 import json
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +42,6 @@ from family_checks import assert_sampling_is_lossless
 from jitting import jit_static
 from loop_fixtures import generated_rows, jit_propose, make
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 # the speculator's pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
 init_mlp_speculator, mlp_speculator_logits, input_state, stage_state, stage_logits = (
@@ -571,27 +568,3 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
                                         prompts,
                                         max_new_tokens=16, eos_ids=())
         assert generated_rows(res, 2) == generated_rows(ar, 2)
-
-
-@pytest.mark.slow
-def test_killed_run_resumes_with_identical_losses(tmp_path):
-    from train_resume import assert_killed_run_resumes
-
-    workdir, env = assert_killed_run_resumes(tmp_path, "test_mlp_speculator")
-    with open(os.path.join(workdir, "config.json")) as f:
-        assert json.load(f)["mlp_speculator"]["n_predict"] == 3
-    # the CLI export of the resumed run (subprocess: no launch module in-process) loads back equal
-    from confu_jax.models.spec import model_spec_from_config
-    from confu_jax.runs.mlp_speculator import load_mlp_speculator_run
-    from confu_jax.train.target_loading import load_target
-    from confu_jax.weights.mlp_speculator_format import load_mlp_speculator_dir
-
-    out = str(tmp_path / "export")
-    p = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", workdir, "--format", "mlp_speculator",
-                        "--out", out], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "step 12" in p.stdout and "mlp_speculator format" in p.stdout
-    config = _config()
-    spec, tp = load_target(config, model_spec_from_config(config))
-    run = load_mlp_speculator_run(workdir, spec.target, tp)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, load_mlp_speculator_dir(out).params, run.params)

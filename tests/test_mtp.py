@@ -443,28 +443,18 @@ def test_training_lowers_the_loss_and_the_run_loads(tmp_path):
     assert np.abs(np.asarray(trained["eh_proj"]["kernel"]) - np.asarray(
         init_mtp(jax.random.PRNGKey(0), spec.target, tp)["eh_proj"]["kernel"])).max() > 0
     mtp_lib.check_mtp_params(trained, spec.target)  # decodes as any module does (tests/test_family_contract.py)
+    # the CLI's --mtp_shared export (subprocess: no launch module in-process) also stores the target's
+    # embedding and LM head, as DeepSeek's checkpoints do, and loads back to the run's weights
+    from train_resume import resume_env
 
-
-@pytest.mark.slow
-def test_killed_run_resumes_with_identical_losses(tmp_path):
-    from train_resume import assert_killed_run_resumes
-
-    from confu_jax.models.spec import model_spec_from_config
-    from confu_jax.runs.mtp import load_mtp_run
-    from confu_jax.train.target_loading import load_target
     from confu_jax.weights.mtp_format import load_mtp_dir
 
-    workdir, env = assert_killed_run_resumes(tmp_path, "test_mtp")
-    with open(os.path.join(workdir, "config.json")) as f:
-        assert json.load(f)["mtp"]["num_depths"] == 3
-    # the CLI export of the resumed run (subprocess: no launch module in-process) loads back equal
     out = str(tmp_path / "export")
     p = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", workdir, "--format", "mtp",
-                        "--out", out, "--mtp_shared"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                        "--out", out, "--mtp_shared"], cwd=REPO, env=resume_env(tmp_path), capture_output=True,
+                       text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "step 12" in p.stdout and "mtp format" in p.stdout
-    config = _config()
-    spec, tp = load_target(config, model_spec_from_config(config))
+    assert "step 20" in p.stdout and "with the shared embedding / LM head" in p.stdout, p.stdout
     imp = load_mtp_dir(out)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, imp.params, load_mtp_run(workdir, spec.target, tp).params)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, imp.params, trained)
     assert set(imp.shared) == {"embed_tokens.weight", "shared_head.head.weight"}

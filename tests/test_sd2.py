@@ -3,12 +3,10 @@
 (1) At initialisation the steering is the identity sum with W_s = 0 and the delta is zero, so the
 loss is the unsteered drafter's and does not depend on the offset δ; (2) a short run on
 self-distilled data lowers the KL and moves the steering off zero; decoding with the run's
-drafter (``decode_head('sd2', workdir)``) equals AR, greedy; (3) a run killed mid-training resumes
-from its last checkpoint with the losses of an uninterrupted run (the kill-and-resume pattern of
-tests/test_checkpoint_resume.py).
+drafter (``decode_head('sd2', workdir)``) equals AR, greedy; (3) the distilled baseline trains the
+drafter alone. Kill-and-resume: tests/test_family_contract.py, for every family that trains.
 """
 
-import json
 import os
 
 import jax
@@ -90,14 +88,6 @@ def test_training_lowers_the_kl_and_the_run_decodes(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_with_identical_losses(tmp_path):
-    from train_resume import assert_killed_run_resumes
-
-    workdir, _ = assert_killed_run_resumes(tmp_path, "test_sd2")
-    with open(os.path.join(workdir, "config.json")) as f:
-        assert json.load(f)["sd2"]["drafter"] == "self:2"
-
-
 def test_distilled_baseline_fine_tunes_the_drafter_alone(tmp_path):
     """``config.sd2.steer=False`` (the paper's distilled baseline): no steering parameters, the same
     initial loss as SD² (W_s = 0 makes SD² start unsteered), a lower KL after training, and the run

@@ -1,16 +1,17 @@
-"""Kill-and-resume of a training run, shared by the drafter families' tests (Medusa, the MLP
-speculator, SD², the MTP module).
+"""Kill-and-resume of a training run, for every drafter family that trains (``tests/test_family_contract.py``,
+with each record's ``tiny_config``), and the families' short-run configs.
 
 A run is killed with SIGKILL right after step ``kill_at`` (a train-loop hook), started again with the
 same command, and must log the losses of an uninterrupted run exactly. Each run is a fresh interpreter
-(``python -c``): the config comes from the calling test module's ``_config()``, and tests never import
-a ``launch`` module in-process. The persistent compilation cache lets the later runs reuse the first
-run's executables.
+(``python -c``): the config is a shipped config file (``path.py`` or ``path.py:parameter``) with
+``SHORT_RUN`` applied, and tests never import a ``launch`` module in-process. The persistent compilation
+cache lets the later runs reuse the first run's executables.
 """
 
 from __future__ import annotations
 
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -38,10 +39,18 @@ def short_run_config(get_config, **extra):
     return c
 
 
+def tiny_run_config(config_file: str, **extra):
+    """The shipped config ``config_file`` (``path.py`` or ``path.py:parameter``, relative to the repository)
+    with ``SHORT_RUN`` and ``extra`` applied."""
+    path, _, arg = config_file.partition(":")
+    get_config = runpy.run_path(os.path.join(REPO, path))["get_config"]
+    return short_run_config(lambda: get_config(*([arg] if arg else [])), **extra)
+
+
 _RUNNER = r"""
 import os, signal, sys
 sys.path.insert(0, {tests!r})
-from {module} import _config
+from train_resume import tiny_run_config
 from confu_jax.train.loop import train
 
 kill_at = int(sys.argv[2])
@@ -50,7 +59,7 @@ def kill(step, state, metrics):
     if step == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
 
-train(_config(), sys.argv[1], hooks=[kill] if kill_at else [])
+train(tiny_run_config({config_file!r}), sys.argv[1], hooks=[kill] if kill_at else [])
 if kill_at:
     raise SystemExit("not killed")
 """
@@ -65,25 +74,26 @@ def resume_env(tmp_path) -> dict:
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
-def run_training(module: str, workdir: str, kill_at: int, env: dict):
-    """``train(<module>._config(), workdir)`` in a fresh interpreter, killed after step ``kill_at`` (0: not)."""
-    code = _RUNNER.format(tests=os.path.join(REPO, "tests"), module=module)
+def run_training(config_file: str, workdir: str, kill_at: int, env: dict):
+    """``train(tiny_run_config(config_file), workdir)`` in a fresh interpreter, killed after step ``kill_at``
+    (0: not)."""
+    code = _RUNNER.format(tests=os.path.join(REPO, "tests"), config_file=config_file)
     return subprocess.run([sys.executable, "-c", code, workdir, str(kill_at)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
-def assert_killed_run_resumes(tmp_path, module: str, kill_at: int = 7) -> tuple:
+def assert_killed_run_resumes(tmp_path, config_file: str, kill_at: int = 7) -> tuple:
     """A reference run, a run killed after ``kill_at`` and resumed by the same command: identical
     metrics.csv and eval.csv (rtol 1e-6) -> (the resumed run's workdir, the environment)."""
     env = resume_env(tmp_path)
     ref = str(tmp_path / "ref")
-    p = run_training(module, ref, 0, env)
+    p = run_training(config_file, ref, 0, env)
     assert p.returncode == 0, p.stderr[-3000:]
     workdir = str(tmp_path / "run")
-    p = run_training(module, workdir, kill_at, env)
+    p = run_training(config_file, workdir, kill_at, env)
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     assert read_csv(os.path.join(workdir, "metrics.csv"))[-1]["step"] == kill_at
-    p = run_training(module, workdir, 0, env)  # the same command again: resumes from the last checkpoint
+    p = run_training(config_file, workdir, 0, env)  # the same command again: resumes from the last checkpoint
     assert p.returncode == 0, p.stderr[-3000:]
     for name in ("metrics.csv", "eval.csv"):
         rows, want = read_csv(os.path.join(workdir, name)), read_csv(os.path.join(ref, name))

@@ -14,7 +14,9 @@ A method (``models.registry.METHODS``: what ``--method`` names) belongs to one f
 * is swept by budget ``auto`` (``chains``, ``trees``: the candidate plans),
 * is exported (``export_formats``: ``launch.export_head --format``) and trained
   (``train_task``: the ``config.train.task`` entry point, ``configs``: the shipped configs,
-  ``packs_rows``: whether its training runs on packed rows).
+  ``tiny_config``: the shipped config that trains on a random tiny target in seconds — quick checks of a
+  setup, and the contract test's kill-and-resume and export round trip — ``packs_rows``: whether its
+  training runs on packed rows).
 
 Adding a family: its own modules, then one record in ``FAMILIES`` (docs/families.md "Adding a
 family"); ``tests/test_families.py`` checks every record's contract.
@@ -70,6 +72,7 @@ class DrafterFamily:
     export_formats: tuple = ()
     train_task: Optional[str] = None
     configs: tuple = ()
+    tiny_config: Optional[str] = None  # ``path.py`` or ``path.py:parameter`` (ml_collections' config-flag form)
     # its training is run on packed rows (``data.pack``) where a caller packs; False: padded rows (the
     # task refuses packing, or its packed path is untested: DFlash)
     packs_rows: bool = False
@@ -190,27 +193,31 @@ def _mlp_speculator_depth(params) -> int:
 FAMILIES: dict = {f.name: f for f in (
     DrafterFamily("head", parse_head, _load_head, reads_step=True, export_formats=("eagle3", "speculators"),
                   train_task="confu_jax.train.confu_task:build_task",
-                  configs=("configs/smollm2_eagle3.py", "configs/smollm2_confu.py"), packs_rows=True),
+                  configs=("configs/smollm2_eagle3.py", "configs/smollm2_confu.py"),
+                  tiny_config="configs/tiny.py:eagle3",
+                  packs_rows=True),
     DrafterFamily("lookup", parse_lookup, _load_model_free, chains=LOOKUP_CHAINS, trees=DEFAULT_LOOKUP_TREES),
     DrafterFamily("hybrid", parse_hybrid, _load_head, trees=(), reads_step=True),
     DrafterFamily("draft_model", _parse_draft_model, _draft_model_loader(False), source_flag="draft_model"),
     DrafterFamily("sd2", _parse_sd2, _draft_model_loader(True), source_flag="draft_model",
-                  train_task="confu_jax.train.sd2_task:build_task", configs=("configs/smollm2_sd2.py",)),
+                  train_task="confu_jax.train.sd2_task:build_task", configs=("configs/smollm2_sd2.py",),
+                  tiny_config="configs/tiny_sd2.py"),
     DrafterFamily("medusa", lambda text: MedusaDrafter(parse_medusa_plan(text)), _own_head(heads.medusa_head),
                   chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES, max_depth=_medusa_depth,
                   export_formats=("medusa",), train_task="confu_jax.train.medusa_task:build_task",
-                  configs=("configs/smollm2_medusa.py",)),
+                  configs=("configs/smollm2_medusa.py",), tiny_config="configs/tiny_medusa.py"),
     DrafterFamily("mlp_speculator", lambda text: MLPSpeculatorDrafter(parse_mlp_speculator_plan(text)),
                   _own_head(heads.mlp_speculator_head), chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES,
                   max_depth=_mlp_speculator_depth, export_formats=("mlp_speculator",),
                   train_task="confu_jax.train.mlp_speculator_task:build_task",
-                  configs=("configs/smollm2_mlp_speculator.py",)),
+                  configs=("configs/smollm2_mlp_speculator.py",), tiny_config="configs/tiny_mlp_speculator.py"),
     DrafterFamily("mtp", lambda text: MTPDrafter(parse_mtp_plan(text)), _own_head(heads.mtp_head),
                   export_formats=("mtp",), train_task="confu_jax.train.mtp_task:build_task",
-                  configs=("configs/smollm2_mtp.py",), packs_rows=True),
+                  configs=("configs/smollm2_mtp.py",), tiny_config="configs/tiny_mtp.py", packs_rows=True),
     DrafterFamily("dflash", lambda text: DFlashDrafter(parse_dflash_plan(text)), _own_head(heads.dflash_head),
                   trees=DEFAULT_CARTESIAN_TREES, export_formats=("dflash",),
-                  train_task="confu_jax.train.dflash_task:build_task", configs=("configs/smollm2_dflash.py",)),
+                  train_task="confu_jax.train.dflash_task:build_task", configs=("configs/smollm2_dflash.py",),
+                  tiny_config="configs/tiny_dflash.py"),
 )}
 
 
