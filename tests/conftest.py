@@ -44,3 +44,38 @@ def _release_compiled_programs():
     import jax
 
     jax.clear_caches()
+
+
+def _untracked_files() -> set:
+    """Files under the repository that git neither tracks nor ignores (None outside a git checkout)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "-z"], cwd=root,
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return set(filter(None, out.stdout.split("\0"))) if out.returncode == 0 else None
+
+
+def pytest_sessionstart(session):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        session.config._confu_untracked = _untracked_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A test writes under tmp_path, never into the checkout: files the run left there that git neither
+    tracks nor ignores fail the run (a stray ``gs:/`` directory, from a gs:// URL taken as a local path,
+    was once committed that way)."""
+    before = getattr(session.config, "_confu_untracked", None)
+    if "PYTEST_XDIST_WORKER" in os.environ or before is None:
+        return
+    after = _untracked_files() or set()
+    new = sorted(after - before)
+    if new:
+        import sys
+
+        print(f"\nthe test run wrote {len(new)} file(s) into the checkout (tests write under tmp_path): "
+              f"{new[:10]}", file=sys.stderr)
+        session.exitstatus = 1
