@@ -8,18 +8,14 @@ by noise, so every term acts and — at six tokens — drafts are accepted, part
   shape the family runs (its default plan, a chain where that is not one, a static tree, an EAGLE-2
   dynamic tree, its own first tree), the accept log adds up to the tokens emitted, drafts were accepted,
   and with an EOS that falls inside a draft the rows stop where AR's do, for the same reason;
-* decoding over a ``data × tensor`` mesh emits the single-device tokens with the same accept log;
-* a family that trains (``train_task``) trains its ``tiny_config``, resumes a killed run with the
-  uninterrupted run's losses, and every export format it lists loads back to the run's weights.
+* decoding over a ``data × tensor`` mesh emits the single-device tokens with the same accept log.
+
+What every family that trains must do is checked in ``test_family_training_contract.py``.
 
 A family added to the registry is checked here without a line of its own; its own tests add what is
 particular to it (reference implementations, the sampled chi-square, its published layout's names)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +28,6 @@ from family_checks import assert_sharded_equals_single_device
 from loop_fixtures import generated_rows, prompts_for
 from model_fakes import random_target
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 6
 PROMPTS = prompts_for(VOCAB)
 RECORDS = sorted(families.FAMILIES)
@@ -109,37 +104,3 @@ def test_sharded_equals_single_device_for_every_family(family, target):
     tree = next((p for p in plans if not p.startswith("chain:")), plans[0])  # a tree where the family has one
     assert_sharded_equals_single_device(spec, params, rec.parse(tree), PROMPTS, max_new_tokens=16)
 
-
-TRAINED = [f for f in RECORDS if families.FAMILIES[f].train_task]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", TRAINED)
-def test_training_resumes_after_a_kill_and_every_export_loads_back(family, tmp_path):
-    """The record's tiny config trains 12 steps; a run killed after step 7 and started again logs the
-    uninterrupted run's losses exactly; every export format of the record, written by ``launch.export_head``
-    from the resumed run, loads back through the record's loader to the run's own drafter weights."""
-    from train_resume import assert_killed_run_resumes, tiny_run_config
-
-    from confu_jax.models.spec import model_spec_from_config
-    from confu_jax.train.target_loading import load_target
-
-    rec = families.FAMILIES[family]
-    workdir, env = assert_killed_run_resumes(tmp_path, rec.tiny_config)
-    config = tiny_run_config(rec.tiny_config)
-    variant = config.confu.variant
-    method = next(n for n, m in METHODS.items() if m.family == family and (not m.variants or m.variants[0] == variant))
-    spec, tp = load_target(config, model_spec_from_config(config))
-    run = families.decode_head(method, spec.target, tp, workdir)
-    assert run.trained and "step 12" in run.source, run.source
-    for fmt in rec.export_formats:
-        out = str(tmp_path / f"export_{fmt}")
-        p = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", workdir, "--format", fmt,
-                            "--out", out], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        assert "step 12" in p.stdout, p.stdout  # the resumed run's last checkpoint
-        back = families.decode_head(method, spec.target, tp, out).drafter_params
-        want = run.drafter_params
-        assert jax.tree_util.tree_structure(back.weights) == jax.tree_util.tree_structure(want.weights), fmt
-        jax.tree_util.tree_map(np.testing.assert_array_equal, back.weights, want.weights)
-        jax.tree_util.tree_map(np.testing.assert_array_equal, back.draft_vocab, want.draft_vocab)
