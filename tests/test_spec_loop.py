@@ -143,3 +143,26 @@ def test_sampling_lossless_joint(plan, temperature, top_p, head_kw):
     samples = np.concatenate(samples)
     p = chi_square_pvalue(samples, joint, n_per * reps)
     assert p > 1e-3, p
+
+
+def test_the_public_form_joins_to_the_traced_form_and_names_a_missing_or_stray_confu_field():
+    """``split`` / ``join`` between (ModelSpec, SpecParams) and (Target, DrafterParams) are inverses; ConFu's
+    extras are the one optional field: None for EAGLE-3, required for ConFu, and either mistake is named."""
+    from confu_jax.decode import spec_params as sp
+
+    for variant in ("eagle3", "confu"):
+        spec, _, params = make(variant, 6)
+        target, dp = sp.split(spec, params)
+        assert (dp.confu is None) == (variant == "eagle3") and dp.head == spec.head
+        spec2, params2 = sp.join(target, dp)
+        assert spec2 == spec
+        assert jax.tree_util.tree_structure(params2) == jax.tree_util.tree_structure(params)
+        assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(params2), jax.tree_util.tree_leaves(params)))
+        if variant == "confu":
+            with pytest.raises(ValueError, match="contemplates need drafter_params.confu"):
+                sp.join(target, dp.replace(confu=None))
+        else:
+            with pytest.raises(ValueError, match="runs no contemplates"):
+                sp.join(target, dp.replace(confu={"soft_prompts": params.draft["fc"]}))
+    with pytest.raises(TypeError, match=r"expected \(Target, DrafterParams\), got \(ModelSpec, SpecParams\)"):
+        sp.join(spec, params)

@@ -50,7 +50,7 @@ def spec_params(target_params, trainable: dict, draft_vocab: dict) -> SpecParams
 @flax.struct.dataclass
 class Target:
     """The frozen target as the loop takes it: its architecture (static: a jit argument's structure,
-    not a traced leaf) and its weights (the stacked Llama tree ``weights.load_target`` returns)."""
+    not a traced leaf) and its weights (the stacked Llama tree ``weights.load_model`` returns)."""
 
     config: LlamaConfig = flax.struct.field(pytree_node=False)
     params: Any
@@ -86,9 +86,15 @@ def join(target: Target, drafter_params: DrafterParams) -> tuple:
         raise TypeError(f"expected (Target, DrafterParams), got ({type(target).__name__}, "
                         f"{type(drafter_params).__name__})")
     dp = drafter_params
-    return dp.spec(target.config), SpecParams(target=target.params, draft=dp.weights,
-                                              confu={} if dp.confu is None else dp.confu,
-                                              draft_vocab=dp.draft_vocab)
+    spec = dp.spec(target.config)
+    if spec.has_future and dp.confu is None:
+        raise ValueError(f"a {spec.head.variant} head's contemplates need drafter_params.confu (its soft prompts and "
+                         "MoE_con, what decode.families.decode_head loads); got none")
+    if not spec.has_future and dp.confu:
+        raise ValueError(f"drafter_params.confu is set, but this drafter runs no contemplates "
+                         f"({spec.head.variant if spec.head else 'no head'}): ConFu's extras belong to a ConFu head")
+    return spec, SpecParams(target=target.params, draft=dp.weights, confu={} if dp.confu is None else dp.confu,
+                            draft_vocab=dp.draft_vocab)
 
 
 def split(spec: ModelSpec, params: SpecParams) -> tuple:
