@@ -42,6 +42,7 @@ def test_training_resumes_after_a_kill_and_every_export_loads_back(family, tmp_p
     spec, tp = load_target(config, model_spec_from_config(config))
     run = families.decode_head(method, spec.target, tp, workdir)
     assert run.trained and "step 12" in run.source, run.source
+    want = run.drafter_params
     for fmt in rec.export_formats:
         out = str(tmp_path / f"export_{fmt}")
         p = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", workdir, "--format", fmt,
@@ -49,7 +50,6 @@ def test_training_resumes_after_a_kill_and_every_export_loads_back(family, tmp_p
         assert p.returncode == 0, p.stderr[-3000:]
         assert "step 12" in p.stdout, p.stdout  # the resumed run's last checkpoint
         back = families.decode_head(method, spec.target, tp, out).drafter_params
-        want = run.drafter_params
         assert jax.tree_util.tree_structure(back.weights) == jax.tree_util.tree_structure(want.weights), fmt
         jax.tree_util.tree_map(np.testing.assert_array_equal, back.weights, want.weights)
         jax.tree_util.tree_map(np.testing.assert_array_equal, back.draft_vocab, want.draft_vocab)
