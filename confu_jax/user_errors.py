@@ -4,7 +4,8 @@ What a user gets wrong — a flag's value, a plan a drafter cannot run, a path t
 head of the wrong family, a release whose hash does not match — is raised in this package as
 ``ValueError`` / ``FileNotFoundError`` (``CheckpointError`` and ``AssetNotFoundError`` are subclasses)
 with a message that says what was expected and what came (``storage.StorageError``: an object
-store that cannot be reached). :func:`one_line_errors` turns those into
+store that cannot be reached; ``cluster.ClusterError``: a detected cluster whose coordinator cannot be
+found or joined). :func:`one_line_errors` turns those into
 ``<prog>: <message>`` on stderr and exit status 2. Everything else (a crash in XLA, a bug that
 raises ``TypeError``, ...) keeps its traceback, and ``CONFU_JAX_TRACEBACK=1`` keeps it for these too.
 """
@@ -16,9 +17,10 @@ import functools
 import os
 import sys
 
+from confu_jax.cluster import ClusterError
 from confu_jax.storage import StorageError
 
-USER_ERRORS = (ValueError, FileNotFoundError, StorageError)
+USER_ERRORS = (ValueError, FileNotFoundError, StorageError, ClusterError)
 
 
 @contextlib.contextmanager

@@ -6,8 +6,10 @@ type stops the launch with an error naming the key. Re-running with the same ``-
 resumes from its latest checkpoint.
 
 Multi-process: pass ``--coordinator_address/--num_processes/--process_id`` (or set
-``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``); under SLURM (``srun``) and
-on Cloud TPU pods the processes find each other on their own. See launch/*.sh and docs/training.md.
+``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``); where JAX's own cluster
+detection finds the run — a SLURM job step (``srun``, one task per node), a Cloud TPU VM pod (its
+metadata server), a GKE TPU pod, Open MPI — the processes find each other on their own
+(``confu_jax/train/distributed.py``). See launch/*.sh, docs/training.md and docs/scale.md.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ _WORKDIR = flags.DEFINE_string(
     "An existing run directory is resumed from its latest checkpoint.")
 _COORD = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0 for a multi-process run "
-    "(default: JAX_COORDINATOR_ADDRESS, else SLURM / TPU auto-detection, else single process).")
-_NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (default: env / auto).")
-_PID = flags.DEFINE_integer("process_id", None, "This process's index (default: env / auto).")
+    "(default: JAX_COORDINATOR_ADDRESS, else the cluster JAX detects: SLURM, TPU pod, MPI; else "
+    "single process).")
+_NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (default: env / detected).")
+_PID = flags.DEFINE_integer("process_id", None, "This process's index (default: env / detected).")
 _LOCAL_IDS = flags.DEFINE_list(
-    "local_device_ids", None, "Accelerator ids this process owns (one process per GPU).")
+    "local_device_ids", None, "Accelerator ids this process drives (default: JAX_LOCAL_DEVICE_IDS, "
+    "else every device of the host: one process per host). Needed for several processes on one "
+    "host, e.g. one task per GPU under SLURM: --local_device_ids=$SLURM_LOCALID.")
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 0, "Expose N CPU devices in this process (jax_num_cpu_devices); for "
     "development and tests of sharded / multi-process runs on a CPU machine. 0 = JAX default.")
@@ -53,7 +58,8 @@ _EVAL_ONLY = flags.DEFINE_bool(
     "checkpoint, else --config.train.checkpoint.init_from (a run, a release, an EAGLE-3 export); "
     "prints the metrics as JSON and writes <workdir>/eval_only.json.")
 _INIT_TIMEOUT = flags.DEFINE_integer(
-    "distributed_timeout", 300, "Seconds to wait for all processes to join.")
+    "distributed_timeout", 300, "Seconds to wait for all processes to join (and, on a TPU pod, for "
+    "the coordinator's host name to resolve); past it the launch stops naming the coordinator.")
 
 
 def main(argv):
@@ -87,17 +93,17 @@ def main(argv):
 
     distributed.configure_cpu(_CPU_DEVICES.value,
                               None if _CPU_COLLECTIVES.value == "none" else _CPU_COLLECTIVES.value)
-    spec = distributed.resolve(_COORD.value, _NPROC.value, _PID.value,
-                               [int(i) for i in _LOCAL_IDS.value] if _LOCAL_IDS.value else None)
-    distributed.initialize(spec, initialization_timeout=_INIT_TIMEOUT.value)
+    spec = distributed.resolve(_COORD.value, _NPROC.value, _PID.value, _LOCAL_IDS.value or None,
+                               initialization_timeout=_INIT_TIMEOUT.value)
+    distributed.initialize(spec, initialization_timeout=_INIT_TIMEOUT.value, prog="launch.train")
 
     import jax
 
     from confu_jax import storage
     from confu_jax.train.loop import compile_report, describe_memory, evaluate_only, train
 
-    logging.info("process %d/%d (%s start), %d local / %d global devices", jax.process_index(),
-                 jax.process_count(), spec.mode, jax.local_device_count(), jax.device_count())
+    logging.info("process %d/%d (%s), %d local / %d global devices", jax.process_index(),
+                 jax.process_count(), spec.describe(), jax.local_device_count(), jax.device_count())
     from confu_jax.train.task import resolve_run_config
     from confu_jax.user_errors import USER_ERRORS
 

@@ -18,19 +18,21 @@ from xla_env import SINGLE_DEVICE
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_process_slot_reads_flags_then_the_launchers_environment():
-    assert ds.process_slot(env={}) == (0, 1)
-    assert ds.process_slot(1, 3, env={"JAX_PROCESS_ID": "0", "JAX_NUM_PROCESSES": "2"}) == (1, 3)
-    assert ds.process_slot(env={"JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2", "SLURM_PROCID": "3",
-                                "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n[1-4]"}) == (1, 2)
-    step = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n[1-4]"}
-    assert ds.process_slot(env=step) == (3, 4)
-    assert ds.process_slot(env={"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) == (0, 1)  # salloc's shell, no srun
-    assert ds.process_slot(env={"TPU_WORKER_ID": "2", "TPU_WORKER_HOSTNAMES": "a,b,c,d"}) == (2, 4)
+def test_process_slot_reads_flags_then_the_jax_variables(monkeypatch):
+    """Flags, then JAX_PROCESS_ID / JAX_NUM_PROCESSES, else one process (a bare environment: JAX
+    detects no cluster). Slots found by JAX's cluster detection (SLURM, TPU pods):
+    tests/test_cluster_launch.py."""
+    for key in list(os.environ):
+        monkeypatch.delenv(key)
+    assert ds.process_slot() == (0, 1)
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    assert ds.process_slot() == (1, 2)
+    assert ds.process_slot(2, 3) == (2, 3)  # flags win
     with pytest.raises(ValueError, match="both"):
-        ds.process_slot(1, None, env={})
+        ds.process_slot(1, None)
     with pytest.raises(ValueError, match="expected"):
-        ds.process_slot(3, 3, env={})
+        ds.process_slot(3, 3)
 
 
 def test_merge_is_in_input_order_and_refuses_a_record_twice(tmp_path):

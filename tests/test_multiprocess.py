@@ -1,4 +1,4 @@
-"""Multi-process training on one CPU machine, and how processes decide to join a run.
+"""Multi-process training on one CPU machine (how processes decide to join a run: tests/test_cluster_launch.py).
 
 Two processes × 2 CPU devices (``jax.distributed`` on 127.0.0.1, gloo collectives) must follow the
 same loss trajectory as one process × 4 devices, including across a resume that restores each
@@ -13,7 +13,6 @@ import sys
 
 import pytest
 
-from confu_jax.train import distributed
 from confu_jax.train.metric_writers import read_csv
 from xla_env import SINGLE_DEVICE
 
@@ -92,47 +91,3 @@ def test_two_processes_match_one_process_loss_trajectory(tmp_path):
         for r, q in zip(got, ref):
             for k in q:
                 assert r[k] == pytest.approx(q[k], rel=1e-5, abs=1e-7), (name, q["step"], k)
-
-
-# ----------------------------------------------------------------------------- resolve()
-
-
-def test_resolve_single_process_by_default():
-    assert distributed.resolve(env={}).mode == "single"
-
-
-def test_resolve_explicit_flags_and_env():
-    s = distributed.resolve("10.0.0.1:1234", 4, 3, [0, 1], env={})
-    assert (s.mode, s.coordinator_address, s.num_processes, s.process_id) == \
-        ("explicit", "10.0.0.1:1234", 4, 3)
-    assert s.initialize_kwargs == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4,
-                                   "process_id": 3, "local_device_ids": [0, 1]}
-    env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
-    s = distributed.resolve(env=env)
-    assert (s.mode, s.coordinator_address, s.num_processes, s.process_id) == ("explicit", "h:1", 2, 1)
-    # flags win over the environment
-    assert distributed.resolve(process_id=0, env=env).process_id == 0
-    assert distributed.resolve("h:1", 1, 0, env={}).mode == "single"
-
-
-@pytest.mark.parametrize("kw,msg", [
-    ({"coordinator_address": "h:1"}, r"missing \['num_processes', 'process_id'\]"),
-    ({"coordinator_address": "h:1", "num_processes": 2, "process_id": 2}, "outside"),
-])
-def test_resolve_errors_name_what_is_missing(kw, msg):
-    with pytest.raises(ValueError, match=msg):
-        distributed.resolve(env={}, **kw)
-
-
-def test_resolve_slurm_and_tpu_autodetection():
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2",
-             "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
-    s = distributed.resolve(env=slurm)
-    assert s.mode == "slurm" and s.initialize_kwargs == {}  # JAX reads the SLURM variables
-    assert distributed.resolve(env=dict(slurm, SLURM_NTASKS="1")).mode == "single"
-    assert distributed.resolve(env={"SLURM_JOB_ID": "7"}).mode == "single"  # salloc shell, no srun
-    pod = {"TPU_WORKER_HOSTNAMES": "t-0,t-1,t-2,t-3", "TPU_WORKER_ID": "2"}
-    assert distributed.resolve(env=pod).mode == "tpu"
-    assert distributed.resolve(env={"TPU_WORKER_HOSTNAMES": "t-0"}).mode == "single"
-    # explicit settings override auto-detection
-    assert distributed.resolve("h:1", 2, 0, env=slurm).mode == "explicit"

@@ -11,9 +11,11 @@ shards into the one output, in input order (:func:`merge_shards`); ``launch.rele
 output into a release with its manifest.
 
 Which process am I? :func:`process_slot`: explicit flags, else ``JAX_PROCESS_ID`` /
-``JAX_NUM_PROCESSES``, else a SLURM job step's ``SLURM_PROCID`` / ``SLURM_NTASKS`` (inside ``srun``:
-an allocation's shell alone is one process), else a Cloud
-TPU VM pod's worker id and host list, else one process.
+``JAX_NUM_PROCESSES``, else the process index and count of the cluster JAX's own detection finds
+(``confu_jax/cluster.py``: a SLURM job step — inside ``srun``; an allocation's shell alone is one
+process —, a Cloud TPU VM pod through the GCE metadata server, a GKE TPU pod, Open MPI), else one
+process. The same detection decides how training joins (``train/distributed.py``), so a pod's
+workers are the same slots for both.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import logging
 import os
 import time
 import zlib
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +46,11 @@ def shard_output(output: str, shard_index: int, num_shards: int) -> str:
     return f"{root}.shard-{shard_index:05d}-of-{num_shards:05d}{ext}"
 
 
-def process_slot(shard_index: Optional[int] = None, num_shards: Optional[int] = None,
-                 env: Optional[Mapping[str, str]] = None) -> tuple[int, int]:
-    """(this process's shard, the number of shards): the flags when given, else the launcher's
-    environment (JAX, SLURM, Cloud TPU VM), else (0, 1)."""
-    env = os.environ if env is None else env
+def process_slot(shard_index: Optional[int] = None, num_shards: Optional[int] = None) -> tuple[int, int]:
+    """(this process's shard, the number of shards): the flags when given, else ``JAX_PROCESS_ID`` /
+    ``JAX_NUM_PROCESSES``, else the cluster JAX detects (no hand-kept list of launcher variables: a
+    TPU VM pod's worker number lives in its metadata server, not in the environment), else (0, 1)."""
+    env = os.environ
     if num_shards is not None or shard_index is not None:
         if num_shards is None or shard_index is None:
             raise ValueError("give both --shard_index and --num_shards, or neither (the launcher's "
@@ -56,12 +58,11 @@ def process_slot(shard_index: Optional[int] = None, num_shards: Optional[int] = 
         pair = (int(shard_index), int(num_shards))
     elif env.get("JAX_NUM_PROCESSES") and env.get("JAX_PROCESS_ID"):
         pair = (int(env["JAX_PROCESS_ID"]), int(env["JAX_NUM_PROCESSES"]))
-    elif env.get("SLURM_NTASKS") and env.get("SLURM_PROCID") and env.get("SLURM_STEP_NODELIST"):  # inside srun
-        pair = (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]))
-    elif env.get("TPU_WORKER_HOSTNAMES") and env.get("TPU_WORKER_ID"):
-        pair = (int(env["TPU_WORKER_ID"]), len([h for h in env["TPU_WORKER_HOSTNAMES"].split(",") if h]))
     else:
-        pair = (0, 1)
+        from confu_jax import cluster
+
+        found = cluster.detect()
+        pair = (found.process_id, found.num_processes) if found is not None else (0, 1)
     if not (pair[1] >= 1 and 0 <= pair[0] < pair[1]):
         raise ValueError(f"shard {pair[0]} of {pair[1]}: expected 0 <= shard < shards")
     return pair
