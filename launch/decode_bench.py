@@ -25,6 +25,10 @@ writes ``bench.json`` (report.write_results layout: τ, tokens/s, speed-up vs th
 per-category τ / SR, losslessness at T=0, environment), ``bench.md`` (the paper's table plus the
 per-row settings) and ``bench.png`` (τ per category). A method without ``--heads`` runs a random
 head, flagged ``trained: false`` in its rows.
+
+``--chat_template_kwargs '{"enable_thinking": false}'`` (a JSON object) reaches the render of every
+prompt (Qwen3 without reasoning: decode the way the head's data was generated); a kwarg the template
+does not read is refused in one line.
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ flags.DEFINE_bool("interleave", False, "speculative mode: decode every row quest
                   "alike; all rows' programs stay compiled together (a few rows)")
 flags.DEFINE_enum("layers", "auto", list(LAYER_SCHEDULES), LAYERS_HELP)
 flags.DEFINE_string("json_out", "", "write the figures to this JSON file as well")
+flags.DEFINE_string("chat_template_kwargs", "", "JSON object of extra chat-template variables for every prompt, "
+                    "e.g. '{\"enable_thinking\": false}' (Qwen3 without reasoning); a kwarg the template does "
+                    "not read is refused")
 # --- speculative mode (any --methods given)
 flags.DEFINE_list("methods", [], "speculative benchmark mode: comma list of ar, eagle3, confu, confu_nomoe, "
                   "confu_nomoe_norep, lookup (model-free), hybrid (lookup + a head), draft_model (an independent "
@@ -116,12 +123,20 @@ def _limit_cores(n: int):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 
 
+def _tokenizer():
+    """The target's tokenizer with ``--chat_template_kwargs``: every prompt (measured, calibration,
+    later turns) renders with them."""
+    from confu_jax.data.chat import ChatTokenizer, parse_template_kwargs
+
+    # a kwarg the template does not read: ValueError, one line and exit 2 (cli_main)
+    return ChatTokenizer.load(FLAGS.model, template_kwargs=parse_template_kwargs(FLAGS.chat_template_kwargs))
+
+
 def main_speculative():
     from tqdm import tqdm
 
     from confu_jax.bench import budget, cli_args, report, spec_bench
     from confu_jax.bench.prompts import first_turn_ids, load_prompts, sample_prompts
-    from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model
 
     try:
@@ -140,7 +155,7 @@ def main_speculative():
     if stray:
         raise app.UsageError(f"--heads names {stray}, which are not in --methods {methods}")
     prompts = sample_prompts(load_prompts(FLAGS.prompts), FLAGS.n_per_category, seed=FLAGS.seed)
-    tok = ChatTokenizer.load(FLAGS.model)
+    tok = _tokenizer()
     cfg, params = load_model(FLAGS.model)
     print(f"model {FLAGS.model}: {len(prompts)} questions from {FLAGS.prompts}, {FLAGS.turns} turn(s), "
           f"max_new_tokens={FLAGS.max_new_tokens}, methods {methods}, T {temperatures}, budgets {budgets}",
@@ -173,6 +188,8 @@ def main_speculative():
                     "calibration": [list(c) for c in calibration or ()]}
         if FLAGS.layers != "auto":  # only when given, as auto_candidates
             settings["layers"] = FLAGS.layers
+        if tok.template_kwargs:  # only when given: a benchmark's parts share their prompts' rendering
+            settings["chat_template_kwargs"] = tok.template_kwargs
         if auto_candidates:  # only when given: parts of benchmarks without it stay resumable
             settings["auto_candidates"] = {str(k): list(v) for k, v in auto_candidates.items()}
         try:
@@ -200,14 +217,13 @@ def main(argv):
     if FLAGS.methods:
         return main_speculative()
     from confu_jax.assets import resolve_model_path
-    from confu_jax.data.chat import ChatTokenizer
     from confu_jax.weights import load_model
 
     model_path = resolve_model_path(FLAGS.model)
     if FLAGS.hf and not model_path.endswith(".gguf"):
         raise app.UsageError(f"--model must be a GGUF (asset or file) for the transformers side; got "
                              f"{model_path!r} (or pass --nohf)")
-    tok = ChatTokenizer.load(FLAGS.model)
+    tok = _tokenizer()
     cfg, params = load_model(FLAGS.model)
     texts = PROMPTS[: FLAGS.n_prompts]
     prompts = [tok.encode(tok.render([{"role": "user", "content": t}], add_generation_prompt=True))

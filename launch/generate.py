@@ -10,7 +10,8 @@
     python -m launch.generate --prompt "Hi" --method sd2 --draft_model runs/smollm2_sd2 --tree chain:3
 
 The prompt is wrapped as one user turn and rendered with the checkpoint's chat template (generation
-prompt appended). The completion goes to stdout; timing (compile time, tokens/s) to stderr, so the
+prompt appended; ``--chat_template_kwargs '{"enable_thinking": false}'`` passes template variables,
+e.g. Qwen3's switch that answers without a reasoning block). The completion goes to stdout; timing (compile time, tokens/s) to stderr, so the
 output pipes cleanly. ``--max_new_tokens/--temperature/--top_p/--seed`` are shorthands for the
 matching ``--config.decode.*`` fields and win over them when given.
 
@@ -151,6 +152,9 @@ flags.DEFINE_integer("max_new_tokens", None, "most tokens to generate (overrides
 flags.DEFINE_float("temperature", None, "sampling temperature, 0 = greedy (overrides config.decode.temperature)")
 flags.DEFINE_float("top_p", None, "nucleus sampling mass in (0, 1], 1 = off (overrides config.decode.top_p)")
 flags.DEFINE_bool("print_ids", False, "also print the generated token ids to stderr (exact comparisons)")
+flags.DEFINE_string("chat_template_kwargs", "", "JSON object of extra chat-template variables, e.g. "
+                    "'{\"enable_thinking\": false}' (Qwen3 without reasoning; the kwargs the head's data was "
+                    "generated with); a kwarg the template does not read is refused")
 flags.DEFINE_integer("seed", None, "RNG seed for sampling (overrides config.decode.seed)")
 flags.DEFINE_string("mesh", "", "decode over a device mesh, e.g. tensor=8 (heads / MLP / vocabulary of the "
                     "target and head split over 'tensor', for targets that do not fit one device); axes "
@@ -197,12 +201,12 @@ def main(argv):
             with one_line_errors("launch.generate"):
                 raise ValueError(f"{' / '.join(given)} set, but --method {FLAGS.method} drafts nothing (they are "
                                  "for the speculative methods)")
-    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.data.chat import ChatTokenizer, parse_template_kwargs
     from confu_jax.weights import load_model
 
     config = resolved_config()
     try:  # an unsupported or broken checkpoint, a missing chat template: one line naming file and field
-        tok = ChatTokenizer.load(FLAGS.model)
+        tok = ChatTokenizer.load(FLAGS.model, template_kwargs=parse_template_kwargs(FLAGS.chat_template_kwargs))
         cfg, params = load_model(FLAGS.model)
         messages = [{"role": "system", "content": config.chat.system}] if config.chat.system else []
         messages.append({"role": "user", "content": FLAGS.prompt})

@@ -4,13 +4,19 @@
         [--model smollm2-135m-instruct] [--input sharegpt,more.jsonl] [--max_records 1000] \
         [--batch_size 16] [--max_new_tokens 512] [--max_turns 0] [--temperature 0] [--top_p 1]
         [--reuse_prefix] [--fill_rows 1] [--steps_per_sync 16]
-        [--release releases/data/<name>]
+        [--release releases/data/<name>] [--chat_template_kwargs '{"enable_thinking": false}']
 
 Why: a draft head is trained to imitate the *target's* next-token distribution, so training on the
 target's own answers (instead of ShareGPT's ChatGPT answers) removes a distribution shift; EAGLE
 recommends it. System and user turns are kept verbatim; assistant turns are regenerated in order,
 each one conditioned on the *regenerated* earlier answers (the context the target produces at
 inference). User turns after the last assistant turn are dropped (nothing to learn from them).
+Each turn is generated from the prompt the chat template gives for it (the conversation so far with
+the generation prompt), so templates that re-render earlier turns (Qwen3 drops their reasoning) work.
+``--chat_template_kwargs`` (a JSON object) reaches every render: ``'{"enable_thinking": false}'``
+makes Qwen3 answer without a reasoning block (otherwise a ``--max_new_tokens`` answer may be cut off
+inside its reasoning); a kwarg the template does not read is refused in one line naming the
+variables it does read. Records and ``<output>.runs.jsonl`` name the template (sha256) and kwargs.
 
 Generation is batched and jitted. The default engine is **continuous batching**
 (``confu_jax.decode.continuous``): ``--batch_size`` slots decode together and a slot whose answer
@@ -54,6 +60,7 @@ import logging
 import os
 import sys
 
+from confu_jax.data.chat import parse_template_kwargs
 from confu_jax.decode import self_distill
 from confu_jax.decode.self_distill import (drop_released, generate_dataset, keep_turns, make_generate_fn,
                                            read_records, regenerate_continuous)
@@ -114,6 +121,9 @@ def _define_flags(flag_values=None):
                       "axis) instead of placing them on one device")
     flags.DEFINE_integer("cpu_devices", 0, "expose N CPU devices in this process (tests of --shard_target on a "
                          "CPU machine); 0 = JAX's default")
+    flags.DEFINE_string("chat_template_kwargs", "", "JSON object of extra chat-template variables for every "
+                        "render, e.g. '{\"enable_thinking\": false}' (Qwen3 without reasoning); a kwarg the "
+                        "template does not read is refused")
     flags.DEFINE_list("release", [], "data release folders (releases/data/<name>, confu_jax.data.releases), "
                       "comma-separated: conversations any of them holds are not generated again")
     return flags.FLAGS
@@ -150,12 +160,13 @@ def settings_of(fv) -> dict:
     settings = {k: fv[k].value for k in SETTING_KEYS}
     settings["tokenizer"] = settings["tokenizer"] or settings["model"]
     settings["input"] = list(settings["input"])
+    settings["chat_template_kwargs"] = parse_template_kwargs(fv["chat_template_kwargs"].value)
     return settings
 
 
-def record_run(output: str, argv) -> str:
+def record_run(output: str, argv, template_sha256=None) -> str:
     """Record this invocation beside ``output`` (``self_distill.record_run``: its command line and its
-    settings as JSON) -> the command line."""
+    settings as JSON, with the sha256 of the chat template that rendered the prompts) -> the command line."""
     import shlex
 
     from absl import flags as absl_flags
@@ -164,7 +175,10 @@ def record_run(output: str, argv) -> str:
     fv = absl_flags.FlagValues()
     _define_flags(fv)
     fv(["generate_data"] + list(argv[1:]))
-    self_distill.record_run(output, command, settings_of(fv))
+    settings = settings_of(fv)
+    if template_sha256:  # known once the tokenizer is loaded (a command parsed alone has none)
+        settings["chat_template_sha256"] = template_sha256
+    self_distill.record_run(output, command, settings)
     return command
 
 
@@ -184,6 +198,10 @@ def main(argv):
         shard_index, num_shards = process_slot(f.shard_index, f.num_shards)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
+    # before the input is read: a kwarg the template does not read is one line and exit 2
+    tokenizer = ChatTokenizer.load(f.tokenizer or f.model,
+                                   template_kwargs=parse_template_kwargs(f.chat_template_kwargs))
+    template_sha256 = tokenizer.template_record()["sha256"]
     convs, report = load_conversations(
         f.input, on_bad_record=f.on_bad_record, max_records=f.max_records or None
     )
@@ -200,10 +218,9 @@ def main(argv):
     convs = [c for c in every if shard_of(c["id"], num_shards) == shard_index]
     output = shard_output(f.output, shard_index, num_shards)
     log.info("shard %d of %d: %d conversations -> %s", shard_index, num_shards, len(convs), output)
-    tokenizer = ChatTokenizer.load(f.tokenizer or f.model)
     cfg, params = _load_target(f.model, f.dtype or None, f.shard_target)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    record_run(output, sys.argv)
+    record_run(output, sys.argv, template_sha256)
     if f.engine == "continuous":
         stats = regenerate_continuous(convs, output, tokenizer, cfg, params, batch_size=f.batch_size,
                                       max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,
@@ -221,7 +238,7 @@ def main(argv):
             wait_for_shards(f.output, assignment)
             summary["merged"] = merge_shards(f.output, num_shards, [c["id"] for c in every], read_records)
             summary["merged"]["output"] = f.output
-            record_run(f.output, sys.argv)  # the merged file's provenance, for launch.release_data
+            record_run(f.output, sys.argv, template_sha256)  # the merged file's provenance, for launch.release_data
     print(json.dumps(summary))
 
 

@@ -107,7 +107,8 @@ def main(argv):
         _, params = load_model(settings["model"], settings["dtype"] or None)
         target["fingerprint"] = target_fingerprint(params)
         del params
-    tokenizer = ChatTokenizer.load(settings["tokenizer"])
+    # the answer tokens training will see: the template rendered with the kwargs the data was generated with
+    tokenizer = ChatTokenizer.load(settings["tokenizer"], template_kwargs=settings.get("chat_template_kwargs"))
     stats = releases.append_release(
         FLAGS.release, records, count_tokens=answer_token_counter(tokenizer), target=target,
         tokenizer=settings["tokenizer"], generation=settings, name=FLAGS.name or None,

@@ -205,7 +205,7 @@ def test_smollm_eos_and_bos(smol):
 
 
 def test_assistant_first_conversation_is_refused(smol):
-    with pytest.raises(ValueError, match="not prefix-stable at message 0"):
+    with pytest.raises(ValueError, match="message 0 is an assistant turn before any user turn"):
         smol.encode_chat([{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Hi"}])
 
 

@@ -15,6 +15,9 @@ Three on-disk formats are read, all normalised to roles ``system | user | assist
 
 The record shape is recognised per record (``conversations`` or ``messages``; ``from/value`` or
 ``role/content`` turns), the container (array or lines) by the first non-blank character of the file.
+A ``launch.generate_data`` record's ``chat_template`` (``{"sha256", "kwargs"}``: how its prompts were
+rendered) is kept on the normalised conversation, so training can tell data generated with other
+template kwargs (``train.real_data.warn_template_mismatch``).
 
 Bad records (invalid JSON, unknown roles, empty turns, ...) are counted per reason and remembered
 with file and line (for a JSON array, the line where the record starts); ``on_bad_record='fail'``
@@ -173,7 +176,10 @@ def normalize_record(record, fallback_id: str) -> tuple[dict | None, str | None,
     if not any(m["role"] == "assistant" for m in messages):
         return None, "no_assistant", "no assistant turn after a user turn", dropped
     rec_id = record.get("id", record.get("prompt_id", fallback_id))
-    return {"id": str(rec_id), "messages": messages}, None, "", dropped
+    conv = {"id": str(rec_id), "messages": messages}
+    if isinstance(record.get("chat_template"), dict):  # generate_data's: the template + kwargs of its prompts
+        conv["chat_template"] = record["chat_template"]
+    return conv, None, "", dropped
 
 
 # ----------------------------------------------------------------------------------------------

@@ -65,6 +65,11 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.max_records = 0  # read at most this many good conversations (0 = all)
     c.max_length = 2048  # tokens per row after the chat template; longer rows are truncated
     c.min_loss_tokens = 1  # rows with fewer assistant tokens left after truncation are dropped
+    # Extra chat-template variables for every row, a JSON object ('{"enable_thinking": false}' for
+    # Qwen3; '' = none): rows are rendered as the target sees them at inference with these kwargs, so
+    # use the ones the data was generated with (launch.generate_data --chat_template_kwargs; each
+    # generated record names them). A kwarg the template does not read is refused.
+    c.chat_template_kwargs = ""
     # Pack several conversations per row (segment ids + per-conversation positions; the loss never
     # crosses a boundary, docs/DESIGN.md §4). Measured (launch.train_bench --layouts=padded,packed):
     # ~2x real tokens/s on short conversations, no change on full rows. Off by default so that an
@@ -146,12 +151,15 @@ def encode_example(
 
 
 class _Reload:
-    """A tokenizer crossing a process boundary by the path it was loaded from."""
+    """A tokenizer crossing a process boundary by the path it was loaded from (and its chat-template
+    kwargs, so a worker renders rows as the main process does)."""
 
-    def __init__(self, cls, source):
-        self.cls, self.source = cls, source
+    def __init__(self, cls, source, template_kwargs=None):
+        self.cls, self.source, self.template_kwargs = cls, source, template_kwargs
 
     def load(self):
+        if self.template_kwargs:
+            return self.cls.load(self.source, template_kwargs=self.template_kwargs)
         return self.cls.load(self.source)
 
 
@@ -177,7 +185,7 @@ class _Encode(grain.transforms.Map):
                     f"data.num_workers > 0 needs a picklable tokenizer or one with a loadable "
                     f"'source' path; {type(tok).__name__} has neither ({e})"
                 ) from e
-            state["_tokenizer"] = _Reload(type(tok), source)
+            state["_tokenizer"] = _Reload(type(tok), source, getattr(tok, "template_kwargs", None))
         return state
 
     def __setstate__(self, state):

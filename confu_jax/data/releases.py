@@ -22,7 +22,8 @@ never rewritten once released, so git stores every byte once and a clone can che
   raises :class:`ReleaseHashError` naming the part, the expected and the found hash.
 * **One recipe per release.** The manifest records the target (source and weights fingerprint,
   ``runs.heads.target_fingerprint``), the tokenizer, and the generation settings (temperature,
-  top-p, max_new_tokens, max_prompt_len, max_turns, the generating command); appending data made
+  top-p, max_new_tokens, max_prompt_len, max_turns, the chat template's kwargs and sha256, the
+  generating command); appending data made
   with other settings or another target is refused (that is another release). Each part records its
   own generating command, the git commit at packing time and when it was written.
 
@@ -36,7 +37,7 @@ Manifest fields (``format_version`` 1)::
 
 ``answer_tokens`` counts what training's loss sees: the assistant-mask tokens of the target's chat
 template (each assistant turn's text and its end-of-turn token), ``launch.release_data`` counts
-them with ``ChatTokenizer.encode_chat``.
+them with ``ChatTokenizer.encode_chat`` under the template kwargs the data was generated with.
 """
 
 from __future__ import annotations
@@ -64,7 +65,26 @@ DEFAULT_PART_BYTES = 10 * 1000 * 1000  # 10 MB compressed
 DEFAULT_LEVEL = 19
 # Settings that define what the text is: appending data generated with other values is refused.
 RECIPE_KEYS = ("model", "tokenizer", "dtype", "temperature", "top_p", "max_new_tokens", "max_prompt_len",
-               "max_turns")
+               "max_turns", "chat_template_kwargs", "chat_template_sha256")
+# Recipe keys recorded only by later versions: what a release or run written before them used. The
+# kwargs were none; the template was not hashed, so a missing hash matches any (None: not compared).
+_RECIPE_DEFAULTS = {"chat_template_kwargs": {}, "chat_template_sha256": None}
+
+
+def recipe_differences(a: dict, b: dict, keys=RECIPE_KEYS) -> dict:
+    """``{key: (a's, b's)}`` for the recipe ``keys`` whose values differ (a key missing from a
+    record written before it existed counts as its default; a missing template hash as any)."""
+    out = {}
+    for k in keys:
+        x, y = a.get(k), b.get(k)
+        if k in _RECIPE_DEFAULTS:
+            x = _RECIPE_DEFAULTS[k] if x is None else x
+            y = _RECIPE_DEFAULTS[k] if y is None else y
+            if x is None or y is None:
+                continue
+        if x != y:
+            out[k] = (x, y)
+    return out
 _ZSTD_BLOCK = 128 * 1024
 
 
@@ -304,12 +324,9 @@ def check_recipe(manifest: dict, *, target: dict, tokenizer: str, generation: di
         problems.append(f"target {target.get('model')!r} (release: {manifest['target'].get('model')!r})")
     if manifest.get("tokenizer") != tokenizer:
         problems.append(f"tokenizer {tokenizer!r} (release: {manifest.get('tokenizer')!r})")
-    for key in RECIPE_KEYS:
-        if key in ("model", "tokenizer"):
-            continue
-        a, b = manifest["generation"].get(key), generation.get(key)
-        if a != b:
-            problems.append(f"{key}={b!r} (release: {a!r})")
+    keys = [k for k in RECIPE_KEYS if k not in ("model", "tokenizer")]
+    for key, (a, b) in recipe_differences(manifest["generation"], generation, keys).items():
+        problems.append(f"{key}={b!r} (release: {a!r})")
     if problems:
         raise ReleaseError(
             f"{manifest['name']}: the new data was made differently from the release: " + "; ".join(problems)

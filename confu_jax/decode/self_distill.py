@@ -6,7 +6,10 @@ GPU campaign call the same functions.
 Why: a draft head is trained to imitate the *target's* next-token distribution, so training on the
 target's own answers (instead of ShareGPT's ChatGPT answers) removes a distribution shift. System and
 user turns are kept verbatim; assistant turns are regenerated in order, each conditioned on the
-*regenerated* earlier answers. Two engines: ``regenerate_continuous`` (continuous batching,
+*regenerated* earlier answers: turn k is generated from the prompt the chat template gives for it,
+``render(messages[:k], add_generation_prompt=True)`` (``ChatTokenizer.encode_prompt``, with the
+tokenizer's template kwargs), however the template re-renders the earlier turns (Qwen3 drops their
+reasoning), so no prefix stability is assumed. Two engines: ``regenerate_continuous`` (continuous batching,
 ``decode.continuous``: a finished slot is refilled at once, a conversation's next turn prefills only
 its new tokens) and ``generate_dataset`` (static batches through ``generate_ar``).
 
@@ -14,8 +17,10 @@ Output ``{"id", "conversations": [{"role", "content"}]}`` per line, append-only,
 after every conversation (continuous) or batch (static); rerunning resumes (``scan_output`` cuts a
 torn last line, ids already written are skipped). Provenance: every invocation appends a
 ``{"command", "started", "settings"}`` line to ``<output>.runs.jsonl`` (``record_run``), whose
-``settings`` (model, tokenizer, dtype, input, sampling, lengths, engine) ``launch.release_data`` copies
-into the release manifest.
+``settings`` (model, tokenizer, dtype, input, sampling, lengths, engine, chat template kwargs and the
+template's sha256) ``launch.release_data`` copies into the release manifest, and every record carries
+``"chat_template": {"sha256", "kwargs"}`` (``ChatTokenizer.template_record``): the template that
+rendered its prompts, so training can render the rows the same way.
 """
 
 from __future__ import annotations
@@ -147,7 +152,7 @@ def regenerate_batch(
             if not alive[i] or turn >= len(s):
                 continue
             context = out_msgs[i] + s[turn]
-            ids, _ = tokenizer.encode_chat(context, add_generation_prompt=True)
+            ids = tokenizer.encode_prompt(context)
             if len(ids) > max_prompt_len:
                 alive[i] = False
                 continue
@@ -176,6 +181,16 @@ def regenerate_batch(
         {"id": c["id"], "conversations": msgs} if n else None
         for c, msgs, n in zip(convs, out_msgs, n_answers)
     ]
+
+
+def stamp_template(record: dict, tokenizer) -> dict:
+    """``record`` with ``"chat_template": {"sha256", "kwargs"}`` of the template its prompts were
+    rendered with (a tokenizer without ``template_record``, a test fake, adds nothing).
+
+    Why per record: outputs are merged, released and mixed; a record keeps saying how its answers
+    were prompted (Qwen3 with ``enable_thinking`` false answers without reasoning), whatever file it ends in."""
+    describe = getattr(tokenizer, "template_record", None)
+    return {**record, "chat_template": describe()} if describe is not None else record
 
 
 def make_generate_fn(params, cfg, *, max_new_tokens: int, temperature: float, top_p: float, eos_ids,
@@ -222,7 +237,7 @@ def first_questions(conversations, tokenizer, max_prompt_len: int, n: int) -> li
         msgs = keep_turns(c, 1)["messages"]
         if not msgs or msgs[-1]["role"] != "assistant":
             continue
-        ids, _ = tokenizer.encode_chat(msgs[:-1], add_generation_prompt=True)
+        ids = tokenizer.encode_prompt(msgs[:-1])
         if len(ids) <= max_prompt_len:
             out.append({"id": c["id"], "messages": msgs})
             if len(out) == n:
@@ -268,7 +283,7 @@ def generate_dataset(
         batch = todo[start : start + batch_size]
         records = regenerate_batch(batch, tokenizer, generate_fn, batch_size=batch_size,
                                    max_prompt_len=max_prompt_len)
-        kept = [r for r in records if r is not None]
+        kept = [stamp_template(r, tokenizer) for r in records if r is not None]
         stats["written"] += append_records(output, kept)
         stats["no_answer"] += len(records) - len(kept)
         bar.update(len(batch))
@@ -297,7 +312,7 @@ class Conversation:
         if self.turn >= len(self.slots):
             return None
         context = self.messages + self.slots[self.turn]
-        ids, _ = tokenizer.encode_chat(context, add_generation_prompt=True)
+        ids = tokenizer.encode_prompt(context)
         if len(ids) > max_prompt_len:
             return None
         self.before, self.messages = self.messages, context
@@ -370,7 +385,7 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
             if rec is None:
                 stats["no_answer"] += 1
             else:
-                ready.append(rec)
+                ready.append(stamp_template(rec, tokenizer))
             bar.update(1)
         if ready:
             stats["written"] += append_records(output, ready)
@@ -464,7 +479,7 @@ def recorded_settings(outputs: Sequence[str], legacy_parse: Optional[Callable[[s
     """The generation settings every run recorded beside ``outputs`` used (``<output>.runs.jsonl``),
     with the last run's command; the runs must agree on the recipe (``data.releases.RECIPE_KEYS``).
     A line written before settings were recorded has its command parsed by ``legacy_parse``."""
-    from confu_jax.data.releases import RECIPE_KEYS
+    from confu_jax.data.releases import recipe_differences
 
     runs = []
     for path in outputs:
@@ -485,7 +500,7 @@ def recorded_settings(outputs: Sequence[str], legacy_parse: Optional[Callable[[s
         raise ValueError(f"no runs recorded beside {list(outputs)}: pass the command that generated them")
     first = runs[0]
     for r in runs[1:]:
-        diff = {k: (first.get(k), r.get(k)) for k in RECIPE_KEYS if first.get(k) != r.get(k)}
+        diff = recipe_differences(first, r)
         if diff:
             raise ValueError(f"the runs that wrote {list(outputs)} used different settings {diff}: the data mixes "
                              "recipes; pass the command to record if that is intended")

@@ -45,17 +45,45 @@ def process_rows(batch: dict, process_index: int, process_count: int) -> dict:
     return {k: v[lo:hi] for k, v in batch.items()}
 
 
+def training_tokenizer(config):
+    """The target's ``ChatTokenizer`` with ``data.chat_template_kwargs``: every row training renders
+    (training and held-out rows, the draft vocabulary's counts, offline target features) goes through
+    the template with the same kwargs, as the target sees its prompts at inference."""
+    from confu_jax.data.chat import ChatTokenizer, parse_template_kwargs
+
+    kwargs = parse_template_kwargs(config.data.get("chat_template_kwargs", ""), "config.data.chat_template_kwargs")
+    return ChatTokenizer.load(strip_asset(config.model.source), template_kwargs=kwargs)
+
+
+def warn_template_mismatch(conversations, tokenizer) -> int:
+    """Log (once, with a count) generated records whose ``chat_template`` kwargs differ from the ones
+    training renders with; returns that count.
+
+    Why: the kwargs decide the generation prompt (Qwen3's empty reasoning block with
+    ``enable_thinking`` false), so rows rendered with other kwargs than the answers were generated
+    under put the loss on tokens the target was given, not generated. A warning, not an error: the
+    template text itself may legitimately differ (another copy of the same target's tokenizer)."""
+    want = dict(getattr(tokenizer, "template_kwargs", {}) or {})
+    bad = [c for c in conversations if isinstance(c.get("chat_template"), dict)
+           and dict(c["chat_template"].get("kwargs") or {}) != want]
+    if bad:
+        log.warning("%d of %d training conversations were generated with chat template kwargs %s (e.g. %s), but "
+                    "training renders them with %s: set data.chat_template_kwargs to what generate_data was given",
+                    len(bad), len(conversations), bad[0]["chat_template"].get("kwargs"), bad[0]["id"], want)
+    return len(bad)
+
+
 def real_data(config, spec: ModelSpec):
     """(draft vocab, train_iterator, eval_batches) over conversations, with a held-out tail."""
     from confu_jax.data import formats, pipeline
-    from confu_jax.data.chat import ChatTokenizer
     from confu_jax.data.draft_vocab import draft_vocab_for_training
 
     data = config.data
-    tokenizer = ChatTokenizer.load(strip_asset(config.model.source))
+    tokenizer = training_tokenizer(config)
     conversations, report = formats.load_conversations(
         pipeline.train_files(data), on_bad_record=data.on_bad_record, max_records=data.max_records or None)
     log.info("training data: %s", report.summary())
+    warn_template_mismatch(conversations, tokenizer)
     train_convs, eval_convs = formats.split_held_out(conversations, int(config.objective.eval_records))
     vocab = draft_vocab_for_training(data, tokenizer, spec.target.vocab_size, conversations=train_convs)
 

@@ -132,11 +132,11 @@ def write_store(config, out_dir: str, *, top_k: int, dtype: str, batch_size: int
     """Features of every usable conversation of ``config.data.train_files``, in file order, with the
     draft vocabulary a training run of ``config`` would count (training conversations only)."""
     from confu_jax.data import formats, pipeline
-    from confu_jax.data.chat import ChatTokenizer
     from confu_jax.data.draft_vocab import draft_vocab_for_training
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.heads import target_fingerprint
-    from confu_jax.train.target_loading import load_target, strip_asset
+    from confu_jax.train.real_data import training_tokenizer
+    from confu_jax.train.target_loading import load_target
     from confu_jax.train.task import resolve_run_config
 
     resolve_run_config(config)  # a config without a preset is sized by its checkpoint; the batch by the devices
@@ -145,7 +145,7 @@ def write_store(config, out_dir: str, *, top_k: int, dtype: str, batch_size: int
         raise ValueError("target features need conversations and a tokenizer: config.model.source='random' "
                          "trains on self-distilled data instead")
     data = config.data
-    tokenizer = ChatTokenizer.load(strip_asset(config.model.source))
+    tokenizer = training_tokenizer(config)  # with data.chat_template_kwargs, as training renders its rows
     conversations, report = formats.load_conversations(
         pipeline.train_files(data), on_bad_record=data.on_bad_record, max_records=data.max_records or None)
     log.info("target features over: %s", report.summary())
