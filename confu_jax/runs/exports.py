@@ -90,8 +90,8 @@ def read_eagle_source(source: str, step: Optional[int] = None, target: Optional[
     if fmt is None:
         if not (storage.isfile(os.path.join(source, "config.json"))
                 or storage.isfile(os.path.join(source, "export.json"))):
-            raise ValueError(f"{source}: not a head: expected a launch.train workdir (config.json + checkpoints/), "
-                             "a release (manifest.json), or an EAGLE-3 head in the official or speculators layout "
+            raise ValueError(f"{source}: not a launch.train workdir (config.json + checkpoints/), a release "
+                             "(manifest.json), nor an EAGLE-3 head in the official or speculators layout "
                              "(config.json with architectures ['LlamaForCausalLMEagle3'] / speculators_model_type)")
         head = load_trained_head(source, step)
         spec = head.spec
