@@ -157,3 +157,20 @@ def test_formats_vllm_refuses_are_named(tmp_path, method):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and method in lines[0] and "does not serve" in lines[0]
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_vllm_outside_the_pinned_release_is_one_line(tmp_path):
+    """The runner's calls (metrics names, ``LLM`` arguments) were checked against the pinned release
+    only: another version is refused in one line, before an engine starts or anything is written."""
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '0.31.1'\nclass LLM: pass\nclass SamplingParams: pass\n")
+    prompts = tmp_path / "p.json"
+    prompts.write_text("[[1, 2, 3]]")
+    proc = subprocess.run([sys.executable, str(RUNNER), "--model", "unused", "--prompts", str(prompts), "--out",
+                           str(tmp_path / "x.json")], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(fake.parent)})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vLLM 0.31.1 is installed; expected one of ('0.32.0',)" in lines[0], lines
+    assert not (tmp_path / "x.json").exists()
