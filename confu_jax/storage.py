@@ -8,8 +8,11 @@ workdir's ``config.json`` and metric CSVs — goes through these functions, whic
 ``etils.epath`` (fsspec's ``gcsfs`` for ``gs://``) on a remote one.
 
 What an object store lacks, and what is done instead:
-  * no append: :func:`open` refuses ``'a'``; callers that append (metric CSVs) rewrite the object,
-    which is atomic there (no ``.tmp`` + rename needed);
+  * no append: :func:`open` refuses ``'a'``; callers that append small files (metric CSVs) rewrite the
+    object, which is atomic there (no ``.tmp`` + rename needed); a growing output (self-distilled
+    JSONL) appends through :func:`append_text`, a server-side compose on ``gs://``;
+  * no rename: a folder of several files (an exported head, a release) is written locally and
+    published by :func:`staged_dir`, the file that says "complete" (manifest, config) last;
   * no ``flock``: ``runs.lock`` says so in one line and runs unlocked;
   * no memory map: ``weights.safetensors_io`` reads byte ranges (:func:`read_range`) instead.
 
@@ -20,11 +23,15 @@ Emulators (tests, local development): ``STORAGE_EMULATOR_HOST`` points ``gcsfs``
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import importlib.util
 import os
+import re
 import shutil
-from typing import IO
+import tempfile
+import uuid
+from typing import IO, Iterator, Sequence
 
 REMOTE_SCHEMES = ("gs://", "s3://")
 
@@ -57,16 +64,38 @@ def _gcs_backend_installed() -> bool:
     return any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow"))
 
 
-def _require_backend(path) -> None:
+def require_backend(path) -> None:
+    """Raise :class:`StorageError` (one line naming ``path`` and the install command) for a ``gs://``
+    path on a machine without the cloud extra. Every remote call checks it; the CLIs check every
+    ``gs://`` value on their command line before doing any work (:func:`remote_paths_in`), so a
+    missing extra never leaves half an output behind."""
     if str(path).startswith("gs://") and not _gcs_backend_installed():
-        raise StorageError(f"{path}: gs:// paths need gcsfs (pip install -r requirements-cloud.txt)")
+        raise StorageError(f"{path}: gs:// paths need gcsfs, which is not installed "
+                           "(pip install -r requirements-cloud.txt)")
+
+
+_REMOTE_IN_TEXT = re.compile(r"(?:gs|s3)://[^,;\s]*")
+
+
+def remote_paths_in(args: Sequence[str]) -> list:
+    """Every object-store URL in command-line words, wherever it sits in one: ``--out=gs://b/x``,
+    ``gs://b/x`` after ``--out``, list items (``a.jsonl,gs://b/c``) and ``NAME=gs://...`` pairs."""
+    return [m for a in args for m in _REMOTE_IN_TEXT.findall(str(a))]
 
 
 def _epath(path):
     from etils import epath  # imported on first remote use: local runs never load gcsfs
 
-    _require_backend(path)
+    require_backend(path)
     return epath.Path(str(path))
+
+
+def _fs(path):
+    """(fsspec filesystem, key) of a remote path, for what ``epath`` does not offer (compose, ranges)."""
+    import fsspec
+
+    require_backend(path)
+    return fsspec.core.url_to_fs(str(path))
 
 
 def absolute(path: str) -> str:
@@ -91,18 +120,102 @@ def read_text(path) -> str:
         return f.read()
 
 
+def read_bytes(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def write_text(path, text: str) -> None:
     """The whole file at once: on a local disk through a temporary file and a rename, so a reader
     never sees half of it; an object store's write is atomic already."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path, data: bytes) -> None:
+    """:func:`write_text` for bytes (a figure, a compressed part): durable (fsynced) before the
+    rename on a local disk, one upload on an object store."""
     if is_remote(path):
-        with open(path, "w") as f:
-            f.write(text)
+        with open(path, "wb") as f:
+            f.write(data)
         return
     makedirs(os.path.dirname(os.path.abspath(path)))
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with builtins.open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_figure(path, fig, **savefig_kw) -> None:
+    """A matplotlib figure as a PNG at ``path``, local or remote: rendered in memory, then written
+    whole (:func:`write_bytes`), so a reader never finds half a figure. ``savefig_kw``: ``dpi``, ..."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **savefig_kw)
+    write_bytes(path, buf.getvalue())
+
+
+def append_text(path, text: str) -> None:
+    """Append ``text`` to ``path`` (created if absent) and make it durable before returning.
+
+    Locally an ``'a'`` write and an fsync. An object cannot grow, and rewriting a 200 MB output for
+    every conversation added would move 200 MB per conversation; on ``gs://`` the text is uploaded
+    as its own object and composed onto the end of ``path`` (one server-side request that reads no
+    byte back), then removed: a reader sees the object before or after the append, never a torn
+    line. Other stores rewrite the object."""
+    if not is_remote(path):
+        with builtins.open(path, "a", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return
+    data = text.encode("utf-8")
+
+    def append():
+        fs, key = _fs(path)
+        if not fs.exists(key):
+            fs.pipe_file(key, data)
+        elif not str(path).startswith("gs://"):
+            fs.pipe_file(key, fs.cat_file(key) + data)
+        else:
+            piece = f"{key}.append-{uuid.uuid4().hex}"
+            fs.pipe_file(piece, data)
+            try:
+                fs.merge(key, [key, piece])
+            finally:
+                fs.rm_file(piece)
+        fs.invalidate_cache(key)
+
+    _guarded(path, "append", append)
+
+
+def truncate(path, size: int) -> None:
+    """Cut ``path`` to its first ``size`` bytes (a torn last line): locally in place, on an object
+    store by rewriting the object."""
+    if not is_remote(path):
+        with builtins.open(path, "r+b") as f:
+            f.truncate(size)
+        return
+    with open(path, "rb") as f:
+        data = f.read(size)
+    write_bytes(path, data)
+
+
+def remove(path) -> None:
+    """Delete the file ``path`` (absent already: nothing to do)."""
+    if not is_remote(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        return
+
+    def rm():
+        fs, key = _fs(path)
+        if fs.exists(key):
+            fs.rm_file(key)
+
+    _guarded(path, "delete", rm)
 
 
 def read_range(path, start: int, length: int) -> bytes:
@@ -117,10 +230,7 @@ def read_range(path, start: int, length: int) -> bytes:
         return b""
 
     def fetch():
-        import fsspec
-
-        _require_backend(path)
-        fs, key = fsspec.core.url_to_fs(str(path))
+        fs, key = _fs(path)
         return fs.cat_file(key, start=start, end=start + length)
 
     return _guarded(path, "read", fetch)
@@ -155,6 +265,63 @@ def makedirs(path) -> None:
 
 def getsize(path) -> int:
     return _guarded(path, "stat", lambda: _epath(path).stat().length) if is_remote(path) else os.path.getsize(path)
+
+
+def files_under(path) -> list:
+    """Paths of every file under the folder ``path``, relative to it (``/``-separated)."""
+    if not is_remote(path):
+        return sorted(os.path.relpath(os.path.join(d, n), path).replace(os.sep, "/")
+                      for d, _, names in os.walk(path) for n in names)
+
+    def walk():
+        fs, key = _fs(path)
+        root = key.rstrip("/") + "/"
+        return sorted(k[len(root):] for k in fs.find(root) if k.startswith(root))
+
+    return _guarded(path, "list", walk)
+
+
+@contextlib.contextmanager
+def staged_dir(dst, *, last: Sequence[str] = ("manifest.json", "config.json"), replace: bool = False
+               ) -> Iterator[str]:
+    """A local folder to write the folder ``dst`` into; what was written is published there when the
+    block ends without an error, and nothing is published when it raises.
+
+    Why: writers of a folder of files (an exported head, a release) use ``os`` / safetensors on a
+    local path, and a folder of several objects cannot be renamed into place on a store. Publishing
+    puts the other files first and the ``last`` ones (the file that says the folder is complete: a
+    manifest, a config) after them, so a reader that finds those finds every file they name; the
+    old ``last`` files of ``dst`` are deleted before anything else is written. ``replace``: files of
+    ``dst`` that the new folder lacks are removed too (a release replaced as a whole). Locally the
+    staging folder sits beside ``dst`` (same disk: files are moved by rename)."""
+    if is_remote(dst):
+        require_backend(dst)
+        stage = tempfile.mkdtemp(prefix="confu_stage_")
+    else:
+        parent = os.path.dirname(os.path.abspath(dst))
+        os.makedirs(parent, exist_ok=True)
+        stage = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(dst))}.stage-", dir=parent)
+    try:
+        yield stage
+        new = files_under(stage)
+        order = [f for f in new if f not in last] + [f for f in last if f in new]
+        old = files_under(dst) if isdir(dst) else []
+        for name in last:
+            if name in old:
+                remove(os.path.join(dst, name))
+        for name in order:
+            src, out = os.path.join(stage, name), os.path.join(dst, name)
+            if is_remote(dst):
+                with builtins.open(src, "rb") as fi, open(out, "wb") as fo:
+                    shutil.copyfileobj(fi, fo)
+            else:
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                os.replace(src, out)
+        if replace:
+            for name in sorted(set(old) - set(new)):
+                remove(os.path.join(dst, name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def copy_tree(src, dst) -> None:

@@ -17,6 +17,7 @@ import functools
 import os
 import sys
 
+from confu_jax import storage
 from confu_jax.cluster import ClusterError
 from confu_jax.storage import StorageError
 
@@ -37,11 +38,15 @@ def one_line_errors(prog: str):
 
 def cli_main(prog: str, main):
     """``main`` (an absl ``main(argv)``) with the user's mistakes reported as one line: what every
-    ``launch`` module hands to ``app.run``."""
+    ``launch`` module hands to ``app.run``. Before ``main`` starts, every ``gs://`` value on the
+    command line is checked against the installed backend (``storage.require_backend``): without
+    the cloud extra the command stops in one line before it has written anything."""
 
     @functools.wraps(main)
     def wrapped(argv):
         with one_line_errors(prog):
+            for path in storage.remote_paths_in(sys.argv[1:]):
+                storage.require_backend(path)
             return main(argv)
 
     return wrapped

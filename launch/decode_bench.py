@@ -23,12 +23,16 @@ Speculative mode (``--methods``): AR, EAGLE-3 and ConFu over Spec-Bench-format p
 
 writes ``bench.json`` (report.write_results layout: τ, tokens/s, speed-up vs the same run's AR,
 per-category τ / SR, losslessness at T=0, environment), ``bench.md`` (the paper's table plus the
-per-row settings) and ``bench.png`` (τ per category). A method without ``--heads`` runs a random
+per-row settings) and ``bench.png`` (τ per category); ``--out`` may be a ``gs://`` URL (the files and
+``<out>.parts/`` are written there whole, docs/scale.md). A method without ``--heads`` runs a random
 head, flagged ``trained: false`` in its rows.
 
 ``--chat_template_kwargs '{"enable_thinking": false}'`` (a JSON object) reaches the render of every
 prompt (Qwen3 without reasoning: decode the way the head's data was generated); a kwarg the template
 does not read is refused in one line.
+
+Both modes take ``--attention_impl {xla,pallas}`` (the Pallas tree-attention kernel: a CUDA GPU only,
+refused in one line elsewhere) and ``--mesh`` (decode over a device mesh, as ``launch.generate --mesh``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ import os
 
 from absl import app, flags
 
-from confu_jax.bench.cli_args import LAYER_SCHEDULES, LAYERS_HELP
+from confu_jax import storage
+from confu_jax.bench.cli_args import ATTENTION_CHOICES, ATTENTION_HELP, LAYER_SCHEDULES, LAYERS_HELP
 from confu_jax.bench.ar_baseline import CompiledAR, first_divergence, hf_generate, load_hf_reference
 
 # A handful of fixed chat prompts of varied length and kind (a later issue swaps in MT-Bench).
@@ -70,6 +75,11 @@ flags.DEFINE_bool("interleave", False, "speculative mode: decode every row quest
                   "first rotating) instead of row after row, so a drift of the machine's speed falls on all rows "
                   "alike; all rows' programs stay compiled together (a few rows)")
 flags.DEFINE_enum("layers", "auto", list(LAYER_SCHEDULES), LAYERS_HELP)
+flags.DEFINE_enum("attention_impl", "xla", list(ATTENTION_CHOICES), ATTENTION_HELP)
+flags.DEFINE_string("mesh", "", "decode over a device mesh, as launch.generate --mesh: e.g. tensor=8 (axes data, fsdp, "
+                    "tensor with the training rules, confu_jax/sharding.py; one prompt is one row, so data × fsdp must "
+                    "be 1). Empty = one device. On CPU the devices are faked: a layout check, not a speed-up. The "
+                    "transformers side of the AR mode stays on one device")
 flags.DEFINE_string("json_out", "", "write the figures to this JSON file as well")
 flags.DEFINE_string("chat_template_kwargs", "", "JSON object of extra chat-template variables for every prompt, "
                     "e.g. '{\"enable_thinking\": false}' (Qwen3 without reasoning); a kwarg the template does "
@@ -132,7 +142,7 @@ def _tokenizer():
     return ChatTokenizer.load(FLAGS.model, template_kwargs=parse_template_kwargs(FLAGS.chat_template_kwargs))
 
 
-def main_speculative():
+def main_speculative(attention_impl: str, mesh):
     from tqdm import tqdm
 
     from confu_jax.bench import budget, cli_args, report, spec_bench
@@ -176,10 +186,12 @@ def main_speculative():
             print(f"budget auto calibrates on {len(calibration)} held-out questions "
                   f"({', '.join(str(p.question_id) for p in picked)})", flush=True)
     auto_candidates = cli_args.parse_auto_candidates(FLAGS.auto_candidates) if FLAGS.auto_candidates else None
+    cfg = cfg.replace(attention_impl=attention_impl)
     setup = spec_bench.BenchSetup(cfg, params, tok, max_new_tokens=FLAGS.max_new_tokens, turns=FLAGS.turns,
                                   top_p=FLAGS.top_p, seed=FLAGS.seed, min_bucket=FLAGS.min_bucket,
                                   calibration=calibration, auto_candidates=auto_candidates, ar_again=FLAGS.ar_again,
-                                  interleave=FLAGS.interleave, unroll_layers=LAYER_SCHEDULES[FLAGS.layers])
+                                  interleave=FLAGS.interleave, unroll_layers=LAYER_SCHEDULES[FLAGS.layers],
+                                  mesh=mesh)
     parts = None
     if FLAGS.resume:
         settings = {"model": FLAGS.model, "questions": [[p.category, p.question_id] for p in prompts],
@@ -188,6 +200,10 @@ def main_speculative():
                     "calibration": [list(c) for c in calibration or ()]}
         if FLAGS.layers != "auto":  # only when given, as auto_candidates
             settings["layers"] = FLAGS.layers
+        if attention_impl != "xla":  # only when given: earlier benchmarks' parts stay resumable
+            settings["attention_impl"] = attention_impl
+        if FLAGS.mesh:
+            settings["mesh"] = FLAGS.mesh
         if tok.template_kwargs:  # only when given: a benchmark's parts share their prompts' rendering
             settings["chat_template_kwargs"] = tok.template_kwargs
         if auto_candidates:  # only when given: parts of benchmarks without it stay resumable
@@ -201,7 +217,7 @@ def main_speculative():
                                     progress_factory=lambda **kw: tqdm(leave=False, dynamic_ncols=True, **kw),
                                     parts=parts)
     report.write_outputs(FLAGS.out, rows)
-    print(open(os.path.splitext(FLAGS.out)[0] + ".md").read())
+    print(storage.read_text(os.path.splitext(FLAGS.out)[0] + ".md"))
     print(f"wrote {FLAGS.out} (+ .md, .png)")
     return 0
 
@@ -214,8 +230,14 @@ def main(argv):
 
     quiet_orbax_logs()  # no save-phase chatter or read-only warnings from orbax
     _limit_cores(FLAGS.threads)
+    from confu_jax.bench.cli_args import decode_attention_impl
+    from confu_jax.decode.sharded import fake_host_devices, parse_mesh
+
+    fake_host_devices(FLAGS.mesh)  # before JAX starts its backends (decode_attention_impl asks for one)
+    attention_impl = decode_attention_impl(FLAGS.attention_impl)  # refused here, before any model loads
+    mesh = parse_mesh(FLAGS.mesh) if FLAGS.mesh else None
     if FLAGS.methods:
-        return main_speculative()
+        return main_speculative(attention_impl, mesh)
     from confu_jax.assets import resolve_model_path
     from confu_jax.weights import load_model
 
@@ -225,6 +247,7 @@ def main(argv):
                              f"{model_path!r} (or pass --nohf)")
     tok = _tokenizer()
     cfg, params = load_model(FLAGS.model)
+    cfg = cfg.replace(attention_impl=attention_impl)
     texts = PROMPTS[: FLAGS.n_prompts]
     prompts = [tok.encode(tok.render([{"role": "user", "content": t}], add_generation_prompt=True))
                for t in texts]
@@ -234,7 +257,7 @@ def main(argv):
           f"max_new_tokens={FLAGS.max_new_tokens}, greedy, eos={list(eos_ids)}", flush=True)
 
     ours_ar = CompiledAR(params, cfg, eos_ids, max_new_tokens=FLAGS.max_new_tokens, min_bucket=FLAGS.min_bucket,
-                         unroll_layers=LAYER_SCHEDULES[FLAGS.layers])
+                         unroll_layers=LAYER_SCHEDULES[FLAGS.layers], mesh=mesh)
     for p in prompts:
         ours_ar.program([p])  # compile every bucket up front
     ours_ar.run([prompts[0]])  # warm-up execution (first-run allocations), untimed
@@ -262,6 +285,7 @@ def main(argv):
                "n_prompts": len(rows), "ours_tokens_per_s": n_ours / s_ours, "ours_compile_s": compile_s,
                # process CPU time per token: less sensitive than wall time to other processes
                "ours_cpu_ms_per_token": 1e3 * sum(r["ours_cpu_s"] for r in rows) / n_ours,
+               "attention_impl": attention_impl, "mesh": FLAGS.mesh or None,
                "cpu_count": os.cpu_count(), "cores_used": len(os.sched_getaffinity(0)),
                # other processes on the machine skew both sides (torch's threads suffer most)
                "loadavg_1min_before_after": [load_before, os.getloadavg()[0]]}
@@ -295,8 +319,7 @@ def main(argv):
     print(f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs used; 1-min load average before/after: "
           f"{summary['loadavg_1min_before_after'][0]:.1f}/{summary['loadavg_1min_before_after'][1]:.1f}")
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump({"summary": summary, "per_prompt": rows}, f, indent=2)
+        storage.write_text(FLAGS.json_out, json.dumps({"summary": summary, "per_prompt": rows}, indent=2))
     return 0
 
 

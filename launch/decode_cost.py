@@ -45,11 +45,11 @@ Two parts:
 from __future__ import annotations
 
 import json
-import os
 import time
 
 from absl import app, flags
 
+from confu_jax import storage
 from confu_jax.bench.decode_cost import floor_bytes, forward_cost, split_iteration, stream_bandwidth
 
 flags.DEFINE_string("models", "smollm2-135m,llama-3.2-3b,llama-3.1-8b", "model presets (comma-separated)")
@@ -246,12 +246,12 @@ def main(argv):
     if worst is not None:
         results["max_bytes_over_floor_8b"] = worst
     if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            json.dump(results, f, indent=2)
+        storage.write_text(FLAGS.out, json.dumps(results, indent=2))
     if worst is not None:
         print(f"max bytes/floor: {worst:.2f}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.decode_cost", main))

@@ -33,6 +33,9 @@ contemplate tokens, so its future path (soft prompts, MoE_con, MoE_f) is dropped
 
 from __future__ import annotations
 
+``--workdir`` and ``--out`` may be ``gs://`` URLs (docs/scale.md): the export is written in a local
+staging folder and then put at ``--out`` with ``config.json`` last (``storage.staged_dir``).
+
 import os
 import sys
 
@@ -41,6 +44,7 @@ from absl import app, flags
 from confu_jax.decode.families import export_formats
 from confu_jax.runs.exports import EXPORT_FORMATS
 
+from confu_jax import storage
 flags.DEFINE_string("workdir", None, "a launch.train workdir (config.json + checkpoints/) holding the head",
                     required=True)
 flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
@@ -71,14 +75,18 @@ def main(argv):
         if getattr(FLAGS, option) and option not in fmt.options:
             takers = [name for name, f in EXPORT_FORMATS.items() if option in f.options]
             raise app.UsageError(f"--{option} is for --format {' / '.join(takers)}, not {fmt.name}")
-    workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+    workdir = storage.absolute(os.path.expanduser(FLAGS.workdir))  # a gs:// run is read where it is
     target, source = None, ""
     if fmt.reads_target:
         config, spec, target_params = _run_target(workdir)
         target, source = (spec.target, target_params), str(config.model.source)
     options = {o: getattr(FLAGS, o) for o in fmt.options}
-    print(fmt.write(workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, target=target, target_source=source,
-                    warn=lambda message: print(f"WARNING: {message}", file=sys.stderr), **options))
+    # the writers write a local folder; storage.staged_dir puts it at --out (a local folder or gs://)
+    # with config.json last, so a reader that finds the config finds the weights it describes
+    with storage.staged_dir(FLAGS.out) as out:
+        summary = fmt.write(workdir, out, step=FLAGS.step, dtype=FLAGS.dtype, target=target, target_source=source,
+                            warn=lambda message: print(f"WARNING: {message}", file=sys.stderr), **options)
+    print(summary.replace(out, FLAGS.out))
 
 
 def _run_target(workdir: str):

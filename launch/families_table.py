@@ -17,6 +17,7 @@ import json
 
 from absl import app, flags
 
+from confu_jax import storage
 from confu_jax.bench import families
 from confu_jax.bench.report import load_results
 
@@ -63,14 +64,15 @@ def main(argv):
     rows = families.comparison([records[m] for m in FLAGS.methods], load_results(FLAGS.mtbench),
                                load_results(FLAGS.heldout), reference=FLAGS.reference)
     table = families.markdown(rows, FLAGS.reference)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump({"rows": rows, "mtbench": FLAGS.mtbench, "heldout": FLAGS.heldout, "runs": FLAGS.runs}, f, indent=1)
-    with open(FLAGS.out + ".md", "w") as f:
-        f.write(table)
+    storage.write_text(FLAGS.out + ".json", json.dumps(
+        {"rows": rows, "mtbench": FLAGS.mtbench, "heldout": FLAGS.heldout, "runs": FLAGS.runs}, indent=1))
+    storage.write_text(FLAGS.out + ".md", table)
     families.plot(rows, FLAGS.out + ".png")
     print(table)
     print(f"wrote {FLAGS.out}.json, .md, .png")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.families_table", main))

@@ -21,7 +21,9 @@ lookup) and ``hybrid`` (lookup where it matches, a head elsewhere). A head metho
 from ``--draft_ckpt`` (a ``launch.train`` workdir); without it a randomly initialised head is
 used — τ stays near 1 but the output must still equal ``--method ar``'s (lossless), which makes it
 a smoke test. ``--tree`` is the method's plan (``decode.drafters``). The speculative methods also
-print τ (mean tokens per target pass, Spec-Bench).
+print τ (mean tokens per target pass, Spec-Bench). ``--attention_impl pallas`` verifies with the Pallas
+tree-attention kernel (a CUDA GPU only; refused in one line, exit 2, on other backends) and ``--mesh``
+decodes over a device mesh.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Callable, NamedTuple, Optional
 from absl import app, flags
 from ml_collections import config_flags
 
+from confu_jax.bench.cli_args import ATTENTION_CHOICES, ATTENTION_HELP
 from confu_jax.models.registry import METHODS as REGISTERED_METHODS
 from confu_jax.user_errors import one_line_errors
 
@@ -161,6 +164,7 @@ flags.DEFINE_string("mesh", "", "decode over a device mesh, e.g. tensor=8 (heads
                     "data, fsdp, tensor with the training rules (confu_jax/sharding.py). One prompt is one "
                     "row, so data × fsdp must be 1. Empty = one device. On CPU the mesh's devices are faked "
                     "(--xla_force_host_platform_device_count), a layout check rather than a speed-up")
+flags.DEFINE_enum("attention_impl", "xla", list(ATTENTION_CHOICES), ATTENTION_HELP)
 config_flags.DEFINE_config_file(
     "config", _DEFAULT_CONFIG,
     "ml_collections config file with the decode settings (fields: decode.max_new_tokens, "
@@ -201,13 +205,17 @@ def main(argv):
             with one_line_errors("launch.generate"):
                 raise ValueError(f"{' / '.join(given)} set, but --method {FLAGS.method} drafts nothing (they are "
                                  "for the speculative methods)")
+    from confu_jax.bench.cli_args import decode_attention_impl
     from confu_jax.data.chat import ChatTokenizer, parse_template_kwargs
     from confu_jax.weights import load_model
 
+    with one_line_errors("launch.generate"):  # a kernel this backend lacks: refused before the model loads
+        attention_impl = decode_attention_impl(FLAGS.attention_impl)
     config = resolved_config()
     try:  # an unsupported or broken checkpoint, a missing chat template: one line naming file and field
         tok = ChatTokenizer.load(FLAGS.model, template_kwargs=parse_template_kwargs(FLAGS.chat_template_kwargs))
         cfg, params = load_model(FLAGS.model)
+        cfg = cfg.replace(attention_impl=attention_impl)
         messages = [{"role": "system", "content": config.chat.system}] if config.chat.system else []
         messages.append({"role": "user", "content": FLAGS.prompt})
         prompt_ids = tok.encode(tok.render(messages, add_generation_prompt=True))
@@ -238,4 +246,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.generate", main))

@@ -39,9 +39,11 @@ axis), for a target that does not fit one device; the processes never communicat
 
 Output ``{"id", "conversations": [{"role", "content"}]}`` per line, append-only, flushed and fsynced
 after every conversation (continuous) or batch (static), so a killed run loses at most the
-conversations in flight. Rerunning with the same
-``--output`` resumes: ids already in the file are skipped, and a torn last line (killed mid-write)
-is cut off first. Input ids must be unique (duplicates after the first are skipped, with a count).
+conversations in flight. ``--output``, ``--input``, ``--model`` and ``--release`` may be ``gs://`` URLs:
+the output object grows by composed appends, shards and markers live beside it (docs/scale.md).
+Rerunning with the same ``--output`` resumes: ids already in the file are skipped, and a torn last
+line (killed mid-write) is cut off first. Input ids must be unique (duplicates after the first are
+skipped, with a count).
 A conversation whose prompt would exceed ``--max_prompt_len`` tokens stops at the answers it has, as
 does one whose answer comes back empty (the target ended its turn at once: nothing to learn, and
 not a usable record); one with no regenerated answer at all is not written (and is re-checked,
@@ -60,6 +62,7 @@ import logging
 import os
 import sys
 
+from confu_jax import storage
 from confu_jax.data.chat import parse_template_kwargs
 from confu_jax.decode import self_distill
 from confu_jax.decode.self_distill import (drop_released, generate_dataset, keep_turns, make_generate_fn,
@@ -219,7 +222,7 @@ def main(argv):
     output = shard_output(f.output, shard_index, num_shards)
     log.info("shard %d of %d: %d conversations -> %s", shard_index, num_shards, len(convs), output)
     cfg, params = _load_target(f.model, f.dtype or None, f.shard_target)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    storage.makedirs(os.path.dirname(storage.absolute(output)))  # gs://: nothing to create
     record_run(output, sys.argv, template_sha256)
     if f.engine == "continuous":
         stats = regenerate_continuous(convs, output, tokenizer, cfg, params, batch_size=f.batch_size,

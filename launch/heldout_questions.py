@@ -19,9 +19,10 @@ none), category ``--category``, ``question_id`` = the conversation's id.
 from __future__ import annotations
 
 import json
-import os
 
 from absl import app, flags, logging
+
+from confu_jax import storage
 
 flags.DEFINE_list("data", None, "training data files, as in config.data.train_files", required=True)
 flags.DEFINE_string("out", None, "question.jsonl to write", required=True)
@@ -64,10 +65,7 @@ def main(argv):
     if not questions:
         raise SystemExit(f"{','.join(FLAGS.data)}: no held-out conversation with a user turn "
                          f"({len(conversations)} conversations, eval_records={FLAGS.eval_records})")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w", encoding="utf-8") as f:
-        for q in questions:
-            f.write(json.dumps(q, ensure_ascii=False) + "\n")
+    storage.write_text(FLAGS.out, "".join(json.dumps(q, ensure_ascii=False) + "\n" for q in questions))
     msg = f"wrote {len(questions)} held-out questions to {FLAGS.out}"
     if n_system:
         msg += f" ({n_system} system turns dropped)"
@@ -75,4 +73,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.heldout_questions", main))

@@ -33,6 +33,7 @@ import json
 
 from absl import app, flags
 
+from confu_jax import storage
 from confu_jax.bench.kernel_cost import bytes_table, run, smoke
 
 flags.DEFINE_string("model", "llama-3.1-8b", "preset whose attention shapes to use (confu_jax.models.presets)")
@@ -79,10 +80,11 @@ def main(argv):
                FLAGS.batch, FLAGS.soft_prompts, FLAGS.dtype, FLAGS.impls, FLAGS.warmup,
                FLAGS.iters, FLAGS.repeats, tiling, FLAGS.peak_gbps)
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(rows, f, indent=1)
+        storage.write_text(FLAGS.json_out, json.dumps(rows, indent=1))
         print(f"wrote {FLAGS.json_out}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.kernel_bench", main))

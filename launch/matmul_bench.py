@@ -144,5 +144,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from confu_jax.user_errors import cli_main
+
     define_flags()
-    app.run(main)
+    app.run(cli_main("launch.matmul_bench", main))

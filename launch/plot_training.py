@@ -3,11 +3,12 @@
     python -m launch.plot_training --runs eagle3=runs/e3,confu=runs/confu@200 --out curves.png
 
 ``NAME=WORKDIR[@OFFSET]``: a run started from another's checkpoint (``checkpoint.init_from``) is
-shifted by ``OFFSET`` steps so that equal budgets line up (ConFu started from EAGLE-3 at step 200
-is drawn from x = 200). Reads ``metrics.csv`` (train) and ``eval.csv`` (held-out) from each
-workdir; plots the loss, the simulated acceptance length τ_sim and the step-0 top-1 accuracy, and
-prints a table of the last logged values per run (``--every`` thins it), with the held-out τ along
-a greedy chain decode's path (``decode_tau/chain<--chain>``), the figure to compare with decoding.
+shifted by ``OFFSET`` steps so that equal budgets line up (ConFu started from EAGLE-3 at step 200 is
+drawn from x = 200). Workdirs and ``--out`` may be ``gs://`` URLs. Reads ``metrics.csv`` (train) and
+``eval.csv`` (held-out) from each workdir; plots the loss, the simulated acceptance length τ_sim and
+the step-0 top-1 accuracy, and prints a table of the last logged values per run (``--every`` thins
+it), with the held-out τ along a greedy chain decode's path (``decode_tau/chain<--chain>``), the
+figure to compare with decoding.
 
 The held-out per-step diagnostics (docs/DESIGN.md §4, items 10-11) get two more panels and a
 second table: ``cond_acc/step<r>`` (step r right given steps < r right at the same index) and
@@ -22,6 +23,8 @@ import csv
 import os
 
 from absl import app, flags
+
+from confu_jax import storage
 
 flags.DEFINE_list("runs", [], "NAME=WORKDIR[@OFFSET],... (launch.train workdirs)")
 flags.DEFINE_string("out", "training_curves.png", "figure path (.png)")
@@ -68,10 +71,10 @@ def parse_run(text: str) -> tuple[str, str, int]:
 
 def read_csv(path: str) -> list[dict]:
     """Rows of a metrics CSV as floats; a resumed run may log a step twice (the later one wins)."""
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return []
     by_step = {}
-    with open(path, newline="") as f:
+    with storage.open(path, newline="") as f:
         for line, row in enumerate(csv.DictReader(f), start=2):
             try:
                 by_step[int(float(row["step"]))] = {k: float(v) for k, v in row.items() if v not in ("", None)}
@@ -168,11 +171,12 @@ def main(argv):
         print("|---|---|---|---|---|")
         print("\n".join(diagnostics))
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    fig.savefig(FLAGS.out, dpi=110)
+    storage.write_figure(FLAGS.out, fig, dpi=110)
     print(f"figure: {FLAGS.out}")
     return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.plot_training", main))

@@ -44,6 +44,7 @@ import os
 from absl import app, flags
 from absl import logging as absl_logging
 
+from confu_jax import storage
 from confu_jax.bench.cli_args import LAYER_SCHEDULES, LAYERS_HELP
 
 flags.DEFINE_string("model", "smollm2-135m-instruct", "target: asset name or .gguf (must match the configs' preset)")
@@ -76,8 +77,13 @@ MIN_BUCKET = 64  # prompts pad to a power of two >= this (decode.requests.bucket
 
 
 def cache_root() -> str:
+    """The local folder of cached heads and data. Not an object store: a run made with other settings
+    is moved aside by renaming its folder, which a bucket cannot do (``launch.train`` takes ``gs://``)."""
     root = FLAGS.cache or os.environ.get("CONFU_JAX_CACHE") or os.path.join("~", ".cache", "confu_jax")
-    return os.path.abspath(os.path.expanduser(root))
+    if storage.is_remote(root):
+        raise ValueError(f"--cache {root}: the quickstart's cache must be a local folder (a stale run is moved "
+                         "aside by a rename); train on gs:// with launch.train --workdir gs://...")
+    return storage.absolute(os.path.expanduser(root))
 
 
 def head_ready(workdir: str) -> bool:
@@ -90,10 +96,9 @@ def head_ready(workdir: str) -> bool:
 
     ck = os.path.join(workdir, "checkpoints")
     config_path = os.path.join(workdir, "config.json")
-    if not (os.path.isfile(config_path) and os.path.isdir(ck)):
+    if not (storage.isfile(config_path) and storage.isdir(ck)):
         return False
-    with open(config_path) as f:
-        steps = int(json.load(f)["train"]["steps"])
+    steps = int(json.loads(storage.read_text(config_path))["train"]["steps"])
     done = checkpoint_steps(ck)
     return bool(done) and max(done) >= steps
 
@@ -158,7 +163,7 @@ def ensure_distilled_data(tok, cfg, params) -> str | None:
         return path
     print(f"[data] self-distillation: the target answers {len(todo)} ShareGPT questions (of {len(wanted)}; "
           f"prompts <= {max_prompt_len} tokens, answers <= {max_new_tokens}) into {path}", flush=True)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    storage.makedirs(os.path.dirname(path))
     stats = self_distill.regenerate_continuous(wanted, path, tok, cfg, params, batch_size=32,
                                                 max_new_tokens=max_new_tokens, max_prompt_len=max_prompt_len)
     print(f"[data] {stats['written']} conversations, {stats['tokens_generated']} tokens generated in "
@@ -212,7 +217,7 @@ def ensure_head(variant: str, data_path: str | None) -> str:
     workdir = head_dir(variant)
     config = head_config(variant, data_path)
     # a cached run (finished, or interrupted and to be resumed) counts only if it trains the same thing
-    changed = disallowed_changes(workdir, config) if os.path.isdir(os.path.join(workdir, "checkpoints")) else {}
+    changed = disallowed_changes(workdir, config) if storage.isdir(os.path.join(workdir, "checkpoints")) else {}
     if changed:
         import time
 
@@ -313,7 +318,7 @@ def main(argv):
                                     progress_factory=lambda **kw: tqdm(dynamic_ncols=True, **kw))
     report.write_outputs(FLAGS.out, rows)
     print()
-    print(open(os.path.splitext(FLAGS.out)[0] + ".md").read())
+    print(storage.read_text(os.path.splitext(FLAGS.out)[0] + ".md"))
     ok = all(r["lossless_greedy"] for r in rows if r["method"] != "ar")
     ties = sum(r.get("n_numerical_ties") or 0 for r in rows if r["method"] != "ar")
     print(f"lossless check (greedy speculative == AR, token for token, {len(prompts)} questions): "
@@ -330,4 +335,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.quickstart", main))

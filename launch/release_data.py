@@ -6,10 +6,12 @@
 Appends the input's conversations that the release does not hold yet as new parts (each at most
 ``--part_mb`` MB of zstandard-compressed JSON lines) and then replaces ``manifest.json`` atomically;
 existing parts are verified against their hashes and never rewritten, an id already released is
-never added again. Rerun it as often as the input grows: each run adds only what is new. The input
-is only read (a ``launch.generate_data`` run may still be appending to it: its torn last line is
-ignored), in file order; several inputs (``--input a.jsonl,b.jsonl``, e.g. shard outputs) are packed
-in the order given.
+never added again. Inputs and the release may be ``gs://`` URLs (docs/scale.md "Cloud Storage
+paths"): each object is uploaded whole, the manifest last, and an object store's release is appended
+unlocked. Rerun it as often as the input grows: each run adds only what is new. The input is only
+read (a ``launch.generate_data`` run may still be appending to it: its torn last line is ignored),
+in file order; several inputs (``--input a.jsonl,b.jsonl``, e.g. shard outputs) are packed in the
+order given.
 
 The manifest records how the data was made: the generating command comes from the input's
 ``<input>.runs.jsonl`` (written by ``launch.generate_data`` at every start; its runs must agree on
@@ -27,10 +29,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 from absl import app, flags
 
+from confu_jax import storage
 from confu_jax.decode import self_distill
 from launch import generate_data as gd
 
@@ -80,7 +82,7 @@ def read_inputs(inputs) -> list[dict]:
 
     records = []
     for path in inputs:
-        if not os.path.isfile(path):
+        if not storage.isfile(path):
             raise app.UsageError(f"--input {path} does not exist")
         recs = self_distill.read_records(path)
         for lineno, rec in enumerate(recs, start=1):

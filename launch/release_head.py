@@ -9,18 +9,19 @@ Exports the head in bf16 into the release folder — EAGLE-3 in the official lay
 and totals, steps, tokens seen, the target fingerprint, τ). An existing release is replaced only if
 some τ metric both report improves by >= 0.05 (``--force`` overrides). Decoding loads the folder
 wherever a head is accepted (``--heads eagle3=releases/heads/smollm2_eagle3``,
-``--heads confu=releases/heads/smollm2_confu``) after checking the hashes and the target.
+``--heads confu=releases/heads/smollm2_confu``) after checking the hashes and the target. The workdir,
+the data releases and the release folder may be ``gs://`` URLs (the release is written locally and
+uploaded, its manifest last).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 
 from absl import app, flags
 
+from confu_jax import storage
 from confu_jax.runs.lineage import lineage
 
 flags.DEFINE_string("workdir", None, "the launch.train workdir of an EAGLE-3 or ConFu head", required=True)
@@ -55,13 +56,13 @@ def main(argv):
     if not ok and not FLAGS.force:
         print(f"not released: {why}", file=sys.stderr)
         return 1
-    workdir = os.path.abspath(os.path.expanduser(FLAGS.workdir))
+    workdir = storage.absolute(os.path.expanduser(FLAGS.workdir))
     head = load_trained_head(workdir, FLAGS.step)
     spec = head.spec
     record = read_target_record(workdir) or {}
-    parent = os.path.dirname(os.path.abspath(FLAGS.release))
-    os.makedirs(parent, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+    # written in a local staging folder, then put in place: the manifest last, files of the old
+    # release that the new one lacks removed (storage.staged_dir; the same on gs://)
+    with storage.staged_dir(FLAGS.release, replace=True) as tmp:
         if head.spec.head.has_future:  # ConFu: no published layout; its whole trainable tree
             export_trainable(workdir, tmp, step=head.step, dtype="bfloat16")
         else:
@@ -70,29 +71,25 @@ def main(argv):
                         dtype="bfloat16", verifier=record.get("source"))
         data = []
         for rel in [d for d in FLAGS.data.split(",") if d]:  # every data release the head read
-            with open(os.path.join(rel, "manifest.json"), "rb") as f:
+            with storage.open(os.path.join(rel, "manifest.json"), "rb") as f:
                 raw = f.read()
             m = json.loads(raw)
             data.append({"release": rel, "manifest_sha256": hashlib.sha256(raw).hexdigest(),
                          "conversations": m.get("conversations"), "answer_tokens": m.get("answer_tokens")})
         data = data[0] if len(data) == 1 else (data or None)  # one release: the manifest's original form
-        with open(os.path.join(workdir, "config.json")) as f:
-            run_config = json.load(f)
+        run_config = json.loads(storage.read_text(os.path.join(workdir, "config.json")))
         chain = lineage(workdir, head.step)
         total = sum(c["tokens_seen"] or 0 for c in chain)
         training = {"workdir": workdir, "step": head.step, "tokens_seen": total or None,
                     "draft_vocab_size": spec.head.draft_vocab_size, "ttt_steps": run_config.get("draft", {}).get("ttt_steps")}
         if len(chain) > 1:
             training["lineage"] = chain
-        write_head_manifest(tmp, name=os.path.basename(os.path.normpath(FLAGS.release)),
-                            files=sorted(f for f in os.listdir(tmp) if f != "manifest.json"), data=data,
+        write_head_manifest(tmp, name=os.path.basename(FLAGS.release.rstrip("/")),
+                            files=sorted(f for f in storage.listdir(tmp) if f != "manifest.json"), data=data,
                             training=training, target={"source": record.get("source"),
                                                        "fingerprint": record.get("fingerprint")},
                             tau=tau, command=" ".join(sys.argv), commit=git_commit())
-        if os.path.isdir(FLAGS.release):
-            shutil.rmtree(FLAGS.release)
-        shutil.copytree(tmp, FLAGS.release)
-    sizes = {f: os.path.getsize(os.path.join(FLAGS.release, f)) for f in os.listdir(FLAGS.release)}
+    sizes = {f: storage.getsize(os.path.join(FLAGS.release, f)) for f in storage.listdir(FLAGS.release)}
     print(f"released {workdir} step {head.step} to {FLAGS.release} ({why}): {sizes}")
     return 0
 

@@ -23,6 +23,7 @@ import os
 
 from absl import app, flags
 
+from confu_jax import storage
 from confu_jax.bench import scaling
 
 flags.DEFINE_list("runs", [], "measure: METHOD=WORKDIR pairs (launch.train workdirs of eagle3 / confu heads)")
@@ -60,14 +61,14 @@ def _eval_steps(workdir: str) -> list:
     from confu_jax.train.metric_writers import read_csv
 
     path = os.path.join(workdir, "eval.csv")
-    return sorted(int(r["step"]) for r in read_csv(path)) if os.path.isfile(path) else []
+    return sorted(int(r["step"]) for r in read_csv(path)) if storage.isfile(path) else []
 
 
 def _eval_points(method: str, workdir: str, steps, depths, tokens_at) -> list:
     from confu_jax.train.metric_writers import read_csv
 
     path = os.path.join(workdir, "eval.csv")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return []
     rows = {int(r["step"]): r for r in read_csv(path)}
     out = []
@@ -100,7 +101,7 @@ def measure() -> None:
     for method, workdir in runs.items():
         if not budgets:  # the training evaluation alone: every step of eval.csv (also a run that came
             kept = _eval_steps(workdir)  # back without its checkpoints, as the GPU campaign's do)
-        elif os.path.isdir(os.path.join(workdir, "checkpoints")):
+        elif storage.isdir(os.path.join(workdir, "checkpoints")):
             ck = Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
             kept = ck.all_steps()
             ck.close()
@@ -141,30 +142,25 @@ def measure() -> None:
             points.append(scaling.Point(method=method, series=r["budget"], step=step, tokens=tokens_at(step),
                                         tau=float(r["tau"]), tau_lo=float(lo), tau_hi=float(hi),
                                         lossless=bool(r["lossless_greedy"])))
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-        json.dump({"runs": runs, "tokens": FLAGS.tokens, "prompts": FLAGS.prompts, "max_new_tokens": FLAGS.max_new_tokens,
-                   "budgets": budgets, "points": [dataclasses.asdict(p) for p in points], "rows": rows_out},
-                  f, indent=1)
+    storage.write_text(FLAGS.out, json.dumps(
+        {"runs": runs, "tokens": FLAGS.tokens, "prompts": FLAGS.prompts, "max_new_tokens": FLAGS.max_new_tokens,
+         "budgets": budgets, "points": [dataclasses.asdict(p) for p in points], "rows": rows_out}, indent=1))
     print(f"wrote {FLAGS.out}: {len(points)} points")
 
 
 def fit() -> None:
     points = []
     for path in FLAGS.points:
-        with open(path) as f:
-            points += [scaling.Point(**p) for p in json.load(f)["points"]]
+        points += [scaling.Point(**p) for p in json.loads(storage.read_text(path))["points"]]
     if not points:
         raise app.UsageError("fit needs --points FILE[,...] with points (launch.scaling_curve measure)")
     rates = {m: float(v) for m, v in _pairs(FLAGS.tokens_per_s, "tokens_per_s").items()}
     goals = [float(g) for g in FLAGS.goals]
     md, fits = scaling.table(points, goals, rates, min_tokens=FLAGS.min_tokens)
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out + ".md", "w") as f:
-        f.write(md)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump({"points": [dataclasses.asdict(p) for p in points], "fits": fits, "tokens_per_s": rates},
-                  f, indent=1, default=str)
+    storage.write_text(FLAGS.out + ".md", md)
+    storage.write_text(FLAGS.out + ".json", json.dumps(
+        {"points": [dataclasses.asdict(p) for p in points], "fits": fits, "tokens_per_s": rates}, indent=1,
+        default=str))
     scaling.figure(points, FLAGS.out + ".png", goals, min_tokens=FLAGS.min_tokens)
     print(md)
     print(f"wrote {FLAGS.out}.md, .json, .png")
@@ -177,4 +173,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.scaling_curve", main))

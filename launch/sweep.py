@@ -11,19 +11,25 @@ points run one after another, each as its own ``launch.train`` process writing t
 from their latest checkpoint, so re-running the same command after a kill continues the sweep. A
 failed point is reported and the others still run (the exit status is 1 if any failed). At the
 end: ``results.csv``, ``results.md`` (printed) and ``results.png`` in the sweep directory — each
-point's last held-out metrics (``eval.csv``) and last train loss.
+point's last held-out metrics (``eval.csv``) and last train loss. ``--sweep_dir`` may be a ``gs://``
+URL: the points' workdirs are there, and each point's ``train.log`` is written locally while it runs
+and uploaded when it stops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
+
+from confu_jax import storage
 
 _SPEC = flags.DEFINE_string("spec", None, "Sweep spec: a Python file with get_sweep() (config, overrides, "
                             "product, zip, metric; see confu_jax/runs/sweep.py).")
@@ -56,7 +62,7 @@ def _run_point(sw, sweep, point, sweep_dir: str) -> int:
     log_path = os.path.join(d, sw.LOG_FILE)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    with open(log_path, "a") as log:
+    with _local_log(log_path) as local_log, open(local_log, "a") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n")
         log.flush()
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=repo, env=env)
@@ -80,14 +86,30 @@ def _run_point(sw, sweep, point, sweep_dir: str) -> int:
     return rc
 
 
+@contextlib.contextmanager
+def _local_log(path: str):
+    """A local file the child process's output can go to (a pipe needs a file descriptor): ``path``
+    itself, or for a ``gs://`` sweep a temporary copy of the point's log (its earlier attempts
+    first), uploaded whole when the run stops, whatever way it stops."""
+    if not storage.is_remote(path):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="confu_sweep_log_") as tmp:
+        local = os.path.join(tmp, os.path.basename(path))
+        storage.write_bytes(local, storage.read_bytes(path) if storage.isfile(path) else b"")
+        try:
+            yield local
+        finally:
+            storage.write_bytes(path, storage.read_bytes(local))
+
+
 def _tail(path: str, n: int = 15) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-n:])
+    return "".join(storage.read_bytes(path).decode(errors="replace").splitlines(keepends=True)[-n:])
 
 
 def _self_command(spec: str, sweep_dir: str, points: str) -> str:
-    args = [sys.executable, "-m", "launch.sweep", "--spec", os.path.abspath(spec), "--sweep_dir",
-            os.path.abspath(sweep_dir), "--points", points]
+    args = [sys.executable, "-m", "launch.sweep", "--spec", storage.absolute(spec), "--sweep_dir",
+            storage.absolute(sweep_dir), "--points", points]
     if _TRAIN_FLAGS.value:
         args.append("--train_flags=" + ",".join(_TRAIN_FLAGS.value))
     return shlex.join(args)
@@ -95,8 +117,7 @@ def _self_command(spec: str, sweep_dir: str, points: str) -> str:
 
 def _collect(sw, sweep, sweep_dir: str) -> None:
     csv_path, md_path, rows = sw.write_table(sweep, sweep_dir)
-    with open(md_path) as f:
-        _say(f.read().rstrip())
+    _say(storage.read_text(md_path).rstrip())
     png = sw.plot(sweep, rows, os.path.join(sweep_dir, "results.png"), _METRIC.value)
     _say(f"results: {csv_path}, {md_path}" + (f", {png}" if png else " (no plot: no point has held-out metrics yet)"))
 
@@ -116,8 +137,8 @@ def main(argv):
         import dataclasses
 
         sweep = dataclasses.replace(sweep, metric=_METRIC.value)
-    sweep_dir = os.path.abspath(_DIR.value)
-    os.makedirs(sweep_dir, exist_ok=True)
+    sweep_dir = storage.absolute(_DIR.value)
+    storage.makedirs(sweep_dir)
     by_index = {p.index: p for p in sweep.points}
     if _POINTS.value:
         try:
@@ -144,26 +165,28 @@ def main(argv):
         lines = ["#!/usr/bin/env bash", f"# {len(todo)} unfinished points of {_SPEC.value}; submit: sbatch {path}",
                  "#SBATCH --job-name=confu-sweep", f"#SBATCH --array={ids}", "#SBATCH --ntasks-per-node=1",
                  *[f"#SBATCH {o}" for o in _SLURM_HEADER.value], "#SBATCH --signal=TERM@120", "#SBATCH --requeue",
-                 f"#SBATCH --output={sweep_dir}/slurm-%A_%a.out", "set -euo pipefail",
+                 # slurm writes its own output locally: beside the sweep, or in the submit folder for gs://
+                 f"#SBATCH --output={'' if storage.is_remote(sweep_dir) else sweep_dir + '/'}slurm-%A_%a.out",
+                 "set -euo pipefail",
                  f"cd {shlex.quote(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}",
                  "[[ -f .venv/bin/activate ]] && . .venv/bin/activate",
                  "srun --kill-on-bad-exit=1 " + _self_command(_SPEC.value, sweep_dir, "PLACEHOLDER").replace(
                      "PLACEHOLDER", '"$SLURM_ARRAY_TASK_ID"')]
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        storage.write_text(path, "\n".join(lines) + "\n")
         _say(f"wrote {path} (array {ids}); submit with: sbatch {path}; then --mode=collect")
         return
     if _MODE.value == "hosts":
         n = max(1, _NUM_HOSTS.value)
-        os.makedirs(os.path.join(sweep_dir, "hosts"), exist_ok=True)
+        storage.makedirs(os.path.join(sweep_dir, "hosts"))
         for h in range(n):
             mine = [p for i, p in enumerate(todo) if i % n == h]
             path = os.path.join(sweep_dir, "hosts", f"host_{h}.sh")
-            with open(path, "w") as f:
-                f.write("#!/usr/bin/env bash\nset -euo pipefail\n")
-                if mine:
-                    f.write(_self_command(_SPEC.value, sweep_dir, ",".join(str(p.index) for p in mine)) + "\n")
-            os.chmod(path, 0o755)
+            script = "#!/usr/bin/env bash\nset -euo pipefail\n"
+            if mine:
+                script += _self_command(_SPEC.value, sweep_dir, ",".join(str(p.index) for p in mine)) + "\n"
+            storage.write_text(path, script)
+            if not storage.is_remote(path):  # an object has no mode bits: run it with bash
+                os.chmod(path, 0o755)
             _say(f"host {h}: {path} ({len(mine)} points: {', '.join(str(p.index) for p in mine) or '-'})")
         return
 
@@ -195,4 +218,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.sweep", main))

@@ -62,4 +62,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.target_features", main))

@@ -17,6 +17,8 @@ import os
 
 from absl import app, flags
 
+from confu_jax import storage
+
 flags.DEFINE_string("edges", "0,16,32,64,128", "answer-position bucket edges: [e0,e1), [e1,e2), ..., [eK,inf)")
 flags.DEFINE_bool("include_ar", False, "also tabulate AR units (tau 1 everywhere)")
 flags.DEFINE_string("json", "", "write the breakdowns as JSON here")
@@ -28,9 +30,9 @@ def resolve(path: str) -> tuple[str, list | None]:
     """(parts folder, the results rows whose units to take, or None for all) of the argument."""
     from confu_jax.bench.report import load_results
 
-    if os.path.isfile(path):
+    if storage.isfile(path):
         parts = os.path.splitext(path)[0] + ".parts"
-        if not os.path.isdir(parts):
+        if not storage.isdir(parts):
             raise ValueError(f"{path}: no parts folder {parts} beside it (the benchmark ran with --resume=false, "
                              "or its parts were deleted): the per-pass logs are only kept there")
         try:
@@ -38,8 +40,8 @@ def resolve(path: str) -> tuple[str, list | None]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a decode_bench results file ({e})") from None
         return parts, rows
-    if os.path.isdir(path):
-        if not any(n.endswith(".json") and n != "settings.json" for n in os.listdir(path)):
+    if storage.isdir(path):
+        if not any(n.endswith(".json") and n != "settings.json" for n in storage.listdir(path)):
             raise ValueError(f"{path}: no benchmark units (<key>.json) in this folder; expected a "
                              "decode_bench results .json or its .parts folder")
         return path, None
@@ -65,14 +67,13 @@ def main(argv):
     tables = breakdown.markdown_tables(result)
     print(tables)
     if FLAGS.md:
-        with open(FLAGS.md, "w", encoding="utf-8") as f:
-            f.write(tables)
+        storage.write_text(FLAGS.md, tables)
     if FLAGS.json:
-        with open(FLAGS.json, "w", encoding="utf-8") as f:
-            json.dump(_json_clean(result), f, indent=1, allow_nan=False)
-            f.write("\n")
+        storage.write_text(FLAGS.json, json.dumps(_json_clean(result), indent=1, allow_nan=False) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.tau_breakdown", main))

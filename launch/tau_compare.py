@@ -18,6 +18,7 @@ import json
 
 from absl import app, flags
 
+from confu_jax import storage
 from confu_jax.bench.compare import compare, find_row
 
 flags.DEFINE_string("row", None, "RESULTS_JSON:METHOD — the row measured (e.g. results/sd2.json:sd2)")
@@ -51,9 +52,10 @@ def main(argv):
     print(f"τ ratio {r['ratio']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]; accepted drafts per pass (τ − 1) "
           f"ratio {acc['ratio']:.3f} [{acc['ci'][0]:.3f}, {acc['ci'][1]:.3f}]")
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(out, f, indent=1)
+        storage.write_text(FLAGS.json_out, json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.tau_compare", main))

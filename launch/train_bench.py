@@ -35,6 +35,8 @@ import time
 
 from absl import app, flags
 
+from confu_jax import storage
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "target: asset name, .gguf file or HF directory")
 flags.DEFINE_list("variants", ["eagle3", "confu", "confu:128"],
@@ -229,9 +231,10 @@ def main(argv):
               f"(median of per-round ratios)")
     print(f"peak RSS: {summary['peak_rss_mib']:.0f} MiB")
     if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(summary, f, indent=1)
+        storage.write_text(FLAGS.out, json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.train_bench", main))

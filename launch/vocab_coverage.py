@@ -16,6 +16,8 @@ import json
 
 from absl import app, flags
 
+from confu_jax import storage
+
 flags.DEFINE_list("data", ["releases/data/sharegpt_smollm2"], "conversation files, release folders or asset names")
 flags.DEFINE_string("model", "smollm2-135m-instruct", "tokenizer source (the target)")
 flags.DEFINE_list("sizes", ["4096", "8192", "16384", "32768"], "draft vocabulary sizes")
@@ -48,9 +50,11 @@ def main(argv):
     for r in table:
         print(f"| {r['size']} | {r['train']:.4f} | {r['eval']:.4f} |")
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump({"data": FLAGS.data, "n_train": len(train), "n_eval": len(held), "coverage": table}, f, indent=1)
+        storage.write_text(FLAGS.json_out, json.dumps(
+            {"data": FLAGS.data, "n_train": len(train), "n_eval": len(held), "coverage": table}, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from confu_jax.user_errors import cli_main
+
+    app.run(cli_main("launch.vocab_coverage", main))

@@ -301,3 +301,40 @@ def test_a_new_program_runs_once_untimed_before_it_is_returned():
     programs.get(jitted, params, (x4,), {"scale": 3})  # another shape: another program, warmed
     programs.get(jitted, params, (x3,), {"scale": 5})  # another static argument: likewise
     assert len(runs) == 5 and len(programs.cache) == 3
+
+
+def test_decode_bench_mesh_gives_the_tokens_of_one_device(tmp_path):
+    """``launch.decode_bench --mesh tensor=2`` (two fake CPU devices, the target and head split over
+    'tensor' as launch.generate --mesh splits them) decodes the same greedy tokens, row by row, as the
+    same benchmark on one device; the mesh is part of the resume settings."""
+    import subprocess
+    import sys
+
+    from confu_jax.data.chat import ChatTokenizer
+    from confu_jax.weights import load_model
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    gguf = tiny_chat_gguf(tmp_path)
+    questions = tmp_path / "q.jsonl"
+    with open(FIXTURE) as f:
+        questions.write_text(f.readline())
+    out = tmp_path / "mesh" / "bench.json"
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    r = subprocess.run([sys.executable, "-m", "launch.decode_bench", "--model", gguf, "--methods", "ar,eagle3",
+                        "--prompts", str(questions), "--n_per_category", "0", "--budgets", "chain:2",
+                        "--max_new_tokens", "6", "--mesh", "tensor=2", "--attention_impl", "xla", "--out", str(out)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    parts = tmp_path / "mesh" / "bench.parts"
+    assert json.loads((parts / "settings.json").read_text())["mesh"] == "tensor=2"
+    meshed = {p.stem: json.loads(p.read_text())["tokens"] for p in parts.glob("*__T0.json")}
+
+    cfg, params = load_model(gguf)
+    setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(gguf), max_new_tokens=6)
+    one = spec_bench.Parts(str(tmp_path / "one"), {})
+    spec_bench.run_benchmark(setup, load_question_file(str(questions)), methods=["ar", "eagle3"], temperatures=[0.0],
+                             budgets=["chain:2"], heads={}, log=lambda m: None, parts=one)
+    single = {p.stem: json.loads(p.read_text())["tokens"] for p in (tmp_path / "one").glob("*__T0.json")}
+    assert sorted(meshed) == sorted(single) == ["ar__T0", "eagle3__chain-2__T0"]
+    for key in single:
+        assert meshed[key] == single[key] and all(len(out) > 1 for _, out in single[key]), key

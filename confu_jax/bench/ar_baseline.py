@@ -12,10 +12,16 @@ import time
 class CompiledAR:
     """Our jitted AR loop: one compiled program per (batch, bucket), timed runs without compile."""
 
-    def __init__(self, params, cfg, eos_ids, *, max_new_tokens: int, min_bucket: int, unroll_layers=None):
+    def __init__(self, params, cfg, eos_ids, *, max_new_tokens: int, min_bucket: int, unroll_layers=None,
+                 mesh=None):
+        """``mesh``: decode over it (``decode.sharded``; the weights placed on it once, here)."""
+        if mesh is not None:
+            from confu_jax.decode.sharded import place_target
+
+            params = place_target(params, cfg, mesh)
         self.params, self.cfg = params, cfg
         self.kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, min_bucket=min_bucket,
-                       unroll_layers=unroll_layers)
+                       unroll_layers=unroll_layers, mesh=mesh)
         self.programs, self.compile_s = {}, 0.0
 
     def program(self, batch):

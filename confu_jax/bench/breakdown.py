@@ -29,12 +29,12 @@ existing benchmark.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
 from typing import Callable, Iterable, Mapping, Sequence
 
+from confu_jax import storage
 from confu_jax.bench.metrics import GenerationLog
 from confu_jax.bench.prompts import MTBENCH_CATEGORIES
 
@@ -131,14 +131,14 @@ def load_units(parts_dir: str, rows: Sequence[Mapping] | None = None) -> list[tu
     the units of those rows, in their order: a parts folder may also hold units of earlier invocations
     with other methods or budgets, which the report did not include."""
     units = []
-    for path in sorted(glob.glob(os.path.join(parts_dir, "*.json"))):
-        if os.path.basename(path) == "settings.json":
+    for name in sorted(storage.listdir(parts_dir)):
+        if not name.endswith(".json") or name == "settings.json":
             continue
-        with open(path, encoding="utf-8") as f:
-            try:
-                obj = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not a benchmark unit (invalid JSON: {e.msg})") from None
+        path = os.path.join(parts_dir, name)
+        try:
+            obj = json.loads(storage.read_text(path))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a benchmark unit (invalid JSON: {e.msg})") from None
         if not isinstance(obj, dict) or "row" not in obj or "logs" not in obj:
             raise ValueError(f"{path}: not a benchmark unit (expected keys 'row' and 'logs', found "
                              f"{sorted(obj) if isinstance(obj, dict) else type(obj).__name__})")

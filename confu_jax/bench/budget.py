@@ -110,14 +110,15 @@ def _timed_call(run, timed: bool):
 
 
 def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: int, method: str,
-                 unroll_layers: Optional[bool] = None):
+                 unroll_layers: Optional[bool] = None, mesh=None):
     """decode(prompt) -> (seconds, passes, accepted lengths incl. bonus) of ``method``'s ``plan``,
     greedy, EOS off, batch 1 (``timed=False``: a warm-up call, nothing returned)."""
     from confu_jax.decode.families import parse_drafter
     from confu_jax.decode.loop import generate_from_spec
 
     p = parse_drafter(method, plan)
-    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket, unroll_layers=unroll_layers)
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket, unroll_layers=unroll_layers,
+              mesh=mesh)
 
     def decode(prompt, timed=True):
         res, seconds = _timed_call(lambda: generate_from_spec(spec, params, p, [list(prompt)], **kw), timed)
@@ -129,12 +130,14 @@ def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: in
     return decode
 
 
-def _ar_runner(spec, params, *, max_new_tokens: int, min_bucket: int, unroll_layers: Optional[bool] = None):
+def _ar_runner(spec, params, *, max_new_tokens: int, min_bucket: int, unroll_layers: Optional[bool] = None,
+               mesh=None):
     """decode(prompt) -> (seconds, steps after the first token, [1] * steps) of plain AR decoding
     of the target (greedy, EOS off, batch 1): the first token comes from the prefill."""
     from confu_jax.decode.generate import generate_ar
 
-    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket, unroll_layers=unroll_layers)
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket, unroll_layers=unroll_layers,
+              mesh=mesh)
 
     def decode(prompt, timed=True):
         res, seconds = _timed_call(lambda: generate_ar(params.target, spec.target, [list(prompt)], **kw), timed)
@@ -238,7 +241,7 @@ def release_compiled() -> None:
 def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequence[str] = DEFAULT_CHAINS,
               trees: Sequence[str] = DEFAULT_TREES, max_new_tokens: int = 64, include_ar: bool = True,
               log: Optional[Callable[[str], None]] = None, method: str = "eagle3", min_bucket: int = 64,
-              interleave: bool = False, unroll_layers: Optional[bool] = None):
+              interleave: bool = False, unroll_layers: Optional[bool] = None, mesh=None):
     """Measure every candidate plan of ``method`` on the calibration prompts and choose -> (best,
     all Candidates). One compile per candidate; E[τ] is the candidate's own measured τ. With
     ``include_ar`` plain AR (``AR``, τ = 1) competes too, so the choice may be to not speculate.
@@ -251,8 +254,9 @@ def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequenc
     while it was fast (on the shared 2-core VM, AR calibrated 7% apart in two runs: more than the
     margin auto decides by, docs/RESULTS.md). All candidates' programs stay compiled together.
     ``unroll_layers``: the target's layer schedule, the one the decoding it chooses for runs (None:
-    the backend's default)."""
-    kw = dict(max_new_tokens=max_new_tokens, min_bucket=min_bucket, unroll_layers=unroll_layers)
+    the backend's default). ``mesh``: the device mesh the decoding runs on (``decode.sharded``), so
+    each candidate is timed as it will run."""
+    kw = dict(max_new_tokens=max_new_tokens, min_bucket=min_bucket, unroll_layers=unroll_layers, mesh=mesh)
     runners = ([(AR, _ar_runner(spec, params, **kw))] if include_ar else []) + [
         (plan, _plan_runner(spec, params, plan, method=method, **kw)) for plan in (*chains, *trees)]
     timed = {plan: [] for plan, _ in runners}

@@ -9,6 +9,31 @@ LAYERS_HELP = ("the target's layers in every decode program: one scan (scan), pe
                "backend's default (auto: unroll on CPU, scan elsewhere). Same outputs; compile time and step cost "
                "differ by host (docs/benchmarks.md)")
 
+# --attention_impl (launch.generate, launch.decode_bench): the target's attention in every decode program
+ATTENTION_CHOICES = ("xla", "pallas")
+ATTENTION_HELP = ("the target's attention in every decode program (LlamaConfig.attention_impl): xla (every backend) "
+                  "or pallas (the tree-attention kernel for verification passes, docs/DESIGN.md section 6; a CUDA GPU "
+                  "only: refused elsewhere, since on CPU the kernel runs only under Pallas' interpreter, a test mode)")
+
+
+def decode_attention_impl(impl: str, backend: str | None = None) -> str:
+    """``--attention_impl`` checked against ``backend`` (default: JAX's) -> the ``LlamaConfig.attention_impl``
+    to decode with. The kernel's own rule decides (``kernels.tree_attention.resolve_attention_impl``:
+    'pallas' compiles for CUDA GPUs only); the interpreted kernel is not offered here, because on CPU
+    it is a test instrument many times slower than ``xla``, not a way to decode."""
+    from confu_jax.kernels.tree_attention import resolve_attention_impl
+
+    if impl not in ATTENTION_CHOICES:
+        raise ValueError(f"--attention_impl {impl!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
+    try:
+        return resolve_attention_impl(impl, backend)
+    except ValueError:
+        import jax
+
+        raise ValueError(f"--attention_impl {impl}: the tree-attention kernel needs a CUDA GPU, and this backend "
+                         f"is {backend or jax.default_backend()!r}; use --attention_impl xla (on CPU the kernel "
+                         "runs only under Pallas' interpreter, a test mode)") from None
+
 
 def parse_budgets(text: str) -> list[str]:
     """``chain:4,dynamic:6,8,30,auto`` -> ['chain:4', 'dynamic:6,8,30', 'auto'] (a plan's numbers

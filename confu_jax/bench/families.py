@@ -26,6 +26,7 @@ import os
 import re
 from typing import Mapping, Optional, Sequence
 
+from confu_jax import storage
 from confu_jax.bench.compare import compare
 
 _WALL_RE = re.compile(r"^(\S+) wall ([0-9.]+) s$", re.M)  # what `/usr/bin/time -f "<name> wall %e s"` appends
@@ -242,4 +243,4 @@ def plot(rows: Sequence[Mapping], png_path: str) -> None:
     budget = rows[0]["mtbench"].get("budget") if rows else None
     fig.suptitle(f"Drafter families at equal training compute ({budget or ''}, greedy)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    storage.write_figure(png_path, fig, dpi=120)  # a local file or gs://

@@ -29,6 +29,7 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
+from confu_jax import storage
 from confu_jax.bench.metrics import MethodResult
 
 REQUIRED_RESULT_FIELDS = ("method", "nodes", "temperature", "tau", "tokens_per_s", "speedup",
@@ -165,19 +166,13 @@ def write_results(out_path: str | os.PathLike, results: Sequence[MethodResult | 
     for i, row in enumerate(rows):
         _check_result(row, i)
     doc = {"environment": _json_clean(env), "results": rows, **_json_clean(dict(extra or {}))}
-    out_path = os.fspath(out_path)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, out_path)  # never leave a half-written results.json behind
+    # never leave a half-written results.json behind: tmp + rename locally, one upload on gs://
+    storage.write_text(os.fspath(out_path), json.dumps(doc, indent=2, allow_nan=False) + "\n")
     return doc
 
 
 def load_results(path: str | os.PathLike) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)["results"]
+    return json.loads(storage.read_text(os.fspath(path)))["results"]
 
 
 def _rows(results) -> list[dict]:
@@ -312,9 +307,7 @@ def plot_tau_speedup(results: Sequence[MethodResult | Mapping], png_path: str | 
         if k == 0:
             ax.set_title("per category, 95% bootstrap intervals over questions")
             ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
-    png_path = os.fspath(png_path)
-    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
-    fig.savefig(png_path, format="png", dpi=100, bbox_inches="tight")
+    storage.write_figure(os.fspath(png_path), fig, dpi=100, bbox_inches="tight")
     return fig
 
 
@@ -339,9 +332,7 @@ def plot_tau(results: Sequence[MethodResult | Mapping], png_path: str | os.PathL
     ax.set_title(title)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")  # AR emits 1 token per pass
     ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))  # never over bars
-    png_path = os.fspath(png_path)
-    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
-    fig.savefig(png_path, format="png", dpi=100, bbox_inches="tight")
+    storage.write_figure(os.fspath(png_path), fig, dpi=100, bbox_inches="tight")
     return fig
 
 
@@ -350,7 +341,7 @@ def _breakdowns(parts_dir: str, rows: list) -> tuple[list, str]:
     report of a long benchmark is written even if a unit there is unreadable."""
     from confu_jax.bench import breakdown
 
-    if not os.path.isdir(parts_dir):
+    if not storage.isdir(parts_dir):
         return [], ""
     try:
         return breakdown.breakdown_rows(breakdown.load_units(parts_dir, rows)), ""
@@ -397,7 +388,6 @@ def write_outputs(out: str, rows: list) -> dict:
         lines += ["", markdown_tables(breakdowns)]
     if note:
         lines += ["", note]
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    storage.write_text(base + ".md", "\n".join(lines) + "\n")
     plot_tau_speedup(rows, base + ".png")
     return doc

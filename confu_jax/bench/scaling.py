@@ -24,6 +24,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from confu_jax import storage
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Point:
@@ -206,5 +208,5 @@ def figure(points: Sequence[Point], path: str, goals: Sequence[float] = (2.0, 2.
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    storage.write_figure(path, fig, dpi=120)  # a local file or gs://
     plt.close(fig)

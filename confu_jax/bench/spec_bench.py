@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from confu_jax import progress
+from confu_jax import progress, storage
 from confu_jax.bench import intervals, metrics
 from confu_jax.bench.prompts import BenchPrompt, first_turn_ids, run_conversation
 
@@ -83,6 +83,9 @@ class BenchSetup:
     # the target's layers as per-layer buffers (True) or one scan (False) in every program the run
     # compiles (rows and calibration); None: the backend's default (decode.requests.default_unroll_layers)
     unroll_layers: Optional[bool] = None
+    # decode over this device mesh (decode.sharded: weights placed by the training table once, rows over
+    # data × fsdp); None: one device
+    mesh: Optional[object] = None
 
 
 def _turn_runner(setup: BenchSetup, programs: _Programs, decode_one: Callable, record: list):
@@ -108,7 +111,7 @@ def _ar_decoder(setup: BenchSetup, programs: _Programs, temperature: float):
         args, static = prepare_ar_inputs(setup.target_cfg, [ids], max_new_tokens=setup.max_new_tokens,
                                          temperature=temperature, top_p=setup.top_p, seed=setup.seed,
                                          eos_ids=setup.tokenizer.eos_ids, min_bucket=setup.min_bucket,
-                                         unroll_layers=setup.unroll_layers)
+                                         unroll_layers=setup.unroll_layers, mesh=setup.mesh)
         fn = programs.get(generate_padded_jit, setup.target_params, args, static)
         t0 = time.perf_counter()
         res = jax.block_until_ready(fn(setup.target_params, *args))
@@ -128,7 +131,7 @@ def _spec_decoder(setup: BenchSetup, programs: _Programs, head, plan, temperatur
         args, static = prepare_spec_inputs(head.spec, plan, [ids], max_new_tokens=setup.max_new_tokens,
                                            temperature=temperature, top_p=setup.top_p, seed=setup.seed,
                                            eos_ids=setup.tokenizer.eos_ids, min_bucket=setup.min_bucket,
-                                           unroll_layers=setup.unroll_layers)
+                                           unroll_layers=setup.unroll_layers, mesh=setup.mesh)
         fn = programs.get(speculative_padded_jit, head.params, args, static)
         t0 = time.perf_counter()
         res = jax.block_until_ready(fn(head.params, *args))
@@ -174,7 +177,8 @@ class Parts:
 
     ``directory/settings.json`` holds what the units depend on (questions, lengths, heads, ...); a
     rerun with other settings is refused rather than mixing two benchmarks in one table. Each unit
-    is ``<key>.json`` = {row, logs, tokens}, written atomically once the unit is complete. Timings
+    is ``<key>.json`` = {row, logs, tokens}, written atomically once the unit is complete (the folder
+    may be on ``gs://``: ``confu_jax.storage``). Timings
     of resumed units come from the run that measured them: resume on the same idle machine.
     """
 
@@ -183,19 +187,17 @@ class Parts:
         import os
 
         self.directory = directory
-        os.makedirs(directory, exist_ok=True)
+        storage.makedirs(directory)
         path = os.path.join(directory, "settings.json")
         settings = json.loads(json.dumps(settings, default=str))
-        if os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
+        if storage.exists(path):
+            saved = json.loads(storage.read_text(path))
             if saved != settings:
                 diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
                 raise ValueError(f"{directory} holds units of a benchmark with other settings (differing: "
                                  f"{diff}); delete it or write the results elsewhere (--out)")
         else:
-            with open(path, "w") as f:
-                json.dump(settings, f, indent=1)
+            storage.write_text(path, json.dumps(settings, indent=1))
 
     def _path(self, key: str) -> str:
         import os
@@ -205,27 +207,22 @@ class Parts:
     def load(self, key: str):
         """-> (row, logs, tokens) of a finished unit, or None."""
         import json
-        import os
 
         path = self._path(key)
-        if not os.path.exists(path):
+        if not storage.exists(path):
             return None
-        with open(path) as f:
-            obj = json.load(f)
+        obj = json.loads(storage.read_text(path))
         logs = [metrics.GenerationLog.from_json(g) for g in obj["logs"]]
         return obj["row"], logs, [(list(a), list(b)) for a, b in obj["tokens"]]
 
     def save(self, key: str, row: dict, logs, tokens) -> None:
         import json
-        import os
 
         from confu_jax.bench.report import result_to_json
 
-        path = self._path(key)
-        with open(path + ".tmp", "w") as f:
-            json.dump({"row": result_to_json(row), "logs": [g.to_json() for g in logs],
-                       "tokens": [[list(map(int, a)), list(map(int, b))] for a, b in tokens]}, f)
-        os.replace(path + ".tmp", path)
+        storage.write_text(self._path(key), json.dumps(  # whole or not at all (locally tmp + rename)
+            {"row": result_to_json(row), "logs": [g.to_json() for g in logs],
+             "tokens": [[list(map(int, a)), list(map(int, b))] for a, b in tokens]}))
 
 
 def _compare(setup: BenchSetup, ar_turns, sp_turns, turns_index) -> dict:
@@ -287,11 +284,18 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
         raise ValueError("method 'auto' chooses among the run's other speculative methods; name some "
                          "(e.g. --methods ar,lookup,eagle3,auto)")
     loaded = {}
+    host_target = setup.target_params
+    if setup.mesh is not None:  # on the mesh once, as the training table lays the weights out
+        from confu_jax.decode.sharded import place_spec_params, place_target
+
+        setup = dataclasses.replace(setup, target_params=place_target(setup.target_params, setup.target_cfg,
+                                                                      setup.mesh))
     for m in drafting:
-        head = decode_head(m, setup.target_cfg, setup.target_params, heads.get(m), seed=setup.seed,
+        head = decode_head(m, setup.target_cfg, host_target, heads.get(m), seed=setup.seed,
                            target_tokenizer=setup.tokenizer)  # a draft model's tokenizer is checked against it
         # to the device once: host arrays passed to every timed call would be copied on every call
-        loaded[m] = head._replace(params=jax.device_put(head.params))
+        loaded[m] = head._replace(params=jax.device_put(head.params) if setup.mesh is None
+                                  else place_spec_params(head.params, head.spec, setup.mesh))
         if not loaded[m].trained and get_method(m).needs_head:
             log(f"[{m}] no trained head given (--heads {m}=WORKDIR): UNTRAINED head ({loaded[m].source}), tau ~ 1")
     turns_index = [(p.question_id, t) for p in prompts for t in range(min(setup.turns, len(p.turns)))]
@@ -322,7 +326,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
             _, calibrations[m] = budget_lib.auto_plan(
                 h.spec, h.params, calib, max_new_tokens=setup.max_new_tokens, min_bucket=setup.min_bucket,
                 log=log, chains=chains, trees=trees, method=m, interleave=setup.interleave,
-                unroll_layers=setup.unroll_layers)
+                unroll_layers=setup.unroll_layers, mesh=setup.mesh)
         return calibrations[m]
 
     kept: dict = {}  # parts.load per row key, read once (the interleaved pre-pass asks first)

@@ -28,6 +28,8 @@ import time
 import zlib
 from typing import Callable, Optional, Sequence
 
+from confu_jax import storage
+
 log = logging.getLogger(__name__)
 
 DONE_SUFFIX = ".done"
@@ -74,18 +76,16 @@ def ids_digest(ids: Sequence[str]) -> str:
 
 
 def mark_done(path: str, ids: Sequence[str], stats: dict) -> None:
-    """``<path>.done``: shard ``path`` holds an answer for each of ``ids`` it could answer."""
-    tmp = path + DONE_SUFFIX + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"ids": ids_digest(ids), "n_ids": len(ids), "stats": stats}, f)
-    os.replace(tmp, path + DONE_SUFFIX)
+    """``<path>.done``: shard ``path`` holds an answer for each of ``ids`` it could answer (written
+    whole, ``storage.write_text``: a reader never sees half a marker, locally or on ``gs://``)."""
+    storage.write_text(path + DONE_SUFFIX, json.dumps({"ids": ids_digest(ids), "n_ids": len(ids), "stats": stats}))
 
 
 def is_done(path: str, ids: Sequence[str]) -> bool:
-    try:
-        with open(path + DONE_SUFFIX) as f:
-            return json.load(f)["ids"] == ids_digest(ids)
-    except (OSError, ValueError, KeyError):
+    try:  # a marker not there yet, or not readable now (a store's hiccup): poll again later
+        return (storage.isfile(path + DONE_SUFFIX)
+                and json.loads(storage.read_text(path + DONE_SUFFIX))["ids"] == ids_digest(ids))
+    except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
@@ -120,11 +120,6 @@ def merge_shards(output: str, num_shards: int, order: Sequence[str], read_record
             seen[cid] = i
             merged.append(rec)
     merged.sort(key=lambda r: rank[str(r["id"])])
-    tmp = output + ".merge.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for rec in merged:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, output)
+    # whole: a tmp file renamed over (fsynced) locally, one upload on gs:// (storage.write_text)
+    storage.write_text(output, "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in merged))
     return {"merged": len(merged), "shards": num_shards}

@@ -13,7 +13,8 @@ most ``part_bytes`` compressed (10 MB by default: small enough for any git host)
 never rewritten once released, so git stores every byte once and a clone can check what it got.
 
 * **Append-only.** :func:`append_release` writes the conversations not yet released as new parts
-  after the existing ones and then replaces the manifest atomically (tmp file + ``os.replace``); an
+  after the existing ones and then replaces the manifest atomically (tmp file + ``os.replace``; on
+  ``gs://`` each object's upload is atomic, and the append runs unlocked, with a warning); an
   id already released is never added again, and existing parts are never opened for writing. A
   crash between a part and the manifest leaves a part the manifest does not list: it is not
   released, is ignored by readers and is overwritten by the next append.
@@ -229,15 +230,13 @@ def _now() -> str:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Durable and whole (``storage.write_bytes``: tmp file + fsync + rename locally, one upload on a store)."""
+    storage.write_bytes(path, data)
 
 
 def _fsync_dir(directory: str) -> None:
+    if storage.is_remote(directory):  # an object store has no directory entries to make durable
+        return
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -247,7 +246,13 @@ def _fsync_dir(directory: str) -> None:
 
 @contextlib.contextmanager
 def _locked(directory: str):
-    """One appender per release at a time (flock on the folder itself: no lock file to commit)."""
+    """One appender per release at a time (flock on the folder itself: no lock file to commit). An
+    object store has no lock: the append says so and runs unlocked (as a ``gs://`` workdir does)."""
+    if storage.is_remote(directory):
+        log.warning("%s is on an object store, which cannot be locked: make sure no other process appends "
+                    "to this release now", directory)
+        yield
+        return
     fd = os.open(directory, os.O_RDONLY)
     try:
         try:
@@ -364,11 +369,7 @@ def append_release(
     are verified first and never written; the manifest is replaced atomically after the new parts
     are durable. Returns counts: ``added``, ``already_released``, ``duplicates``, ``new_parts``.
     """
-    if storage.is_remote(directory):
-        raise ReleaseError(f"{directory}: releases are appended on a local disk (an append locks the folder and "
-                           "replaces its manifest atomically, which an object store cannot do); append locally, "
-                           "then copy the folder (gcloud storage cp -r, or confu_jax.storage.copy_tree)")
-    os.makedirs(directory, exist_ok=True)
+    storage.makedirs(directory)
     with _locked(directory):
         if is_release(directory):
             manifest = verify_release(directory)
@@ -399,7 +400,7 @@ def append_release(
         for frame, start, end in pack_parts(lines, part_bytes, level):
             fname = PART_TEMPLATE.format(index)
             path = os.path.join(directory, fname)
-            if os.path.exists(path):  # left by an append that died before its manifest: not released
+            if storage.exists(path):  # left by an append that died before its manifest: not released
                 log.warning("%s: not in the manifest (an interrupted append); overwriting it", path)
             _write_atomic(path, frame)
             chunk = new[start:end]

@@ -56,6 +56,8 @@ from typing import Optional
 
 import numpy as np
 
+from confu_jax import storage
+
 FORMAT = "confu_jax.target_features"
 FORMAT_VERSION = 1
 INDEX = "index.json"
@@ -118,7 +120,16 @@ def _atomic_write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def _local_store(directory: str) -> None:
+    """A store lives on a local disk: training memory-maps its shards (safetensors' ``safe_open``) and
+    reads rows at random, which an object store cannot serve; refused in one line, before any work."""
+    if storage.is_remote(directory):
+        raise ValueError(f"{directory}: a target-features store must be on a local disk (training memory-maps "
+                         "its shards); write it locally, and copy the folder to keep it (gcloud storage cp -r)")
+
+
 def _read_index(directory: str) -> dict:
+    _local_store(directory)
     path = os.path.join(directory, INDEX)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no target-feature index (write one with python -m launch.target_features)")
@@ -137,6 +148,7 @@ class FeatureWriter:
         """``vocab``: the ``DraftVocab`` the teacher is renormalised over (saved beside the shards)."""
         if rows_per_shard < 1:
             raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
+        _local_store(directory)
         self.directory, self.settings, self.rows_per_shard = directory, settings, int(rows_per_shard)
         os.makedirs(directory, exist_ok=True)
         vocab_path = os.path.join(directory, VOCAB)

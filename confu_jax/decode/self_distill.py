@@ -14,7 +14,8 @@ reasoning), so no prefix stability is assumed. Two engines: ``regenerate_continu
 its new tokens) and ``generate_dataset`` (static batches through ``generate_ar``).
 
 Output ``{"id", "conversations": [{"role", "content"}]}`` per line, append-only, flushed and fsynced
-after every conversation (continuous) or batch (static); rerunning resumes (``scan_output`` cuts a
+after every conversation (continuous) or batch (static), locally or on ``gs://`` (``storage.append_text``:
+each append composed onto the object); rerunning resumes (``scan_output`` cuts a
 torn last line, ids already written are skipped). Provenance: every invocation appends a
 ``{"command", "started", "settings"}`` line to ``<output>.runs.jsonl`` (``record_run``), whose
 ``settings`` (model, tokenizer, dtype, input, sampling, lengths, engine, chat template kwargs and the
@@ -28,11 +29,12 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import zlib
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
+
+from confu_jax import storage
 
 log = logging.getLogger("self_distill")
 
@@ -49,10 +51,10 @@ def scan_output(path: str) -> tuple[list[dict], int, int]:
     ours, and resuming into (or releasing) it would be unsafe, so that raises. Reads only: a file
     another run is still appending to can be scanned.
     """
-    if not os.path.exists(path):
+    if not storage.exists(path):
         return [], 0, 0
     records: list[dict] = []
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         data = f.read()
     good_end = 0
     pos = 0
@@ -92,21 +94,17 @@ def read_done_ids(path: str) -> set[str]:
     records, good_end, size = scan_output(path)
     if good_end < size:
         log.warning("%s: cutting a torn last line (%d bytes) before resuming", path, size - good_end)
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
+        storage.truncate(path, good_end)
     return {str(rec["id"]) for rec in records}
 
 
 def append_records(path: str, records: Iterable[dict]) -> int:
-    """Append one JSON line per record and make it durable before returning."""
-    n = 0
-    with open(path, "a", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            n += 1
-        f.flush()
-        os.fsync(f.fileno())
-    return n
+    """Append one JSON line per record and make it durable before returning (``storage.append_text``:
+    an fsynced append locally, a compose onto the object on ``gs://``)."""
+    lines = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in records]
+    if lines:
+        storage.append_text(path, "".join(lines))
+    return len(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,10 +482,10 @@ def recorded_settings(outputs: Sequence[str], legacy_parse: Optional[Callable[[s
     runs = []
     for path in outputs:
         side = path + RUNS_SUFFIX
-        if not os.path.isfile(side):
+        if not storage.isfile(side):
             raise ValueError(f"{side} does not exist (the input was written before generate_data recorded its "
                              "runs): pass the command that generated it")
-        with open(side, encoding="utf-8") as f:
+        with storage.open(side, encoding="utf-8") as f:
             for line in (x for x in f if x.endswith("\n") and x.strip()):  # a torn last line: still being written
                 r = json.loads(line)
                 if "settings" in r:

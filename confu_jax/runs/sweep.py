@@ -18,6 +18,7 @@ the same on every host and in every mode. Each point's directory holds ``point.j
 overrides; a directory whose ``point.json`` disagrees with the spec is refused, naming both),
 the run's own files (checkpoints, ``metrics.csv``, ``eval.csv``, written by ``launch.train``),
 ``train.log`` (the run's output, appended on every attempt) and ``DONE.json`` once it finished.
+The sweep directory may be a ``gs://`` URL (``confu_jax.storage``; the spec stays a local file).
 Running a point again resumes it (``launch.train`` restores the latest checkpoint); a point with
 ``DONE.json`` is skipped. The results table collects each run's last held-out row (``eval.csv``)
 and its last train loss.
@@ -32,12 +33,15 @@ import csv
 import dataclasses
 import difflib
 import importlib.util
+import io
 import itertools
 import json
 import os
 import re
 import sys
 from typing import Any, Optional, Sequence
+
+from confu_jax import storage
 
 SPEC_KEYS = ("config", "overrides", "product", "zip", "metric")
 DONE_FILE, POINT_FILE, LOG_FILE = "DONE.json", "point.json", "train.log"
@@ -74,6 +78,9 @@ def _short(v) -> str:
 
 
 def _load_module(path: str, what: str):
+    if storage.is_remote(path):  # Python code is imported from a file on this machine
+        raise SweepError(f"{what} {path!r} is on an object store; a {what} is Python code imported from a local "
+                         "file: copy it here (the sweep directory may be on gs://)")
     if not os.path.isfile(path):
         raise SweepError(f"{what} {path!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"_confu_sweep_{abs(hash(path))}", path)
@@ -175,45 +182,41 @@ def point_dir(sweep_dir: str, point: Point) -> str:
 def status(sweep_dir: str, point: Point) -> str:
     """'done', 'partial' (started, not finished: a re-run resumes it) or 'new'."""
     d = point_dir(sweep_dir, point)
-    if os.path.isfile(os.path.join(d, DONE_FILE)):
+    if storage.isfile(os.path.join(d, DONE_FILE)):
         return "done"
-    return "partial" if os.path.isdir(os.path.join(d, "checkpoints")) else "new"
+    return "partial" if storage.isdir(os.path.join(d, "checkpoints")) else "new"
 
 
 def claim_point_dir(sweep_dir: str, point: Point) -> str:
     """The point's directory, created with its ``point.json``; refuses one made by another spec."""
     d = point_dir(sweep_dir, point)
-    os.makedirs(d, exist_ok=True)
+    storage.makedirs(d)
     path = os.path.join(d, POINT_FILE)
     record = {"index": point.index, "overrides": point.overrides}
-    if os.path.isfile(path):
-        with open(path) as f:
-            saved = json.load(f)
+    if storage.isfile(path):
+        saved = json.loads(storage.read_text(path))
         if saved.get("overrides") != json.loads(json.dumps(point.overrides)):
             raise SweepError(f"{path} was written for overrides {saved.get('overrides')}, but the spec now gives "
                              f"point {point.index} {point.overrides}; use a new sweep directory")
     else:
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f, indent=2)
-        os.replace(path + ".tmp", path)
+        storage.write_text(path, json.dumps(record, indent=2))
     return d
 
 
 def mark_done(sweep_dir: str, point: Point, returncode: int) -> None:
     d = point_dir(sweep_dir, point)
     row = collect_point(sweep_dir, point)
-    with open(os.path.join(d, DONE_FILE + ".tmp"), "w") as f:
-        json.dump({"returncode": returncode, "step": row.get("step"), "metrics": row}, f, indent=2)
-    os.replace(os.path.join(d, DONE_FILE + ".tmp"), os.path.join(d, DONE_FILE))
+    storage.write_text(os.path.join(d, DONE_FILE),
+                       json.dumps({"returncode": returncode, "step": row.get("step"), "metrics": row}, indent=2))
 
 
 # ----------------------------------------------------------------------------- results
 
 def _last_row(path: str) -> dict:
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return {}
     last = {}
-    with open(path, newline="") as f:
+    with storage.open(path, newline="") as f:
         for row in csv.DictReader(f):
             if row.get("step") not in (None, "") and int(float(row["step"])) >= int(float(last.get("step", -1))):
                 last = row
@@ -261,10 +264,11 @@ def write_table(sweep: Sweep, sweep_dir: str, out_prefix: Optional[str] = None) 
     """results.csv and results.md in the sweep directory -> (csv path, md path, rows)."""
     header, rows = collect(sweep, sweep_dir)
     prefix = out_prefix or os.path.join(sweep_dir, "results")
-    with open(prefix + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=header, restval="")
-        w.writeheader()
-        w.writerows(rows)
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=header, restval="")
+    w.writeheader()
+    w.writerows(rows)
+    storage.write_text(prefix + ".csv", buf.getvalue())
     key = f"eval/{sweep.metric}"
     shown = ["point", *sweep.varied_keys, "status", "step"] + [k for k in header if k.startswith("eval/")
                                                                or k == "train/loss"]
@@ -273,8 +277,7 @@ def write_table(sweep: Sweep, sweep_dir: str, out_prefix: Optional[str] = None) 
              f" ({len(rows)} points, best `{key}` first)", "",
              "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(_cell(r.get(k)) for k in shown) + " |" for r in ranked]
-    with open(prefix + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    storage.write_text(prefix + ".md", "\n".join(lines) + "\n")
     return prefix + ".csv", prefix + ".md", rows
 
 
@@ -314,6 +317,6 @@ def plot(sweep: Sweep, rows: list, path: str, metric: Optional[str] = None) -> O
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    storage.write_figure(path, fig, dpi=120)
     plt.close(fig)
     return path
