@@ -3,6 +3,9 @@
     python -m launch.export_head --workdir runs/smollm2_eagle3 --format eagle3 --out exports/e3_sglang
     python -m launch.export_head --workdir runs/smollm2_eagle3 --format speculators --out exports/e3_vllm \
         --embed_from smollm2-135m-instruct
+    python -m launch.export_head --workdir releases/heads/smollm2_eagle3 --format speculators --out exports/e3_vllm
+    python -m launch.export_head --workdir path/to/EAGLE3-head --format speculators --out exports/e3_vllm \
+        --target_model path/to/Llama-3.1-8B-Instruct
     python -m launch.export_head --workdir runs/smollm2_medusa --format medusa --out exports/medusa --dtype bfloat16
     python -m launch.export_head --workdir runs/smollm2_mlp_speculator --format mlp_speculator --out exports/mlp
     python -m launch.export_head --workdir runs/smollm2_mtp --format mtp --out exports/mtp
@@ -29,31 +32,34 @@ target's embedding and LM head as ``embed_tokens`` / ``shared_head.head``), whic
 
 A ConFu head exports its EAGLE-3 part only (fc, the draft layer, LM head): serving engines have no
 contemplate tokens, so its future path (soft prompts, MoE_con, MoE_f) is dropped, with a warning.
-"""
-
-from __future__ import annotations
 
 ``--workdir`` and ``--out`` may be ``gs://`` URLs (docs/scale.md): the export is written in a local
 staging folder and then put at ``--out`` with ``config.json`` last (``storage.staged_dir``).
+"""
+
+from __future__ import annotations
 
 import os
 import sys
 
 from absl import app, flags
 
+from confu_jax import storage
 from confu_jax.decode.families import export_formats
 from confu_jax.runs.exports import EXPORT_FORMATS
 
-from confu_jax import storage
-flags.DEFINE_string("workdir", None, "a launch.train workdir (config.json + checkpoints/) holding the head",
-                    required=True)
+flags.DEFINE_string("workdir", None, "the head to export: a launch.train workdir (config.json + checkpoints/); "
+                    "for --format eagle3 / speculators also a release (releases/heads/...) or an EAGLE-3 head in the "
+                    "official or speculators layout (converted)", required=True)
 flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
 flags.DEFINE_enum("format", "eagle3", list(export_formats()),
                   "; ".join(f"{name}: {EXPORT_FORMATS[name].help}" for name in export_formats()))
 flags.DEFINE_string("out", None, "output directory (created; existing config.json / model.safetensors are "
                     "overwritten)", required=True)
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
-                  "stored float dtype (default: the head's parameter dtype, float32 for our runs)")
+                  "stored float dtype, written in config.json (default: the target checkpoint's own dtype, what a "
+                  "serving engine runs the target in and its --dtype auto reads: bf16 for a bf16 target; the "
+                  "head's own dtype when the target cannot be read)")
 flags.DEFINE_string("verifier", None, "speculators format: the target's Hugging Face id or path, recorded as "
                     "speculators_config.verifier.name_or_path (default: the source in the workdir's target.json)")
 flags.DEFINE_string("embed_from", None, "speculators format: also store this target's embedding as "
@@ -61,10 +67,13 @@ flags.DEFINE_string("embed_from", None, "speculators format: also store this tar
                     "it, vLLM shares the target's when absent). Checked against the head's target fingerprint.")
 flags.DEFINE_bool("mtp_shared", False, "mtp format: also store the target's embedding and LM head as the layer's "
                   "embed_tokens / shared_head.head (DeepSeek's checkpoints carry these copies)")
+flags.DEFINE_string("target_model", None, "eagle3 / speculators formats from a published-layout head: the target "
+                    "it drafts for (asset name, HF directory or .gguf; only its config is read), which fixes the "
+                    "default feature layers (default: the release manifest's or the speculators verifier)")
 FLAGS = flags.FLAGS
 
 
-OPTIONS = ("verifier", "embed_from", "mtp_shared")  # flags a format may read (ExportFormat.options)
+OPTIONS = ("verifier", "embed_from", "mtp_shared", "target_model")  # flags a format may read (ExportFormat.options)
 
 
 def main(argv):
