@@ -157,7 +157,10 @@ class Server:
         self.base, self.log_path = f"http://127.0.0.1:{self.port}", log_path
         self.model = self.cmd[self.cmd.index("--model") + 1]
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        # a fixed KV-cache size: without it vLLM's CPU backend reserves 92 % of the node's memory
+        # (--gpu-memory-utilization) and refuses to start where other processes hold some of it
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait(timeout_s)
 
     def _wait(self, timeout_s: float) -> None:
