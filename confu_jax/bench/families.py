@@ -18,7 +18,6 @@ columns say whether a family loses on acceptance or on cost.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -66,15 +65,6 @@ def _last_checkpoint(workdir: str) -> int:
     if not steps:
         raise FileNotFoundError(f"{workdir}: expected finished checkpoints under checkpoints/<step>; found none")
     return max(steps)
-
-
-def _metrics_steps(workdir: str) -> Optional[int]:
-    path = os.path.join(workdir, "metrics.csv")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("step")]
-    return int(float(rows[-1]["step"])) if rows else None
 
 
 def read_training(runs_dir: str, method: str, parent: Optional[tuple[str, int]] = None,

@@ -124,12 +124,6 @@ def place_request(args: Sequence, mesh: Mesh) -> tuple:
     return tuple(jax.device_put(a, s) for a, s in zip(args, request_shardings(args, mesh)))
 
 
-def abstract_request(args: Sequence, mesh: Mesh) -> tuple:
-    """ShapeDtypeStructs of a request with its shardings (lowering without data)."""
-    return tuple(jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=s)
-                 for a, s in zip(args, request_shardings(args, mesh)))
-
-
 # ----------------------------------------------------------------------------- inside the loops
 
 
@@ -236,12 +230,3 @@ def abstract_spec_params(spec, mesh: Mesh, draft_vocab_size: Optional[int] = Non
                         draft_vocab={"d2t": jax.ShapeDtypeStruct((vd,), jnp.int32),
                                      "t2d": jax.ShapeDtypeStruct((v,), jnp.bool_)})
     return shd.with_shardings(params, spec_params_shardings(params, spec, mesh))
-
-
-def abstract_target(cfg, mesh: Mesh):
-    """ShapeDtypeStructs (with shardings) of a target parameter tree."""
-    from confu_jax.models.llama import param_shapes
-
-    ps = param_shapes(cfg)
-    return shd.with_shardings(ps, target_shardings(ps, cfg, mesh))
-

@@ -90,21 +90,6 @@ def commit(cache: KVCache, k_new_lbthd: jax.Array, v_new_lbthd: jax.Array, n_new
     return KVCache(k, v, length)
 
 
-def write_row(cache: KVCache, row, k_new_lbthd: jax.Array, v_new_lbthd: jax.Array, length) -> KVCache:
-    """Overwrite row ``row``'s slots [0, T) with a prompt's K/V ([L,1,T,Hkv,hd]) and set its length
-    (continuous batching refills one row; slots past ``length`` are never attended)."""
-
-    def put(buf, new_lbthd):
-        new_lbhsd = to_cache_layout(new_lbthd)
-        if isinstance(buf, (tuple, list)):
-            return tuple(jax.lax.dynamic_update_slice(x, new_lbhsd[i].astype(x.dtype), (row, 0, 0, 0))
-                         for i, x in enumerate(buf))
-        return jax.lax.dynamic_update_slice(buf, new_lbhsd.astype(buf.dtype), (0, row, 0, 0, 0))
-
-    return KVCache(put(cache.k_lbhsd, k_new_lbthd), put(cache.v_lbhsd, v_new_lbthd),
-                   cache.length_b.at[row].set(length))
-
-
 def to_cache_layout(kv_lbthd: jax.Array) -> jax.Array:
     """Token-major K or V of a forward ([L,B,T,Hkv,hd], slot i = position i) -> the cache's
     head-major [L,B,Hkv,T,hd] (ConFu's training form attends a real pass's K/V as a cache)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 
@@ -102,9 +102,3 @@ def save_dflash_dir(directory: str, params: dict, draft: LlamaConfig, *, taps, m
               os.path.join(directory, "model.safetensors"))
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-
-
-def decode_tree(imported: ImportedDFlash, mask_token_id: Optional[int] = None) -> dict:
-    """``SpecParams.draft['dflash']``: the tree plus the mask token."""
-    m = imported.mask_token_id if mask_token_id is None else mask_token_id
-    return {**imported.params, "mask_token_id": np.int32(m)}
