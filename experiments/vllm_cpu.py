@@ -75,6 +75,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: SmolLM2 at 2048 tokens needs far less
     if args.serve:
         return serve(args)
+    # the engine core in this process, not a spawned one: the same engine, one interpreter fewer to start
+    # (an offline run here took 21 s against 49 s, outputs and counters unchanged)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -106,13 +109,18 @@ def main(argv=None) -> int:
     accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens") - acc0
     draft_tokens = _counter(metrics, "vllm:spec_decode_num_draft_tokens") - dt0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    _write_result(args.out, tokens, drafts, accepted, draft_tokens, seconds, vllm_version=vllm.__version__,
+                  speculative_config=kw.get("speculative_config"))
+    return 0
+
+
+def _write_result(out: str, tokens, drafts: int, accepted: int, draft_tokens: int, seconds, **extra) -> None:
+    """The run's JSON (module docstring); written once, at the end: a failed run leaves no file."""
     result = {"tokens": tokens, "drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
               "tau": (1.0 + accepted / drafts) if drafts else None, "seconds": seconds,
-              "generated_tokens": sum(len(t) for t in tokens), "vllm_version": vllm.__version__,
-              "speculative_config": kw.get("speculative_config")}
-    with open(args.out, "w") as f:
+              "generated_tokens": sum(len(t) for t in tokens), **extra}
+    with open(out, "w") as f:
         json.dump(result, f)
-    return 0
 
 
 def serve_command(python: str, model: str, port: int, *, dtype: str = "auto", max_model_len: int = 2048,
@@ -235,11 +243,7 @@ def serve(args) -> int:
     finally:
         server.close()
     drafts, accepted, draft_tokens = (after[n] - before[n] for n in ("drafts", "accepted_tokens", "draft_tokens"))
-    result = {"tokens": tokens, "drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
-              "tau": (1.0 + accepted / drafts) if drafts else None, "seconds": seconds,
-              "generated_tokens": sum(len(t) for t in tokens), "command": server.cmd}
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    _write_result(args.out, tokens, drafts, accepted, draft_tokens, seconds, command=server.cmd)
     return 0
 
 
