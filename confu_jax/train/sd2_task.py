@@ -50,7 +50,8 @@ from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.runs.draft_models import load_drafter, sd2_trainable_shapes
 from confu_jax.runs.heads import target_fingerprint
 from confu_jax.train.task import TrainTask
-from confu_jax.train.target_loading import load_target, strip_asset, target_name
+from confu_jax.assets import strip_asset
+from confu_jax.train.target_loading import load_target, target_name
 
 
 def default_sd2_config() -> ml_collections.ConfigDict:

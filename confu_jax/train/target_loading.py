@@ -17,6 +17,7 @@ import math
 
 import jax
 
+from confu_jax.assets import strip_asset
 from confu_jax.models.llama import LlamaConfig, init_params as llama_init, param_shapes
 from confu_jax.models.presets import get_preset
 from confu_jax.models.spec import ModelSpec
@@ -151,10 +152,6 @@ def _resolve_abstract(config, source: str, preset) -> None:
                          "shapes: --config.model.source=abstract:/path/to/config.json")
     dtype = config.model.get("dtype", None) or ("bfloat16" if arch.dtype == "float32" else arch.dtype)
     _fill_from_arch(config, arch, dtype, dtype)
-
-
-def strip_asset(source: str) -> str:
-    return source[len("asset:"):] if source.startswith("asset:") else source
 
 
 def sharded_source(config) -> bool:
