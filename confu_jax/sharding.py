@@ -282,6 +282,11 @@ def activation_mesh(mesh: Mesh):
         _ACTIVATION_MESH.pop()
 
 
+def active_mesh() -> Optional[Mesh]:
+    """The mesh :func:`activation_mesh` made active while tracing, or None."""
+    return _ACTIVATION_MESH[-1] if _ACTIVATION_MESH else None
+
+
 def constrain(x, logical: Sequence[Optional[str]]):
     """Pin an activation's layout by logical axes, e.g. ``constrain(h_btd, ('batch', None, None))``.
 

@@ -32,7 +32,7 @@ from confu_jax.decode.sharded import constrain_tree, place_request, place_target
 from confu_jax.decode.stopping import PAD_OUT, emit, is_eos, update_stop
 from confu_jax.models.kv_cache import KVCache, commit, init_cache
 from confu_jax.models.llama import LlamaConfig
-from confu_jax.models.unrolled import apply_target, split_layers, target_logits
+from confu_jax.models.unrolled import SplitParams, apply_target, prepared_layers, split_layers, target_logits
 
 
 class GenerateResult(NamedTuple):
@@ -120,7 +120,7 @@ def generate_padded(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key
 
 def _generate(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *, cfg: LlamaConfig,
               max_new_tokens: int, max_len: int, unroll_layers: bool) -> GenerateResult:
-    if unroll_layers:  # split once, outside the loop: every step reads per-layer buffers
+    if unroll_layers and not isinstance(params, SplitParams):  # split once, outside the loop
         params = split_layers(params, cfg)
     b = tokens_bt.shape[0]
     temperature = jnp.asarray(temperature, jnp.float32)
@@ -199,6 +199,8 @@ def generate_ar(params, cfg: LlamaConfig, prompts, *, lengths=None, max_new_toke
         unroll_layers=unroll_layers, mesh=mesh)
     if mesh is not None:
         params = place_target(params, cfg, mesh)
+    elif static["unroll_layers"]:  # the split weights made once per target (models.unrolled)
+        params = prepared_layers(params, cfg)
     return generate_padded_jit(params, *args, **static)
 
 
@@ -210,4 +212,8 @@ def compile_ar(params, cfg: LlamaConfig, prompts, **kw):
     args, static = prepare_ar_inputs(cfg, prompts, **kw)
     if static["mesh"] is not None:
         params = place_target(params, cfg, static["mesh"])
-    return generate_padded_jit.lower(params, *args, **static).compile(), args
+        return generate_padded_jit.lower(params, *args, **static).compile(), args
+    if not static["unroll_layers"]:
+        return generate_padded_jit.lower(params, *args, **static).compile(), args
+    compiled = generate_padded_jit.lower(prepared_layers(params, cfg), *args, **static).compile()
+    return (lambda p, *a: compiled(prepared_layers(p, cfg), *a)), args

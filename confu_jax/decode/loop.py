@@ -44,7 +44,7 @@ from confu_jax.decode.stopping import PAD_OUT, emit, is_eos, update_stop
 from confu_jax.models import target as target_lib
 from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.spec import ModelSpec
-from confu_jax.models.unrolled import SplitParams, split_layers
+from confu_jax.models.unrolled import SplitParams, prepared_layers, split_layers
 
 
 # ----------------------------------------------------------------------------- one iteration
@@ -215,7 +215,7 @@ def _speculative(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, e
                  spec: ModelSpec, drafter: Drafter, rule: verify_lib.AcceptanceRule, max_new_tokens: int,
                  max_len: int, unroll_layers: bool) -> SpecResult:
     drafter = as_drafter(drafter)
-    if unroll_layers:  # per-layer weight buffers, split once outside the loop (models.unrolled)
+    if unroll_layers and not isinstance(params.target, SplitParams):  # per-layer buffers, outside the loop
         params = params.replace(target=split_layers(params.target, spec.target))
     params = drafter.prepare_params(spec, params)  # once, outside the loop (e.g. the draft model's split)
     temperature = jnp.asarray(temperature, jnp.float32)
@@ -295,15 +295,24 @@ def generate_from_spec(spec: ModelSpec, params: SpecParams, drafter, prompts, **
     """``generate_speculative`` on the joined form (``spec_params.join``): what a training run holds
     (its spec and ``spec_params``) and what the loop's own tests drive."""
     args, static = prepare_spec_inputs(spec, drafter, prompts, **kw)
+    return speculative_padded_jit(_placed(params, spec, static), *args, **static)
+
+
+def _placed(params: SpecParams, spec: ModelSpec, static: dict) -> SpecParams:
+    """On a mesh, placed by the training table; on the unrolled (CPU) path, the target's split
+    weights made once per target (``models.unrolled.prepared_layers``)."""
     if static["mesh"] is not None:
-        params = place_spec_params(params, spec, static["mesh"])
-    return speculative_padded_jit(params, *args, **static)
+        return place_spec_params(params, spec, static["mesh"])
+    if static["unroll_layers"]:
+        return params.replace(target=prepared_layers(params.target, spec.target))
+    return params
 
 
 def compile_from_spec(spec: ModelSpec, params: SpecParams, drafter, prompts, **kw):
     """``compile_speculative`` on the joined form -> (run, args): ``run(params, *args)`` neither traces nor
     compiles. With ``mesh=``, ``run`` expects params placed by ``decode.sharded.place_spec_params``."""
     args, static = prepare_spec_inputs(spec, drafter, prompts, **kw)
+    compiled = speculative_padded_jit.lower(_placed(params, spec, static), *args, **static).compile()
     if static["mesh"] is not None:
-        params = place_spec_params(params, spec, static["mesh"])
-    return speculative_padded_jit.lower(params, *args, **static).compile(), args
+        return compiled, args
+    return (lambda p, *a: compiled(_placed(p, spec, static), *a)), args

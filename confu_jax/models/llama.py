@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from confu_jax.kernels import cpu_matmul
 from confu_jax.models.attention import masked_attention
 from confu_jax.models.kv_cache import stacked
 
@@ -195,6 +196,9 @@ def _dense(features, cfg, name, use_bias=False, **kw):
     )
 
 
+# Shared-parameter key of the LM head packed for the CPU decode path (models.unrolled.split_layers).
+PACKED_LM_HEAD = "packed_lm_head"
+
 # Products in the operands' own dtype, sums in float32: a bf16 LM head is read as bf16 (no
 # resident f32 copy of a [V, d] matrix, no 2x traffic) and still yields float32 logits.
 F32_ACCUMULATE = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
@@ -216,9 +220,9 @@ class DecoderLayer(nn.Module):
         b, t, _ = x_btd.shape
         h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="attn_norm")(x_btd)
         bias = cfg.attention_bias
-        q = _dense(cfg.n_heads * cfg.head_dim, cfg, "q_proj", bias)(h).reshape(b, t, cfg.n_heads, cfg.head_dim)
-        k = _dense(cfg.n_kv_heads * cfg.head_dim, cfg, "k_proj", bias)(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-        v = _dense(cfg.n_kv_heads * cfg.head_dim, cfg, "v_proj", bias)(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        q = self._proj(h, cfg.n_heads * cfg.head_dim, "q_proj", bias).reshape(b, t, cfg.n_heads, cfg.head_dim)
+        k = self._proj(h, cfg.n_kv_heads * cfg.head_dim, "k_proj", bias).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        v = self._proj(h, cfg.n_kv_heads * cfg.head_dim, "v_proj", bias).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, one scale shared by all heads, before RoPE
             q = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="q_norm")(q)
             k = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="k_norm")(k)
@@ -239,14 +243,23 @@ class DecoderLayer(nn.Module):
             impl=cfg.attention_impl,
             flash_impl=cfg.flash_impl,
         )
-        x_btd = x_btd + _dense(cfg.d_model, cfg, "o_proj")(attn.reshape(b, t, -1))
+        x_btd = x_btd + self._proj(attn.reshape(b, t, -1), cfg.d_model, "o_proj")
         h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="mlp_norm")(x_btd)
-        gate = _dense(cfg.ffn_dim, cfg, "gate_proj")(h)
-        up = _dense(cfg.ffn_dim, cfg, "up_proj")(h)
+        gate = self._proj(h, cfg.ffn_dim, "gate_proj")
+        up = self._proj(h, cfg.ffn_dim, "up_proj")
         if "mlp_bias" in xs:  # SD² steering: W_s^l g added to the up projection (models.steering)
             up = up + xs["mlp_bias"].astype(up.dtype)
-        x_btd = x_btd + _dense(cfg.d_model, cfg, "down_proj")(nn.silu(gate) * up)
+        x_btd = x_btd + self._proj(nn.silu(gate) * up, cfg.d_model, "down_proj")
         return (x_btd, taps), (k, v)
+
+    def _proj(self, x, features: int, name: str, use_bias: bool = False):
+        """``nn.Dense`` named ``name``; or, where the decode path packed this kernel for the CPU
+        (``kernels.cpu_matmul``, the layer-unrolled path), the few-row matmul on the packed panels."""
+        p = None if self.is_initializing() else self.variables.get("params", {}).get(name)
+        if p is not None and cpu_matmul.is_packed(p["kernel"]):
+            y = cpu_matmul.packed_matmul(x, p["kernel"], features)
+            return y + p["bias"].astype(y.dtype) if use_bias else y
+        return _dense(features, self.cfg, name, use_bias)(x)
 
 
 class Llama(nn.Module):
@@ -285,6 +298,9 @@ class Llama(nn.Module):
         """Float32 logits from the LM head read in its own dtype (tied: the embedding matrix
         transposed). Tied and untied heads give the same precision: operands in the compute dtype,
         float32 accumulation (``preferred_element_type``), never an upcast copy of the weights."""
+        packed = None if self.is_initializing() else self.variables.get("params", {}).get(PACKED_LM_HEAD)
+        if packed is not None:  # the CPU decode path's packed copy (models.unrolled.split_layers)
+            return cpu_matmul.packed_matmul(hidden_btd, packed, self.cfg.vocab_size)
         if self.cfg.tie_embeddings:
             w = self.embed.embedding
             return jnp.einsum("btd,vd->btv", hidden_btd.astype(jnp.dtype(self.cfg.dtype)),

@@ -17,7 +17,9 @@ from typing import NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from confu_jax.models.llama import DecoderLayer, Llama, LlamaConfig, LlamaOutput, check_mlp_bias, layer_context
+from confu_jax import sharding as shd
+from confu_jax.kernels import cpu_matmul
+from confu_jax.models.llama import PACKED_LM_HEAD, DecoderLayer, Llama, LlamaConfig, LlamaOutput, check_mlp_bias, layer_context
 
 
 class SplitParams(NamedTuple):
@@ -25,9 +27,17 @@ class SplitParams(NamedTuple):
     layers: tuple  # n_layers trees, each shaped like one DecoderLayer's params
 
 
-def split_layers(params: dict, cfg: LlamaConfig) -> SplitParams:
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def split_layers(params: dict, cfg: LlamaConfig, pack: Optional[bool] = None) -> SplitParams:
     """Per-layer weight buffers. Inside jit the slices are materialised (optimization_barrier) so
-    XLA does not fold static slices into the dots' operands, which it lowers poorly on CPU."""
+    XLA does not fold static slices into the dots' operands, which it lowers poorly on CPU.
+
+    ``pack`` (default: ``kernels.cpu_matmul.use_packed(cfg)`` outside a decode mesh, whose
+    partitioner cannot split the handler): the projections and the LM head are laid out as
+    64-column panels for the few-row CPU matmul instead (the copy the split makes anyway, in another
+    layout; the tied LM head adds a packed copy of the embedding beside it)."""
     if "layers" not in params:
         raise KeyError(f"params has no 'layers' entry (top-level keys: {sorted(params)})")
     n = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
@@ -35,7 +45,21 @@ def split_layers(params: dict, cfg: LlamaConfig) -> SplitParams:
         raise ValueError(f"params['layers'] stacks {n} layers; cfg.n_layers is {cfg.n_layers}")
     shared = {k: v for k, v in params.items() if k != "layers"}
     layers = tuple(jax.tree_util.tree_map(lambda p, i=i: p[i], params["layers"]) for i in range(n))
+    if pack is None:
+        pack = shd.active_mesh() is None and cpu_matmul.use_packed(cfg)
+    if pack:
+        layers = tuple(_pack_layer(lp) for lp in layers)
+        head_vd = shared["embed"]["embedding"] if cfg.tie_embeddings else shared["lm_head"]["kernel"].T
+        shared[PACKED_LM_HEAD] = cpu_matmul.pack(head_vd.T)
     return SplitParams(shared, jax.lax.optimization_barrier(layers))
+
+
+def _pack_layer(lp: dict) -> dict:
+    out = dict(lp)
+    for name in PROJECTIONS:
+        if name in lp:
+            out[name] = {**lp[name], "kernel": cpu_matmul.pack(lp[name]["kernel"])}
+    return out
 
 
 def _final(m: Llama, x_btd, return_logits: bool):
@@ -114,3 +138,28 @@ def shared_params(params) -> dict:
 def target_logits(params, cfg: LlamaConfig, hidden_btd) -> jax.Array:
     """The target's LM head (float32) on final-normed hidden states, either layout."""
     return Llama(cfg).apply({"params": shared_params(params)}, hidden_btd, method=Llama.logits)
+
+
+_PREPARED: list = []  # [(weakrefs to the stacked leaves, cfg, SplitParams)]: the latest target only
+
+
+def prepared_layers(params, cfg: LlamaConfig):
+    """``split_layers(params, cfg)`` made once per target and kept (the latest target only), for the
+    CPU decode entry points: the split copies every weight (and packing re-lays them, ~0.7 s for
+    SmolLM2 on two cores), which done inside each decode call cost every call that much. The split
+    form is handed to the jitted programs, which then skip splitting. ``SplitParams`` pass through."""
+    import weakref
+
+    if isinstance(params, SplitParams):
+        return params
+    leaves = jax.tree_util.tree_leaves(params)
+    for refs, c, sp in _PREPARED:
+        if c == cfg and len(refs) == len(leaves) and all(r() is x for r, x in zip(refs, leaves)):
+            return sp
+    sp = jax.jit(split_layers, static_argnums=1)(params, cfg)
+    try:
+        refs = [weakref.ref(x) for x in leaves]
+    except TypeError:  # numpy leaves: not cached
+        return sp
+    _PREPARED[:] = [(refs, cfg, sp)]
+    return sp
