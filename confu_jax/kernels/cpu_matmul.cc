@@ -1,12 +1,15 @@
 // Few-row float32 matmul against a panel-packed weight, for XLA:CPU (an XLA FFI handler).
 //
-// y[t, o] = sum_i x[t, i] * w[i, o], rows in groups of <= 8 through each panel, with w packed once per decode call
-// into panels [P, I, 64] (panel p holds columns 64p..64p+63, row i of the panel contiguous).
+// y[t, o] = sum_i x[t, i] * w[i, o], with w packed once per target into panels [P, I, 64] (panel p
+// holds columns 64p..64p+63, row i of the panel contiguous); rows go in groups (<= 8) through each
+// panel while it is in cache.
 // Each output is one fused multiply-add chain over i ascending, the same for every row whatever
 // T is: a row of a T-row verification equals the same row decoded alone, bit for bit.
 // Why: XLA:CPU's dot kernels cost ~2.3x a 1-row product at 4 rows on two cores (the packing and
-// tiling of skinny GEMMs); this one streams each weight once with T x NV accumulators in registers,
-// so 4 rows cost ~1.3x one row. Built on first use by confu_jax/kernels/cpu_matmul.py.
+// tiling of skinny GEMMs); this one streams each weight once with T x NV accumulators in registers
+// and prefetches ahead, so 4 rows cost ~1.15x one row. Built on first use by
+// confu_jax/kernels/cpu_matmul.py.
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -18,13 +21,20 @@
 namespace ffi = xla::ffi;
 
 #if defined(__AVX512F__)
-constexpr int VL = 16, REGS = 16;  // 32 zmm: up to 16 accumulators + loads
+constexpr int VL = 16, REGS = 32;  // 32 zmm: 8 rows x 4 vectors spill a little, and still beat 2 passes
 #elif defined(__AVX__)
 constexpr int VL = 8, REGS = 8;    // 16 ymm
 #else
 constexpr int VL = 4, REGS = 8;
 #endif
 constexpr int64_t PANEL = 64;      // columns per packed panel (cpu_matmul.PANEL)
+// Software prefetch distance, in panel rows (16 x 256 B = 4 KiB ahead). The hardware prefetchers
+// alone left a 4-row product 1.33x a 1-row one (the extra FMAs shrink how far ahead the core runs);
+// with this, 1.15x (SmolLM2's weights, Intel Xeon, two cores; docs/RESULTS.md).
+constexpr int64_t PREFETCH_ROWS = 16;
+// Rows per group when there are more than 8 (prefill): 6 rows x 4 vectors fit the registers; 8 spill
+// (a 128-token SmolLM2 prefill: 211 ms against 221 ms; XLA's GEMM 186 ms).
+constexpr int64_t GROUP_LARGE = 6;
 constexpr int PANEL_VECS = PANEL / VL;
 typedef float vf __attribute__((vector_size(VL * 4)));
 
@@ -39,6 +49,7 @@ static void block(const float* x, int64_t I, const float* panel, int64_t c0, flo
     for (int v = 0; v < NV; ++v) acc[t][v] = vf{};
   const float* wp = panel + c0;
   for (int64_t i = 0; i < I; ++i, wp += PANEL) {
+    for (int l = 0; l < NV * VL; l += 16) __builtin_prefetch(wp + PREFETCH_ROWS * PANEL + l);  // never faults
     vf wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load(wp + v * VL);
     for (int t = 0; t < T; ++t) {
@@ -80,13 +91,13 @@ struct Job {
   const float* x;
   const float* w;
   float* y;
-  int64_t T, I, P, units;
+  int64_t T, I, P, units, G;
   std::atomic<int64_t> next{0}, done{0};
   void work() {
     for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
       for (int64_t p = u * P / units, p1 = (u + 1) * P / units; p < p1; ++p)
-        for (int64_t g = 0; 8 * g < T; ++g)
-          run_rows(std::min<int64_t>(8, T - 8 * g), x + 8 * g * I, I, w, p, p + 1, y + 8 * g * P * PANEL, P * PANEL);
+        for (int64_t r = 0; r < T; r += G)
+          run_rows(std::min<int64_t>(G, T - r), x + r * I, I, w, p, p + 1, y + r * P * PANEL, P * PANEL);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -108,6 +119,7 @@ static ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   job->T = static_cast<int64_t>(x.element_count()) / I;
   job->I = I;
   job->P = P;
+  job->G = job->T <= 8 ? 8 : GROUP_LARGE;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Small products: one unit (a split costs more than it saves).
   job->units = P * I * PANEL * 4 * ((job->T + 7) / 8) < (256 << 10) ? 1 : std::min<int64_t>(P, 4 * threads);

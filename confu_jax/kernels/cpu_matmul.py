@@ -126,6 +126,9 @@ def packed_matmul(x: jax.Array, w_pip: jax.Array, features: int) -> jax.Array:
     p = w_pip.shape[0]
     if w_pip.shape[1] != i or p * PANEL < features:
         raise ValueError(f"packed weight {w_pip.shape} does not fit x {x.shape} -> {features} features")
+    if not available():  # also registers the handler (a packed tree may come from elsewhere)
+        raise RuntimeError("a packed kernel needs the CPU few-row matmul handler, which is unavailable here "
+                           "(see the message above, or CONFU_JAX_CPU_MATMUL)")
     x2 = x.reshape(-1, i).astype(jnp.float32)
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], p * PANEL), jnp.float32))(x2, w_pip)
     return y[:, :features].reshape(*lead, features)

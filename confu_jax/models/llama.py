@@ -184,8 +184,25 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale, self.eps)
 
 
+class PackableDense(nn.Dense):
+    """``nn.Dense``, whose kernel may instead arrive packed for the CPU few-row matmul
+    (``kernels.cpu_matmul.pack``: the decode loop's unrolled CPU path re-lays float32 weights once
+    per target); then the product runs through that kernel. Same parameters, names and init."""
+
+    @nn.compact
+    def __call__(self, inputs):
+        if not self.is_initializing() and self.has_variable("params", "kernel"):
+            kernel = self.get_variable("params", "kernel")
+            if cpu_matmul.is_packed(kernel):
+                y = cpu_matmul.packed_matmul(inputs, kernel, self.features)
+                if self.use_bias:
+                    y = y + self.get_variable("params", "bias").astype(y.dtype)
+                return y
+        return super().__call__(inputs)
+
+
 def _dense(features, cfg, name, use_bias=False, **kw):
-    return nn.Dense(
+    return PackableDense(
         features,
         use_bias=use_bias,
         dtype=jnp.dtype(cfg.dtype),
@@ -220,9 +237,9 @@ class DecoderLayer(nn.Module):
         b, t, _ = x_btd.shape
         h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="attn_norm")(x_btd)
         bias = cfg.attention_bias
-        q = self._proj(h, cfg.n_heads * cfg.head_dim, "q_proj", bias).reshape(b, t, cfg.n_heads, cfg.head_dim)
-        k = self._proj(h, cfg.n_kv_heads * cfg.head_dim, "k_proj", bias).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-        v = self._proj(h, cfg.n_kv_heads * cfg.head_dim, "v_proj", bias).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        q = _dense(cfg.n_heads * cfg.head_dim, cfg, "q_proj", bias)(h).reshape(b, t, cfg.n_heads, cfg.head_dim)
+        k = _dense(cfg.n_kv_heads * cfg.head_dim, cfg, "k_proj", bias)(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        v = _dense(cfg.n_kv_heads * cfg.head_dim, cfg, "v_proj", bias)(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, one scale shared by all heads, before RoPE
             q = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="q_norm")(q)
             k = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="k_norm")(k)
@@ -243,23 +260,14 @@ class DecoderLayer(nn.Module):
             impl=cfg.attention_impl,
             flash_impl=cfg.flash_impl,
         )
-        x_btd = x_btd + self._proj(attn.reshape(b, t, -1), cfg.d_model, "o_proj")
+        x_btd = x_btd + _dense(cfg.d_model, cfg, "o_proj")(attn.reshape(b, t, -1))
         h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="mlp_norm")(x_btd)
-        gate = self._proj(h, cfg.ffn_dim, "gate_proj")
-        up = self._proj(h, cfg.ffn_dim, "up_proj")
+        gate = _dense(cfg.ffn_dim, cfg, "gate_proj")(h)
+        up = _dense(cfg.ffn_dim, cfg, "up_proj")(h)
         if "mlp_bias" in xs:  # SD² steering: W_s^l g added to the up projection (models.steering)
             up = up + xs["mlp_bias"].astype(up.dtype)
-        x_btd = x_btd + self._proj(nn.silu(gate) * up, cfg.d_model, "down_proj")
+        x_btd = x_btd + _dense(cfg.d_model, cfg, "down_proj")(nn.silu(gate) * up)
         return (x_btd, taps), (k, v)
-
-    def _proj(self, x, features: int, name: str, use_bias: bool = False):
-        """``nn.Dense`` named ``name``; or, where the decode path packed this kernel for the CPU
-        (``kernels.cpu_matmul``, the layer-unrolled path), the few-row matmul on the packed panels."""
-        p = None if self.is_initializing() else self.variables.get("params", {}).get(name)
-        if p is not None and cpu_matmul.is_packed(p["kernel"]):
-            y = cpu_matmul.packed_matmul(x, p["kernel"], features)
-            return y + p["bias"].astype(y.dtype) if use_bias else y
-        return _dense(features, self.cfg, name, use_bias)(x)
 
 
 class Llama(nn.Module):

@@ -140,7 +140,25 @@ def target_logits(params, cfg: LlamaConfig, hidden_btd) -> jax.Array:
     return Llama(cfg).apply({"params": shared_params(params)}, hidden_btd, method=Llama.logits)
 
 
-_PREPARED: list = []  # [(weakrefs to the stacked leaves, cfg, SplitParams)]: the latest target only
+_PREPARED: dict = {}  # kind -> (weakrefs to the source leaves, static key, prepared tree): the latest only
+
+
+def _memo(kind: str, tree, key, make):
+    """``make(tree)`` once per (source arrays, ``key``), the latest per ``kind`` kept."""
+    import weakref
+
+    leaves = jax.tree_util.tree_leaves(tree)
+    hit = _PREPARED.get(kind)
+    if hit is not None:
+        refs, k, out = hit
+        if k == key and len(refs) == len(leaves) and all(r() is x for r, x in zip(refs, leaves)):
+            return out
+    out = make(tree)
+    try:
+        _PREPARED[kind] = ([weakref.ref(x) for x in leaves], key, out)
+    except TypeError:  # numpy leaves: not cached
+        pass
+    return out
 
 
 def prepared_layers(params, cfg: LlamaConfig):
@@ -148,18 +166,6 @@ def prepared_layers(params, cfg: LlamaConfig):
     CPU decode entry points: the split copies every weight (and packing re-lays them, ~0.7 s for
     SmolLM2 on two cores), which done inside each decode call cost every call that much. The split
     form is handed to the jitted programs, which then skip splitting. ``SplitParams`` pass through."""
-    import weakref
-
     if isinstance(params, SplitParams):
         return params
-    leaves = jax.tree_util.tree_leaves(params)
-    for refs, c, sp in _PREPARED:
-        if c == cfg and len(refs) == len(leaves) and all(r() is x for r, x in zip(refs, leaves)):
-            return sp
-    sp = jax.jit(split_layers, static_argnums=1)(params, cfg)
-    try:
-        refs = [weakref.ref(x) for x in leaves]
-    except TypeError:  # numpy leaves: not cached
-        return sp
-    _PREPARED[:] = [(refs, cfg, sp)]
-    return sp
+    return _memo("target", params, cfg, lambda p: jax.jit(split_layers, static_argnums=1)(p, cfg))
