@@ -7,10 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from confu_jax.decode import loop
+from confu_jax.decode.drafting import HeadDrafter
+from confu_jax.decode.generate import generate_ar
+from confu_jax.decode.plans import parse_plan
 from confu_jax.kernels import cpu_matmul
 from confu_jax.models.llama import PACKED_LM_HEAD, Llama, init_params
 from confu_jax.models.presets import get_preset
 from confu_jax.models.unrolled import apply_unrolled, prepared_layers, split_layers
+from loop_fixtures import make, prompts_for
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler: XLA's dots are used")
 
@@ -104,3 +109,18 @@ def test_off_switch_keeps_xla_dots(monkeypatch):
         monkeypatch.delenv("CONFU_JAX_CPU_MATMUL")
         cpu_matmul.available.cache_clear()
         assert cpu_matmul.available()
+
+
+def test_loop_packs_target_and_head_and_stays_lossless():
+    """The loop's CPU entry lays out the target and the EAGLE-3 head packed (once per target), and
+    greedy speculative decoding through it equals AR decoding through it, token for token."""
+    spec, tp, params = make("eagle3", 96)
+    drafter = HeadDrafter(parse_plan("chain:3"))
+    _, static = loop.prepare_spec_inputs(spec, drafter, prompts_for(96), max_new_tokens=12, eos_ids=())
+    placed = loop._placed(params, spec, static)
+    assert cpu_matmul.is_packed(placed.target.layers[0]["q_proj"]["kernel"])
+    assert cpu_matmul.is_packed(placed.draft["q_proj"]["kernel"])
+    assert cpu_matmul.is_packed(placed.draft["lm_head"]["kernel"])
+    spec_out = loop.generate_from_spec(spec, params, drafter, prompts_for(96), max_new_tokens=12, eos_ids=())
+    ar_out = generate_ar(tp, spec.target, prompts_for(96), max_new_tokens=12, eos_ids=())
+    np.testing.assert_array_equal(np.asarray(spec_out.tokens_bn), np.asarray(ar_out.tokens_bn))

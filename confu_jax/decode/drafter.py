@@ -104,6 +104,12 @@ class Drafter(abc.ABC):
         """The lossless acceptance rule (``decode.verify``) for this drafter's trees."""
         return verify_lib.GREEDY if greedy else verify_lib.SAMPLED_TREE
 
+    def packable_draft(self) -> tuple:
+        """Names of the modules in ``params.draft`` that are ``models.llama.PackableDense`` and whose
+        kernels nothing else reads, which the CPU decode path packs for the few-row matmul where it
+        packed the target (``kernels.cpu_matmul``); () keeps the drafter's weights as they are."""
+        return ()
+
     def prepare_params(self, spec, params):
         """``params`` as the loop body reads them, computed once per generation outside the
         ``while_loop`` (after the loop laid out the target, e.g. split into per-layer buffers on

@@ -288,6 +288,9 @@ class HeadDrafter(PlanDrafter):
     costs one AR step. P = 0 (the default) always verifies the full chain.
     """
 
+    def packable_draft(self) -> tuple:
+        return draft_lib.DENSE_NAMES
+
     plan: DraftPlan
     min_prob: float = 0.0
     what = "an EAGLE-3 / ConFu head"

@@ -47,6 +47,9 @@ class Hybrid(Drafter):
     def max_depth(self) -> int:
         return self.head.max_depth
 
+    def packable_draft(self) -> tuple:
+        return self.head.packable_draft()
+
     @property
     def n_nodes(self) -> int:
         return self.head.n_nodes

@@ -44,7 +44,7 @@ from confu_jax.decode.stopping import PAD_OUT, emit, is_eos, update_stop
 from confu_jax.models import target as target_lib
 from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.spec import ModelSpec
-from confu_jax.models.unrolled import SplitParams, prepared_layers, split_layers
+from confu_jax.models.unrolled import SplitParams, is_packed_split, prepared_dense, prepared_layers, split_layers
 
 
 # ----------------------------------------------------------------------------- one iteration
@@ -300,12 +300,17 @@ def generate_from_spec(spec: ModelSpec, params: SpecParams, drafter, prompts, **
 
 def _placed(params: SpecParams, spec: ModelSpec, static: dict) -> SpecParams:
     """On a mesh, placed by the training table; on the unrolled (CPU) path, the target's split
-    weights made once per target (``models.unrolled.prepared_layers``)."""
+    weights made once per target (``models.unrolled.prepared_layers``), and where those are packed
+    for the few-row matmul, the drafter's packable projections too (``Drafter.packable_draft``)."""
     if static["mesh"] is not None:
         return place_spec_params(params, spec, static["mesh"])
-    if static["unroll_layers"]:
-        return params.replace(target=prepared_layers(params.target, spec.target))
-    return params
+    if not static["unroll_layers"]:
+        return params
+    target = prepared_layers(params.target, spec.target)
+    names = as_drafter(static["drafter"]).packable_draft()
+    if names and is_packed_split(target):  # the target went packed: the draft head's projections too
+        return params.replace(target=target, draft=prepared_dense(params.draft, names))
+    return params.replace(target=target)
 
 
 def compile_from_spec(spec: ModelSpec, params: SpecParams, drafter, prompts, **kw):

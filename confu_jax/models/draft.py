@@ -28,12 +28,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from confu_jax.models.llama import F32_ACCUMULATE, RMSNorm, apply_rope, rope_cos_sin
+from confu_jax.models.llama import F32_ACCUMULATE, PackableDense, RMSNorm, apply_rope, rope_cos_sin
 from confu_jax.models.moe import make_token_embedder
 from confu_jax.models.spec import ModelSpec
 
 
 # ----------------------------------------------------------------------------- module
+
+
+# The head's plain projections: what the CPU decode path may pack (models.unrolled.prepared_dense).
+DENSE_NAMES = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
 class DraftHead(nn.Module):
@@ -44,8 +48,8 @@ class DraftHead(nn.Module):
         d, pd, cd = t.d_model, jnp.dtype(h.param_dtype), jnp.dtype(h.dtype)
         eps = self.spec.draft_rms_eps
 
-        def dense(n, name, **kw):
-            return nn.Dense(n, use_bias=False, dtype=cd, param_dtype=pd,
+        def dense(n, name, **kw):  # packable: the CPU decode path may pack these (DENSE_NAMES)
+            return PackableDense(n, use_bias=False, dtype=cd, param_dtype=pd,
                             kernel_init=nn.initializers.normal(h.init_std), name=name, **kw)
 
         self.fc = dense(d, "fc")

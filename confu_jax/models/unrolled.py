@@ -169,3 +169,18 @@ def prepared_layers(params, cfg: LlamaConfig):
     if isinstance(params, SplitParams):
         return params
     return _memo("target", params, cfg, lambda p: jax.jit(split_layers, static_argnums=1)(p, cfg))
+
+
+def prepared_dense(tree: dict, names: Sequence[str]) -> dict:
+    """``tree`` with the float32 ``kernel`` of each module in ``names`` packed for the CPU few-row
+    matmul (``models.llama.PackableDense`` reads either form), once per tree (the latest kept)."""
+    def pack_tree(t):
+        return {k: ({**v, "kernel": cpu_matmul.pack(v["kernel"])}
+                    if k in names and getattr(v.get("kernel"), "ndim", 0) == 2 and v["kernel"].dtype == jnp.float32
+                    else v) for k, v in t.items()}
+    return _memo("dense", tree, tuple(names), lambda t: jax.jit(pack_tree)(t))
+
+
+def is_packed_split(params) -> bool:
+    """A ``split_layers`` result laid out for the CPU few-row matmul."""
+    return isinstance(params, SplitParams) and PACKED_LM_HEAD in params.shared
