@@ -2,10 +2,10 @@
 
 Why: XLA:CPU's dot kernels (YNNPACK / Eigen in the pinned jaxlib) make a 4-row product against a
 [576, 1536] weight cost ~2.3x a 1-row product on two cores, so a chain:3 pass (4 rows) cost ~1.7
-AR steps although it reads the same bytes (docs/RESULTS.md, "Where a pass's time goes"). This
-module packs a ``[in, out]`` kernel once per decode call into 64-column panels ``[P, in, 64]`` and
+AR steps although it reads the same bytes (docs/RESULTS.md, "A pass that reads each weight once"). This
+module packs a ``[in, out]`` kernel once per target into 64-column panels ``[P, in, 64]`` and
 multiplies through an XLA FFI handler (``cpu_matmul.cc``) that streams each panel once with all
-rows' accumulators in registers: 4 rows cost ~1.3x one row.
+rows' accumulators in registers and prefetches ahead: 4 rows cost ~1.15x one row.
 
 Values: every output is one fused multiply-add chain over ``in`` ascending, whatever the number of
 rows, so a row of a T-row verification equals the same row decoded alone, bit for bit (the AR
@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import pathlib
 import shutil
@@ -39,7 +38,6 @@ import jax.numpy as jnp
 PANEL = 64  # columns per packed panel (cpu_matmul.cc PANEL)
 TARGET = "confu_packed_matmul_f32"
 _SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
-_log = logging.getLogger(__name__)
 
 
 def _cache_dir() -> pathlib.Path:

@@ -48,18 +48,17 @@ def split_layers(params: dict, cfg: LlamaConfig, pack: Optional[bool] = None) ->
     if pack is None:
         pack = shd.active_mesh() is None and cpu_matmul.use_packed(cfg)
     if pack:
-        layers = tuple(_pack_layer(lp) for lp in layers)
-        head_vd = shared["embed"]["embedding"] if cfg.tie_embeddings else shared["lm_head"]["kernel"].T
-        shared[PACKED_LM_HEAD] = cpu_matmul.pack(head_vd.T)
+        layers = tuple(_pack_modules(lp, PROJECTIONS) for lp in layers)
+        head_dv = shared["embed"]["embedding"].T if cfg.tie_embeddings else shared["lm_head"]["kernel"]
+        shared[PACKED_LM_HEAD] = cpu_matmul.pack(head_dv)
     return SplitParams(shared, jax.lax.optimization_barrier(layers))
 
 
-def _pack_layer(lp: dict) -> dict:
-    out = dict(lp)
-    for name in PROJECTIONS:
-        if name in lp:
-            out[name] = {**lp[name], "kernel": cpu_matmul.pack(lp[name]["kernel"])}
-    return out
+def _pack_modules(tree: dict, names: Sequence[str]) -> dict:
+    """``tree`` with the float32 2-D ``kernel`` of each module in ``names`` packed (``cpu_matmul.pack``)."""
+    return {k: ({**v, "kernel": cpu_matmul.pack(v["kernel"])}
+                if k in names and getattr(v.get("kernel"), "ndim", 0) == 2 and v["kernel"].dtype == jnp.float32
+                else v) for k, v in tree.items()}
 
 
 def _final(m: Llama, x_btd, return_logits: bool):
@@ -174,11 +173,7 @@ def prepared_layers(params, cfg: LlamaConfig):
 def prepared_dense(tree: dict, names: Sequence[str]) -> dict:
     """``tree`` with the float32 ``kernel`` of each module in ``names`` packed for the CPU few-row
     matmul (``models.llama.PackableDense`` reads either form), once per tree (the latest kept)."""
-    def pack_tree(t):
-        return {k: ({**v, "kernel": cpu_matmul.pack(v["kernel"])}
-                    if k in names and getattr(v.get("kernel"), "ndim", 0) == 2 and v["kernel"].dtype == jnp.float32
-                    else v) for k, v in t.items()}
-    return _memo("dense", tree, tuple(names), lambda t: jax.jit(pack_tree)(t))
+    return _memo("dense", tree, tuple(names), lambda t: jax.jit(_pack_modules, static_argnums=1)(t, tuple(names)))
 
 
 def is_packed_split(params) -> bool:
