@@ -263,6 +263,18 @@ def makedirs(path) -> None:
     os.makedirs(path, exist_ok=True)
 
 
+def sha256_file(path) -> tuple[str, int]:
+    """(sha256 hex digest, bytes) of a file, read in 1 MiB blocks (releases' and manifests' hash checks)."""
+    import hashlib
+
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            n += len(block)
+    return h.hexdigest(), n
+
+
 def getsize(path) -> int:
     return _guarded(path, "stat", lambda: _epath(path).stat().length) if is_remote(path) else os.path.getsize(path)
 

@@ -20,7 +20,7 @@ Decoding methods are looked up in ``METHODS``: ``ar`` (jitted autoregressive), `
 lookup) and ``hybrid`` (lookup where it matches, a head elsewhere). A head method reads its head
 from ``--draft_ckpt`` (a ``launch.train`` workdir); without it a randomly initialised head is
 used — τ stays near 1 but the output must still equal ``--method ar``'s (lossless), which makes it
-a smoke test. ``--tree`` is the method's plan (``decode.drafters``). The speculative methods also
+a smoke test. ``--tree`` is the method's plan (``decode.families``). The speculative methods also
 print τ (mean tokens per target pass, Spec-Bench). ``--attention_impl pallas`` verifies with the Pallas
 tree-attention kernel (a CUDA GPU only; refused in one line, exit 2, on other backends) and ``--mesh``
 decodes over a device mesh.

@@ -20,6 +20,7 @@ import pytest
 from confu_jax.models.kv_cache import to_cache_layout
 from confu_jax.models.target import contemplate_queries, real_forward
 from confu_jax.train import loss as L
+from confu_jax.train import rows as R
 from tests.model_fakes import tiny_objective_case
 
 V, NB, NN = 6, 2, 24
@@ -56,7 +57,7 @@ def test_aux_loss_is_the_lm_head_cross_entropy(tied):
     lm = np.asarray(batch["loss_mask"]) & np.asarray(batch["attention_mask"])
     plan = L.plan_anchors(jax.random.PRNGKey(1), jnp.asarray(lm), CFG)
     f = _f(spec, tp, tr, batch, plan)
-    rows = L.row_layout(batch)
+    rows = R.row_layout(batch)
     got, metrics = L.future_aux_loss(spec, tp, f, jnp.asarray(tokens), jnp.asarray(lm), rows, plan, 2, 4)
     ref, count = _reference(f, w_vd, tokens, lm, plan, 2)
     assert count > 8

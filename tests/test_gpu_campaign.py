@@ -218,7 +218,7 @@ def test_unpacked_heads_load(campaign):
 
     from confu_jax.runs.heads import load_trained_head
     from confu_jax.weights.eagle3_formats import load_head
-    from experiments.gpu_campaign import load_exported
+    from experiments.gpu_campaign.steps import load_exported
 
     e3 = load_head(str(campaign["dest"] / "heads" / "eagle3_official"))
     assert e3.fmt == "eagle3"
@@ -253,7 +253,8 @@ def test_unpacked_heads_load(campaign):
 
 
 def test_scale_overrides_and_calls():
-    from experiments.gpu_campaign import Scale, device_calls, resolve_scale
+    from experiments.gpu_campaign.common import Scale, resolve_scale
+    from experiments.gpu_campaign.bundle import device_calls
 
     s = resolve_scale("gpu", {"CAMPAIGN_E3_STEPS": "300", "CAMPAIGN_LR": "5e-4"})
     assert (s.e3_steps, s.lr, s.gen_batch) == (300, 5e-4, Scale().gen_batch)
@@ -264,7 +265,8 @@ def test_scale_overrides_and_calls():
 
 
 def test_split_sizes_fit_the_travel_limit():
-    from experiments.gpu_campaign import TRAVEL_LIMIT, TRAVEL_MARGIN, split_sizes
+    from experiments.gpu_campaign.common import TRAVEL_LIMIT, TRAVEL_MARGIN
+    from experiments.gpu_campaign.bundle import split_sizes
 
     gguf, call1_files = 98_362_432, 16_400_000  # SmolLM2's GGUF; wheels + prompts + assets
     for tree in (2_800_000, 12_000_000, 30_000_000):
@@ -276,7 +278,7 @@ def test_split_sizes_fit_the_travel_limit():
 
 
 def _campaign(tmp_path, scale="gpu", env=None):
-    from experiments.gpu_campaign import Campaign
+    from experiments.gpu_campaign.driver import Campaign
 
     return Campaign(str(tmp_path / "state"), str(tmp_path / "bundle"), str(tmp_path / "out"), scale, env or {})
 
@@ -320,7 +322,7 @@ def test_gpu15_plan_needs_no_relaunch_at_the_measured_step_time(tmp_path):
 
 def test_delivery_spills_over_calls(tmp_path, monkeypatch):
     """Pieces that do not fit one call's $OUT (8 files, 64 MiB) wait for the next call."""
-    import experiments.gpu_campaign as gc
+    from experiments.gpu_campaign import common as gc
 
     monkeypatch.setattr(gc, "PIECE_BYTES", 1000)
     monkeypatch.setattr(gc, "OUT_BYTES", 4000 + 2 * 2**20)
@@ -343,7 +345,7 @@ def test_delivery_spills_over_calls(tmp_path, monkeypatch):
 
 def test_a_fresh_machine_is_told_to_start_again(tmp_path):
     """Call 2 on a machine that lost call 1's state: a clear error, not a half-run campaign."""
-    from experiments.gpu_campaign import CampaignError
+    from experiments.gpu_campaign.common import CampaignError
 
     (tmp_path / "bundle" / "call2").mkdir(parents=True)
     (tmp_path / "bundle" / "call2" / "bundle.json").write_text(json.dumps({"model": {"parts": []}}))
@@ -356,7 +358,8 @@ def test_auto_candidates_parse_for_every_family():
     """The narrowed budget-auto candidates are plans each family's drafter accepts."""
     from confu_jax.bench.cli_args import parse_auto_candidates
     from confu_jax.decode.families import FAMILIES
-    from experiments.gpu_campaign import Scale, auto_candidates
+    from experiments.gpu_campaign.common import Scale
+    from experiments.gpu_campaign.steps import auto_candidates
 
     given = parse_auto_candidates(auto_candidates(Scale()))
     assert set(given) == {"head", "hybrid", "mtp", "lookup", "medusa", "mlp_speculator", "dflash"}
@@ -382,7 +385,7 @@ def _fake_release(directory, ids, name):
 def test_earlier_campaign_releases_are_skipped_continued_and_trained_on(tmp_path, monkeypatch):
     """A campaign after one whose release the repository holds: generation skips its ids, training
     reads it (once: not again when this campaign continues it), the CPU release stays last (held out)."""
-    import experiments.gpu_campaign as gc
+    from experiments.gpu_campaign import common as gc
 
     root = tmp_path / "repo"
     _fake_release(root / "releases" / "data" / "sharegpt_smollm2", ["c1"], "sharegpt_smollm2")
@@ -403,7 +406,7 @@ def test_earlier_campaign_releases_are_skipped_continued_and_trained_on(tmp_path
 def test_gpu15_scale_trains_on_the_repository_releases(tmp_path, monkeypatch):
     """gen_passes = 0: no generation pass, the release stage ends at once, training reads the
     repository's releases; the 15-minute scale fits its work into call 2."""
-    import experiments.gpu_campaign as gc
+    from experiments.gpu_campaign import common as gc
 
     root = tmp_path / "repo"
     _fake_release(root / "releases" / "data" / "sharegpt_smollm2_gpu", ["g1"], "sharegpt_smollm2_gpu")
@@ -433,7 +436,7 @@ def test_eagle3_can_continue_a_release(tmp_path, monkeypatch):
     """CAMPAIGN_E3_INIT: EAGLE-3's launch starts from that head (launch.train's init_from, which
     checks the release's hashes and remaps its draft vocabulary); a path that did not travel is an
     error naming it, before any launch."""
-    from experiments.gpu_campaign import CampaignError
+    from experiments.gpu_campaign.common import CampaignError
 
     head = tmp_path / "releases" / "heads" / "smollm2_eagle3"
     head.mkdir(parents=True)
@@ -443,7 +446,7 @@ def test_eagle3_can_continue_a_release(tmp_path, monkeypatch):
         launched.append(cmd)
         return 0, True  # stopped by its time box: nothing trained
 
-    monkeypatch.setattr("experiments.gpu_campaign.Campaign.run_cmd", fake_run)
+    monkeypatch.setattr("experiments.gpu_campaign.driver.Campaign.run_cmd", fake_run)
     c = _campaign(tmp_path / "a", scale="gpu15", env={"CAMPAIGN_E3_INIT": str(head)})
     c.st_eagle3()
     assert f"--config.train.checkpoint.init_from={head}" in launched[-1]
@@ -460,7 +463,7 @@ def test_confu_future_options_reach_the_confu_launch(tmp_path, monkeypatch):
     """ConFu's launch carries the future mechanisms: the 15-minute scale's default is confu_future.sh's
     arm aux_input_gc; CAMPAIGN_CONFU_OVERRIDES replaces it ('' = the paper's head, the full scale's
     default) and CAMPAIGN_CONFU_FUTURE_BIAS adds the entry bias."""
-    from experiments.gpu_campaign import CONFU_FUTURE_AUX_INPUT_GC, CampaignError
+    from experiments.gpu_campaign.common import CONFU_FUTURE_AUX_INPUT_GC, CampaignError
 
     launched = []
 
@@ -468,7 +471,7 @@ def test_confu_future_options_reach_the_confu_launch(tmp_path, monkeypatch):
         launched.append(cmd)
         return 0, True  # stopped by its time box: nothing trained
 
-    monkeypatch.setattr("experiments.gpu_campaign.Campaign.run_cmd", fake_run)
+    monkeypatch.setattr("experiments.gpu_campaign.driver.Campaign.run_cmd", fake_run)
     _campaign(tmp_path / "a", scale="gpu15").st_confu()
     want = [f"--config.{kv}" for kv in CONFU_FUTURE_AUX_INPUT_GC.split()]
     assert want == [a for a in launched[-1] if a in want] and len(want) == 4

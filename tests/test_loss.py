@@ -13,6 +13,8 @@ from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.models.llama import Llama, param_shapes
 from confu_jax.models.target import con_embedding, real_forward
 from confu_jax.train import loss as L
+from confu_jax.train import rows as R
+from confu_jax.train import teacher as T
 from confu_jax.train.acceptance import simulated_acceptance_length
 from tests.model_fakes import DRAFT_VOCAB, _fill, tiny_params, tiny_spec
 
@@ -118,7 +120,7 @@ def test_sample_anchors_are_uniform_distinct_candidates():
     cand[0, 3:20] = True  # 17 candidates
     cand[1, [2, 9, 15]] = True  # 3 < K
     keys = jax.random.split(jax.random.PRNGKey(0), draws)
-    anchors, valid = jax.jit(jax.vmap(lambda r: L.sample_anchors(r, jnp.asarray(cand), k)))(keys)
+    anchors, valid = jax.jit(jax.vmap(lambda r: R.sample_anchors(r, jnp.asarray(cand), k)))(keys)
     anchors, valid = np.asarray(anchors), np.asarray(valid)
     for r, n_cand in enumerate([17, 3, 0]):
         assert (valid[:, r].sum(-1) == min(k, n_cand)).all()
@@ -205,7 +207,7 @@ def test_chunked_teacher_equals_full_logits(tied):
     want_arg = full.argmax(-1)
     want_lse = np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1)) + full.max(-1)
     want_mass = np.exp(np.log(np.exp(full[..., d2t]).sum(-1)) - want_lse)
-    teach = jax.jit(L.teacher_from_hidden, static_argnums=(0, 4))
+    teach = jax.jit(T.teacher_from_hidden, static_argnums=(0, 4))
     for chunk in (0, 32, 48, 128, 1000):  # one chunk, exact split, slid-back last chunk, whole, > V
         t = teach(spec, tp, dv, out.hidden_btd, chunk)
         np.testing.assert_allclose(np.asarray(t.logp_bnv), want_logp, atol=2e-5)

@@ -14,6 +14,7 @@ from confu_jax.kernels.attention_reference import masked_attention_reference
 from confu_jax.kernels.blockwise_attention import masked_attention_blockwise
 from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.train import loss as L
+from confu_jax.train import rows as R
 from tests.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
 
 LENGTHS = (9, 13, 7, 11)  # conversations; packed as rows [9 + 13, 7 + 11] of N_PACK
@@ -119,12 +120,12 @@ def test_packed_rows_do_not_leak_across_segments():
 def test_row_layout_defaults():
     """Positions default to index − segment start; segment starts follow the segment ids."""
     seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0]])
-    rows = L.row_layout({"tokens": jnp.zeros_like(seg), "segment_ids": seg})
+    rows = R.row_layout({"tokens": jnp.zeros_like(seg), "segment_ids": seg})
     np.testing.assert_array_equal(rows.segment_start_bn, [[0, 0, 0, 3, 3, 5, 6, 6]])
     np.testing.assert_array_equal(rows.positions_bn, [[0, 1, 2, 0, 1, 0, 0, 1]])
-    assert L.row_layout({"tokens": seg}) == L.RowLayout()
+    assert R.row_layout({"tokens": seg}) == R.RowLayout()
     with pytest.raises(ValueError, match="segment_ids"):
-        L.row_layout({"tokens": seg, "positions": seg})
+        R.row_layout({"tokens": seg, "positions": seg})
 
 
 def test_cache_start_blockwise_equals_reference():

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from confu_jax.data import target_features as tf
 from confu_jax.data.draft_vocab import DraftVocab
 from confu_jax.models.target import real_forward
-from confu_jax.train import loss as L
+from confu_jax.train import teacher as L
 from confu_jax.train.target_features import write_rows
 from tests.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
 

@@ -38,7 +38,7 @@ def decode_attention_impl(impl: str, backend: str | None = None) -> str:
 def parse_budgets(text: str) -> list[str]:
     """``chain:4,dynamic:6,8,30,auto`` -> ['chain:4', 'dynamic:6,8,30', 'auto'] (a plan's numbers
     continue it; a part with ':' or 'auto' starts the next one). Each plan must be one that some
-    drafter family reads (``decode.drafters``: ``lookup:4,2`` is a lookup plan only)."""
+    drafter family reads (``decode.families``: ``lookup:4,2`` is a lookup plan only)."""
     out: list[str] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if ":" in part or part == "auto":

@@ -130,15 +130,6 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
-def _sha256_file(path: str) -> tuple[str, int]:
-    h, n = hashlib.sha256(), 0
-    with storage.open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
-
-
 def verify_release(directory: str, manifest: Optional[dict] = None) -> dict:
     """Check every part the manifest lists against its sha256 (and size); returns the manifest.
 
@@ -151,7 +142,7 @@ def verify_release(directory: str, manifest: Optional[dict] = None) -> dict:
         if not storage.isfile(path):
             raise ReleaseHashError(
                 f"{path}: part missing (the manifest expects sha256 {part['sha256']}, found no file)")
-        found, n = _sha256_file(path)
+        found, n = storage.sha256_file(path)
         if found != part["sha256"]:
             raise ReleaseHashError(
                 f"{path}: sha256 mismatch: the manifest expects {part['sha256']}, found {found} "

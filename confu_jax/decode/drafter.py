@@ -17,7 +17,7 @@ A drafter is a frozen, hashable dataclass — a static argument of the jitted lo
 sampling methods: its fields are its configuration (depth, branching, match lengths, compiled pass
 widths), never mode strings. Families: ``decode.drafting.HeadDrafter`` (EAGLE-3 / ConFu heads),
 ``decode.lookup.PromptLookup`` (model-free n-gram lookup), ``decode.hybrid.Hybrid`` (lookup where it
-matches, a head elsewhere). ``decode.drafters`` maps a method name and a plan text to one.
+matches, a head elsewhere). ``decode.families`` maps a method name and a plan text to one.
 
 **Pass widths.** ``widths`` lists the verification widths the loop compiles (ascending, the last =
 the full tree). Each iteration the loop verifies only the smallest width that holds every active

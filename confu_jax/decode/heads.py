@@ -169,9 +169,8 @@ def medusa_head(target_cfg: LlamaConfig, target_params: dict, source: Optional[s
     from confu_jax.weights.medusa_format import is_medusa_dir, load_medusa_dir
 
     if source is None:
-        from confu_jax.models.target import embedding_table
-        w, axis = ((embedding_table(target_params), 0) if target_cfg.tie_embeddings
-                   else (target_params["lm_head"]["kernel"], 1))
+        from confu_jax.models.target import lm_head_matrix
+        w, axis = lm_head_matrix(target_cfg, target_params)
         heads = jax.device_get(init_medusa(jax.random.PRNGKey(seed), num_heads, 1, jnp.asarray(w), axis))
         trained, desc = False, f"Medusa reference initialisation ({num_heads} heads, seed {seed})"
     else:

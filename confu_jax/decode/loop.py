@@ -1,4 +1,5 @@
-"""Speculative decoding (EAGLE-3, ConFu) as one jitted ``lax.while_loop`` with static shapes.
+"""Speculative decoding with any drafter (every family of ``decode.families``) as one jitted
+``lax.while_loop`` with static shapes.
 
 One program per (model spec, draft plan, verification rule, batch, prompt bucket, cache size,
 max_new_tokens); temperature, top-p, EOS ids and the RNG key are traced. Nothing leaves the device

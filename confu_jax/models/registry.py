@@ -21,7 +21,7 @@ class Variant:
 
 
 FAMILIES = ("ar", "head", "lookup", "hybrid", "auto", "draft_model", "sd2", "medusa", "mlp_speculator",
-            "mtp", "dflash")  # drafter families (decode.drafters maps them to classes)
+            "mtp", "dflash")  # drafter families (decode.families maps them to classes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from confu_jax.kernels.flash_attention import CausalSegments
 from confu_jax.models.kv_cache import KVCache, commit
-from confu_jax.models.llama import Llama, LlamaOutput, rms_norm
+from confu_jax.models.llama import Llama, LlamaConfig, LlamaOutput, rms_norm
 from confu_jax.models.moe import make_token_embedder
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.tree_layout import depth_from_ancestors, verification_layout
@@ -127,6 +127,18 @@ def embed_tokens(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array) -> 
 def embedding_table(target_params) -> jax.Array:
     """[V, d] token embeddings of either layout (the draft head reads the target's embeddings)."""
     return shared_params(target_params)["embed"]["embedding"]
+
+
+def lm_head_matrix(cfg: LlamaConfig, target_params) -> tuple[jax.Array, int]:
+    """The target's LM-head matrix and its vocabulary axis, as stored (no transpose, no copy): tied
+    embeddings ``embed/embedding`` [V, d] (axis 0), otherwise ``lm_head/kernel`` [d, V] (axis 1). The
+    one place that choice is made (the teacher, Medusa's initialisation and shapes read it)."""
+    shared = shared_params(target_params)
+    if cfg.tie_embeddings:
+        return shared["embed"]["embedding"], 0
+    if "lm_head" not in shared:
+        raise KeyError(f"target params: untied config but no 'lm_head/kernel' (top-level keys: {sorted(shared)})")
+    return shared["lm_head"]["kernel"], 1
 
 
 def segment_causal_mask(segment_ids_bn: jax.Array) -> jax.Array:

@@ -45,7 +45,7 @@ def lm_head_from_target(target_lm_head: jax.Array, vocab_axis: int, d2t) -> jax.
     """Draft LM-head kernel [d, V_draft]: the target's vocabulary rows in d2t order.
 
     ``target_lm_head`` is [V, d] (tied embedding, ``vocab_axis=0``) or [d, V] (``vocab_axis=1``),
-    as ``train.loss.lm_head_layout`` returns it; only the V_draft rows are gathered, never the
+    as ``train.teacher.lm_head_layout`` returns it; only the V_draft rows are gathered, never the
     whole matrix transposed.
     """
     rows = jnp.take(target_lm_head, jnp.asarray(d2t), axis=vocab_axis)

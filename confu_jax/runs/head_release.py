@@ -14,7 +14,6 @@ A release is replaced only when it improves: ``better_than_released`` wants a τ
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Optional
@@ -29,15 +28,6 @@ MIN_TAU_GAIN = 0.05
 
 class HeadReleaseError(ValueError):
     """A head release folder that is incomplete, altered or not a head release."""
-
-
-def sha256_file(path: str) -> tuple[str, int]:
-    h, n = hashlib.sha256(), 0
-    with storage.open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
 
 
 def declared_format(path: str) -> Optional[str]:
@@ -77,7 +67,7 @@ def verify_head_release(directory: str) -> dict:
         path = os.path.join(directory, entry["file"])
         if not storage.isfile(path):
             raise HeadReleaseError(f"{path}: missing (the manifest expects sha256 {entry['sha256']})")
-        found, n = sha256_file(path)
+        found, n = storage.sha256_file(path)
         if found != entry["sha256"]:
             raise HeadReleaseError(f"{path}: sha256 mismatch: the manifest expects {entry['sha256']}, found "
                                    f"{found} ({n} bytes, expected {entry['bytes']}); restore it (git checkout -- "
@@ -106,7 +96,7 @@ def write_head_manifest(directory: str, *, name: str, files: list, data: Optiona
                         target: dict, tau: dict, command: str, commit: Optional[str]) -> dict:
     entries = []
     for fname in files:
-        digest, n = sha256_file(os.path.join(directory, fname))
+        digest, n = storage.sha256_file(os.path.join(directory, fname))
         entries.append({"file": fname, "sha256": digest, "bytes": n})
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "files": entries,
                 "data": data, "training": training, "target": target, "tau": tau, "command": command,

@@ -31,11 +31,11 @@ def is_medusa_workdir(path: str) -> bool:
 
 def medusa_shapes(num_heads: int, num_layers: int, target_cfg: LlamaConfig, target_params) -> dict:
     """ShapeDtypeStructs of a Medusa run's trainable tree (float32, V = the target LM head's rows)."""
-    from confu_jax.models.target import embedding_table
+    from confu_jax.models.target import lm_head_matrix
 
     d = target_cfg.d_model
-    v = (embedding_table(target_params).shape[0] if target_cfg.tie_embeddings
-         else target_params["lm_head"]["kernel"].shape[1])
+    w, axis = lm_head_matrix(target_cfg, target_params)
+    v = w.shape[axis]
     f32 = np.float32
     s = jax.ShapeDtypeStruct
     return {"draft": {"medusa": {"resblocks": {"kernel": s((num_heads, num_layers, d, d), f32),

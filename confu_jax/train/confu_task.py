@@ -31,7 +31,8 @@ from confu_jax.models.params import init_trainable
 from confu_jax.models.spec import ModelSpec, model_spec_from_config
 from confu_jax.models.vocab_map import lm_head_from_target
 from confu_jax.runs.heads import target_fingerprint
-from confu_jax.train.loss import confu_loss, lm_head_layout, objective_from_config
+from confu_jax.train.loss import confu_loss, objective_from_config
+from confu_jax.train.teacher import lm_head_layout
 from confu_jax.train.real_data import real_data
 from confu_jax.train.synthetic_data import abstract_data, synthetic_data
 from confu_jax.models.llama import param_shapes

@@ -42,7 +42,7 @@ from confu_jax.models.spec import model_spec_from_config
 from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.train.acceptance import masked_head_terms
-from confu_jax.train.loss import shift_ahead, batch_arrays, row_layout, same_segment_ahead, sample_anchors
+from confu_jax.train.rows import batch_arrays, row_layout, same_segment_ahead, sample_anchors, shift_ahead
 from confu_jax.train.task import TrainTask, frozen_target_task
 from confu_jax.train.target_loading import target_name
 

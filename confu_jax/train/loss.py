@@ -7,7 +7,7 @@ Index conventions: docs/DESIGN.md §3 (draft index j, TTT step r, anchor, lag δ
 
 Pipeline of one call:
 
-1. **Teacher** (no gradient). One real-token target pass gives final-normed hidden states, the
+1. **Teacher** (no gradient; ``train.teacher``). One real-token target pass gives final-normed hidden states, the
    EAGLE-3 taps h_cat and per-layer K/V. The teacher is the target distribution renormalised over
    the draft vocabulary (EAGLE-3: ``softmax(target_logits[..., d2t])``), computed from the LM-head
    rows in d2t order, so only [B, N, V_draft] logits ever exist. A position is usable only if the
@@ -59,7 +59,6 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from confu_jax import sharding as shd
 from confu_jax.models.draft import draft_logits
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.spec import ModelSpec
@@ -67,6 +66,10 @@ from confu_jax.models.kv_cache import to_cache_layout
 from confu_jax.models.target import contemplate_queries, future_readout, real_forward
 from confu_jax.train.acceptance import (conditional_step_accuracy, decode_path_acceptance_length,
                                         simulated_acceptance_length, step_duplication_rate)
+from confu_jax.train.rows import (pin_rows, batch_arrays, row_layout, same_segment_ahead, sample_anchors,
+                                  shift_ahead)
+from confu_jax.train.teacher import (OFFLINE_KEYS, full_vocab_argmax_lse, lm_head_layout, teacher_from_hidden,
+                                     teacher_from_offline)
 
 
 ALL_POSITIONS = 1 << 30  # k_train meaning "every candidate position" (clipped to N)
@@ -158,137 +161,6 @@ def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfi
     )
 
 
-# ----------------------------------------------------------------------------- teacher
-
-
-class Teacher(NamedTuple):
-    logp_bnv: jax.Array  # [B,N,V_draft] float32 log target probs renormalised over the draft vocab
-    in_draft_bn: jax.Array  # [B,N] bool: the target's full-vocabulary argmax has a draft id
-    argmax_bn: jax.Array  # [B,N] int32 the target's full-vocabulary argmax (target ids)
-    draft_mass_bn: jax.Array  # [B,N] float32 target probability mass inside the draft vocab
-
-
-def lm_head_layout(spec: ModelSpec, target_params: dict) -> tuple[jax.Array, int]:
-    """The target's LM-head matrix and its vocabulary axis, without transposing (no copy).
-
-    Tied embeddings: ``embed/embedding`` [V, d] (axis 0); otherwise ``lm_head/kernel`` [d, V] (axis 1).
-    """
-    if spec.target.tie_embeddings:
-        return target_params["embed"]["embedding"], 0
-    if "lm_head" not in target_params:
-        raise KeyError("target params: untied config but no 'lm_head/kernel' "
-                       f"(top-level keys: {sorted(target_params)})")
-    return target_params["lm_head"]["kernel"], 1
-
-
-def _scores(hidden_bnd: jax.Array, w: jax.Array, vocab_axis: int) -> jax.Array:
-    """float32 logits of hidden states against LM-head columns.
-
-    Same dtypes (e.g. a bf16 target): multiply natively with float32 accumulation — products of
-    bf16 values are exact in float32, so this equals ``Llama.logits``' upcast-then-multiply up to
-    summation order, without a float32 copy of the (gathered) LM head. Mixed dtypes: upcast both.
-    """
-    if hidden_bnd.dtype != w.dtype:
-        hidden_bnd, w = hidden_bnd.astype(jnp.float32), w.astype(jnp.float32)
-    eq = "bnd,vd->bnv" if vocab_axis == 0 else "bnd,dv->bnv"
-    return jnp.einsum(eq, hidden_bnd, w, preferred_element_type=jnp.float32)
-
-
-def full_vocab_argmax_lse(hidden_bnd: jax.Array, w: jax.Array, vocab_axis: int, vocab_chunk: int):
-    """(argmax [B,N] int32, log-sum-exp [B,N] float32) of the full-vocabulary logits, chunk by chunk.
-
-    A ``lax.scan`` over ceil(V / C) chunks keeps a running max, its index and a rescaled sum of
-    exponentials (online softmax), so only [B, N, C] logits exist at a time. The last chunk is
-    slid back to end at V (no padded copy of a 128k-row matrix); its columns that an earlier chunk
-    already covered are masked out. Ties resolve to the smallest id, like ``jnp.argmax``.
-    """
-    v = w.shape[vocab_axis]
-    c = v if vocab_chunk <= 0 else min(int(vocab_chunk), v)
-    n_chunks = -(-v // c)
-    b, n, _ = hidden_bnd.shape
-
-    def body(carry, i):
-        best, best_id, m, s = carry
-        nominal = i * c
-        start = jnp.minimum(nominal, v - c)
-        w_c = jax.lax.dynamic_slice_in_dim(w, start, c, axis=vocab_axis)
-        l_bnc = _scores(hidden_bnd, w_c, vocab_axis)
-        ids_c = start + jnp.arange(c, dtype=jnp.int32)
-        l_bnc = jnp.where(ids_c >= nominal, l_bnc, -jnp.inf)  # columns already seen
-        c_best = jnp.max(l_bnc, axis=-1)
-        c_id = start + jnp.argmax(l_bnc, axis=-1).astype(jnp.int32)
-        take = c_best > best  # strict: an earlier (smaller) id wins ties
-        m_new = jnp.maximum(m, c_best)
-        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(l_bnc - m_new[..., None]), axis=-1)
-        return (jnp.where(take, c_best, best), jnp.where(take, c_id, best_id), m_new, s), None
-
-    init = (jnp.full((b, n), -jnp.inf, jnp.float32), jnp.zeros((b, n), jnp.int32),
-            jnp.full((b, n), -jnp.inf, jnp.float32), jnp.zeros((b, n), jnp.float32))
-    (_, arg, m, s), _ = jax.lax.scan(body, init, jnp.arange(n_chunks, dtype=jnp.int32))
-    return arg, m + jnp.log(s)
-
-
-class TeacherStats(NamedTuple):
-    """What the teacher is made of (and what ``launch.target_features`` stores per token)."""
-
-    logits_bnv: jax.Array  # [B,N,V_draft] float32 target logits at the d2t columns
-    lse_draft_bn: jax.Array  # [B,N] float32 log-sum-exp of those
-    argmax_bn: jax.Array  # [B,N] int32 full-vocabulary argmax (target ids)
-    lse_full_bn: jax.Array  # [B,N] float32 full-vocabulary log-sum-exp
-
-
-def teacher_stats(spec: ModelSpec, target_params: dict, draft_vocab: dict, hidden_bnd: jax.Array,
-                  vocab_chunk: int) -> TeacherStats:
-    """Draft-vocabulary logits and the full-vocabulary argmax / log-sum-exp (no gradient)."""
-    hidden_bnd = jax.lax.stop_gradient(hidden_bnd)
-    w, axis = lm_head_layout(spec, jax.lax.stop_gradient(target_params))
-    d2t = draft_vocab["d2t"]
-    if d2t.shape[0] != spec.head.draft_vocab_size:
-        raise ValueError(f"draft_vocab['d2t'] has {d2t.shape[0]} ids; spec.head.draft_vocab_size is "
-                         f"{spec.head.draft_vocab_size}")
-    if draft_vocab["t2d"].shape[0] != w.shape[axis]:
-        raise ValueError(f"draft_vocab['t2d'] covers {draft_vocab['t2d'].shape[0]} target ids; the target "
-                         f"LM head has {w.shape[axis]}")
-    logits_bnv = _scores(hidden_bnd, jnp.take(w, d2t, axis=axis), axis)  # [B,N,V_draft]
-    arg, lse_full = full_vocab_argmax_lse(hidden_bnd, w, axis, vocab_chunk)
-    return TeacherStats(logits_bnv, jax.nn.logsumexp(logits_bnv, axis=-1), arg, lse_full)
-
-
-def teacher_from_hidden(spec: ModelSpec, target_params: dict, draft_vocab: dict, hidden_bnd: jax.Array,
-                        vocab_chunk: int) -> Teacher:
-    """The EAGLE-3 teacher from the target's final-normed hidden states (no gradient)."""
-    st = teacher_stats(spec, target_params, draft_vocab, hidden_bnd, vocab_chunk)
-    return Teacher(logp_bnv=st.logits_bnv - st.lse_draft_bn[..., None],
-                   in_draft_bn=jnp.take(draft_vocab["t2d"], st.argmax_bn, axis=0),
-                   argmax_bn=st.argmax_bn,
-                   draft_mass_bn=jnp.exp(st.lse_draft_bn - st.lse_full_bn))
-
-
-OFFLINE_KEYS = ("h_cat", "teacher_topk_logp", "teacher_topk_ids", "teacher_argmax", "teacher_lse_draft",
-                "teacher_lse_full")
-_ABSENT = -1e30  # log-probability of a draft id outside the stored top-k (exp -> exactly 0, finite)
-
-
-def teacher_from_offline(batch: dict, draft_vocab: dict, v_draft: int) -> Teacher:
-    """The teacher from stored target features (``launch.target_features``) instead of a target pass.
-
-    The stored top-k log-probabilities (of the target renormalised over the draft vocabulary) are
-    scattered into [B,N,V_draft]; ids outside the top-k get probability 0 and the k kept are
-    renormalised (``logsumexp`` over them), so with k = V_draft the teacher is the online one (up to
-    the stored dtype) and with k < V_draft it is the online teacher truncated to its top-k.
-    """
-    ids_bnk = batch["teacher_topk_ids"].astype(jnp.int32)
-    lp_bnk = batch["teacher_topk_logp"].astype(jnp.float32)
-    lp_bnk = lp_bnk - jax.nn.logsumexp(lp_bnk, axis=-1, keepdims=True)
-    b, n, _ = ids_bnk.shape
-    dense = jnp.full((b, n, v_draft), _ABSENT, jnp.float32)
-    dense = dense.at[jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None], ids_bnk].set(lp_bnk)
-    arg = batch["teacher_argmax"].astype(jnp.int32)
-    lse_d, lse_f = batch["teacher_lse_draft"].astype(jnp.float32), batch["teacher_lse_full"].astype(jnp.float32)
-    return Teacher(logp_bnv=jax.lax.stop_gradient(dense), in_draft_bn=jnp.take(draft_vocab["t2d"], arg, axis=0),
-                   argmax_bn=arg, draft_mass_bn=jnp.exp(lse_d - lse_f))
-
-
 # ----------------------------------------------------------------------------- anchors and windows
 
 
@@ -299,19 +171,6 @@ class AnchorPlan(NamedTuple):
     index_bn: jax.Array  # [B,N] int32 anchor whose future entry draft index j uses (-1: none)
 
 
-def shift_ahead(x_bn: jax.Array, s: int, fill) -> jax.Array:
-    """[B,N]: x[:, n + s] at n (``fill`` past the end)."""
-    b, n = x_bn.shape
-    return jnp.concatenate([x_bn[:, s:], jnp.full((b, min(s, n)), fill, x_bn.dtype)], axis=1)[:, :n]
-
-
-def same_segment_ahead(segment_ids_bn, s: int):
-    """[B,N] bool: position n + s lies in n's segment (None: unpacked rows, always True)."""
-    if segment_ids_bn is None:
-        return None
-    return shift_ahead(segment_ids_bn, s, -1) == segment_ids_bn
-
-
 def anchor_candidates(loss_mask_bn: jax.Array, segment_ids_bn=None) -> jax.Array:
     """[B,N] bool: t may be an anchor iff x[t+1] and x[t+2] are answer tokens (see module doc) of
     t's own conversation (packed rows: ``segment_ids_bn``)."""
@@ -320,26 +179,6 @@ def anchor_candidates(loss_mask_bn: jax.Array, segment_ids_bn=None) -> jax.Array
     if segment_ids_bn is not None:
         cand = cand & same_segment_ahead(segment_ids_bn, 2)
     return cand
-
-
-def sample_anchors(rng: jax.Array, candidates_bn: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """K positions per row uniformly without replacement among the candidates.
-
-    Top-k of i.i.d. uniform scores (non-candidates scored -1) is a uniformly random k-subset of the
-    candidates; slots beyond a row's candidate count come back invalid. Valid anchors are sorted
-    ascending, invalid slots last (anchor 0).
-    """
-    b, n = candidates_bn.shape
-    k = min(int(k), n)
-    u = jax.random.uniform(rng, (b, n))
-    score = jnp.where(candidates_bn, u, -1.0)
-    top, idx = jax.lax.top_k(score, k)
-    valid = top >= 0.0
-    key = jnp.where(valid, idx, n)  # invalid slots sort last
-    order = jnp.argsort(key, axis=1)
-    idx = jnp.take_along_axis(idx, order, axis=1)
-    valid = jnp.take_along_axis(valid, order, axis=1)
-    return jnp.where(valid, idx, 0).astype(jnp.int32), valid
 
 
 def window_index(anchor_bk: jax.Array, valid_bk: jax.Array, n: int, replication: int,
@@ -405,56 +244,12 @@ def ttt_masks(loss_mask_bn: jax.Array, in_draft_bn: jax.Array, n_steps: int, seg
 # ----------------------------------------------------------------------------- the objective
 
 
-def _rows(x):
-    """Pin a [B, ...] activation to batch-sharded rows at a block boundary (no-op outside the
-    sharded step compiler; see ``confu_jax.sharding.constrain``)."""
-    return shd.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-
-
 def _step_kl(spec: ModelSpec, draft_params: dict, hidden_bnd: jax.Array, teacher_logp_bnv: jax.Array):
     """(KL(p_teacher ‖ p_draft) [B,N], draft argmax [B,N]) for one TTT step."""
     logq = jax.nn.log_softmax(draft_logits(spec, draft_params, hidden_bnd), axis=-1)
     p = jnp.exp(teacher_logp_bnv)
     kl = jnp.sum(p * (teacher_logp_bnv - logq), axis=-1)
     return kl, jnp.argmax(logq, axis=-1)
-
-
-class RowLayout(NamedTuple):
-    """How conversations sit in the rows. All None: one right-padded conversation per row (the
-    default). Packed rows (``data.pack``): several conversations per row, told apart by
-    ``segment_ids`` (1, 2, ... per row; 0 = padding) with RoPE ``positions`` restarting at 0."""
-
-    segment_ids_bn: Optional[jax.Array] = None  # [B,N] int32
-    positions_bn: Optional[jax.Array] = None  # [B,N] int32 position inside the segment
-    segment_start_bn: Optional[jax.Array] = None  # [B,N] int32 row index of the segment's first token
-
-
-def row_layout(batch: dict) -> RowLayout:
-    """The batch's :class:`RowLayout`; ``positions`` default to index − segment start."""
-    if "segment_ids" not in batch:
-        if "positions" in batch:
-            raise ValueError("batch has 'positions' but no 'segment_ids'; packed batches carry both")
-        return RowLayout()
-    seg = batch["segment_ids"].astype(jnp.int32)
-    if seg.shape != batch["tokens"].shape:
-        raise ValueError(f"batch['segment_ids'] {seg.shape} and batch['tokens'] {batch['tokens'].shape} differ")
-    b, n = seg.shape
-    idx = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    boundary = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    start = jax.lax.cummax(jnp.where(boundary, idx, 0), axis=1)
-    pos = batch["positions"].astype(jnp.int32) if "positions" in batch else idx - start
-    return RowLayout(seg, pos, start)
-
-
-def batch_arrays(batch: dict):
-    """(tokens [B,N] int32, loss mask [B,N] bool with right padding removed) of a training batch."""
-    tokens_bn = batch["tokens"].astype(jnp.int32)
-    loss_mask_bn = batch["loss_mask"].astype(bool)
-    if tokens_bn.shape != loss_mask_bn.shape:
-        raise ValueError(f"batch['tokens'] {tokens_bn.shape} and batch['loss_mask'] {loss_mask_bn.shape} differ")
-    if "attention_mask" in batch:
-        loss_mask_bn = loss_mask_bn & batch["attention_mask"].astype(bool)
-    return tokens_bn, loss_mask_bn
 
 
 def _trained_positions(plan, base_bn: jax.Array, n: int, cfg: ObjectiveConfig):
@@ -506,7 +301,7 @@ def _head_kl_scan(spec: ModelSpec, draft_params: dict, hidden_rbmd: jax.Array, t
 
     def one(dp, h_bkd, idx_bk):
         t_bkv = jnp.take_along_axis(t_pad, idx_bk[..., None], axis=1)
-        return _step_kl(spec, dp, _rows(h_bkd), t_bkv)
+        return _step_kl(spec, dp, pin_rows(h_bkd), t_bkv)
 
     if cfg.remat:  # keeps h per chunk, not [B, chunk, V_draft] logits
         one = jax.checkpoint(one)
@@ -530,9 +325,9 @@ def _ttt_losses(spec: ModelSpec, draft_params: dict, ttt, teacher, masks, sel_bm
     r_steps = cfg.ttt_steps
     # teacher rows j+1+r for step r: pad N past the end once, index per step
     v_d = teacher.logp_bnv.shape[-1]
-    t_pad = _rows(jnp.concatenate([teacher.logp_bnv, jnp.zeros((b, r_steps + 1, v_d), jnp.float32)], axis=1))
+    t_pad = pin_rows(jnp.concatenate([teacher.logp_bnv, jnp.zeros((b, r_steps + 1, v_d), jnp.float32)], axis=1))
     t_arg = jnp.argmax(t_pad, axis=-1)
-    hidden_rbmd = jnp.stack([_rows(_pick(sel_bm, ttt.hidden_rbnd[r])) for r in range(r_steps)])
+    hidden_rbmd = jnp.stack([pin_rows(_pick(sel_bm, ttt.hidden_rbnd[r])) for r in range(r_steps)])
     kl_rbm, arg_rbm = _head_kl_scan(spec, draft_params, hidden_rbmd, t_pad, sel_bm, n, cfg)
     metrics, loss = {}, jnp.zeros((), jnp.float32)
     correct, answer, in_draft, draft_top1, teacher_top1, trained = [], [], [], [], [], []
@@ -708,13 +503,13 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
         missing = [k for k in OFFLINE_KEYS if k not in batch]
         if missing:
             raise ValueError(f"confu_loss: offline batch lacks {missing} (has {sorted(batch)})")
-        h_cat_bnc = _rows(batch["h_cat"].astype(jnp.dtype(spec.target.dtype)))
+        h_cat_bnc = pin_rows(batch["h_cat"].astype(jnp.dtype(spec.target.dtype)))
         teacher = teacher_from_offline(batch, draft_vocab, spec.head.draft_vocab_size)
     else:
         out = real_forward(spec, target_params, tokens_bn, rows.positions_bn, return_logits=False,
                            segment_ids_bt=rows.segment_ids_bn)
-        h_cat_bnc = _rows(jax.lax.stop_gradient(out.taps_btc))
-        teacher = teacher_from_hidden(spec, target_params, draft_vocab, _rows(out.hidden_btd), cfg.vocab_chunk)
+        h_cat_bnc = pin_rows(jax.lax.stop_gradient(out.taps_btc))
+        teacher = teacher_from_hidden(spec, target_params, draft_vocab, pin_rows(out.hidden_btd), cfg.vocab_chunk)
 
     future, plan = None, None
     if spec.head.has_future:
@@ -726,7 +521,7 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
         f_bkd = contemplate_queries(spec, target_params, trainable["confu"], to_cache_layout(out.k_new_lbthd),
                                     to_cache_layout(out.v_new_lbthd),
                                     plan.anchor_bk, h_cat_bnc[b_idx, plan.con_src_bk], **packed)
-        future = TTTFuture(_rows(f_bkd), plan.anchor_bk, plan.index_bn)
+        future = TTTFuture(pin_rows(f_bkd), plan.anchor_bk, plan.index_bn)
     ttt = draft_ttt(spec, trainable["draft"], target_params["embed"]["embedding"], tokens_bn, h_cat_bnc,
                     cfg.ttt_steps, positions_bn=rows.positions_bn, future=future, return_logits=False,
                     segment_ids_bn=rows.segment_ids_bn, future_weights=cfg.future_probe and future is not None,

@@ -35,7 +35,7 @@ from confu_jax.models.medusa import init_medusa, medusa_logits
 from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
-from confu_jax.train.loss import lm_head_layout
+from confu_jax.train.teacher import lm_head_layout
 from confu_jax.train.task import TrainTask, frozen_target_task
 from confu_jax.train.target_loading import target_name
 

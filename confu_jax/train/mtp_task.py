@@ -40,7 +40,7 @@ from confu_jax.models.mtp import init_mtp, mtp_logits, mtp_sequence
 from confu_jax.models.target import real_forward, segment_causal_mask
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
-from confu_jax.train.loss import shift_ahead, batch_arrays, row_layout, same_segment_ahead
+from confu_jax.train.rows import batch_arrays, row_layout, same_segment_ahead, shift_ahead
 from confu_jax.train.task import TrainTask, frozen_target_task
 from confu_jax.train.target_loading import target_name
 

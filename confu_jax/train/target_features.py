@@ -25,7 +25,7 @@ import numpy as np
 from confu_jax.data import target_features as tf
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.target import real_forward
-from confu_jax.train.loss import teacher_stats
+from confu_jax.train.teacher import teacher_stats
 
 log = logging.getLogger(__name__)
 

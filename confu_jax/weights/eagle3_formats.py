@@ -48,6 +48,7 @@ from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.spec import HeadConfig, ModelSpec
 from confu_jax.weights.errors import CheckpointError
 from confu_jax.weights.export import model_type_of
+from confu_jax.weights.head_dirs import read_config_json
 from confu_jax.weights.hf import SUPPORTED_MODEL_TYPES
 from confu_jax.weights.hf import rope_from_config
 from confu_jax.weights.safetensors_io import FLOAT_DTYPES, RemoteTensor, SafetensorsFile
@@ -115,15 +116,8 @@ class ImportedHead:
 
 def detect_format(directory: str) -> Optional[str]:
     """'speculators' | 'eagle3' for a directory holding such a head, else None (e.g. a train workdir)."""
-    path = os.path.join(directory, "config.json")
-    if not storage.isfile(path):
-        return None
-    try:
-        with storage.open(path) as f:
-            c = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(c, dict):
+    c = read_config_json(directory)
+    if c is None:
         return None
     if "speculators_model_type" in c:
         return "speculators"
@@ -143,8 +137,7 @@ def load_head(directory: str, param_dtype: str = "float32") -> ImportedHead:
             f"(speculators / vLLM) or architectures [{OFFICIAL_ARCH!r}] / 'draft_vocab_size' (official, "
             "SGLang, SpecForge)")
     where = os.path.join(directory, "config.json")
-    with storage.open(where) as f:
-        c = json.load(f)
+    c = read_config_json(directory)
     parsed = _parse_speculators(c, where) if fmt == "speculators" else _parse_official(c, where)
     tensors = read_tensors(directory)
     return _assemble(directory, fmt, parsed, tensors, param_dtype)
