@@ -1,8 +1,8 @@
 import os
 
-from xla_env import EIGHT_DEVICES
+from tests.helpers.xla_env import EIGHT_DEVICES
 
-# 8 fake CPU devices for sharding tests, LLVM at -O1 capped at AVX2 (tests/xla_env.py says why); set
+# 8 fake CPU devices for sharding tests, LLVM at -O1 capped at AVX2 (tests/helpers/xla_env.py says why); set
 # before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", EIGHT_DEVICES)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -13,7 +13,7 @@ import pytest
 from confu_jax.decode import loop, plans
 from confu_jax.train import loss as L
 from confu_jax.train.acceptance import decode_path_acceptance_length, simulated_acceptance_length
-from loop_fixtures import make
+from tests.helpers.loop_fixtures import make
 
 
 def _walk_reference(correct, answer, in_draft, start, mask, depth):

@@ -16,7 +16,7 @@ import pytest
 
 from confu_jax.kernels.attention_reference import masked_attention_reference
 from confu_jax.kernels.blockwise_attention import masked_attention_blockwise
-from tests.attention_cases import CASES, make_inputs
+from tests.helpers.attention_cases import CASES, make_inputs
 
 _FAST = {"xla_backend_optimization_level": 0}
 _ref = jax.jit(lambda a: masked_attention_reference(*a), compiler_options=_FAST)

@@ -45,7 +45,7 @@ def test_auto_plan_on_tiny_model():
     from confu_jax.models.vocab_map import identity_draft_vocab
     from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import HeadConfig, ModelSpec
-    from tests.model_fakes import tiny_params
+    from tests.helpers.model_fakes import tiny_params
 
     vocab = 4  # a tiny vocabulary: random drafts are often right, so tau varies with the plan
     spec = ModelSpec(get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=()),
@@ -75,7 +75,7 @@ def test_interleaved_calibration_measures_the_same_plans(monkeypatch):
     from confu_jax.models.vocab_map import identity_draft_vocab
     from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import HeadConfig, ModelSpec
-    from tests.model_fakes import tiny_params
+    from tests.helpers.model_fakes import tiny_params
 
     vocab = 4
     spec = ModelSpec(get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=()),

@@ -7,7 +7,6 @@ transformers' ``apply_chat_template(return_assistant_tokens_mask=True)`` on a Ch
 with ``{% generation %}`` tags.
 """
 
-import os
 
 import pytest
 from tokenizers import AddedToken, Tokenizer

@@ -28,7 +28,7 @@ import pytest
 from confu_jax.data.chat import ChatTokenizer
 from tests.fixtures.tiny_checkpoints import hf_llama, hf_qwen, write_hf_tokenizer
 from tests.test_chat import LLAMA3_SPECIALS, LLAMA3_TEMPLATE, _expected_mask, _llama3_text
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

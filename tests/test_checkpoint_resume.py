@@ -19,7 +19,7 @@ from confu_jax import sharding as shd
 from confu_jax.runs.checkpoint import Checkpointer, init_params_from
 from confu_jax.train.loop import setup_run, train
 from confu_jax.train.metric_writers import read_csv
-from tests.toy_task import get_toy_config
+from tests.helpers.toy_task import get_toy_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy_train.py")
@@ -184,6 +184,7 @@ def test_init_from_copies_shared_params_and_reports_the_rest(tmp_path):
 _KILL_RUNNER = r"""
 import json, os, signal, sys
 sys.path.insert(0, {tests!r})
+sys.path.insert(0, {repo!r})
 from test_checkpoint_resume import _config
 from confu_jax.train.loop import train
 
@@ -207,7 +208,7 @@ def test_sigkill_mid_training_resumes_with_identical_losses(tmp_path, reference)
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     # Killed one step after step 6's checkpoint was handed to the async writer: depending on the
     # race, checkpoint 6 is complete or only a temporary directory; both must resume exactly.
-    p = subprocess.run([sys.executable, "-c", _KILL_RUNNER.format(tests=os.path.join(REPO, "tests")),
+    p = subprocess.run([sys.executable, "-c", _KILL_RUNNER.format(tests=os.path.join(REPO, "tests"), repo=REPO),
                         workdir, "7"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     killed_rows = read_csv(os.path.join(workdir, "metrics.csv"))

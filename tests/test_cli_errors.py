@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from confu_jax.decode.families import FAMILIES
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

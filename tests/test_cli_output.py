@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from confu_jax.data import formats
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "tests", "configs", "toy_train.py")

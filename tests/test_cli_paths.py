@@ -147,7 +147,7 @@ def test_a_gs_path_without_the_cloud_extra_is_one_line_before_any_work(module, a
     import subprocess
     import sys
 
-    from xla_env import SINGLE_DEVICE
+    from tests.helpers.xla_env import SINGLE_DEVICE
 
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", _NO_CLOUD_EXTRA, module, *args], cwd=tmp_path, env=env,

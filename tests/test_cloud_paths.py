@@ -1,4 +1,4 @@
-"""``gs://`` paths end to end, against a local GCS emulator this module starts (tests/gcs_emulator.py).
+"""``gs://`` paths end to end, against a local GCS emulator this module starts (tests/helpers/gcs_emulator.py).
 
 A target checkpoint, its tokenizer, the training data, the workdir (config, metric CSVs, orbax
 checkpoints) and released heads and data all live in the emulated bucket; each result is checked
@@ -39,10 +39,10 @@ from confu_jax.weights import load_model, load_model_sharded  # noqa: E402
 from confu_jax.weights.export import save_hf  # noqa: E402
 from confu_jax.weights.hf import open_tensors  # noqa: E402
 from confu_jax.weights.tree import ReadCounter  # noqa: E402
-from tests.gcs_emulator import SERVED, emulated_gcs  # noqa: E402
+from tests.helpers.gcs_emulator import SERVED, emulated_gcs  # noqa: E402
 
 from tests.fixtures.tiny_checkpoints import tiny_vocab  # noqa: E402
-from xla_env import SINGLE_DEVICE  # noqa: E402
+from tests.helpers.xla_env import SINGLE_DEVICE  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -27,7 +27,7 @@ from jax._src.clusters import cluster as jax_cluster
 from confu_jax.data import distill_shards as ds
 from confu_jax.train import distributed
 from confu_jax.train.metric_writers import read_csv
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT_IDS = [f"conv-{i}" for i in range(40)]

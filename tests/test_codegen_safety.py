@@ -5,7 +5,7 @@ the process (``LLVM ERROR: Cannot select: ... v8i32 = X86ISD::SUBV_BROADCAST_LOA
 ``compare_and_fusion``) on the small integer fusion below: a per-row index broadcast along a row,
 a select, and two compares fused into one loop. It is the shape of the lookup drafter's acceptance
 check (where it was found, in the loop program of ``test_lookup.py::test_greedy_equals_ar``). The
-suite's flags (``tests/xla_env.py``) cap code generation at AVX2 for that reason.
+suite's flags (``tests/helpers/xla_env.py``) cap code generation at AVX2 for that reason.
 
 Each case compiles the program in a fresh subprocess, so an abort fails this test with LLVM's
 message instead of killing a pytest worker, and checks the values against numpy. It runs on every
@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 
-from xla_env import CODEGEN, EIGHT_DEVICES, SINGLE_DEVICE
+from tests.helpers.xla_env import CODEGEN, EIGHT_DEVICES, SINGLE_DEVICE
 
 _TRIGGER = r"""
 import json, sys

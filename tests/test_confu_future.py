@@ -21,7 +21,7 @@ from confu_jax.models.kv_cache import to_cache_layout
 from confu_jax.models.target import contemplate_queries, real_forward
 from confu_jax.train import loss as L
 from confu_jax.train import rows as R
-from tests.model_fakes import tiny_objective_case
+from tests.helpers.model_fakes import tiny_objective_case
 
 V, NB, NN = 6, 2, 24
 CFG = L.ObjectiveConfig(ttt_steps=3, k_train=6, replication=1, max_lag=2, vocab_chunk=4)

@@ -17,7 +17,7 @@ from confu_jax.models.spec import model_spec_from_config
 from confu_jax.train.synthetic_data import SelfDistilledStream
 from confu_jax.train.target_loading import load_target
 from confu_jax.train.loss import ALL_POSITIONS, objective_from_config
-from xla_env import EIGHT_DEVICES
+from tests.helpers.xla_env import EIGHT_DEVICES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

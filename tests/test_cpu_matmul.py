@@ -15,7 +15,7 @@ from confu_jax.kernels import cpu_matmul
 from confu_jax.models.llama import PACKED_LM_HEAD, Llama, init_params
 from confu_jax.models.presets import get_preset
 from confu_jax.models.unrolled import apply_unrolled, prepared_layers, split_layers
-from loop_fixtures import make, prompts_for
+from tests.helpers.loop_fixtures import make, prompts_for
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler: XLA's dots are used")
 

@@ -7,7 +7,7 @@ import pytest
 
 from confu_jax.data import pipeline
 from tests.fixtures.fake_chat import PAD, FakeChatTokenizer
-from tests.pipeline_fixtures import MAX_LEN, conversations as _conversations, data_cfg as _cfg
+from tests.helpers.pipeline_fixtures import MAX_LEN, conversations as _conversations, data_cfg as _cfg
 
 def _take(it, n):
     return [next(it) for _ in range(n)]

@@ -31,13 +31,13 @@ from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import dflash as D
 from confu_jax.models.registry import get_method
-from family_checks import assert_sampling_is_lossless
-from loop_fixtures import generated_rows, jit_propose, make
-from jitting import jit_static
+from tests.helpers.family_checks import assert_sampling_is_lossless
+from tests.helpers.loop_fixtures import generated_rows, jit_propose, make
+from tests.helpers.jitting import jit_static
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 MASK = 3  # the mask token of the tests' drafts
-# the draft's pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
+# the draft's pieces under jit (tests/helpers/jitting.py: called eagerly, every primitive compiles on its own)
 (block_hidden, block_logits, context_features, context_kv, draft_blocks, embed_block, sequence_context,
  init_dflash) = (jit_static(f) for f in (D.block_hidden, D.block_logits, D.context_features, D.context_kv,
                                           D.draft_blocks, D.embed_block, D.sequence_context, D.init_dflash))
@@ -380,7 +380,7 @@ def test_the_smollm2_target_keeps_the_draft_model():
 
 def _config(**extra):
     from configs.tiny_dflash import get_config
-    from train_resume import short_run_config
+    from tests.helpers.train_resume import short_run_config
 
     return short_run_config(get_config, **extra)
 

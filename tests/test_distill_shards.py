@@ -13,7 +13,7 @@ import pytest
 
 from confu_jax.data import distill_shards as ds
 from tests.fixtures.tiny_checkpoints import hf_llama, write_hf_tokenizer
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

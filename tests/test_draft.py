@@ -11,7 +11,7 @@ from confu_jax.models.draft_decode import draft_block, init_draft_cache
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.vocab_map import draft_to_target_ids, draft_vocab_from_d2t, identity_draft_vocab, target_to_draft_logits
 from confu_jax.models.target import contemplate_queries, real_forward
-from tests.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
+from tests.helpers.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
 
 ATOL = 2e-5
 _ttt = jax.jit(draft_ttt, static_argnums=(0, 5))

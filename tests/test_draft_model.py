@@ -26,9 +26,9 @@ from confu_jax.runs import draft_models
 from confu_jax.models.llama import Llama, param_shapes
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.unrolled import split_layers
-from model_fakes import _fill
-from family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
-from loop_fixtures import generated_rows, make
+from tests.helpers.model_fakes import _fill
+from tests.helpers.family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
+from tests.helpers.loop_fixtures import generated_rows, make
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 

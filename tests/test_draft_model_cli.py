@@ -13,7 +13,7 @@ import pytest
 
 from tests.fixtures.tiny_chat_model import TEMPLATE, tiny_chat_gguf
 from tests.fixtures.tiny_checkpoints import hf_llama, write_gguf
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -30,8 +30,8 @@ from confu_jax.weights.eagle3_formats import (bind_to_target, eagle3_part, expor
                                               save_safetensors)
 from confu_jax.weights.errors import CheckpointError
 from tests.fixtures.speculators_ref import our_ttt_logits, speculators_ttt_logits
-from tests.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
-from xla_env import SINGLE_DEVICE
+from tests.helpers.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 torch = pytest.importorskip("torch")
 

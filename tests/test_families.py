@@ -58,7 +58,7 @@ def test_training_entry_point_and_configs_agree(family):
     for path in rec.configs:
         config = runpy.run_path(os.path.join(REPO, path))["get_config"]()
         assert config.train.task == rec.train_task, path
-    from train_resume import tiny_run_config
+    from tests.helpers.train_resume import tiny_run_config
 
     tiny = tiny_run_config(rec.tiny_config)  # the tiny config trains this family, on the tiny target
     assert tiny.train.task == rec.train_task and tiny.model.preset == "tiny", rec.tiny_config

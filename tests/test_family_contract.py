@@ -24,9 +24,9 @@ import pytest
 
 from confu_jax.decode import families, generate, loop, spec_params
 from confu_jax.models.registry import METHODS
-from family_checks import assert_sharded_equals_single_device
-from loop_fixtures import generated_rows, prompts_for
-from model_fakes import random_target
+from tests.helpers.family_checks import assert_sharded_equals_single_device
+from tests.helpers.loop_fixtures import generated_rows, prompts_for
+from tests.helpers.model_fakes import random_target
 
 VOCAB = 6
 PROMPTS = prompts_for(VOCAB)

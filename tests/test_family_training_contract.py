@@ -29,7 +29,7 @@ def test_training_resumes_after_a_kill_and_every_export_loads_back(family, tmp_p
     """The record's tiny config trains 12 steps; a run killed after step 7 and started again logs the
     uninterrupted run's losses exactly; every export format of the record, written by ``launch.export_head``
     from the resumed run, loads back through the record's loader to the run's own drafter weights."""
-    from train_resume import assert_killed_run_resumes, tiny_run_config
+    from tests.helpers.train_resume import assert_killed_run_resumes, tiny_run_config
 
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.train.target_loading import load_target

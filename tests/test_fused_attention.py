@@ -56,7 +56,7 @@ def test_a_target_training_forward_with_the_kernel_equals_the_xla_one(impl):
     from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import ModelSpec
     from confu_jax.models.target import real_forward
-    from model_fakes import random_target
+    from tests.helpers.model_fakes import random_target
 
     cfg, tp = random_target(64, seed=2)
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 40), 0, 64)

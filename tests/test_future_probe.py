@@ -19,7 +19,7 @@ import pytest
 from confu_jax.models.kv_cache import to_cache_layout
 from confu_jax.models.target import contemplate_queries, real_forward
 from confu_jax.train import loss as L
-from tests.model_fakes import tiny_objective_case
+from tests.helpers.model_fakes import tiny_objective_case
 
 V, NB, NN, STEPS = 6, 2, 24, 3  # a tiny vocabulary: top-1 hits are common, not vacuous
 CFG = L.ObjectiveConfig(ttt_steps=STEPS, k_train=L.ALL_POSITIONS, replication=0, max_lag=2, vocab_chunk=4,

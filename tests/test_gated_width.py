@@ -15,7 +15,7 @@ from confu_jax.decode import families, loop, plans
 from confu_jax.decode import tree as tr
 from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.generate import generate_ar
-from loop_fixtures import chi_square_pvalue, exact_joint, generated_rows, jit_prefill, jit_propose, make
+from tests.helpers.loop_fixtures import chi_square_pvalue, exact_joint, generated_rows, jit_prefill, jit_propose, make
 
 PROMPTS = [[3, 5, 1, 2, 4, 0], [2, 2, 5]]
 

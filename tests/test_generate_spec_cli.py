@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.fixtures.tiny_chat_model import tiny_chat_gguf
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from tests.fixtures.tiny_chat_model import tiny_chat_gguf
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20

@@ -15,7 +15,7 @@ import pytest
 from configs.tiny import get_config
 from confu_jax.runs import head_release as hr
 from confu_jax.train.loop import train
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

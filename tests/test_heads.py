@@ -138,7 +138,7 @@ def test_random_head_with_a_smaller_draft_vocabulary():
     from confu_jax.decode.heads import random_head
     from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import HeadConfig, ModelSpec
-    from model_fakes import tiny_params
+    from tests.helpers.model_fakes import tiny_params
 
     cfg = get_preset("tiny")
     tp, _ = tiny_params(ModelSpec(cfg, HeadConfig(variant="eagle3", draft_vocab_size=cfg.vocab_size)))

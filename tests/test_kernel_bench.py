@@ -78,7 +78,7 @@ def test_bytes_model_counts_the_tiles_the_kernel_loads(tiling):
     import numpy as np
 
     from confu_jax.kernels import tree_attention as ta
-    from tests.attention_cases import CASES, make_inputs
+    from tests.helpers.attention_cases import CASES, make_inputs
 
     c = CASES[5]  # 20 queries x G 3 = 60 rows per KV head, cache of 48 slots, 4 soft prompts
     for lens in ((48, 17), (0, 30)):

@@ -22,11 +22,11 @@ from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.hybrid import Hybrid
 from confu_jax.decode.lookup import NO_TOKEN, PromptLookup
 from confu_jax.decode.spec_params import SpecParams
-from family_checks import assert_sampling_is_lossless
-from jitting import jit_static
-from loop_fixtures import generated_rows, make
+from tests.helpers.family_checks import assert_sampling_is_lossless
+from tests.helpers.jitting import jit_static
+from tests.helpers.loop_fixtures import generated_rows, make
 
-# the matcher and the trie under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
+# the matcher and the trie under jit (tests/helpers/jitting.py: called eagerly, every primitive compiles on its own)
 lookup_continuations, lookup_tree = jit_static(lookup.lookup_continuations), jit_static(lookup.lookup_tree)
 
 

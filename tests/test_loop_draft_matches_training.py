@@ -21,7 +21,7 @@ from confu_jax.decode import verify as verify_lib
 from confu_jax.models import target as target_lib
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.kv_cache import to_cache_layout
-from loop_fixtures import jit_iteration, jit_prefill, jit_propose, make
+from tests.helpers.loop_fixtures import jit_iteration, jit_prefill, jit_propose, make
 
 # Everything here runs under jit (eagerly, the loop's and training's primitives would each be a compile).
 
@@ -157,7 +157,6 @@ def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
     full = plans.parse_plan("dynamic:3,4,36")  # all of depth 1 and most of depths 2-3 of vocab 4
     chain = HeadDrafter(plans.parse_plan("sampled_chain:3"))
     prompt = [2, 0, 3, 1, 1, 2, 0]
-    n = len(prompt)
     args, static = loop.prepare_spec_inputs(spec, full, [prompt], max_new_tokens=16, eos_ids=())
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])

@@ -16,7 +16,7 @@ from confu_jax.train import loss as L
 from confu_jax.train import rows as R
 from confu_jax.train import teacher as T
 from confu_jax.train.acceptance import simulated_acceptance_length
-from tests.model_fakes import DRAFT_VOCAB, _fill, tiny_params, tiny_spec
+from tests.helpers.model_fakes import DRAFT_VOCAB, _fill, tiny_params, tiny_spec
 
 B, N = 2, 20
 CFG = L.ObjectiveConfig(ttt_steps=3, k_train=4, replication=2, max_lag=3, vocab_chunk=48)

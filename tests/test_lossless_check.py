@@ -11,8 +11,8 @@ from confu_jax.decode import loop, plans
 from confu_jax.decode.generate import generate_ar
 from confu_jax.models.llama import Llama
 from confu_jax.models.presets import get_preset
-from model_fakes import tiny_params
-from loop_fixtures import make
+from tests.helpers.model_fakes import tiny_params
+from tests.helpers.loop_fixtures import make
 
 PROMPT = [3, 17, 5, 40, 2, 9, 11]
 

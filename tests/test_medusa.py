@@ -29,11 +29,11 @@ from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import medusa as med
 from confu_jax.models.registry import get_method
 from confu_jax.train.metric_writers import read_csv
-from family_checks import assert_sampling_is_lossless
-from jitting import jit_static
-from loop_fixtures import generated_rows, make
+from tests.helpers.family_checks import assert_sampling_is_lossless
+from tests.helpers.jitting import jit_static
+from tests.helpers.loop_fixtures import generated_rows, make
 
-# the heads' pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
+# the heads' pieces under jit (tests/helpers/jitting.py: called eagerly, every primitive compiles on its own)
 init_medusa, medusa_logits = jit_static(med.init_medusa), jit_static(med.medusa_logits)
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
@@ -240,7 +240,7 @@ def test_faster_decoding_format_round_trip(tmp_path):
 
 def _config(**extra):
     from configs.tiny_medusa import get_config
-    from train_resume import short_run_config
+    from tests.helpers.train_resume import short_run_config
 
     return short_run_config(get_config, **extra)
 

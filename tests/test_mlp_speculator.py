@@ -38,12 +38,12 @@ from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import mlp_speculator as ms
 from confu_jax.models.registry import get_method
 from confu_jax.train.metric_writers import read_csv
-from family_checks import assert_sampling_is_lossless
-from jitting import jit_static
-from loop_fixtures import generated_rows, jit_propose, make
+from tests.helpers.family_checks import assert_sampling_is_lossless
+from tests.helpers.jitting import jit_static
+from tests.helpers.loop_fixtures import generated_rows, jit_propose, make
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
-# the speculator's pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
+# the speculator's pieces under jit (tests/helpers/jitting.py: called eagerly, every primitive compiles on its own)
 init_mlp_speculator, mlp_speculator_logits, input_state, stage_state, stage_logits = (
     jit_static(f) for f in (ms.init_mlp_speculator, ms.mlp_speculator_logits, ms.input_state, ms.stage_state,
                             ms.stage_logits))
@@ -477,7 +477,7 @@ def test_published_format_round_trip(tmp_path):
 
 def _config(**extra):
     from configs.tiny_mlp_speculator import get_config
-    from train_resume import short_run_config
+    from tests.helpers.train_resume import short_run_config
 
     return short_run_config(get_config, **extra)
 

@@ -37,13 +37,13 @@ from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import mtp as mtp_lib
 from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.registry import get_method
-from family_checks import assert_sampling_is_lossless
-from jitting import jit_static
-from loop_fixtures import generated_rows, make
+from tests.helpers.family_checks import assert_sampling_is_lossless
+from tests.helpers.jitting import jit_static
+from tests.helpers.loop_fixtures import generated_rows, make
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
-# the module's pieces under jit (tests/jitting.py: called eagerly, every primitive compiles on its own)
+# the module's pieces under jit (tests/helpers/jitting.py: called eagerly, every primitive compiles on its own)
 init_mtp, mtp_sequence, mtp_logits, mtp_block = (
     jit_static(f) for f in (mtp_lib.init_mtp, mtp_lib.mtp_sequence, mtp_lib.mtp_logits, mtp_lib.mtp_block))
 
@@ -333,7 +333,7 @@ def test_deepseek_layout_round_trip(tmp_path):
 
 def _config(**extra):
     from configs.tiny_mtp import get_config
-    from train_resume import short_run_config
+    from tests.helpers.train_resume import short_run_config
 
     return short_run_config(get_config, **extra)
 
@@ -445,7 +445,7 @@ def test_training_lowers_the_loss_and_the_run_loads(tmp_path):
     mtp_lib.check_mtp_params(trained, spec.target)  # decodes as any module does (tests/test_family_contract.py)
     # the CLI's --mtp_shared export (subprocess: no launch module in-process) also stores the target's
     # embedding and LM head, as DeepSeek's checkpoints do, and loads back to the run's weights
-    from train_resume import resume_env
+    from tests.helpers.train_resume import resume_env
 
     from confu_jax.weights.mtp_format import load_mtp_dir
 

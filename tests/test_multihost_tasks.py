@@ -20,7 +20,7 @@ import pytest
 
 from confu_jax.train.metric_writers import read_csv, read_record_logs
 from tests.fixtures.tiny_checkpoints import hf_llama, write_hf_tokenizer
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_RECORDS, BATCH, STEPS = 12, 4, 9  # 3 steps an epoch, 3 epochs

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from confu_jax.train.metric_writers import read_csv
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy_train.py")

@@ -19,7 +19,7 @@ import pytest
 
 from tests.fixtures.speculators_ref import our_ttt_logits, speculators_ttt_logits
 from tests.fixtures.tiny_checkpoints import hf_llama, hf_qwen, write_hf_tokenizer
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "own_target.md")

@@ -15,7 +15,7 @@ from confu_jax.kernels.blockwise_attention import masked_attention_blockwise
 from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.train import loss as L
 from confu_jax.train import rows as R
-from tests.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
+from tests.helpers.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
 
 LENGTHS = (9, 13, 7, 11)  # conversations; packed as rows [9 + 13, 7 + 11] of N_PACK
 N_PAD, N_PACK = 16, 24
@@ -160,7 +160,7 @@ def test_pipeline_packs_every_conversation_intact():
     segment (positions from 0, attention mask = segment > 0), and the iterator state restores."""
     from confu_jax.data import pipeline
     from tests.fixtures.fake_chat import FakeChatTokenizer
-    from tests.pipeline_fixtures import MAX_LEN, conversations as _conversations, data_cfg as _cfg
+    from tests.helpers.pipeline_fixtures import MAX_LEN, conversations as _conversations, data_cfg as _cfg
 
     tok = FakeChatTokenizer()
     convs = _conversations()

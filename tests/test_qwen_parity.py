@@ -24,7 +24,7 @@ from confu_jax.models.llama import Llama
 from confu_jax.models.unrolled import apply_unrolled, split_layers
 from confu_jax.weights import CheckpointError, load_model, save_hf
 from tests.fixtures.tiny_checkpoints import hf_llama, hf_qwen, write_gguf, write_hf_tokenizer
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = 24

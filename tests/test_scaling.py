@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from confu_jax.bench import scaling
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "specbench_sample.jsonl")

@@ -18,7 +18,7 @@ from confu_jax.train.metric_writers import read_csv
 
 def _config(**extra):
     from configs.tiny_sd2 import get_config
-    from train_resume import short_run_config
+    from tests.helpers.train_resume import short_run_config
 
     return short_run_config(get_config, **extra)
 

@@ -20,7 +20,7 @@ from confu_jax.decode.stopping import StopReason
 from confu_jax.models.kv_cache import init_cache
 from confu_jax.models.presets import get_preset
 from confu_jax.models.spec import HeadConfig, ModelSpec
-from loop_fixtures import generated_rows, make, prompts_for
+from tests.helpers.loop_fixtures import generated_rows, make, prompts_for
 
 VOCAB = 24
 N_NEW = 16

@@ -19,9 +19,9 @@ from confu_jax.decode.tree import build_tree
 from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.models.target import verify
 from confu_jax.models.tree_layout import ancestors_from_parents
-from tests.model_fakes import path_to, random_parents, tiny_params, tiny_spec
-from loop_fixtures import generated_rows, make, prompts_for
-from tests.target_fixtures import (close as _close, jit_real_forward as _real_forward,
+from tests.helpers.model_fakes import path_to, random_parents, tiny_params, tiny_spec
+from tests.helpers.loop_fixtures import generated_rows, make, prompts_for
+from tests.helpers.target_fixtures import (close as _close, jit_real_forward as _real_forward,
                                    plain_with_contemplate as _plain_with_contemplate)
 
 

@@ -10,7 +10,7 @@ import pytest
 from confu_jax.bench import cli_args, report, spec_bench
 from confu_jax.bench.prompts import load_question_file
 from tests.fixtures.tiny_chat_model import tiny_chat_gguf
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "specbench_sample.jsonl")
 

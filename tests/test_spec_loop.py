@@ -14,7 +14,7 @@ import pytest
 from confu_jax.decode import loop, plans
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.stopping import StopReason
-from loop_fixtures import PROMPTS, chi_square_pvalue, exact_joint, generated_rows, make, prompts_for
+from tests.helpers.loop_fixtures import PROMPTS, chi_square_pvalue, exact_joint, generated_rows, make, prompts_for
 
 
 # vocab 24 with a random draft: most drafts are rejected. vocab 4 with a full 2-level tree

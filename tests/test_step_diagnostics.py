@@ -14,7 +14,7 @@ from confu_jax.models.target import real_forward
 from confu_jax.train import loss as L
 from confu_jax.train.acceptance import (conditional_step_accuracy, simulated_acceptance_length,
                                         step_duplication_rate)
-from tests.model_fakes import tiny_objective_case
+from tests.helpers.model_fakes import tiny_objective_case
 
 
 # ----------------------------------------------------------------------------- references
@@ -115,7 +115,7 @@ V, NB, NN, STEPS = 6, 2, 24, 3  # a tiny vocabulary: a random draft's top-1 is o
 
 @functools.lru_cache(maxsize=None)
 def _tiny(variant, seed=3):
-    """tests.model_fakes.tiny_objective_case and its metrics under the evaluation-form objective."""
+    """tests.helpers.model_fakes.tiny_objective_case and its metrics under the evaluation-form objective."""
     spec, tp, tr, dv, batch = tiny_objective_case(variant, seed, V, NB, NN)
     cfg = L.ObjectiveConfig(ttt_steps=STEPS, k_train=L.ALL_POSITIONS, replication=0, max_lag=2, vocab_chunk=4)
     _, metrics = jax.jit(lambda tr, batch: L.confu_loss(spec, tr, tp, dv, batch, jax.random.PRNGKey(0), cfg))(

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from confu_jax.runs import sweep as sw
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = os.path.join(REPO, "tests", "configs", "toy_sweep.py")

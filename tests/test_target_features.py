@@ -14,9 +14,10 @@ from safetensors import safe_open
 from confu_jax.data import target_features as tf
 from confu_jax.data.draft_vocab import DraftVocab
 from confu_jax.models.target import real_forward
-from confu_jax.train import teacher as L
+from confu_jax.train import loss as L
+from confu_jax.train import teacher as T
 from confu_jax.train.target_features import write_rows
-from tests.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
+from tests.helpers.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
 
 N, ROWS = 16, 5
 CFG = L.ObjectiveConfig(ttt_steps=3, vocab_chunk=48)
@@ -77,8 +78,8 @@ def test_offline_teacher_equals_online(tmp_path):
     np.testing.assert_array_equal(batch["tokens"], online["tokens"])
     np.testing.assert_array_equal(batch["attention_mask"], online["attention_mask"])
     out = real_forward(spec, tp, online["tokens"], return_logits=False)
-    want = L.teacher_from_hidden(spec, tp, _dv(vocab), out.hidden_btd, 48)
-    got = L.teacher_from_offline(batch, _dv(vocab), DRAFT_VOCAB)
+    want = T.teacher_from_hidden(spec, tp, _dv(vocab), out.hidden_btd, 48)
+    got = T.teacher_from_offline(batch, _dv(vocab), DRAFT_VOCAB)
     real = np.asarray(online["attention_mask"])
     np.testing.assert_allclose(np.asarray(batch["h_cat"])[real], np.asarray(out.taps_btc)[real], rtol=1e-5, atol=2e-5)  # jit vs eager, batch 2 vs 5
     np.testing.assert_allclose(np.asarray(got.logp_bnv)[real], np.asarray(want.logp_bnv)[real], rtol=1e-5, atol=1e-5)
@@ -91,9 +92,9 @@ def test_topk_teacher_is_the_online_teacher_truncated(tmp_path):
     """k < V_draft: the offline teacher is the online one restricted to its top-k, renormalised."""
     spec, tp, _, vocab, rows = _setup()
     k = 8
-    got = L.teacher_from_offline(_batch(_store(tmp_path, top_k=k)), _dv(vocab), DRAFT_VOCAB)
+    got = T.teacher_from_offline(_batch(_store(tmp_path, top_k=k)), _dv(vocab), DRAFT_VOCAB)
     out = real_forward(spec, tp, _online_batch(rows)["tokens"], return_logits=False)
-    want = np.asarray(L.teacher_from_hidden(spec, tp, _dv(vocab), out.hidden_btd, 48).logp_bnv)
+    want = np.asarray(T.teacher_from_hidden(spec, tp, _dv(vocab), out.hidden_btd, 48).logp_bnv)
     real = np.asarray(_online_batch(rows)["attention_mask"])
     top = np.argsort(-want, axis=-1)[..., :k]
     trunc = np.full_like(want, -np.inf)
@@ -179,7 +180,7 @@ def test_store_is_a_grain_source(tmp_path):
     clone = pickle.loads(pickle.dumps(store))
     np.testing.assert_array_equal(clone[3]["h_cat"], store[3]["h_cat"])
     batch = next(iter(tf.feature_dataset(store, per_host_batch_size=2, shuffle=False)))
-    assert set(batch) == {"tokens", "loss_mask", "attention_mask", "record_index", *L.OFFLINE_KEYS}
+    assert set(batch) == {"tokens", "loss_mask", "attention_mask", "record_index", *T.OFFLINE_KEYS}
     assert batch["record_index"].tolist() == [0, 1]  # store rows, for train.log_records
     assert batch["h_cat"].shape == (2, N, 3 * spec_d()) and batch["teacher_topk_ids"].dtype == np.int32
     with pytest.raises(IndexError, match="outside"):

@@ -17,7 +17,7 @@ from confu_jax.train.target_loading import default_draft_vocab, resolve_target
 from confu_jax.train.task import data_parallel_devices, resolve_run_config
 from confu_jax.weights import read_architecture
 from tests.fixtures.tiny_checkpoints import hf_qwen, write_hf_tokenizer
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

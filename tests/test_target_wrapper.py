@@ -17,8 +17,8 @@ from confu_jax.models.kv_cache import commit, init_cache, to_cache_layout
 from confu_jax.models.llama import Llama
 from confu_jax.models.tree_layout import ancestors_from_parents, depth_from_ancestors, verification_layout
 from confu_jax.models.target import con_embedding, contemplate_queries, embed_tokens, prefill, verify
-from tests.model_fakes import path_to, random_parents, tiny_params, tiny_spec
-from tests.target_fixtures import (close as _close, jit_real_forward as _real_forward,
+from tests.helpers.model_fakes import path_to, random_parents, tiny_params, tiny_spec
+from tests.helpers.target_fixtures import (close as _close, jit_real_forward as _real_forward,
                                    plain_with_contemplate as _plain_with_contemplate)
 
 def test_ancestors_from_parents_matches_python_paths():

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from confu_jax.train.throughput import device_peak_flops, matmul_flops, parse_profile_steps
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
-from xla_env import SINGLE_DEVICE
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy_train.py")

@@ -17,7 +17,7 @@ from confu_jax import sharding as shd
 from confu_jax.train.loop import setup_run
 from confu_jax.train.optim import make_optimizer, make_schedule, schedule_length
 from confu_jax.train.acceptance import chain_acceptance_length as simulated_acceptance_length
-from tests.toy_task import get_toy_config
+from tests.helpers.toy_task import get_toy_config
 
 N_STEPS = 3
 

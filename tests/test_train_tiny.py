@@ -20,7 +20,7 @@ from confu_jax.data.draft_vocab import build_draft_vocab, count_answer_tokens
 from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.models.llama import Llama
 from confu_jax.train.loss import ObjectiveConfig, confu_loss
-from tests.model_fakes import tiny_params, tiny_spec
+from tests.helpers.model_fakes import tiny_params, tiny_spec
 
 PROMPT, N, ROWS, BATCH, STEPS = 4, 32, 40, 8, 40
 CFG = ObjectiveConfig(ttt_steps=3, k_train=8, replication=3, max_lag=3, vocab_chunk=48)

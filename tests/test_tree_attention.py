@@ -22,8 +22,8 @@ from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.kernels import tree_attention as ta
 from confu_jax.models.llama import Llama, init_params
 from confu_jax.models.presets import get_preset
-from tests.attention_cases import CASES, Case, ancestor_mask, make_inputs
-from tests.isolation import run_isolated
+from tests.helpers.attention_cases import CASES, Case, ancestor_mask, make_inputs
+from tests.helpers.isolation import run_isolated
 
 
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -332,7 +332,7 @@ def _config_attention_impl_selects_the_kernel_in_target_verification():
     from configs.tiny import get_config
     from confu_jax.models import target, tree_layout
     from confu_jax.models.spec import model_spec_from_config
-    from tests.model_fakes import random_parents, tiny_params
+    from tests.helpers.model_fakes import random_parents, tiny_params
 
     specs = {}
     for impl in ("xla", "pallas_interpret"):

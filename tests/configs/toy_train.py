@@ -1,6 +1,6 @@
-"""Config for the machinery tests: the toy task (tests.toy_task) on the random 'tiny' target."""
+"""Config for the machinery tests: the toy task (tests.helpers.toy_task) on the random 'tiny' target."""
 
-from tests.toy_task import get_toy_config
+from tests.helpers.toy_task import get_toy_config
 
 
 def get_config():

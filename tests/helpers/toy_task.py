@@ -35,7 +35,7 @@ def get_toy_config() -> ml_collections.ConfigDict:
     c.model.preset = "tiny"
     c.model.seed = 1234  # the frozen target's random weights
     c.train = default_train_config()
-    c.train.task = "tests.toy_task:build_task"
+    c.train.task = "tests.helpers.toy_task:build_task"
     c.train.steps = 20
     c.train.optim.lr = 3e-3
     c.train.optim.warmup_steps = 2

@@ -12,7 +12,7 @@ import numpy as np
 
 from confu_jax.decode import loop, sharded
 from confu_jax.decode.stopping import StopReason
-from loop_fixtures import chi_square_pvalue, exact_joint, generated_rows
+from tests.helpers.loop_fixtures import chi_square_pvalue, exact_joint, generated_rows
 
 CHI_SQUARE_PROMPT = (1, 3, 1, 3, 2, 1)
 

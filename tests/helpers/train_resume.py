@@ -20,7 +20,7 @@ import numpy as np
 
 from confu_jax.train.metric_writers import read_csv
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the families' short training runs: 12 steps, a checkpoint every 3, held-out evaluation every 6
 SHORT_RUN = {"train.steps": 12, "train.checkpoint.every": 3, "train.eval_every": 6, "train.progress_bar": False,
@@ -49,8 +49,8 @@ def tiny_run_config(config_file: str, **extra):
 
 _RUNNER = r"""
 import os, signal, sys
-sys.path.insert(0, {tests!r})
-from train_resume import tiny_run_config
+sys.path.insert(0, {repo!r})
+from tests.helpers.train_resume import tiny_run_config
 from confu_jax.train.loop import train
 
 kill_at = int(sys.argv[2])
@@ -77,7 +77,7 @@ def resume_env(tmp_path) -> dict:
 def run_training(config_file: str, workdir: str, kill_at: int, env: dict):
     """``train(tiny_run_config(config_file), workdir)`` in a fresh interpreter, killed after step ``kill_at``
     (0: not)."""
-    code = _RUNNER.format(tests=os.path.join(REPO, "tests"), config_file=config_file)
+    code = _RUNNER.format(repo=REPO, config_file=config_file)
     return subprocess.run([sys.executable, "-c", code, workdir, str(kill_at)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 

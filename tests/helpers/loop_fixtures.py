@@ -14,7 +14,7 @@ from confu_jax.models.llama import Llama
 from confu_jax.models.presets import get_preset
 from confu_jax.models.spec import HeadConfig, ModelSpec
 from confu_jax.models.vocab_map import identity_draft_vocab
-from model_fakes import tiny_params
+from tests.helpers.model_fakes import tiny_params
 
 PROMPTS = [[3, 5, 7, 2, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [4], [6, 6, 1, 0, 2, 3, 3]]
 
