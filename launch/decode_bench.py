@@ -156,7 +156,7 @@ def main_speculative(attention_impl: str, mesh):
     except ValueError as e:
         raise app.UsageError(str(e))
     methods = list(dict.fromkeys(["ar"] + FLAGS.methods))
-    from confu_jax.models.registry import METHODS as REGISTERED
+    from confu_jax.decode.families import METHODS as REGISTERED
 
     bad = [m for m in methods if m not in REGISTERED]
     if bad:

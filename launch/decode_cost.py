@@ -85,7 +85,7 @@ def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab:
     import numpy as np
 
     from confu_jax.decode.generate import compile_ar
-    from confu_jax.decode.heads import random_head
+    from confu_jax.decode.drafting import random_head
     from confu_jax.decode.loop import compile_from_spec
     from confu_jax.decode.plans import parse_plan
     from confu_jax.weights import load_model

@@ -39,7 +39,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from confu_jax.bench.cli_args import ATTENTION_CHOICES, ATTENTION_HELP
-from confu_jax.models.registry import METHODS as REGISTERED_METHODS
+from confu_jax.decode.families import METHODS as REGISTERED_METHODS
 from confu_jax.user_errors import one_line_errors
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -30,7 +30,7 @@ from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import dflash as D
-from confu_jax.models.registry import get_method
+from confu_jax.decode.families import get_method
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.loop_fixtures import generated_rows, jit_propose, make
 from tests.helpers.jitting import jit_static

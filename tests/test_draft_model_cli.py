@@ -72,7 +72,7 @@ def test_benchmark_draft_model_rows(models, tmp_path):
     setup = spec_bench.BenchSetup(cfg, params, ChatTokenizer.load(models["target"]), max_new_tokens=10,
                                   min_bucket=64)
     budgets = cli_args.parse_budgets("chain:2,lookup:3,2")
-    from confu_jax.models.registry import FAMILIES
+    from confu_jax.decode.families import FAMILIES
 
     # chain:2 is a plan of every drafter family (registry order)
     assert cli_args.plan_families("chain:2") == tuple(f for f in FAMILIES if f not in ("ar", "auto"))

@@ -18,7 +18,7 @@ import pytest
 from confu_jax.decode import families, plans
 from confu_jax.decode import verify as verify_lib
 from confu_jax.models.presets import get_preset
-from confu_jax.models.registry import METHODS
+from confu_jax.decode.families import METHODS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = sorted(families.FAMILIES)

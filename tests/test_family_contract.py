@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from confu_jax.decode import families, generate, loop, spec_params
-from confu_jax.models.registry import METHODS
+from confu_jax.decode.families import METHODS
 from tests.helpers.family_checks import assert_sharded_equals_single_device
 from tests.helpers.loop_fixtures import generated_rows, prompts_for
 from tests.helpers.model_fakes import random_target

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from confu_jax.decode import families
-from confu_jax.models.registry import METHODS
+from confu_jax.decode.families import METHODS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINED = sorted(f for f, rec in families.FAMILIES.items() if rec.train_task)

@@ -135,7 +135,7 @@ def test_head_is_refused_on_a_different_target_of_the_same_shape(trained, tmp_pa
 def test_random_head_with_a_smaller_draft_vocabulary():
     """Cost measurements use random heads shaped like trained ones: V_draft rows in the draft LM
     head, draft id i = target id i."""
-    from confu_jax.decode.heads import random_head
+    from confu_jax.decode.drafting import random_head
     from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import HeadConfig, ModelSpec
     from tests.helpers.model_fakes import tiny_params

@@ -27,7 +27,7 @@ from confu_jax.decode.medusa import MedusaDrafter, parse_medusa_plan
 from confu_jax.decode.plans import cartesian_paths
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import medusa as med
-from confu_jax.models.registry import get_method
+from confu_jax.decode.families import get_method
 from confu_jax.train.metric_writers import read_csv
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.jitting import jit_static

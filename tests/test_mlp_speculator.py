@@ -36,7 +36,7 @@ from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.mlp_speculator import MLPSpeculatorDrafter, MLPSpeculatorState, parse_mlp_speculator_plan
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import mlp_speculator as ms
-from confu_jax.models.registry import get_method
+from confu_jax.decode.families import get_method
 from confu_jax.train.metric_writers import read_csv
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.jitting import jit_static

@@ -36,7 +36,7 @@ from confu_jax.decode.mtp import MTPDrafter, parse_mtp_plan
 from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import mtp as mtp_lib
 from confu_jax.models.kv_cache import commit, init_cache
-from confu_jax.models.registry import get_method
+from confu_jax.decode.families import get_method
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.jitting import jit_static
 from tests.helpers.loop_fixtures import generated_rows, make

@@ -58,7 +58,8 @@ def served(tmp_path_factory):
     DFlash in their export formats, and vLLM's AR run."""
     from confu_jax.bench.prompts import first_turn_ids, load_mtbench, sample_prompts
     from confu_jax.data.chat import ChatTokenizer
-    from confu_jax.decode import heads
+    from confu_jax.decode.dflash import load_dflash
+    from confu_jax.decode.medusa import load_medusa
     from confu_jax.runs.exports import EXPORT_FORMATS
     from confu_jax.weights import load_model, save_hf
 
@@ -75,9 +76,9 @@ def served(tmp_path_factory):
     from confu_jax.weights.dflash_format import save_dflash_dir
     from confu_jax.weights.medusa_format import save_medusa_dir
 
-    medusa = heads.medusa_head(cfg, weights)
+    medusa = load_medusa(cfg, weights)
     save_medusa_dir(str(d / "medusa"), medusa.params.draft["medusa"], base_model_name_or_path=str(d / "smollm2"))
-    dflash = heads.dflash_head(cfg, weights)
+    dflash = load_dflash(cfg, weights)
     draft = dict(dflash.params.draft["dflash"])
     mask = int(draft.pop("mask_token_id"))
     save_dflash_dir(str(d / "dflash"), draft, dflash.spec.draft_model, taps=dflash.spec.tap_layers,

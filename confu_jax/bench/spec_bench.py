@@ -276,7 +276,7 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
     from confu_jax.decode.families import parse_drafter
     from confu_jax.decode.families import decode_head
     from confu_jax.bench.cli_args import plan_families
-    from confu_jax.models.registry import get_method
+    from confu_jax.decode.families import get_method
 
     spec_methods = [m for m in methods if get_method(m).speculative]
     drafting = [m for m in spec_methods if not get_method(m).chooses_method]

@@ -44,6 +44,9 @@ import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
+from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
+                                     resolve_source)
+from confu_jax.decode.heads import DecodeHead, own_weights
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.dflash import (block_hidden, block_logits, check_dflash_params, context_features, context_kv,
                                      embed_block, model_params)
@@ -70,7 +73,7 @@ def dflash_params(params) -> dict:
 
 
 def draft_spec(spec):
-    """The draft's LlamaConfig (``ModelSpec.draft_model``; ``decode.heads.dflash_head`` sets it)."""
+    """The draft's LlamaConfig (``ModelSpec.draft_model``; ``load_dflash`` sets it)."""
     if spec.draft_model is None:
         raise ValueError("a DFlash drafter needs ModelSpec.draft_model (the draft's layer config; "
                          "decode.families.decode_head('dflash', ...) sets it)")
@@ -135,3 +138,66 @@ class DFlashDrafter(PlanDrafter):
         k, vv = context_entries(spec, p, taps, pos)
         n_new = jnp.where(v.active_b, ver.n_accepted_b, 0)
         return st.replace(draft_cache=commit(st.draft_cache, k, vv, n_new))
+
+
+# ----------------------------------------------------------------------------- the family: loading
+
+
+def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
+                target_source: str = "the loaded target", num_layers: int = 3) -> DecodeHead:
+    """What DFlash decodes with: the draft of a ``launch.train`` DFlash workdir (``runs.dflash``, target
+    checked), of a published z-lab DFlash directory (config.json with ``DFlashDraftModel`` /
+    ``dflash_config`` + model.safetensors: ``weights.dflash_format``; its width must be the target's and
+    it must read 3 target layers, this project's tap count), or, with no source, an untrained draft
+    (``num_layers`` layers of the target's shape over the reference's default layers, the last token id
+    as the mask; ``trained`` False). The spec carries the draft's layer config (``ModelSpec.draft_model``)
+    and its taps."""
+    import numpy as np
+
+    from confu_jax.models.dflash import default_taps, draft_config, init_dflash
+    from confu_jax.runs.dflash import is_dflash_workdir, load_dflash_run
+    from confu_jax.weights.dflash_format import is_dflash_dir, load_dflash_dir
+
+    def run(path):
+        r = load_dflash_run(path, target_cfg, target_params, target_source=target_source)
+        return r.params, r.draft, r.taps, r.mask_token_id, r.source
+
+    def published(path):
+        imp = load_dflash_dir(path)
+        if imp.draft.d_model != target_cfg.d_model:
+            raise ValueError(f"{source}: a DFlash draft of width {imp.draft.d_model} cannot read a target of width "
+                             f"{target_cfg.d_model} (its block input is the target's embedding)")
+        if imp.num_target_layers and imp.num_target_layers != target_cfg.n_layers:
+            raise ValueError(f"{source}: a DFlash draft for a {imp.num_target_layers}-layer target; the target has "
+                             f"{target_cfg.n_layers}")
+        if not imp.taps or max(imp.taps) >= target_cfg.n_layers:
+            raise ValueError(f"{source}: target_layer_ids {[t - 1 for t in imp.taps]}: expected outputs of layers "
+                             f"below the last ({target_cfg.n_layers - 1}) of this {target_cfg.n_layers}-layer target")
+        dcfg = imp.draft.replace(vocab_size=target_cfg.vocab_size, dtype=target_cfg.dtype,
+                                 param_dtype=target_cfg.param_dtype)
+        return imp.params, dcfg, imp.taps, imp.mask_token_id, f"{path} (z-lab DFlash format, block {imp.block_size})"
+
+    if source is None:
+        dcfg, taps = draft_config(target_cfg, num_layers), default_taps(target_cfg.n_layers)
+        params = jax.device_get(init_dflash(jax.random.PRNGKey(seed), dcfg, len(taps)))
+        mask, trained = target_cfg.vocab_size - 1, False
+        desc = f"DFlash initialisation ({num_layers} layers, seed {seed})"
+    else:
+        _, (params, dcfg, taps, mask, desc) = resolve_source(source, (
+            SourceKind("a DFlash launch.train workdir (config.json with a 'dflash' section + checkpoints/)",
+                       is_dflash_workdir, run),
+            SourceKind("a published DFlash directory (config.json with architectures ['DFlashDraftModel'] + "
+                       "model.safetensors)", is_dflash_dir, published)))
+        trained = True
+    check_dflash_params(params, dcfg, len(taps))
+    return own_weights(target_cfg, target_params, {"dflash": {**params, "mask_token_id": np.int32(mask)}}, trained,
+                       desc, draft_model=dcfg, tap_layers=tuple(taps))
+
+
+FAMILIES = (DrafterFamily(
+    "dflash", lambda text: DFlashDrafter(parse_dflash_plan(text)), own_weights_loader(load_dflash),
+    methods=(Method("dflash", (), "DFlash: a block-diffusion draft drafting a whole block in one forward, "
+                    "conditioned on the target's taps as extra K/V (trained with configs/*_dflash.py, or a z-lab "
+                    "DFlash directory)", own_weights=True),),
+    trees=DEFAULT_CARTESIAN_TREES, export_formats=("dflash",), train_task="confu_jax.train.dflash_task:build_task",
+    configs=("configs/smollm2_dflash.py",), tiny_config="configs/tiny_dflash.py"),)

@@ -59,7 +59,9 @@ import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
-from confu_jax.decode.plans import DraftPlan
+from confu_jax.decode.family import DrafterFamily, Method
+from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models import steering as steer_lib
 from confu_jax.models.early_exit import early_exit_params, is_early_exit_of
 from confu_jax.models.kv_cache import KVCache, commit, init_cache
@@ -260,3 +262,76 @@ class DraftModel(PlanDrafter):
             src = v.target.h_cat_btc[rows, ver.last_node_b].astype(st.steer_src_bc.dtype)
             new = new.replace(steer_src_bc=jnp.where(active[:, None], src, st.steer_src_bc))
         return new
+
+
+# ----------------------------------------------------------------------------- the families: plans and loading
+
+
+def draft_model_weights(target_cfg: LlamaConfig, target_params: dict, source: Optional[str] = None, *,
+                     steered: bool = False, target_tokenizer=None, target_source: str = "the loaded target"
+                     ) -> DecodeHead:
+    """What an independent draft model (family ``draft_model``) or SD² (family ``sd2``) decodes with
+    (``decode.draft_model``; sources: ``runs.draft_models``): ``source`` = ``self:N`` (the target's first
+    N layers; default a quarter of them), an asset / GGUF / Hugging Face directory sharing the target's
+    tokenizer (checked against ``target_tokenizer``, default loaded from ``target_source``), or a
+    trained ``launch.train`` SD² workdir: ``sd2`` decodes its fine-tuned drafter with its steering;
+    ``draft_model`` decodes the fine-tuned drafter alone (the distilled baseline, a run with
+    ``config.sd2.steer`` False, or a steered run's drafter without its steering, an ablation). SD²
+    without a trained run gets the paper's initialisation (W_s = 0): it then drafts exactly as the
+    unsteered model (``trained`` False)."""
+    from confu_jax.models.early_exit import default_self_layers
+    from confu_jax.models.steering import init_steering
+    from confu_jax.runs import draft_models
+
+    source = source or f"self:{default_self_layers(target_cfg)}"
+    kw = dict(target_tokenizer=target_tokenizer, target_source=target_source)
+    trained = True
+    if draft_models.is_sd2_workdir(source):
+        run = draft_models.load_sd2_run(source, target_cfg, target_params, **kw)
+        if steered and run.steering is None:
+            raise ValueError(f"{source} is a distilled run (config.sd2.steer=False): it has no steering to decode "
+                             "--method sd2 with; decode its drafter with --method draft_model")
+        d, steering = run.drafter, (run.steering if steered else None)
+    else:
+        d = draft_models.load_drafter(source, target_cfg, **kw)
+        steering = None
+        if steered:
+            steering, trained = jax.device_get(init_steering(target_cfg.d_model, 3, d.cfg)), False
+    draft = {} if d.params is None else {"model": d.params}
+    if steering is not None:
+        draft["steering"] = steering
+    desc = d.source + ("" if not steered else " + SD² steering" + ("" if trained else " (untrained: W_s = 0)"))
+    return own_weights(target_cfg, target_params, draft, trained, desc, draft_model=d.cfg)
+
+
+def _draft_model_loader(steered: bool):
+    """An independent draft model (``self:N``, a checkpoint, an SD² run), steered (SD²) or not."""
+
+    def load(method, target_cfg, target_params, source, *, seed=0, step=None, target_source="the loaded target",
+             target_tokenizer=None):
+        del method, seed, step
+        return draft_model_weights(target_cfg, target_params, source, steered=steered,
+                                   target_tokenizer=target_tokenizer, target_source=target_source)
+
+    return load
+
+
+def _parse_draft_model(text: str) -> DraftModel:
+    return DraftModel(parse_plan(text, what="a draft model"))
+
+
+def _parse_sd2(text: str) -> DraftModel:
+    return DraftModel(parse_plan(text, what="a draft model"), steered=True)
+
+
+FAMILIES = (
+    DrafterFamily("draft_model", _parse_draft_model, _draft_model_loader(False), source_flag="draft_model",
+                  methods=(Method("draft_model", (), "an independent draft model sharing the target's tokenizer "
+                                  "(self:N = the target's first N layers, or a GGUF / HF checkpoint), with its own "
+                                  "KV cache"),)),
+    DrafterFamily("sd2", _parse_sd2, _draft_model_loader(True), source_flag="draft_model",
+                  methods=(Method("sd2", (), "SD²: a draft model steered by the target's hidden states (trained "
+                                  "with configs/*_sd2.py)"),),
+                  train_task="confu_jax.train.sd2_task:build_task", configs=("configs/smollm2_sd2.py",),
+                  tiny_config="configs/tiny_sd2.py"),
+)

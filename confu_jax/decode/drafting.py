@@ -26,12 +26,14 @@ import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
-from confu_jax.decode.plans import Chain, DraftPlan
-from confu_jax.decode.spec_params import SpecParams
+from confu_jax.decode.family import DrafterFamily, Method, source_path
+from confu_jax.decode.heads import DecodeHead, check_release
+from confu_jax.decode.plans import Chain, DraftPlan, parse_plan
+from confu_jax.decode.spec_params import SpecParams, spec_params
 from confu_jax.models import draft as draft_lib
 from confu_jax.models.draft_decode import draft_block, init_draft_cache
 from confu_jax.models.kv_cache import KVCache, commit
-from confu_jax.models.spec import ModelSpec
+from confu_jax.models.spec import HeadConfig, ModelSpec
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -362,3 +364,97 @@ class HeadDrafter(PlanDrafter):
 
     def describe(self) -> str:
         return self.plan.text + (f"@{self.min_prob:g}" if self.min_prob else "")
+
+
+# ----------------------------------------------------------------------------- the family: plans and loading
+
+
+def parse_head(text: str) -> HeadDrafter:
+    """A head plan, optionally ``@P`` (confidence-gated width, chains only)."""
+    body, at, prob = text.partition("@")
+    plan = parse_plan(body)
+    if not at:
+        return HeadDrafter(plan)
+    try:
+        p = float(prob)
+    except ValueError:
+        raise ValueError(f"bad plan {text!r}: @P needs a probability in (0, 1), e.g. chain:4@0.5") from None
+    if not 0 < p < 1:
+        raise ValueError(f"bad plan {text!r}: @P needs a probability in (0, 1), got {p}")
+    return HeadDrafter(plan, min_prob=p)
+
+
+def random_head(variant: str, target_cfg, target_params: dict, seed: int = 0,
+                draft_vocab_size: Optional[int] = None) -> DecodeHead:
+    """An untrained head of ``variant`` (τ ≈ 1): lossless checks and cost measurements. Random heads
+    draft over the whole target vocabulary (identity d2t), or its first ``draft_vocab_size`` ids — a
+    trained head's draft LM head has that many rows."""
+    from confu_jax.models.params import init_trainable
+    from confu_jax.models.vocab_map import identity_draft_vocab
+
+    v_draft = target_cfg.vocab_size if draft_vocab_size is None else draft_vocab_size
+    if not 0 < v_draft <= target_cfg.vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {target_cfg.vocab_size}], got {v_draft}")
+    spec = ModelSpec(target_cfg, HeadConfig(variant=variant, draft_vocab_size=v_draft))
+    trainable = jax.device_get(init_trainable(spec, jax.random.PRNGKey(seed)))
+    vocab = identity_draft_vocab(target_cfg.vocab_size, v_draft)
+    return DecodeHead(spec, spec_params(target_params, trainable, vocab), False, f"random (seed {seed})")
+
+
+def _trained_head(method, workdir: str, target_cfg, target_params: dict, step: Optional[int],
+                  target_source: str) -> DecodeHead:
+    """The head of a ``launch.train`` workdir or a release on this target (architecture and weights checked)."""
+    import numpy as np
+
+    from confu_jax.runs.heads import check_head_target, load_trained_head
+
+    check_release(workdir, target_params)  # a released head (trainable-tree export)
+    h = load_trained_head(workdir, step)
+    if h.spec.head.variant not in method.variants:
+        raise ValueError(f"{workdir} holds a {h.spec.head.variant!r} head; --method {method.name} needs one of "
+                         f"{method.variants}")
+    check_head_target(h, workdir, target_cfg, target_params, target_source)
+    spec = ModelSpec(target_cfg, h.spec.head)
+    vocab = {"d2t": np.asarray(h.draft_vocab["d2t"], np.int32), "t2d": np.asarray(h.draft_vocab["t2d"])}
+    return DecodeHead(spec, spec_params(target_params, h.trainable, vocab), True, f"{workdir} (step {h.step})")
+
+
+def _imported_head(method, directory: str, target_cfg, target_params: dict) -> DecodeHead:
+    """An EAGLE-3 head in the official (SGLang / SpecForge) or speculators (vLLM) format
+    (``weights.eagle3_formats``), checked against this target: width, heads, vocabulary, taps."""
+    from confu_jax.weights.eagle3_formats import bind_to_target, load_head
+
+    check_release(directory, target_params)
+    imp = load_head(directory)
+    if imp.head.variant not in method.variants:
+        raise ValueError(f"{directory} holds an EAGLE-3 head ({imp.fmt} format); --method {method.name} needs one "
+                         f"of {method.variants}: decode it with --method eagle3, or train ConFu from it (init_from)")
+    spec, trainable, vocab = bind_to_target(imp, target_cfg, target_params)
+    return DecodeHead(spec, spec_params(target_params, trainable, vocab), True, f"{directory} ({imp.fmt} format)")
+
+
+def load_head_weights(method, target_cfg, target_params, source, *, seed=0, step=None,
+                      target_source="the loaded target", target_tokenizer=None) -> DecodeHead:
+    """An EAGLE-3 / ConFu head (``DrafterFamily.load``): a ``launch.train`` workdir (``WORKDIR@STEP``),
+    a release, a published EAGLE-3 layout, or, with no source, a random head of the method's first
+    variant."""
+    from confu_jax.weights.eagle3_formats import detect_format
+
+    del target_tokenizer
+    if not source:
+        return random_head(method.variants[0], target_cfg, target_params, seed)
+    path = source_path(source)
+    if detect_format(path) is not None:
+        return _imported_head(method, path, target_cfg, target_params)
+    return _trained_head(method, path, target_cfg, target_params, step, target_source)
+
+
+FAMILIES = (DrafterFamily(
+    "head", parse_head, load_head_weights,
+    methods=(Method("eagle3", ("eagle3",), "speculative decoding with an EAGLE-3 head"),
+             Method("confu", ("confu", "confu_nomoe", "confu_nomoe_norep"), "speculative decoding with a ConFu head"),
+             Method("confu_nomoe", ("confu_nomoe", "confu_nomoe_norep"), "ConFu -MoE ablation"),
+             Method("confu_nomoe_norep", ("confu_nomoe_norep",), "ConFu -MoE & replicate ablation")),
+    reads_step=True, export_formats=("eagle3", "speculators"), train_task="confu_jax.train.confu_task:build_task",
+    configs=("configs/smollm2_eagle3.py", "configs/smollm2_confu.py"), tiny_config="configs/tiny.py:eagle3",
+    packs_rows=True),)

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
-from confu_jax.decode.drafting import HeadDrafter
+from confu_jax.decode.drafting import HeadDrafter, load_head_weights, parse_head
+from confu_jax.decode.family import DrafterFamily, Method
 from confu_jax.decode.lookup import PromptLookup
 from confu_jax.decode.plans import Chain
 
@@ -82,3 +83,20 @@ class Hybrid(Drafter):
     def describe(self) -> str:
         """The head's plan text (``chain:K`` or ``chain:K@P``): the lookup follows from it."""
         return self.head.describe()
+
+
+# ----------------------------------------------------------------------------- the family
+
+
+def parse_hybrid(text: str) -> Hybrid:
+    head = parse_head(text)
+    if not isinstance(head.plan, Chain) or head.plan.contemplates:
+        raise ValueError(f"hybrid decoding drafts chains (chain:K or chain:K@P); got {text!r}")
+    return Hybrid(head=head, lookup=PromptLookup(k=head.plan.k))
+
+
+FAMILIES = (DrafterFamily(
+    "hybrid", parse_hybrid, load_head_weights,
+    methods=(Method("hybrid", ("eagle3", "confu", "confu_nomoe", "confu_nomoe_norep"),
+                    "prompt lookup where it matches, the head (EAGLE-3 or ConFu) elsewhere, per row"),),
+    trees=(), reads_step=True),)

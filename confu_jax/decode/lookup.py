@@ -36,6 +36,8 @@ import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
+from confu_jax.decode.family import DrafterFamily, Method
+from confu_jax.decode.heads import DecodeHead, model_free
 
 NO_TOKEN = -1  # history slots past the text, and continuation slots past the history
 
@@ -177,3 +179,41 @@ class PromptLookup(Drafter):
 
     def describe(self) -> str:
         return f"lookup:{self.k},{self.branches},{self.min_match},{self.max_match}"
+
+
+# ----------------------------------------------------------------------------- the family: plans and loading
+
+# prompt lookup: chains of 2..8 and tries of 2 / 4 continuations
+LOOKUP_CHAINS = tuple(f"chain:{k}" for k in (2, 3, 4, 6, 8))
+DEFAULT_LOOKUP_TREES = ("lookup:4,2", "lookup:6,2", "lookup:4,4")
+LOOKUP_FORMS = "chain:K or lookup:K[,W[,NMIN,NMAX]] (e.g. chain:3, lookup:4,2, lookup:4,1,3,5)"
+
+
+def parse_lookup(text: str) -> PromptLookup:
+    kind, _, arg = text.partition(":")
+    try:
+        vals = [int(x) for x in arg.split(",")] if arg else []
+        if kind == "chain" and len(vals) == 1:
+            return PromptLookup(k=vals[0])
+        if kind == "lookup" and len(vals) in (1, 2, 4):
+            k, w = vals[0], (vals[1] if len(vals) > 1 else 1)
+            if len(vals) == 4:
+                return PromptLookup(k=k, branches=w, min_match=vals[2], max_match=vals[3])
+            return PromptLookup(k=k, branches=w)
+    except ValueError as e:
+        raise ValueError(f"bad lookup plan {text!r}: {e}. Expected {LOOKUP_FORMS}") from None
+    raise ValueError(f"bad lookup plan {text!r}: expected {LOOKUP_FORMS}")
+
+
+def load_model_free(method, target_cfg, target_params, source, **kw) -> DecodeHead:
+    """A model-free family's ``DrafterFamily.load``: the target alone; a source is refused."""
+    del kw
+    if source:
+        raise ValueError(f"method {method.name!r} is model-free: it takes no head (got {source})")
+    return model_free(target_cfg, target_params)
+
+
+FAMILIES = (DrafterFamily(
+    "lookup", parse_lookup, load_model_free,
+    methods=(Method("lookup", (), "model-free prompt lookup: n-gram matches in the prompt and the generated text"),),
+    chains=LOOKUP_CHAINS, trees=DEFAULT_LOOKUP_TREES),)

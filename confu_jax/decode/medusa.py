@@ -39,6 +39,9 @@ import jax.numpy as jnp
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal,
                                      last_accepted_hidden)
+from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DrafterFamily, Method, SourceKind,
+                                     own_weights_loader, resolve_source)
+from confu_jax.decode.heads import DecodeHead, own_weights
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.medusa import config_of, medusa_logits
 from confu_jax.models.vocab_map import to_target_vocab
@@ -98,3 +101,51 @@ class MedusaDrafter(PlanDrafter):
     def update(self, spec, params, st: MedusaState, v: VerifiedPass) -> MedusaState:
         """h[p'] at the new last accepted position p' = the last accepted node of the pass."""
         return st.replace(hidden_bd=last_accepted_hidden(v, st.hidden_bd, "MedusaDrafter"))
+
+
+# ----------------------------------------------------------------------------- the family: loading
+
+
+def load_medusa(target_cfg, target_params: dict, source=None, seed: int = 0,
+                target_source: str = "the loaded target", num_heads: int = 4) -> DecodeHead:
+    """What Medusa decodes with: the heads of a ``launch.train`` Medusa workdir (``runs.medusa``, target
+    checked), of a FasterDecoding directory (``medusa_lm_head.safetensors`` / ``.pt`` + config.json:
+    ``weights.medusa_format``, width and vocabulary checked), or, with no source, the reference
+    initialisation (ResBlock W = 0, LM heads = the target's; ``trained`` False)."""
+    from confu_jax.models.medusa import init_medusa
+    from confu_jax.models.target import lm_head_matrix
+    from confu_jax.runs.medusa import is_medusa_workdir, load_medusa_run
+    from confu_jax.weights.medusa_format import is_medusa_dir, load_medusa_dir
+
+    if source is None:
+        w, axis = lm_head_matrix(target_cfg, target_params)
+        heads = jax.device_get(init_medusa(jax.random.PRNGKey(seed), num_heads, 1, jnp.asarray(w), axis))
+        return own_weights(target_cfg, target_params, {"medusa": heads}, False,
+                           f"Medusa reference initialisation ({num_heads} heads, seed {seed})")
+
+    def run(path):
+        r = load_medusa_run(path, target_cfg, target_params, target_source=target_source)
+        return r.heads, r.source
+
+    path, (heads, desc) = resolve_source(source, (
+        SourceKind("a Medusa launch.train workdir (config.json with a 'medusa' section + checkpoints/)",
+                   is_medusa_workdir, run),
+        SourceKind("a FasterDecoding Medusa directory (medusa_lm_head.safetensors/.pt)", is_medusa_dir,
+                   lambda p: (load_medusa_dir(p).heads, f"{p} (FasterDecoding Medusa format)"))))
+    c = config_of(heads)
+    if c.d_model != target_cfg.d_model:
+        raise ValueError(f"{source}: Medusa heads of width {c.d_model} cannot read a target of width "
+                         f"{target_cfg.d_model}")
+    if c.vocab_size < target_cfg.vocab_size:
+        raise ValueError(f"{source}: Medusa heads over {c.vocab_size} tokens; the target has {target_cfg.vocab_size}")
+    return own_weights(target_cfg, target_params, {"medusa": heads}, True, desc)
+
+
+FAMILIES = (DrafterFamily(
+    "medusa", lambda text: MedusaDrafter(parse_medusa_plan(text)), own_weights_loader(load_medusa),
+    methods=(Method("medusa", (), "Medusa-1 heads on the target's last hidden state (trained with "
+                    "configs/*_medusa.py, or a FasterDecoding medusa_lm_head directory)", own_weights=True),),
+    chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES,
+    max_depth=lambda params: config_of(params.draft["medusa"]).num_heads, export_formats=("medusa",),
+    train_task="confu_jax.train.medusa_task:build_task", configs=("configs/smollm2_medusa.py",),
+    tiny_config="configs/tiny_medusa.py"),)

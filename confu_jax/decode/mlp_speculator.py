@@ -49,6 +49,9 @@ import jax.numpy as jnp
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal,
                                      last_accepted_hidden)
+from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DrafterFamily, Method, SourceKind,
+                                     own_weights_loader, resolve_source)
+from confu_jax.decode.heads import DecodeHead, own_weights
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.mlp_speculator import config_of, input_state, stage_logits, stage_state
 from confu_jax.models.vocab_map import to_target_vocab
@@ -113,3 +116,55 @@ class MLPSpeculatorDrafter(PlanDrafter):
     def update(self, spec, params, st: MLPSpeculatorState, v: VerifiedPass) -> MLPSpeculatorState:
         """h[p'] at the new last accepted position p' = the last accepted node of the pass."""
         return st.replace(hidden_bd=last_accepted_hidden(v, st.hidden_bd, "MLPSpeculatorDrafter"))
+
+
+# ----------------------------------------------------------------------------- the family: loading
+
+
+def load_mlp_speculator(target_cfg, target_params: dict, source=None, seed: int = 0,
+                        target_source: str = "the loaded target", n_predict: int = 3) -> DecodeHead:
+    """What the MLP speculator decodes with: the stages of a ``launch.train`` MLP speculator workdir
+    (``runs.mlp_speculator``, target checked), of a published fms-extras / vLLM directory (config.json with
+    model_type ``mlp_speculator`` + model.safetensors: ``weights.mlp_speculator_format``, width and
+    vocabulary checked), or, with no source, the reference initialisation (``n_predict`` stages of the
+    target's width, N(0, 1/sqrt(d)) weights; ``trained`` False)."""
+    from confu_jax.models.mlp_speculator import init_mlp_speculator, make_config
+    from confu_jax.runs.mlp_speculator import is_mlp_speculator_workdir, load_mlp_speculator_run
+    from confu_jax.weights.mlp_speculator_format import is_mlp_speculator_dir, load_mlp_speculator_dir
+
+    if source is None:
+        c = make_config(n_predict, target_cfg.d_model, target_cfg.vocab_size)
+        params = jax.device_get(init_mlp_speculator(jax.random.PRNGKey(seed), c))
+        return own_weights(target_cfg, target_params, {"mlp_speculator": params}, False,
+                           f"MLP speculator reference initialisation ({n_predict} stages, seed {seed})")
+
+    def run(path):
+        r = load_mlp_speculator_run(path, target_cfg, target_params, target_source=target_source)
+        return r.params, r.source
+
+    path, (params, desc) = resolve_source(source, (
+        SourceKind("an MLP speculator launch.train workdir (config.json with an 'mlp_speculator' section + "
+                   "checkpoints/)", is_mlp_speculator_workdir, run),
+        SourceKind("a published MLP speculator directory (config.json with model_type 'mlp_speculator' + "
+                   "model.safetensors)", is_mlp_speculator_dir,
+                   lambda p: (load_mlp_speculator_dir(p).params, f"{p} (fms / vLLM mlp_speculator format)"))))
+    c = config_of(params)
+    if c.emb_dim != target_cfg.d_model:
+        raise ValueError(f"{source}: an MLP speculator of emb_dim {c.emb_dim} cannot read a target of width "
+                         f"{target_cfg.d_model}")
+    if c.vocab_size < target_cfg.vocab_size:
+        raise ValueError(f"{source}: MLP speculator over {c.vocab_size} tokens; the target has "
+                         f"{target_cfg.vocab_size}")
+    return own_weights(target_cfg, target_params, {"mlp_speculator": params}, True, desc)
+
+
+FAMILIES = (DrafterFamily(
+    "mlp_speculator", lambda text: MLPSpeculatorDrafter(parse_mlp_speculator_plan(text)),
+    own_weights_loader(load_mlp_speculator),
+    methods=(Method("mlp_speculator", (), "IBM's MLP speculator: recurrent stages on the target's last hidden state "
+                    "and the drafted tokens (trained with configs/*_mlp_speculator.py, or an fms / vLLM "
+                    "mlp_speculator directory)", own_weights=True),),
+    chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES,
+    max_depth=lambda params: config_of(params.draft["mlp_speculator"]).n_predict,
+    export_formats=("mlp_speculator",), train_task="confu_jax.train.mlp_speculator_task:build_task",
+    configs=("configs/smollm2_mlp_speculator.py",), tiny_config="configs/tiny_mlp_speculator.py"),)

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
 from confu_jax.decode.drafting import commit_prompt, draft_cached_tree, prompt_buffer, refill_entries
+from confu_jax.decode.family import DrafterFamily, Method, SourceKind, own_weights_loader, resolve_source
+from confu_jax.decode.heads import DecodeHead, own_weights
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.draft_decode import DraftBlockOutput
 from confu_jax.models.kv_cache import KVCache, init_cache
@@ -114,3 +116,56 @@ class MTPDrafter(PlanDrafter):
         tokens, hidden, count = refill_entries(v, v.target.hidden_btd, st.ingest_tokens_ba, st.ingest_hidden_bad,
                                                st.ingest_count_b)
         return st.replace(ingest_tokens_ba=tokens, ingest_hidden_bad=hidden, ingest_count_b=count)
+
+
+# ----------------------------------------------------------------------------- the family: loading
+
+_LAYER_FIELDS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "rope_theta", "rope_scaling", "rms_eps")
+
+
+def load_mtp(target_cfg, target_params: dict, source=None, seed: int = 0,
+             target_source: str = "the loaded target") -> DecodeHead:
+    """What the MTP module decodes with: the module of a ``launch.train`` MTP workdir (``runs.mtp``, target
+    checked), of a DeepSeek-layout directory (config.json with ``num_nextn_predict_layers`` +
+    model.safetensors: ``weights.mtp_format``; its layer must be the target's layer shape, and any
+    embedding / LM head copy the target's), or, with no source, the untrained module
+    (``models.mtp.init_mtp``: the target's last layer, ``trained`` False)."""
+    from confu_jax.models.mtp import init_mtp
+    from confu_jax.runs.mtp import is_mtp_workdir, load_mtp_run
+    from confu_jax.weights.mtp_format import check_shared, is_mtp_dir, load_mtp_dir
+
+    if source is None:
+        params = jax.device_get(init_mtp(jax.random.PRNGKey(seed), target_cfg, target_params))
+        check_mtp_params(params, target_cfg)
+        return own_weights(target_cfg, target_params, {"mtp": params}, False,
+                           f"MTP module initialisation (the target's last layer, seed {seed})")
+
+    def run(path):
+        r = load_mtp_run(path, target_cfg, target_params, target_source=target_source)
+        return r.params, r.source
+
+    def published(path):
+        imp = load_mtp_dir(path)
+        for field in _LAYER_FIELDS:
+            if getattr(imp.block, field) != getattr(target_cfg, field):
+                raise ValueError(f"{source}: an MTP layer with {field}={getattr(imp.block, field)} cannot run "
+                                 f"as a layer of the target ({field}={getattr(target_cfg, field)})")
+        check_shared(imp, target_cfg, target_params)
+        return imp.params, f"{path} (DeepSeek-layout MTP, layer {imp.layer_index})"
+
+    path, (params, desc) = resolve_source(source, (
+        SourceKind("an MTP launch.train workdir (config.json with an 'mtp' section + checkpoints/)",
+                   is_mtp_workdir, run),
+        SourceKind("a DeepSeek-layout MTP directory (config.json with num_nextn_predict_layers + "
+                   "model.safetensors)", is_mtp_dir, published)))
+    check_mtp_params(params, target_cfg)
+    return own_weights(target_cfg, target_params, {"mtp": params}, True, desc)
+
+
+FAMILIES = (DrafterFamily(
+    "mtp", lambda text: MTPDrafter(parse_mtp_plan(text)), own_weights_loader(load_mtp),
+    methods=(Method("mtp", (), "DeepSeek-V3's MTP module: one Llama layer on the target's last hidden state and the "
+                    "next token, the target's embedding and LM head, drafting recursively (trained with "
+                    "configs/*_mtp.py, or a DeepSeek-layout MTP directory)", own_weights=True),),
+    export_formats=("mtp",), train_task="confu_jax.train.mtp_task:build_task", configs=("configs/smollm2_mtp.py",),
+    tiny_config="configs/tiny_mtp.py", packs_rows=True),)

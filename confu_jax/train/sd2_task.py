@@ -22,7 +22,7 @@ pretrained weights stay in the frozen tree, the checkpoint holds only what train
 ``config.sd2.steer = False`` is the paper's **distilled** baseline: the same drafter fine-tuned on
 the same KL, data and steps with no steering at all (no steering parameters, no bias), so SD²'s
 gain over plain distillation is measured at equal training (decode it with ``--method
-draft_model``: ``decode.heads.draft_model_head`` reads the run's fine-tuned drafter).
+draft_model``: ``decode.draft_model.draft_model_weights`` reads the run's fine-tuned drafter).
 
 Evaluation reports the KL and the drafter's agreement with the verifier per offset δ = 1..k
 (``kl/delta{δ}``, ``acc/delta{δ}``: top-1 equal; ``accept/delta{δ}``: Σ min(π_V, π_D), the chance a
