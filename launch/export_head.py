@@ -46,7 +46,7 @@ from absl import app, flags
 
 from confu_jax import storage
 from confu_jax.decode.families import export_formats
-from confu_jax.runs.exports import EXPORT_FORMATS
+from confu_jax.decode.families import EXPORT_FORMATS
 
 flags.DEFINE_string("workdir", None, "the head to export: a launch.train workdir (config.json + checkpoints/); "
                     "for --format eagle3 / speculators also a release (releases/heads/...) or an EAGLE-3 head in the "

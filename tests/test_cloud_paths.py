@@ -254,7 +254,7 @@ def test_released_heads_and_data_load_from_gs_with_their_hash_check(bucket, trai
 def test_export_head_reads_a_gs_run_and_writes_a_gs_export_equal_to_the_local_one(bucket, trained_head, tmp_path):
     """``launch.export_head --workdir gs://... --out gs://...``: the export in the bucket is the one the
     local writer makes (same config.json, same tensors), and no staging object is left beside it."""
-    from confu_jax.runs.exports import EXPORT_FORMATS
+    from confu_jax.decode.families import EXPORT_FORMATS
     from confu_jax.weights.eagle3_formats import load_head
 
     root = bucket["root"]

@@ -11,7 +11,8 @@ import shutil
 import numpy as np
 import pytest
 
-from confu_jax.runs.exports import EXPORT_FORMATS, target_dtype
+from confu_jax.decode.families import EXPORT_FORMATS
+from confu_jax.runs.exports import target_dtype
 from confu_jax.weights.eagle3_formats import read_tensors
 from confu_jax.weights.export import hf_config_dict
 

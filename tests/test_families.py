@@ -76,7 +76,7 @@ def test_export_formats_are_the_clis_and_belong_to_one_family_each():
 def test_every_export_format_has_one_writer_and_options_the_cli_refuses_elsewhere():
     """Each family's formats are records of ``runs.exports`` (no format without a writer, no writer
     no family offers); a flag a format does not read is one line naming the formats that do."""
-    from confu_jax.runs.exports import EXPORT_FORMATS
+    from confu_jax.decode.families import EXPORT_FORMATS
 
     assert set(families.export_formats()) == set(EXPORT_FORMATS)
     fmt = next(f for f in EXPORT_FORMATS.values() if "mtp_shared" not in f.options)

@@ -43,7 +43,7 @@ def test_training_resumes_after_a_kill_and_every_export_loads_back(family, tmp_p
     run = families.decode_head(method, spec.target, tp, workdir)
     assert run.trained and "step 12" in run.source, run.source
     want = run.drafter_params
-    for fmt in rec.export_formats:
+    for fmt in (f.name for f in rec.export_formats):
         out = str(tmp_path / f"export_{fmt}")
         p = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", workdir, "--format", fmt,
                             "--out", out], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

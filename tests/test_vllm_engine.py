@@ -60,7 +60,7 @@ def served(tmp_path_factory):
     from confu_jax.data.chat import ChatTokenizer
     from confu_jax.decode.dflash import load_dflash
     from confu_jax.decode.medusa import load_medusa
-    from confu_jax.runs.exports import EXPORT_FORMATS
+    from confu_jax.decode.families import EXPORT_FORMATS
     from confu_jax.weights import load_model, save_hf
 
     vllm_python()  # fail before the exports when the engine is missing

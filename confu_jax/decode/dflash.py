@@ -47,6 +47,7 @@ from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Propo
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
 from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.runs import dflash as runs_dflash
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.dflash import (block_hidden, block_logits, check_dflash_params, context_features, context_kv,
                                      embed_block, model_params)
@@ -199,5 +200,5 @@ FAMILIES = (DrafterFamily(
     methods=(Method("dflash", (), "DFlash: a block-diffusion draft drafting a whole block in one forward, "
                     "conditioned on the target's taps as extra K/V (trained with configs/*_dflash.py, or a z-lab "
                     "DFlash directory)", own_weights=True),),
-    trees=DEFAULT_CARTESIAN_TREES, export_formats=("dflash",), train_task="confu_jax.train.dflash_task:build_task",
+    trees=DEFAULT_CARTESIAN_TREES, export_formats=(runs_dflash.EXPORT_FORMAT,), train_task="confu_jax.train.dflash_task:build_task",
     configs=("configs/smollm2_dflash.py",), tiny_config="configs/tiny_dflash.py"),)

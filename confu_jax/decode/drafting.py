@@ -31,6 +31,7 @@ from confu_jax.decode.heads import DecodeHead, check_release
 from confu_jax.decode.plans import Chain, DraftPlan, parse_plan
 from confu_jax.decode.spec_params import SpecParams, spec_params
 from confu_jax.models import draft as draft_lib
+from confu_jax.runs.exports import HEAD_FORMATS
 from confu_jax.models.draft_decode import draft_block, init_draft_cache
 from confu_jax.models.kv_cache import KVCache, commit
 from confu_jax.models.spec import HeadConfig, ModelSpec
@@ -455,6 +456,6 @@ FAMILIES = (DrafterFamily(
              Method("confu", ("confu", "confu_nomoe", "confu_nomoe_norep"), "speculative decoding with a ConFu head"),
              Method("confu_nomoe", ("confu_nomoe", "confu_nomoe_norep"), "ConFu -MoE ablation"),
              Method("confu_nomoe_norep", ("confu_nomoe_norep",), "ConFu -MoE & replicate ablation")),
-    reads_step=True, export_formats=("eagle3", "speculators"), train_task="confu_jax.train.confu_task:build_task",
+    reads_step=True, export_formats=HEAD_FORMATS, train_task="confu_jax.train.confu_task:build_task",
     configs=("configs/smollm2_eagle3.py", "configs/smollm2_confu.py"), tiny_config="configs/tiny.py:eagle3",
     packs_rows=True),)

@@ -22,7 +22,7 @@ from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DE
 from confu_jax.decode.lookup import DEFAULT_LOOKUP_TREES, LOOKUP_CHAINS, LOOKUP_FORMS
 
 __all__ = ["DEFAULT_CARTESIAN_TREES", "DEFAULT_CHAINS", "DEFAULT_DEPTH", "DEFAULT_LOOKUP_TREES", "DEFAULT_TREES",
-           "DrafterFamily", "FAMILIES", "LOOKUP_CHAINS", "LOOKUP_FORMS", "METHODS", "Method", "SPECULATIVE_METHODS",
+           "DrafterFamily", "EXPORT_FORMATS", "FAMILIES", "LOOKUP_CHAINS", "LOOKUP_FORMS", "METHODS", "Method", "SPECULATIVE_METHODS",
            "decode_head", "export_formats", "family_of", "get_method", "parse_drafter"]
 
 _MODULES = (drafting, lookup, hybrid, draft_model, medusa, mlp_speculator, mtp, dflash)
@@ -64,9 +64,13 @@ def parse_drafter(method: str, text: str) -> Drafter:
     return family_of(method).parse(text)
 
 
+# every ``launch.export_head --format`` (``runs.exports.ExportFormat``), family by family
+EXPORT_FORMATS: dict = {f.name: f for fam in FAMILIES.values() for f in fam.export_formats}
+
+
 def export_formats() -> tuple:
-    """Every ``launch.export_head --format``, family by family."""
-    return tuple(f for fam in FAMILIES.values() for f in fam.export_formats)
+    """The names of every ``launch.export_head --format``, family by family."""
+    return tuple(EXPORT_FORMATS)
 
 
 def decode_head(method: str, target_cfg, target_params: dict, workdir: Optional[str] = None, seed: int = 0,

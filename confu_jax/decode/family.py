@@ -59,7 +59,7 @@ class DrafterFamily:
     ``source`` is None); ``max_depth(params)`` -> the deepest plan the loaded weights draft (None: any);
     ``reads_step``: a source may name one checkpoint step (``WORKDIR@STEP``); ``source_flag``: the
     ``launch.generate`` flag that names a source; ``chains`` / ``trees``: budget ``auto``'s candidates;
-    ``export_formats``: ``launch.export_head --format``; ``train_task``: the ``config.train.task`` entry
+    ``export_formats``: its ``runs.exports.ExportFormat`` records (``launch.export_head --format``); ``train_task``: the ``config.train.task`` entry
     point; ``configs``: the shipped configs; ``tiny_config``: the shipped config that trains on a random
     tiny target in seconds (``path.py`` or ``path.py:parameter``: the contract tests' kill-and-resume and
     export round trip); ``packs_rows``: its training runs on packed rows where a caller packs;

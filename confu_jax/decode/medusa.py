@@ -42,6 +42,7 @@ from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Prop
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DrafterFamily, Method, SourceKind,
                                      own_weights_loader, resolve_source)
 from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.runs import medusa as runs_medusa
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.medusa import config_of, medusa_logits
 from confu_jax.models.vocab_map import to_target_vocab
@@ -146,6 +147,6 @@ FAMILIES = (DrafterFamily(
     methods=(Method("medusa", (), "Medusa-1 heads on the target's last hidden state (trained with "
                     "configs/*_medusa.py, or a FasterDecoding medusa_lm_head directory)", own_weights=True),),
     chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES,
-    max_depth=lambda params: config_of(params.draft["medusa"]).num_heads, export_formats=("medusa",),
+    max_depth=lambda params: config_of(params.draft["medusa"]).num_heads, export_formats=(runs_medusa.EXPORT_FORMAT,),
     train_task="confu_jax.train.medusa_task:build_task", configs=("configs/smollm2_medusa.py",),
     tiny_config="configs/tiny_medusa.py"),)

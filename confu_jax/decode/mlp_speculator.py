@@ -52,6 +52,7 @@ from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Prop
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DrafterFamily, Method, SourceKind,
                                      own_weights_loader, resolve_source)
 from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.runs import mlp_speculator as runs_mlp_speculator
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.mlp_speculator import config_of, input_state, stage_logits, stage_state
 from confu_jax.models.vocab_map import to_target_vocab
@@ -166,5 +167,5 @@ FAMILIES = (DrafterFamily(
                     "mlp_speculator directory)", own_weights=True),),
     chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES,
     max_depth=lambda params: config_of(params.draft["mlp_speculator"]).n_predict,
-    export_formats=("mlp_speculator",), train_task="confu_jax.train.mlp_speculator_task:build_task",
+    export_formats=(runs_mlp_speculator.EXPORT_FORMAT,), train_task="confu_jax.train.mlp_speculator_task:build_task",
     configs=("configs/smollm2_mlp_speculator.py",), tiny_config="configs/tiny_mlp_speculator.py"),)

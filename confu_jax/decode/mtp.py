@@ -41,6 +41,7 @@ from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Propo
 from confu_jax.decode.drafting import commit_prompt, draft_cached_tree, prompt_buffer, refill_entries
 from confu_jax.decode.family import DrafterFamily, Method, SourceKind, own_weights_loader, resolve_source
 from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.runs import mtp as runs_mtp
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.draft_decode import DraftBlockOutput
 from confu_jax.models.kv_cache import KVCache, init_cache
@@ -167,5 +168,5 @@ FAMILIES = (DrafterFamily(
     methods=(Method("mtp", (), "DeepSeek-V3's MTP module: one Llama layer on the target's last hidden state and the "
                     "next token, the target's embedding and LM head, drafting recursively (trained with "
                     "configs/*_mtp.py, or a DeepSeek-layout MTP directory)", own_weights=True),),
-    export_formats=("mtp",), train_task="confu_jax.train.mtp_task:build_task", configs=("configs/smollm2_mtp.py",),
+    export_formats=(runs_mtp.EXPORT_FORMAT,), train_task="confu_jax.train.mtp_task:build_task", configs=("configs/smollm2_mtp.py",),
     tiny_config="configs/tiny_mtp.py", packs_rows=True),)

@@ -17,6 +17,7 @@ import numpy as np
 
 from confu_jax.models.dflash import default_taps, draft_config, trainable_shapes
 from confu_jax.models.llama import LlamaConfig
+from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
 
 
 class DFlashRun(NamedTuple):
@@ -74,3 +75,18 @@ def export_dflash_run(workdir: str, out: str, target_cfg: LlamaConfig, target_pa
     save_dflash_dir(out, run.params, run.draft, taps=run.taps, mask_token_id=run.mask_token_id,
                     block_size=run.block_size, num_target_layers=target_cfg.n_layers, dtype=store)
     return run
+
+
+# ----------------------------------------------------------------------------- export (launch.export_head)
+
+
+def _write_dflash(workdir, out, *, step=None, dtype=None, target, target_source, warn=None) -> str:
+    dtype = dtype or target_dtype(target_source)
+    run = export_dflash_run(workdir, out, *target, step=step, dtype=dtype_text(dtype), target_source=target_source)
+    return (f"exported {workdir} (step {run.step}, DFlash: {run.draft.n_layers} layers over target layers "
+            f"{[t - 1 for t in run.taps]}, block {run.block_size}, mask {run.mask_token_id}) to {out} in the "
+            f"dflash format (DFlashDraftModel; model.safetensors + config.json, {dtype_text(dtype)})")
+
+
+EXPORT_FORMAT = ExportFormat(name="dflash", write=_write_dflash, reads_target=True,
+                             help="z-lab's DFlashDraftModel model.safetensors + config.json (a DFlash run)")

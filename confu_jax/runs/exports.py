@@ -33,7 +33,7 @@ class ExportFormat:
     help: str = ""
 
 
-def _dtype_text(dtype: Optional[str]) -> str:
+def dtype_text(dtype: Optional[str]) -> str:
     return dtype or "float32"
 
 
@@ -173,61 +173,11 @@ def _write_head(fmt: str):
     return write
 
 
-def _write_medusa(workdir, out, *, step=None, dtype=None, target, target_source, warn=log.warning) -> str:
-    dtype = dtype or target_dtype(target_source)
-    from confu_jax.runs.medusa import export_medusa_run
-
-    run = export_medusa_run(workdir, out, *target, step=step, dtype=_dtype_text(dtype), target_source=target_source)
-    return (f"exported {workdir} (step {run.step}, Medusa heads) to {out} in the FasterDecoding format "
-            f"(medusa_lm_head.safetensors + config.json, {_dtype_text(dtype)})")
-
-
-def _write_mlp_speculator(workdir, out, *, step=None, dtype=None, target, target_source, warn=log.warning) -> str:
-    dtype = dtype or target_dtype(target_source)
-    from confu_jax.runs.mlp_speculator import export_mlp_speculator_run
-
-    run = export_mlp_speculator_run(workdir, out, *target, step=step, dtype=_dtype_text(dtype),
-                                    target_source=target_source)
-    c = run.config
-    return (f"exported {workdir} (step {run.step}, MLP speculator: {c.n_predict} stages, inner_dim {c.inner_dim}"
-            f"{', tied' if c.tie_weights else ''}{', scale_input' if c.scale_input else ''}) to {out} in the "
-            f"mlp_speculator format (model.safetensors + config.json, {_dtype_text(dtype)})")
-
-
-def _write_mtp(workdir, out, *, step=None, dtype=None, target, target_source, warn=log.warning,
-               mtp_shared=False) -> str:
-    dtype = dtype or target_dtype(target_source)
-    from confu_jax.runs.mtp import export_mtp_run
-
-    run = export_mtp_run(workdir, out, *target, step=step, dtype=_dtype_text(dtype), include_shared=mtp_shared,
-                         target_source=target_source)
-    return (f"exported {workdir} (step {run.step}, MTP module: layer model.layers.{target[0].n_layers}"
-            f"{', with the shared embedding / LM head' if mtp_shared else ''}) to {out} in the mtp format "
-            f"(DeepSeek-V3 names; model.safetensors + config.json, {_dtype_text(dtype)})")
-
-
-def _write_dflash(workdir, out, *, step=None, dtype=None, target, target_source, warn=log.warning) -> str:
-    dtype = dtype or target_dtype(target_source)
-    from confu_jax.runs.dflash import export_dflash_run
-
-    run = export_dflash_run(workdir, out, *target, step=step, dtype=_dtype_text(dtype), target_source=target_source)
-    return (f"exported {workdir} (step {run.step}, DFlash: {run.draft.n_layers} layers over target layers "
-            f"{[t - 1 for t in run.taps]}, block {run.block_size}, mask {run.mask_token_id}) to {out} in the "
-            f"dflash format (DFlashDraftModel; model.safetensors + config.json, {_dtype_text(dtype)})")
-
-
-EXPORT_FORMATS: dict = {f.name: f for f in (
+# the EAGLE-3 / ConFu head family's formats; every other family declares its own beside its run reader
+# (runs/<family>.py), and its drafter record lists them (decode.families.EXPORT_FORMATS is the union)
+HEAD_FORMATS = (
     ExportFormat(name="eagle3", write=_write_head("eagle3"), reads_target=False, options=("verifier", "target_model"),
                  help="official EAGLE-3 layout (SGLang, SpecForge)"),
     ExportFormat(name="speculators", write=_write_head("speculators"), reads_target=False,
                  options=("verifier", "embed_from", "target_model"), help="vLLM's speculators format"),
-    ExportFormat(name="medusa", write=_write_medusa, reads_target=True,
-                 help="FasterDecoding's medusa_lm_head.safetensors + config.json (a Medusa run)"),
-    ExportFormat(name="mlp_speculator", write=_write_mlp_speculator, reads_target=True,
-                 help="fms-extras / vLLM model.safetensors + config.json (an MLP speculator run)"),
-    ExportFormat(name="mtp", write=_write_mtp, reads_target=True, options=("mtp_shared",),
-                 help="DeepSeek-V3's MTP layer names around a Llama layer (an MTP run)"),
-    ExportFormat(name="dflash", write=_write_dflash, reads_target=True,
-                 help="z-lab's DFlashDraftModel model.safetensors + config.json (a DFlash run)"),
-)}
-
+)

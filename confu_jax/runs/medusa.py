@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from confu_jax.models.llama import LlamaConfig
+from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
 
 
 class MedusaRun(NamedTuple):
@@ -78,3 +79,17 @@ def export_medusa_run(workdir: str, out: str, target_cfg: LlamaConfig, target_pa
     record = read_target_record(workdir) or {}
     save_medusa_dir(out, run.heads, base_model_name_or_path=record.get("source", ""), dtype=store)
     return run
+
+
+# ----------------------------------------------------------------------------- export (launch.export_head)
+
+
+def _write_medusa(workdir, out, *, step=None, dtype=None, target, target_source, warn=None) -> str:
+    dtype = dtype or target_dtype(target_source)
+    run = export_medusa_run(workdir, out, *target, step=step, dtype=dtype_text(dtype), target_source=target_source)
+    return (f"exported {workdir} (step {run.step}, Medusa heads) to {out} in the FasterDecoding format "
+            f"(medusa_lm_head.safetensors + config.json, {dtype_text(dtype)})")
+
+
+EXPORT_FORMAT = ExportFormat(name="medusa", write=_write_medusa, reads_target=True,
+                             help="FasterDecoding's medusa_lm_head.safetensors + config.json (a Medusa run)")

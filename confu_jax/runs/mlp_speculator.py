@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from confu_jax.models.llama import LlamaConfig
+from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
 from confu_jax.models.mlp_speculator import MLPSpeculatorConfig, from_trainable, make_config, trainable_shapes
 
 
@@ -76,3 +77,20 @@ def export_mlp_speculator_run(workdir: str, out: str, target_cfg: LlamaConfig, t
     run = load_mlp_speculator_run(workdir, target_cfg, target_params, step=step, target_source=target_source)
     save_mlp_speculator_dir(out, run.params, tie_weights=run.config.tie_weights, dtype=store)
     return run
+
+
+# ----------------------------------------------------------------------------- export (launch.export_head)
+
+
+def _write_mlp_speculator(workdir, out, *, step=None, dtype=None, target, target_source, warn=None) -> str:
+    dtype = dtype or target_dtype(target_source)
+    run = export_mlp_speculator_run(workdir, out, *target, step=step, dtype=dtype_text(dtype),
+                                    target_source=target_source)
+    c = run.config
+    return (f"exported {workdir} (step {run.step}, MLP speculator: {c.n_predict} stages, inner_dim {c.inner_dim}"
+            f"{', tied' if c.tie_weights else ''}{', scale_input' if c.scale_input else ''}) to {out} in the "
+            f"mlp_speculator format (model.safetensors + config.json, {dtype_text(dtype)})")
+
+
+EXPORT_FORMAT = ExportFormat(name="mlp_speculator", write=_write_mlp_speculator, reads_target=True,
+                             help="fms-extras / vLLM model.safetensors + config.json (an MLP speculator run)")

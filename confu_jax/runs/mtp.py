@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from confu_jax.models.llama import LlamaConfig
+from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
 from confu_jax.models.mtp import trainable_shapes
 
 
@@ -61,3 +62,20 @@ def export_mtp_run(workdir: str, out: str, target_cfg: LlamaConfig, target_param
     run = load_mtp_run(workdir, target_cfg, target_params, step=step, target_source=target_source)
     save_mtp_dir(out, run.params, target_cfg, target_params=target_params if include_shared else None, dtype=store)
     return run
+
+
+# ----------------------------------------------------------------------------- export (launch.export_head)
+
+
+def _write_mtp(workdir, out, *, step=None, dtype=None, target, target_source, warn=None,
+               mtp_shared=False) -> str:
+    dtype = dtype or target_dtype(target_source)
+    run = export_mtp_run(workdir, out, *target, step=step, dtype=dtype_text(dtype), include_shared=mtp_shared,
+                         target_source=target_source)
+    return (f"exported {workdir} (step {run.step}, MTP module: layer model.layers.{target[0].n_layers}"
+            f"{', with the shared embedding / LM head' if mtp_shared else ''}) to {out} in the mtp format "
+            f"(DeepSeek-V3 names; model.safetensors + config.json, {dtype_text(dtype)})")
+
+
+EXPORT_FORMAT = ExportFormat(name="mtp", write=_write_mtp, reads_target=True, options=("mtp_shared",),
+                             help="DeepSeek-V3's MTP layer names around a Llama layer (an MTP run)")
