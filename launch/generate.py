@@ -3,11 +3,11 @@
     python -m launch.generate --prompt "What is speculative decoding?"
     python -m launch.generate --prompt "Hi" --temperature 0.7 --top_p 0.9 --seed 1
     python -m launch.generate --prompt "Hi" --config.decode.max_new_tokens=64
-    python -m launch.generate --prompt "Hi" --method confu --draft_ckpt runs/smollm2_confu --tree dynamic:6,8,30
-    python -m launch.generate --prompt "Hi" --method eagle3 --tree chain:4   # random head: smoke/lossless check
-    python -m launch.generate --prompt "Summarize: ..." --method lookup --tree chain:4   # model-free lookup
-    python -m launch.generate --prompt "Hi" --method draft_model --draft_model self:8 --tree chain:3
-    python -m launch.generate --prompt "Hi" --method sd2 --draft_model runs/smollm2_sd2 --tree chain:3
+    python -m launch.generate --prompt "Hi" --method confu --draft_ckpt runs/smollm2_confu --plan dynamic:6,8,30
+    python -m launch.generate --prompt "Hi" --method eagle3 --plan chain:4   # random head: smoke/lossless check
+    python -m launch.generate --prompt "Summarize: ..." --method lookup --plan chain:4   # model-free lookup
+    python -m launch.generate --prompt "Hi" --method draft_model --draft_model self:8 --plan chain:3
+    python -m launch.generate --prompt "Hi" --method sd2 --draft_model runs/smollm2_sd2 --plan chain:3
 
 The prompt is wrapped as one user turn and rendered with the checkpoint's chat template (generation
 prompt appended; ``--chat_template_kwargs '{"enable_thinking": false}'`` passes template variables,
@@ -20,7 +20,7 @@ Decoding methods are looked up in ``METHODS``: ``ar`` (jitted autoregressive), `
 lookup) and ``hybrid`` (lookup where it matches, a head elsewhere). A head method reads its head
 from ``--draft_ckpt`` (a ``launch.train`` workdir); without it a randomly initialised head is
 used — τ stays near 1 but the output must still equal ``--method ar``'s (lossless), which makes it
-a smoke test. ``--tree`` is the method's plan (``decode.families``). The speculative methods also
+a smoke test. ``--plan`` (alias ``--tree``) is the method's plan (``decode.families``). The speculative methods also
 print τ (mean tokens per target pass, Spec-Bench). ``--attention_impl pallas`` verifies with the Pallas
 tree-attention kernel (a CUDA GPU only; refused in one line, exit 2, on other backends) and ``--mesh``
 decodes over a device mesh.
@@ -82,7 +82,7 @@ def run_ar(params, cfg, prompt_ids: list, decode, eos_ids, mesh=None, **_) -> Me
 
 
 def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: str,
-                    draft_ckpt: Optional[str] = None, tree: Optional[str] = None, seed: int = 0,
+                    draft_ckpt: Optional[str] = None, plan: Optional[str] = None, seed: int = 0,
                     target_source: str = "the loaded target", mesh=None,
                     draft_model: Optional[str] = None) -> MethodOutput:
     """The jitted speculative loop with a trained (``draft_ckpt``) or random head, or for the
@@ -103,13 +103,13 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
         raise ValueError(f"--draft_model is for --method {' / '.join(takes)}, not {method} (its weights: --draft_ckpt)")
     source = (draft_model or draft_ckpt) if family.source_flag == "draft_model" else draft_ckpt
     head = decode_head(method, cfg, params, source, seed=seed, target_source=target_source)
-    plan = family.parse(tree or family.default_plan(head.params))  # the default plan fits the head
+    drafter = family.parse(plan or family.default_plan(head.params))  # the default plan fits the head
     if mesh is not None:
         head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
     t0 = time.perf_counter()
     target, drafter_params = head.target, head.drafter_params
     run, args = compile_speculative(  # a plan the drafter cannot run is refused here, at trace time
-        target, plan, drafter_params, [prompt_ids], max_new_tokens=decode.max_new_tokens,
+        target, drafter, drafter_params, [prompt_ids], max_new_tokens=decode.max_new_tokens,
         temperature=decode.temperature, top_p=decode.top_p, seed=decode.seed, eos_ids=eos_ids,
         max_len=decode.max_len or None, min_bucket=decode.min_bucket, mesh=mesh)
     t1 = time.perf_counter()
@@ -126,7 +126,7 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     return MethodOutput(tokens, reason, t1 - t0, t2 - t1, log, head.source)
 
 
-# --method name -> fn(params, cfg, prompt_ids, config.decode, eos_ids, draft_ckpt=, tree=) -> MethodOutput,
+# --method name -> fn(params, cfg, prompt_ids, config.decode, eos_ids, draft_ckpt=, plan=) -> MethodOutput,
 # one entry per method of the registry (confu_jax.models.registry)
 METHODS: dict[str, Callable[..., MethodOutput]] = {
     name: functools.partial(run_speculative, method=name) if m.speculative else run_ar
@@ -147,10 +147,12 @@ flags.DEFINE_string("draft_model", None, "--method draft_model / sd2: the draft 
                     "N layers + its final norm and LM head; default a quarter of its layers), an asset name, a .gguf "
                     "file or a Hugging Face directory sharing the target's tokenizer (checked), or for sd2 a "
                     "launch.train SD² workdir (configs/*_sd2.py)")
-flags.DEFINE_string("tree", None, "speculative methods: draft plan, chain:K | sampled_chain:K | "
+flags.DEFINE_string("plan", None, "speculative methods: draft plan (--tree: the same flag), chain:K | "
+                    "sampled_chain:K | "
                     "dynamic:DEPTH,TOPK,NODES (EAGLE-2 tree; NODES excludes the root); lookup also "
                     "lookup:K[,W[,NMIN,NMAX]]. Default: chain:4, or as deep as the head drafts when it "
                     "drafts fewer (Medusa heads, MLP speculator stages)")
+flags.DEFINE_alias("tree", "plan")  # the flag's first name: a plan may be a chain
 flags.DEFINE_integer("max_new_tokens", None, "most tokens to generate (overrides config.decode.max_new_tokens)")
 flags.DEFINE_float("temperature", None, "sampling temperature, 0 = greedy (overrides config.decode.temperature)")
 flags.DEFINE_float("top_p", None, "nucleus sampling mass in (0, 1], 1 = off (overrides config.decode.top_p)")
@@ -200,7 +202,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}; pass the text with --prompt")
     if not REGISTERED_METHODS[FLAGS.method].speculative:  # before the target loads: a flag it would ignore
-        given = [f"--{name}" for name in ("draft_ckpt", "draft_model", "tree") if getattr(FLAGS, name)]
+        given = [f"--{name}" for name in ("draft_ckpt", "draft_model", "plan") if getattr(FLAGS, name)]
         if given:
             with one_line_errors("launch.generate"):
                 raise ValueError(f"{' / '.join(given)} set, but --method {FLAGS.method} drafts nothing (they are "
@@ -231,7 +233,7 @@ def main(argv):
             raise app.UsageError(str(e))
     with one_line_errors("launch.generate"):  # a bad plan, head or setting: one line, exit 2
         out = METHODS[FLAGS.method](params, cfg, prompt_ids, config.decode, tok.eos_ids,
-                                    draft_ckpt=FLAGS.draft_ckpt, tree=FLAGS.tree, target_source=FLAGS.model,
+                                    draft_ckpt=FLAGS.draft_ckpt, plan=FLAGS.plan, target_source=FLAGS.model,
                                     mesh=mesh, draft_model=FLAGS.draft_model)
     print(tok.decode(out.tokens, skip_special_tokens=True).strip())
     print(f"[{FLAGS.method}] prompt {len(prompt_ids)} tokens, generated {len(out.tokens)} "
@@ -240,7 +242,7 @@ def main(argv):
     if out.accept_log is not None:
         tau = sum(out.accept_log) / max(len(out.accept_log), 1)
         print(f"[{FLAGS.method}] tau = {tau:.3f} tokens per target pass over {len(out.accept_log)} passes "
-              f"(tree {FLAGS.tree or 'the method default'}; head: {out.head})", file=sys.stderr)
+              f"(plan {FLAGS.plan or 'the method default'}; head: {out.head})", file=sys.stderr)
     if FLAGS.print_ids:
         print("ids: " + " ".join(map(str, out.tokens)), file=sys.stderr)
 

@@ -30,7 +30,7 @@ With ``--train``, the heads are trained here first:
 Decoding (both paths): AR, the heads, model-free prompt lookup, hybrid (lookup where it matches,
 the EAGLE-3 head elsewhere) and ``auto`` (budget auto across those families: the drafter and plan
 measured fastest on ``--n_calibration`` held-out MT-Bench questions, or AR where nothing pays) on
-``--n_prompts`` MT-Bench questions (one per category first), greedy, ``--tree`` draft plan, every
+``--n_prompts`` MT-Bench questions (one per category first), greedy, ``--plan`` draft plan, every
 question decoded by every row in turn (``BenchSetup.interleave``: speed-ups free of drift); prints
 the τ / SR table (``confu_jax.bench``), what ``auto`` chose, and whether every speculative output
 equals AR's token for token (the lossless check). Results also go to ``--out`` (JSON + .md + .png).
@@ -63,8 +63,9 @@ flags.DEFINE_integer("train_batch", 4, "rows per training step")
 flags.DEFINE_integer("train_max_length", 128, "tokens per training row (chat template applied, truncated)")
 flags.DEFINE_integer("n_prompts", 8, "MT-Bench questions decoded (at most one per category, then more)")
 flags.DEFINE_integer("max_new_tokens", 64, "tokens generated per question")
-flags.DEFINE_string("tree", "chain:3", "draft plan of every method (chain:K; dynamic:DEPTH,TOPK,NODES runs the "
-                    "heads only: lookup and hybrid skip it)")
+flags.DEFINE_string("plan", "chain:3", "draft plan of every method, --tree the same flag (chain:K; "
+                    "dynamic:DEPTH,TOPK,NODES runs the heads only: lookup and hybrid skip it)")
+flags.DEFINE_alias("tree", "plan")
 flags.DEFINE_enum("layers", "scan", list(LAYER_SCHEDULES), LAYERS_HELP + "; scan here: a first run is mostly "
                   "compiling, and one scan compiles 3-5x faster than 30 unrolled layers "
                   "(docs/RESULTS.md \"The first run in 2 min 25 s\")")
@@ -313,7 +314,7 @@ def main(argv):
     heads["hybrid"] = heads["eagle3"]
     methods = ["ar", *variants, "lookup", "hybrid"] + (["auto"] if calibration else [])
     rows = spec_bench.run_benchmark(setup, prompts, methods=methods, temperatures=[0.0],
-                                    budgets=[FLAGS.tree], method_budgets={"auto": ["auto"]}, heads=heads,
+                                    budgets=[FLAGS.plan], method_budgets={"auto": ["auto"]}, heads=heads,
                                     log=lambda m: print(m, flush=True),
                                     progress_factory=lambda **kw: tqdm(dynamic_ncols=True, **kw))
     report.write_outputs(FLAGS.out, rows)

@@ -46,7 +46,7 @@ def bad_release(tmp_path_factory):
      "holds an EAGLE-3 head"),
     (["--method", "mlp_speculator", "--tree", "chain:4"], "this MLP speculator has only 3 stages"),
     ("bad_release", "sha256"),
-    (["--tree", "chain:4", "--draft_ckpt", "/some/run"], "--draft_ckpt / --tree set, but --method ar drafts nothing"),
+    (["--tree", "chain:4", "--draft_ckpt", "/some/run"], "--draft_ckpt / --plan set, but --method ar drafts nothing"),
 ], ids=["negative_tokens", "garbage_plan", "missing_ckpt", "confu_on_eagle3_head", "too_deep_for_family",
         "release_hash", "plan_for_ar"])
 def test_a_mistake_is_one_line_and_exit_2(args, says, request):

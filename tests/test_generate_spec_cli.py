@@ -67,7 +67,7 @@ def test_quickstart_flags_documented():
     env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "launch.quickstart", "--help"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
-    for f in ("train", "train_steps", "n_prompts", "max_new_tokens", "tree", "cache", "out", "n_calibration"):
+    for f in ("train", "train_steps", "n_prompts", "max_new_tokens", "plan", "tree", "cache", "out", "n_calibration"):
         line = next((ln for ln in r.stdout.splitlines()
                      if ln.strip().startswith((f"--{f}:", f"--[no]{f}:"))), None)
         assert line is not None and len(line.split(":", 1)[1].strip()) > 5, (f, r.stdout[-2000:], r.stderr[-2000:])
