@@ -260,6 +260,262 @@ def _spec_row(method: str, logs, ar_logs, *, plan, setting: dict, budget: str, h
     return intervals.annotate(row, logs, ar_logs, seed=seed)
 
 
+class _Benchmark:
+    """One ``run_benchmark`` call, in its three steps: **load** every drafting method's weights once
+    (on the device, or placed on the mesh), **build** what a row decodes with (``resolve``: the plan
+    text, budget ``auto``'s choice from its calibrated candidates), **run** each temperature's rows
+    (AR first, then every (method, budget), then AR again), kept in ``parts`` as they finish."""
+
+    def __init__(self, setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods: Sequence[str],
+                 budgets: Sequence[str], log: Callable[[str], None], progress_factory, parts: Optional[Parts],
+                 method_budgets: Optional[dict]):
+        from confu_jax.decode.families import get_method
+
+        self.setup, self.prompts, self.budgets, self.log = setup, prompts, budgets, log
+        self.progress_factory, self.parts, self.method_budgets = progress_factory, parts, method_budgets or {}
+        self.spec_methods = [m for m in methods if get_method(m).speculative]
+        self.drafting = [m for m in self.spec_methods if not get_method(m).chooses_method]
+        if len(self.drafting) < len(self.spec_methods) and not self.drafting:
+            raise ValueError("method 'auto' chooses among the run's other speculative methods; name some "
+                             "(e.g. --methods ar,lookup,eagle3,auto)")
+        self.turns_index = [(p.question_id, t) for p in prompts for t in range(min(setup.turns, len(p.turns)))]
+        self.rows: list = []
+        self.loaded: dict = {}
+        self.calibrations: dict = {}
+        self.kept: dict = {}  # parts.load per row key, read once (the interleaved pre-pass asks first)
+
+    # ------------------------------------------------------------------------- load
+
+    def load(self, heads: dict) -> None:
+        """Every drafting method's weights, to the device once (host arrays passed to every timed call
+        would be copied on every call); with a mesh, the target too, as the training table lays it out."""
+        import jax
+
+        from confu_jax.decode.families import decode_head, get_method
+
+        setup = self.setup
+        host_target = setup.target_params
+        if setup.mesh is not None:
+            from confu_jax.decode.sharded import place_spec_params, place_target
+
+            self.setup = setup = dataclasses.replace(
+                setup, target_params=place_target(setup.target_params, setup.target_cfg, setup.mesh))
+        for m in self.drafting:
+            head = decode_head(m, setup.target_cfg, host_target, heads.get(m), seed=setup.seed,
+                               target_tokenizer=setup.tokenizer)  # a draft model's tokenizer is checked against it
+            self.loaded[m] = head._replace(params=jax.device_put(head.params) if setup.mesh is None
+                                           else place_spec_params(head.params, head.spec, setup.mesh))
+            if not self.loaded[m].trained and get_method(m).needs_head:
+                self.log(f"[{m}] no trained head given (--heads {m}=WORKDIR): UNTRAINED head "
+                         f"({self.loaded[m].source}), tau ~ 1")
+
+    # ------------------------------------------------------------------------- build
+
+    def calibrate(self, m: str) -> list:
+        """Budget auto's measured candidates of method m (greedy, on the calibration prompts; once per
+        run: a method's auto rows at every temperature and method auto reuse them)."""
+        from confu_jax.bench import budget as budget_lib
+        from confu_jax.bench.cli_args import plan_families
+        from confu_jax.decode.families import get_method
+
+        if m not in self.calibrations:
+            setup = self.setup
+            calib = setup.calibration
+            if calib is None:
+                self.log(f"[{m}] budget auto: no held-out calibration prompts given; calibrating on "
+                         "the first two measured questions (the choice is fitted to them)")
+                calib = [first_turn_ids(setup.tokenizer, p) for p in self.prompts[:2]]
+            chains, trees = budget_lib.default_candidates(m)
+            fam = get_method(m).family  # given candidates: each method measures those its family reads
+            given = setup.auto_candidates or {}
+            if fam in given or None in given:
+                chains, trees = given.get(fam, given.get(None)), ()
+            chains = tuple(c for c in chains if fam in plan_families(c))
+            trees = tuple(c for c in trees if fam in plan_families(c))
+            h = self.loaded[m]
+            _, self.calibrations[m] = budget_lib.auto_plan(
+                h.spec, h.params, calib, max_new_tokens=setup.max_new_tokens, min_bucket=setup.min_bucket,
+                log=self.log, chains=chains, trees=trees, method=m, interleave=setup.interleave,
+                unroll_layers=setup.unroll_layers, mesh=setup.mesh)
+        return self.calibrations[m]
+
+    def resolve(self, m: str, bud: str):
+        """The plan row (m, bud) decodes with -> None (skipped, logged), or (plan text, drafter, head,
+        budget auto's choice or None); drafter None: budget auto chose plain AR."""
+        from confu_jax.bench import budget as budget_lib
+        from confu_jax.bench.cli_args import plan_families
+        from confu_jax.decode.families import get_method, parse_drafter
+
+        family, chooser = get_method(m).family, get_method(m).chooses_method
+        head = self.loaded.get(m)
+        if chooser and bud != "auto":
+            self.log(f"[{m}] chooses its own plan: budget {bud} skipped (only auto)")
+            return None
+        if bud != "auto" and family not in plan_families(bud):
+            self.log(f"[{m}] budget {bud} is not a {family} plan: skipped")
+            return None
+        best, plan_text = None, bud
+        if bud == "auto":
+            # across families (method auto): every candidate of every drafting method competes
+            cands = [c for x in (self.drafting if chooser else [m]) for c in self.calibrate(x)]
+            best = budget_lib.choose(cands)
+            plan_text = best.plan
+            if chooser and plan_text != budget_lib.AR:
+                head = self.loaded[best.method]
+            self.log(f"[{m}] budget auto -> {best.method if chooser else m} {plan_text} (expected "
+                     f"tau {best.expected_tau:.2f}, {best.tokens_per_s:.1f} tokens/s)")
+            if plan_text == budget_lib.AR:  # speculation does not pay: decode as AR does
+                return plan_text, None, head, best
+        return plan_text, parse_drafter(best.method if chooser else m, plan_text), head, best
+
+    # ------------------------------------------------------------------------- run
+
+    def from_parts(self, key: str):
+        if key not in self.kept:
+            self.kept[key] = self.parts.load(key) if self.parts is not None else None
+        return self.kept[key]
+
+    def resumed(self, key: str):
+        got = self.from_parts(key)
+        if got is not None:
+            self.rows.append(got[0])
+            self.log(f"[{key}] finished in an earlier run: {got[0]['tokens_per_s']:.2f} tokens/s (kept)")
+        return got
+
+    def keep(self, key: str, row: dict, logs, tokens) -> None:
+        self.rows.append(row)
+        if self.parts is not None:
+            self.parts.save(key, row, logs, tokens)
+
+    def bar(self, desc: str):
+        return _bar(self.progress_factory, len(self.prompts), desc)
+
+    def run_temperature(self, temp: float) -> None:
+        """AR, every (method, budget) row, and AR again at ``temp``; interleaved question by question
+        when the setup asks (every unfinished row decoded in one pre-pass, assembled in row order)."""
+        from confu_jax.bench import budget as budget_lib
+        from confu_jax.decode.families import get_method
+
+        setup = self.setup
+        ar_key, again_key = f"ar__T{temp:g}", f"ar_again__T{temp:g}"
+        row_keys = [(m, bud, f"{m}__{bud}__T{temp:g}") for m in self.spec_methods
+                    for bud in self.method_budgets.get(m, self.budgets)]
+        resolved, pending, compiled = {}, {}, {}
+
+        def resolve_once(m, bud, key):
+            if key not in resolved:
+                resolved[key] = self.resolve(m, bud)
+            return resolved[key]
+
+        if setup.interleave:
+            pending = self._interleaved_pass(temp, ar_key, again_key, row_keys, resolve_once, compiled)
+
+        def execute(key, make_decoder, desc):
+            """(logs, tokens, programs) of one row: from the interleaved pass, else decoded now."""
+            if key in pending:
+                logs, tokens = pending.pop(key)
+                return logs, tokens, compiled[key]
+            programs = _Programs()
+            b, tick = self.bar(desc)
+            logs, tokens = _run_all(self.prompts, setup, programs, make_decoder(programs), tick)
+            if b is not None:
+                b.close()
+            return logs, tokens, programs
+
+        got = self.resumed(ar_key)
+        if got is not None:
+            _, ar_logs, ar_tokens = got
+        else:
+            ar_logs, ar_tokens, programs = execute(ar_key, lambda pr: _ar_decoder(setup, pr, temp), f"ar T={temp}")
+            self.keep(ar_key, _ar_row("ar", ar_logs, ar_logs, temperature=temp, compile_s=programs.compile_s,
+                                      seed=setup.seed), ar_logs, ar_tokens)
+            self.log(f"[ar] T={temp}: {self.rows[-1]['tokens_per_s']:.2f} tokens/s (compile "
+                     f"{programs.compile_s:.1f} s)")
+
+        def lossless(tokens):
+            """The greedy check of a row against the AR row (sampled rows: not checked)."""
+            if temp != 0:
+                return {"lossless_greedy": None, "n_mismatched_turns": None, "n_numerical_ties": None,
+                        "first_mismatch": None}
+            return _compare(setup, ar_tokens, tokens, self.turns_index)
+
+        for m, bud, key in row_keys:
+            if self.resumed(key) is not None:
+                continue
+            r = resolve_once(m, bud, key)
+            if r is None:
+                continue
+            plan_text, plan, head, best = r
+            if plan is None:  # budget auto chose AR: the row is the AR decode itself
+                self.keep(key, _chose_ar_row(m, bud, plan_text, head, ar_logs, temperature=temp, seed=setup.seed),
+                          ar_logs, ar_tokens)
+                self.log(f"[{m}] {bud} (ar: speculation off) T={temp}: {self.rows[-1]['tokens_per_s']:.2f} tokens/s")
+                continue
+            sp_logs, sp_tokens, programs = execute(
+                key, lambda pr, head=head, plan=plan: _spec_decoder(setup, pr, head, plan, temp), f"{m} {bud} T={temp}")
+            setting = {"plan": plan_text, "budget": bud}
+            if get_method(m).chooses_method:
+                setting["method"] = best.method  # the family budget auto chose
+            row = _spec_row(m, sp_logs, ar_logs, plan=plan, setting=setting, budget=bud, head=head,
+                            temperature=temp, compile_s=programs.compile_s, seed=setup.seed,
+                            **lossless(sp_tokens), **({"interleaved": True} if setup.interleave else {}))
+            self.keep(key, row, sp_logs, sp_tokens)
+            self.log(f"[{m}] {bud} ({plan_text}) T={temp}: tau {row['tau']:.3f}, {row['tokens_per_s']:.2f} "
+                     f"tokens/s, speed-up {row['speedup']:.3f}, compile {programs.compile_s:.1f} s"
+                     + ("" if temp != 0 else f", lossless={row['lossless_greedy']}"))
+            del programs
+            if not pending:
+                budget_lib.release_compiled()  # one row's programs are never reused (mmap limit)
+        if setup.ar_again and self.resumed(again_key) is None:
+            again_logs, again_tokens, programs = execute(
+                again_key, lambda pr: _ar_decoder(setup, pr, temp), f"ar again T={temp}")
+            row = _ar_row("ar_again", again_logs, ar_logs, temperature=temp, compile_s=programs.compile_s,
+                          seed=setup.seed, **lossless(again_tokens))
+            self.keep(again_key, row, again_logs, again_tokens)
+            ci = row.get("speedup_ci") or [float("nan")] * 2
+            self.log(f"[ar again] T={temp}: {row['tokens_per_s']:.2f} tokens/s, {row['speedup']:.3f}x the first AR "
+                     f"row [{ci[0]:.3f}, {ci[1]:.3f}] (machine speed drift over the run)")
+            del programs
+        compiled.clear()
+        budget_lib.release_compiled()
+
+    def _interleaved_pass(self, temp, ar_key, again_key, row_keys, resolve_once, compiled) -> dict:
+        """Decode every unfinished row of ``temp`` question by question -> {key: (logs, tokens)};
+        ``compiled`` gets each row's programs (their compile times go into the rows)."""
+        setup = self.setup
+        runs = {}
+        if self.from_parts(ar_key) is None:
+            compiled[ar_key] = _Programs()
+            runs[ar_key] = _ar_decoder(setup, compiled[ar_key], temp)
+        for m, bud, key in row_keys:
+            r = None if self.from_parts(key) is not None else resolve_once(m, bud, key)
+            if r is not None and r[1] is not None:
+                compiled[key] = _Programs()
+                runs[key] = _spec_decoder(setup, compiled[key], r[2], r[1], temp)
+        if setup.ar_again and self.from_parts(again_key) is None:
+            compiled[again_key] = _Programs()
+            runs[again_key] = _ar_decoder(setup, compiled[again_key], temp)
+        if not runs:
+            return {}
+        b, tick = self.bar(f"{len(runs)} rows interleaved T={temp}")
+        pending = _run_interleaved(self.prompts, setup, runs, tick)
+        if b is not None:
+            b.close()
+        return pending
+
+
+def _chose_ar_row(method: str, budget: str, plan_text: str, head, ar_logs, *, temperature: float, seed: int) -> dict:
+    """The row of a (method, budget) whose budget auto chose plain AR: the AR decode itself."""
+    res = metrics.summarize(method, ar_logs, ar_logs, nodes=1, temperature=temperature, depth=None,
+                            setting={"plan": plan_text, "budget": budget})
+    greedy = temperature == 0
+    return intervals.annotate(
+        dict(dataclasses.asdict(res), compile_s=0.0, budget=budget, head=None if head is None else head.source,
+             trained=None if head is None else head.trained, lossless_greedy=True if greedy else None,
+             n_mismatched_turns=0 if greedy else None, n_numerical_ties=0 if greedy else None, first_mismatch=None),
+        ar_logs, ar_logs, seed=seed)
+
+
 def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods: Sequence[str],
                   temperatures: Sequence[float], budgets: Sequence[str], heads: dict,
                   log: Callable[[str], None] = print, progress_factory=None,
@@ -270,219 +526,12 @@ def run_benchmark(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, methods:
     ``method_budgets`` {method: budgets}: those methods run only these budgets (e.g. budget ``auto``
     for method ``auto`` alone, fixed plans for the others).
     """
-    import jax
-
-    from confu_jax.bench import budget as budget_lib
-    from confu_jax.decode.families import parse_drafter
-    from confu_jax.decode.families import decode_head
-    from confu_jax.bench.cli_args import plan_families
-    from confu_jax.decode.families import get_method
-
-    spec_methods = [m for m in methods if get_method(m).speculative]
-    drafting = [m for m in spec_methods if not get_method(m).chooses_method]
-    if len(drafting) < len(spec_methods) and not drafting:
-        raise ValueError("method 'auto' chooses among the run's other speculative methods; name some "
-                         "(e.g. --methods ar,lookup,eagle3,auto)")
-    loaded = {}
-    host_target = setup.target_params
-    if setup.mesh is not None:  # on the mesh once, as the training table lays the weights out
-        from confu_jax.decode.sharded import place_spec_params, place_target
-
-        setup = dataclasses.replace(setup, target_params=place_target(setup.target_params, setup.target_cfg,
-                                                                      setup.mesh))
-    for m in drafting:
-        head = decode_head(m, setup.target_cfg, host_target, heads.get(m), seed=setup.seed,
-                           target_tokenizer=setup.tokenizer)  # a draft model's tokenizer is checked against it
-        # to the device once: host arrays passed to every timed call would be copied on every call
-        loaded[m] = head._replace(params=jax.device_put(head.params) if setup.mesh is None
-                                  else place_spec_params(head.params, head.spec, setup.mesh))
-        if not loaded[m].trained and get_method(m).needs_head:
-            log(f"[{m}] no trained head given (--heads {m}=WORKDIR): UNTRAINED head ({loaded[m].source}), tau ~ 1")
-    turns_index = [(p.question_id, t) for p in prompts for t in range(min(setup.turns, len(p.turns)))]
-    rows = []
-
-    def bar(desc):
-        return _bar(progress_factory, len(prompts), desc)
-
-    calibrations: dict = {}
-
-    def calibrate(m):
-        """Budget auto's measured candidates of method m (greedy, on the calibration prompts; once
-        per run: a method's auto rows at every temperature and method auto reuse them)."""
-        if m not in calibrations:
-            calib = setup.calibration
-            if calib is None:
-                log(f"[{m}] budget auto: no held-out calibration prompts given; calibrating on "
-                    "the first two measured questions (the choice is fitted to them)")
-                calib = [first_turn_ids(setup.tokenizer, p) for p in prompts[:2]]
-            chains, trees = budget_lib.default_candidates(m)
-            fam = get_method(m).family  # given candidates: each method measures those its family reads
-            given = setup.auto_candidates or {}
-            if fam in given or None in given:
-                chains, trees = given.get(fam, given.get(None)), ()
-            chains = tuple(c for c in chains if fam in plan_families(c))
-            trees = tuple(c for c in trees if fam in plan_families(c))
-            h = loaded[m]
-            _, calibrations[m] = budget_lib.auto_plan(
-                h.spec, h.params, calib, max_new_tokens=setup.max_new_tokens, min_bucket=setup.min_bucket,
-                log=log, chains=chains, trees=trees, method=m, interleave=setup.interleave,
-                unroll_layers=setup.unroll_layers, mesh=setup.mesh)
-        return calibrations[m]
-
-    kept: dict = {}  # parts.load per row key, read once (the interleaved pre-pass asks first)
-
-    def from_parts(key):
-        if key not in kept:
-            kept[key] = parts.load(key) if parts is not None else None
-        return kept[key]
-
-    def resumed(key):
-        got = from_parts(key)
-        if got is not None:
-            rows.append(got[0])
-            log(f"[{key}] finished in an earlier run: {got[0]['tokens_per_s']:.2f} tokens/s (kept)")
-        return got
-
-    def resolve(m, bud):
-        """The plan row (m, bud) decodes with -> None (skipped, logged), or (plan text, plan, head,
-        budget auto's choice or None); plan None: budget auto chose plain AR."""
-        family, chooser = get_method(m).family, get_method(m).chooses_method
-        head = loaded.get(m)
-        if chooser and bud != "auto":
-            log(f"[{m}] chooses its own plan: budget {bud} skipped (only auto)")
-            return None
-        if bud != "auto" and family not in plan_families(bud):
-            log(f"[{m}] budget {bud} is not a {family} plan: skipped")
-            return None
-        best, plan_text = None, bud
-        if bud == "auto":
-            # across families (method auto): every candidate of every drafting method competes
-            cands = [c for x in (drafting if chooser else [m]) for c in calibrate(x)]
-            best = budget_lib.choose(cands)
-            plan_text = best.plan
-            if chooser and plan_text != budget_lib.AR:
-                head = loaded[best.method]
-            log(f"[{m}] budget auto -> {best.method if chooser else m} {plan_text} (expected "
-                f"tau {best.expected_tau:.2f}, {best.tokens_per_s:.1f} tokens/s)")
-            if plan_text == budget_lib.AR:  # speculation does not pay: decode as AR does
-                return plan_text, None, head, best
-        return plan_text, parse_drafter(best.method if chooser else m, plan_text), head, best
-
+    bench = _Benchmark(setup, prompts, methods=methods, budgets=budgets, log=log, progress_factory=progress_factory,
+                       parts=parts, method_budgets=method_budgets)
+    bench.load(heads)
     for temp in temperatures:
-        ar_key, again_key = f"ar__T{temp:g}", f"ar_again__T{temp:g}"
-        row_keys = [(m, bud, f"{m}__{bud}__T{temp:g}") for m in spec_methods
-                    for bud in (method_budgets or {}).get(m, budgets)]
-        resolved, pending, compiled = {}, {}, {}
-
-        def resolve_once(m, bud, key):
-            if key not in resolved:
-                resolved[key] = resolve(m, bud)
-            return resolved[key]
-
-        def done(key):
-            return from_parts(key) is not None
-
-        if setup.interleave:  # decode every unfinished row question by question, then assemble below
-            runs = {}
-            if not done(ar_key):
-                compiled[ar_key] = _Programs()
-                runs[ar_key] = _ar_decoder(setup, compiled[ar_key], temp)
-            for m, bud, key in row_keys:
-                r = None if done(key) else resolve_once(m, bud, key)
-                if r is not None and r[1] is not None:
-                    compiled[key] = _Programs()
-                    runs[key] = _spec_decoder(setup, compiled[key], r[2], r[1], temp)
-            if setup.ar_again and not done(again_key):
-                compiled[again_key] = _Programs()
-                runs[again_key] = _ar_decoder(setup, compiled[again_key], temp)
-            if runs:
-                b, tick = bar(f"{len(runs)} rows interleaved T={temp}")
-                pending = _run_interleaved(prompts, setup, runs, tick)
-                if b is not None:
-                    b.close()
-
-        def lossless(tokens):
-            """The greedy check of a row against the AR row (sampled rows: not checked)."""
-            if temp != 0:
-                return {"lossless_greedy": None, "n_mismatched_turns": None, "n_numerical_ties": None,
-                        "first_mismatch": None}
-            return _compare(setup, ar_tokens, tokens, turns_index)
-
-        def execute(key, make_decoder, desc):
-            """(logs, tokens, programs) of one row: from the interleaved pass, else decoded now."""
-            if key in pending:
-                logs, tokens = pending.pop(key)
-                return logs, tokens, compiled[key]
-            programs = _Programs()
-            b, tick = bar(desc)
-            logs, tokens = _run_all(prompts, setup, programs, make_decoder(programs), tick)
-            if b is not None:
-                b.close()
-            return logs, tokens, programs
-
-        got = resumed(ar_key)
-        if got is not None:
-            _, ar_logs, ar_tokens = got
-        else:
-            ar_logs, ar_tokens, programs = execute(ar_key, lambda pr: _ar_decoder(setup, pr, temp), f"ar T={temp}")
-            rows.append(_ar_row("ar", ar_logs, ar_logs, temperature=temp, compile_s=programs.compile_s,
-                                seed=setup.seed))
-            if parts is not None:
-                parts.save(ar_key, rows[-1], ar_logs, ar_tokens)
-            log(f"[ar] T={temp}: {rows[-1]['tokens_per_s']:.2f} tokens/s (compile {programs.compile_s:.1f} s)")
-        for m, bud, key in row_keys:
-            if resumed(key) is not None:
-                continue
-            r = resolve_once(m, bud, key)
-            if r is None:
-                continue
-            plan_text, plan, head, best = r
-            if plan is None:  # budget auto chose AR: the row is the AR decode itself
-                res = metrics.summarize(m, ar_logs, ar_logs, nodes=1, temperature=temp, depth=None,
-                                        setting={"plan": plan_text, "budget": bud})
-                rows.append(intervals.annotate(
-                    dict(dataclasses.asdict(res), compile_s=0.0, budget=bud,
-                         head=None if head is None else head.source,
-                         trained=None if head is None else head.trained, lossless_greedy=True if temp == 0 else None,
-                         n_mismatched_turns=0 if temp == 0 else None,
-                         n_numerical_ties=0 if temp == 0 else None, first_mismatch=None),
-                    ar_logs, ar_logs, seed=setup.seed))
-                if parts is not None:
-                    parts.save(key, rows[-1], ar_logs, ar_tokens)
-                log(f"[{m}] {bud} (ar: speculation off) T={temp}: {rows[-1]['tokens_per_s']:.2f} tokens/s")
-                continue
-            sp_logs, sp_tokens, programs = execute(
-                key, lambda pr, head=head, plan=plan: _spec_decoder(setup, pr, head, plan, temp), f"{m} {bud} T={temp}")
-            setting = {"plan": plan_text, "budget": bud}
-            if get_method(m).chooses_method:
-                setting["method"] = best.method  # the family budget auto chose
-            row = _spec_row(m, sp_logs, ar_logs, plan=plan, setting=setting, budget=bud, head=head,
-                            temperature=temp, compile_s=programs.compile_s, seed=setup.seed,
-                            **lossless(sp_tokens), **({"interleaved": True} if setup.interleave else {}))
-            rows.append(row)
-            if parts is not None:
-                parts.save(key, rows[-1], sp_logs, sp_tokens)
-            log(f"[{m}] {bud} ({plan_text}) T={temp}: tau {row['tau']:.3f}, {row['tokens_per_s']:.2f} "
-                f"tokens/s, speed-up {row['speedup']:.3f}, compile {programs.compile_s:.1f} s"
-                + ("" if temp != 0 else f", lossless={row['lossless_greedy']}"))
-            del programs
-            if not pending:
-                budget_lib.release_compiled()  # one row's programs are never reused (mmap limit)
-        if setup.ar_again and resumed(again_key) is None:
-            again_logs, again_tokens, programs = execute(
-                again_key, lambda pr: _ar_decoder(setup, pr, temp), f"ar again T={temp}")
-            row = _ar_row("ar_again", again_logs, ar_logs, temperature=temp, compile_s=programs.compile_s,
-                          seed=setup.seed, **lossless(again_tokens))
-            rows.append(row)
-            if parts is not None:
-                parts.save(again_key, row, again_logs, again_tokens)
-            ci = row.get("speedup_ci") or [float("nan")] * 2
-            log(f"[ar again] T={temp}: {row['tokens_per_s']:.2f} tokens/s, {row['speedup']:.3f}x the first AR row "
-                f"[{ci[0]:.3f}, {ci[1]:.3f}] (machine speed drift over the run)")
-            del programs
-        compiled.clear()
-        budget_lib.release_compiled()
-    return rows
+        bench.run_temperature(temp)
+    return bench.rows
 
 
 def checkpoint_rows(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, method: str,
