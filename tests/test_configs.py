@@ -20,6 +20,7 @@ from confu_jax.models.target import contemplate_queries, verify
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {
     "smollm2_eagle3": ("smollm2-135m", "eagle3"),
+    "smollm2_eagle31": ("smollm2-135m", "eagle3"),  # EAGLE 3.1: fc_norm + norm_output
     "smollm2_confu": ("smollm2-135m", "confu"),
     "smollm2_confu_nomoe": ("smollm2-135m", "confu_nomoe"),
     "smollm2_confu_nomoe_norep": ("smollm2-135m", "confu_nomoe_norep"),
@@ -49,6 +50,9 @@ def test_config_builds_spec_and_counts(name):
     hd, ffn, vd = t.head_dim, spec.draft_ffn_dim, spec.head.draft_vocab_size
     expect_draft = (3 * d * d + 2 * d * (t.n_heads + 2 * t.n_kv_heads) * hd + t.n_heads * hd * d
                     + 3 * d * ffn + d * vd + 4 * d)
+    if spec.head.fc_norm:  # EAGLE 3.1: one RMSNorm scale per tapped layer before fc
+        assert name == "smollm2_eagle31" and spec.head.norm_output and len(spec.taps) == 3
+        expect_draft += 3 * d
     assert counts["draft"] == expect_draft
     if variant == "eagle3":
         assert counts["confu_extras"] == 0 and counts["trainable"] == expect_draft

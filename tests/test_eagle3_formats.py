@@ -102,7 +102,8 @@ def _speculators_model(cfg, embed, d2t, t2d, taps, flags, seed=0, verifier=None)
 _speculators_logits = speculators_ttt_logits
 
 
-FLAG_SETS = [{}, {"norm_before_residual": True, "norm_output": True}, {"norm_before_fc": True}, {"fc_norm": True}]
+FLAG_SETS = [{}, {"norm_before_residual": True, "norm_output": True}, {"norm_before_fc": True}, {"fc_norm": True},
+             {"fc_norm": True, "norm_output": True}]  # the last: EAGLE 3.1 (configs/smollm2_eagle31.py)
 
 
 @pytest.mark.parametrize("flags", FLAG_SETS, ids=lambda f: "+".join(f) or "plain")
@@ -150,7 +151,8 @@ def _hf_target_dir(cfg, tp, path):
     return str(path)
 
 
-@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": True, "fc_norm": True}], ids=["plain", "flags"])
+@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": True, "fc_norm": True},
+                                   {"fc_norm": True, "norm_output": True}], ids=["plain", "flags", "eagle31"])
 def test_our_export_loads_in_speculators_with_the_same_logits(tmp_path, flags, monkeypatch):
     pytest.importorskip("speculators")
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
