@@ -294,7 +294,7 @@ def constrain(x, logical: Sequence[Optional[str]]):
     steering XLA's propagation, it sidesteps a miscompile observed with jax/jaxlib 0.10.2 on a CPU
     mesh with all three axes > 1: without a constraint, the gradient of
     ``((h @ w) * s) @ e.T`` with h batch-sharded, w ('fsdp','tensor'), e ('tensor','fsdp') came out
-    wrong (67 % relative error) while the forward was right (tests/test_train_step.py keeps the
+    wrong (67 % relative error) while the forward was right (tests/unit/test_train_step.py keeps the
     reproducer as a strict xfail so an upgrade that fixes it is noticed).
     """
     if not _ACTIVATION_MESH:

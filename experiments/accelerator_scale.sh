@@ -4,7 +4,7 @@
 # whose JSON exists is skipped, so a rerun after a time-out continues.
 #
 #   bash experiments/accelerator_scale.sh              # on the GPU
-#   DRY_RUN=1 bash experiments/accelerator_scale.sh    # tiny shapes on a CPU (tests/test_accelerator_scale.py)
+#   DRY_RUN=1 bash experiments/accelerator_scale.sh    # tiny shapes on a CPU (tests/e2e/test_accelerator_scale.py)
 #
 #   (i)   the Pallas tree-attention kernel executed at Llama-3.1-8B decode shapes: equal to the XLA path
 #         on the device, time and GB/s against the HBM peak (trees of 30 / 60 nodes, 2T queries with

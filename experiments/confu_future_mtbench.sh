@@ -62,7 +62,7 @@ commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=
 doc = {"rows": rows,
        "lossless_note": "T = 0 rows: every answer equal to AR's token for token (true), checked in the run; "
                         "T = 1 rows (null): the sampled rule is exact by construction and tested by chi-square "
-                        "in the suite (tests/test_spec_loop.py, tests/helpers/family_checks.py), not checkable per token",
+                        "in the suite (tests/unit/test_spec_loop.py, tests/helpers/family_checks.py), not checkable per token",
        "heads": {v: os.path.join(out, v) for v in ["eagle3", *variants]},
        "command": f"OUT={out} VARIANTS=\"{' '.join(variants)}\" bash experiments/confu_future_mtbench.sh",
        "commit": commit}

@@ -6,7 +6,7 @@
 #
 #   bash experiments/gpu_campaign.sh                      # on the GPU machine ($OUT set by the tool)
 #   CAMPAIGN_E3_STEPS=300 CAMPAIGN_PLUS_STEPS=300 bash experiments/gpu_campaign.sh   # any Scale field
-#   CAMPAIGN_SCALE=tiny bash experiments/gpu_campaign.sh  # the CPU dry run's scale (tests/test_gpu_campaign.py)
+#   CAMPAIGN_SCALE=tiny bash experiments/gpu_campaign.sh  # the CPU dry run's scale (tests/e2e/test_gpu_campaign.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1

@@ -7,7 +7,7 @@ EAGLE-3 head, chain:3), SmolLM2, batch 1, greedy, EOS off.
 Prints each program's compile time and its run time over ``--rounds`` interleaved rounds (every
 program once per round, so a drift of the machine's speed falls on all alike): what
 ``--layers`` (launch.quickstart, launch.decode_bench) should be on this host. Outputs are equal
-under both schedules (tests/test_unrolled.py); only the cost differs, and it differs by host.
+under both schedules (tests/unit/test_unrolled.py); only the cost differs, and it differs by host.
 """
 
 from __future__ import annotations

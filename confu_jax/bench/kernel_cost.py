@@ -43,7 +43,7 @@ def kernel_bytes(b: int, t2: int, hq: int, hkv: int, d: int, s_valid: int, p: in
       and per-row arrays repeated to m_pad rows, the tree K/V padded.
     ``s_capacity``: the cache's slots (the splits divide it; default ``s_valid``). Also returned:
     ``cache_tile_loads`` / ``tree_tile_loads``, the K/V tiles one (batch row, KV head) loads over all
-    its programs — what the interpreted kernel counts (``count_tiles``, tests/test_kernel_bench.py).
+    its programs — what the interpreted kernel counts (``count_tiles``, tests/e2e/test_kernel_bench.py).
     Returns the categories, ``total_hbm`` (everything except ``cache_l2``) and the plan."""
     from confu_jax.kernels.tree_attention import kernel_plan
 

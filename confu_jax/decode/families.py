@@ -7,7 +7,7 @@ or a method by name is read from here, so no other module switches on a family's
 
 Adding a family: its own modules (drafter + record, model, training task, run loader, published
 format), then its drafter module in ``_MODULES`` (docs/families.md "Adding a family");
-``tests/test_families.py`` checks every record's contract.
+``tests/contract/test_families.py`` checks every record's contract.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Placement of inputs is explicit (:func:`place_spec_params`, :func:`place_target`
 :func:`place_request`); outputs come back row-sharded. Sharding changes only summation order
 (partial sums over heads / MLP columns are all-reduced), so greedy output equals the single-device
 output token for token unless the target has a near-tie within float rounding
-(``tests/test_sharded_decode.py``).
+(``tests/unit/test_sharded_decode.py``).
 """
 
 from __future__ import annotations

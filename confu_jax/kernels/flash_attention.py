@@ -21,7 +21,7 @@ with float32 accumulation; softmax statistics are float32. GQA by head grouping.
 
 On an accelerator the same contract is what a fused kernel (cuDNN / Pallas flash attention on GPU,
 splash attention on TPU) computes; this is the XLA form every backend runs, tested against the dense
-definition (tests/test_flash_attention.py).
+definition (tests/unit/test_flash_attention.py).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ with ``compiler_params=pallas.triton.CompilerParams``.
   later removal. The kernel runs on 0.11 (Python 3.12, ``requirements-jax011.txt``; lowering it
   warns with a DeprecationWarning, and lowering without a GPU needs :func:`cuda_target`). The port to
   ``plgpu.kernel`` (template: ``ops/gpu/attention_mgpu.py``) belongs with that upgrade;
-  :func:`masked_attention_reference` and ``tests/test_tree_attention.py`` are the spec it must meet.
+  :func:`masked_attention_reference` and ``tests/unit/test_tree_attention.py`` are the spec it must meet.
 
 Inference only: there is no VJP (training runs the XLA path).
 """

@@ -13,7 +13,7 @@ PRESETS = {
                         head_dim=16, ffn_dim=128, rope_theta=10000.0, tie_embeddings=True,
                         max_position_embeddings=1024, eos_token_ids=(1,)),
     # A tiny random Llama with a byte-level BPE chat tokenizer, written as a GGUF by the tests
-    # (tests/fixtures/tiny_chat_model.py: tiny_chat_gguf(..., layers=8, max_pos=2048)): the GPU
+    # (tests/helpers/tiny_chat_model.py: tiny_chat_gguf(..., layers=8, max_pos=2048)): the GPU
     # campaign's CPU dry run trains and benchmarks heads on it through the SmolLM2 code path
     # (experiments.gpu_campaign); 2048 positions hold MT-Bench prompts at ~a token per byte.
     "tiny-chat": LlamaConfig(vocab_size=300, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2,

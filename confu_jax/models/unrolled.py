@@ -7,7 +7,7 @@ decode step streams the weights roughly twice: SmolLM2's decode forward measured
 scanned vs ~40 CPU-ms with one buffer per layer. Here the stack is split once per jitted call
 (``split_layers``, outside any loop) and the same ``DecoderLayer`` module runs once per layer on
 its own buffer. Same parameters, same module code, same outputs as ``Llama.__call__``
-(``tests/test_unrolled.py``); only the schedule differs. GPU/TPU keep the scan.
+(``tests/unit/test_unrolled.py``); only the schedule differs. GPU/TPU keep the scan.
 """
 
 from __future__ import annotations

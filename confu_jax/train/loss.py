@@ -34,7 +34,7 @@ Pipeline of one call:
    every trained (conversation, index) of the batch however conversations are laid into rows, so
    packed rows (several conversations per row, attention block-diagonal, positions restarting per
    conversation, masks never crossing a boundary) give the loss and gradient of the same
-   conversations padded one per row (tests/test_packing.py). The head + KL of each
+   conversations padded one per row (tests/unit/test_packing.py). The head + KL of each
    step is rematerialised in the backward pass, so the [B, N, V_draft] draft logits of the L_ttt
    steps are never all alive together. ConFu evaluates the draft's LM head only at the (at most
    K·(l+1) per row) indices inside windows, gathered to a static [B, M] set: the head is the

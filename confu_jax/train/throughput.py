@@ -6,7 +6,7 @@ vocabulary chunks) and rematerialised forwards counted where they run. Not XLA's
 ``cost_analysis()``: XLA counts a while loop's body once (a scan of 10 matmuls reports the FLOPs of
 one), which would make a scanned 32-layer target look 32x cheaper. Element-wise work is left out, as
 MFU conventionally does; the count is checked against XLA's on a loop-free program
-(tests/test_throughput.py).
+(tests/e2e/test_throughput.py).
 
 Peak: dense bf16 FLOP/s of one device from ``confu_jax.devices`` by ``device_kind``; unknown devices
 (CPUs included) report MFU as "n/a" rather than a guess.

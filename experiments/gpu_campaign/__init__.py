@@ -48,7 +48,7 @@ Offline target features (``launch.target_features``) are not used: at 3.73 GB pe
 pass anyway (it needs per-layer K/V).
 
 Scale: every knob of ``Scale`` can be set with ``CAMPAIGN_<NAME>`` (e.g. ``CAMPAIGN_E3_STEPS=300``);
-``CAMPAIGN_SCALE=tiny`` (or ``--scale tiny``) is the CPU dry run of tests/test_gpu_campaign.py.
+``CAMPAIGN_SCALE=tiny`` (or ``--scale tiny``) is the CPU dry run of tests/e2e/test_gpu_campaign.py.
 This driver imports only the standard library: every piece of work runs in a subprocess (a stage
 command, or ``python -m experiments.gpu_campaign step <name>``), so the driver never holds the GPU.
 

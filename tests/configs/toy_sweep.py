@@ -1,4 +1,4 @@
-"""A 2x2 sweep of the toy task (tests/test_sweep.py): learning rate x the head's hidden width."""
+"""A 2x2 sweep of the toy task (tests/e2e/test_sweep.py): learning rate x the head's hidden width."""
 
 
 def get_sweep():

@@ -1,4 +1,4 @@
-"""Kill-and-resume of a training run, for every drafter family that trains (``tests/test_family_training_contract.py``,
+"""Kill-and-resume of a training run, for every drafter family that trains (``tests/contract/test_family_training_contract.py``,
 with each record's ``tiny_config``), and the families' short-run configs.
 
 A run is killed with SIGKILL right after step ``kill_at`` (a train-loop hook), started again with the

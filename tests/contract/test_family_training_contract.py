@@ -1,0 +1,55 @@
+"""The training contract, checked for every record of the drafter-family registry that trains
+(``decode.families.FAMILIES``, ``train_task`` set): its ``tiny_config`` trains on the random tiny target;
+a run killed after step 7 and started again logs the uninterrupted run's losses exactly; every export
+format the record lists, written by ``launch.export_head`` from the resumed run, loads back through the
+record's loader to the run's own drafter weights. A family added to the registry is checked here without
+a line of its own (apart from this file, ``tests/contract/test_family_contract.py`` decodes with every record).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from confu_jax.decode import families
+from confu_jax.decode.families import METHODS
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAINED = sorted(f for f, rec in families.FAMILIES.items() if rec.train_task)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TRAINED)
+def test_training_resumes_after_a_kill_and_every_export_loads_back(family, tmp_path):
+    """The record's tiny config trains 12 steps; a run killed after step 7 and started again logs the
+    uninterrupted run's losses exactly; every export format of the record, written by ``launch.export_head``
+    from the resumed run, loads back through the record's loader to the run's own drafter weights."""
+    from tests.helpers.train_resume import assert_killed_run_resumes, tiny_run_config
+
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.train.target_loading import load_target
+
+    rec = families.FAMILIES[family]
+    workdir, env = assert_killed_run_resumes(tmp_path, rec.tiny_config)
+    config = tiny_run_config(rec.tiny_config)
+    variant = config.confu.variant
+    method = next(n for n, m in METHODS.items() if m.family == family and (not m.variants or m.variants[0] == variant))
+    spec, tp = load_target(config, model_spec_from_config(config))
+    run = families.decode_head(method, spec.target, tp, workdir)
+    assert run.trained and "step 12" in run.source, run.source
+    want = run.drafter_params
+    for fmt in (f.name for f in rec.export_formats):
+        out = str(tmp_path / f"export_{fmt}")
+        p = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", workdir, "--format", fmt,
+                            "--out", out], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "step 12" in p.stdout, p.stdout  # the resumed run's last checkpoint
+        back = families.decode_head(method, spec.target, tp, out).drafter_params
+        assert jax.tree_util.tree_structure(back.weights) == jax.tree_util.tree_structure(want.weights), fmt
+        jax.tree_util.tree_map(np.testing.assert_array_equal, back.weights, want.weights)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, back.draft_vocab, want.draft_vocab)

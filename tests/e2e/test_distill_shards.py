@@ -1,0 +1,131 @@
+"""Self-distillation over several processes (``confu_jax.data.distill_shards``, ``launch.generate_data``):
+which process answers which conversation, the merge, and the whole thing as a node would run it —
+two processes, each with the target split over its 2 CPU devices, against one process on one device
+(greedy: the same answers), merged into one output with no conversation twice, then released.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from confu_jax.data import distill_shards as ds
+from tests.helpers.tiny_checkpoints import hf_llama, write_hf_tokenizer
+from tests.helpers.xla_env import SINGLE_DEVICE
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_process_slot_reads_flags_then_the_jax_variables(monkeypatch):
+    """Flags, then JAX_PROCESS_ID / JAX_NUM_PROCESSES, else one process (a bare environment: JAX
+    detects no cluster). Slots found by JAX's cluster detection (SLURM, TPU pods):
+    tests/e2e/test_cluster_launch.py."""
+    for key in list(os.environ):
+        monkeypatch.delenv(key)
+    assert ds.process_slot() == (0, 1)
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    assert ds.process_slot() == (1, 2)
+    assert ds.process_slot(2, 3) == (2, 3)  # flags win
+    with pytest.raises(ValueError, match="both"):
+        ds.process_slot(1, None)
+    with pytest.raises(ValueError, match="expected"):
+        ds.process_slot(3, 3)
+
+
+def test_merge_is_in_input_order_and_refuses_a_record_twice(tmp_path):
+    out = str(tmp_path / "d.jsonl")
+    order = [f"c{i}" for i in range(6)]
+    shards = [[], []]
+    for cid in reversed(order):  # each shard in the reverse of input order
+        shards[ds.shard_of(cid, 2)].append({"id": cid})
+    assert all(shards)  # both shards hold some
+
+    def read(path):
+        with open(path) as f:
+            return [json.loads(line) for line in f]
+
+    for i, recs in enumerate(shards):
+        with open(ds.shard_output(out, i, 2), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in recs)
+    assert ds.merge_shards(out, 2, order, read) == {"merged": 6, "shards": 2}
+    assert [r["id"] for r in read(out)] == order
+    with open(ds.shard_output(out, 1, 2), "a") as f:
+        f.write(json.dumps(shards[0][0]) + "\n")
+    with pytest.raises(ValueError, match="shard 0 and shard 1"):
+        ds.merge_shards(out, 2, order, read)
+
+
+def test_a_marker_counts_only_for_the_split_it_was_made_for(tmp_path):
+    out = str(tmp_path / "d.jsonl")
+    assignment = [["a", "c"], ["b"]]
+    ds.mark_done(ds.shard_output(out, 0, 2), ["a", "c"], {})
+    ds.mark_done(ds.shard_output(out, 1, 2), ["b", "d"], {})  # a marker from a run with more input
+    waits = []
+    with pytest.raises(TimeoutError, match=r"shards \[1\]"):
+        ds.wait_for_shards(out, assignment, poll_s=0.0, timeout_s=0.0, sleep=waits.append)
+    ds.mark_done(ds.shard_output(out, 1, 2), ["b"], {})
+    ds.wait_for_shards(out, assignment, poll_s=0.0, timeout_s=0.0)
+
+
+def _cli(args, env, timeout=600):
+    return subprocess.Popen([sys.executable, "-m", "launch.generate_data", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_two_processes_with_a_split_target_write_what_one_process_writes(tmp_path):
+    model = tmp_path / "model"
+    hf_llama(model, seed=9, vocab=300, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, ffn=96, max_pos=512)
+    write_hf_tokenizer(model)
+    data = tmp_path / "in.jsonl"
+    topics = ["cats", "rain", "tea", "maps", "jazz", "snow", "bees", "salt", "wind"]
+    with open(data, "w") as f:
+        for i, t in enumerate(topics):
+            turns = [{"from": "human", "value": f"Tell me about {t}."}, {"from": "gpt", "value": "old"}]
+            f.write(json.dumps({"id": f"q{i}", "conversations": turns}) + "\n")
+    common = ["--model", str(model), "--input", str(data), "--max_new_tokens", "10", "--batch_size", "4",
+              "--max_prompt_len", "96"]
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    one = tmp_path / "one.jsonl"
+    p = _cli(common + ["--output", str(one)], env)
+    assert p.wait(600) == 0, p.stderr.read()[-3000:]
+
+    node = tmp_path / "node.jsonl"
+    procs = [_cli(common + ["--output", str(node), "--shard_target", "--cpu_devices", "2"],
+                  dict(env, JAX_PROCESS_ID=str(i), JAX_NUM_PROCESSES="2")) for i in range(2)]
+    outs = [(p.wait(600), p.stdout.read(), p.stderr.read()) for p in procs]
+    for rc, out, err in outs:
+        assert rc == 0, err[-3000:]
+    want = sorted(_records(one), key=lambda r: int(r["id"][1:]))  # (a conversation whose answer comes back
+    assert len(want) >= len(topics) - 2  # empty — the target ended its turn at once — is not written)
+    summary = json.loads(outs[0][1].strip().splitlines()[-1])
+    assert summary["merged"] == {"merged": len(want), "shards": 2, "output": str(node)}
+    shard_ids = [[r["id"] for r in _records(ds.shard_output(str(node), i, 2))] for i in range(2)]
+    assert all(shard_ids) and not set(shard_ids[0]) & set(shard_ids[1])  # each process its own conversations
+    merged = _records(node)
+    assert merged == want  # the same greedy answers, in input order, each once
+    assert all(r["conversations"][-1]["content"] != "old" for r in merged)
+
+    # a rerun resumes: nothing is generated again, the merge is rewritten identically
+    again = _cli(common + ["--output", str(node), "--shard_index", "1", "--num_shards", "2"], env)
+    assert again.wait(600) == 0
+    assert json.loads(again.stdout.read().strip().splitlines()[-1])["already_done"] == len(shard_ids[1])
+
+    # the merged output is one release with its manifest (the recorded command is the node's)
+    release = tmp_path / "release"
+    r = subprocess.run([sys.executable, "-m", "launch.release_data", "--input", str(node), "--release", str(release),
+                        "--nofingerprint"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from confu_jax.data import releases
+
+    manifest = releases.verify_release(str(release))
+    assert manifest["conversations"] == len(want)
+    assert sorted(rec["id"] for rec in releases.load_release(str(release))) == sorted(r["id"] for r in merged)

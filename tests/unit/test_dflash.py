@@ -1,0 +1,478 @@
+"""DFlash (``models.dflash``, ``decode.dflash``, ``train.dflash_task``, ``weights.dflash_format``,
+``runs.dflash``).
+
+Forward parity is checked against torch: a transcription of the reference's ``DFlashDraftModel``
+(z-lab/dflash ``dflash/model.py`` at 44947fbf71114e241c96de194f4b382b5dd330d0: ``Qwen3DFlashAttention``
+with the context K/V concatenated before the block's, ``Qwen3DFlashDecoderLayer``, ``fc`` ->
+``hidden_norm``, final ``norm``) built from transformers' Qwen3 modules and loaded from our export with
+strict=True (the reference package itself pins transformers 4.57 and pulls datasets / sglang extras;
+its module was checked against this transcription by hand once, 2e-6 apart in float64).
+
+(1) forward (decode form, training blocks) against the transcription; (2) in the loop: greedy output
+equals AR (chain, tree, sampled chain at T=0; two prompts of different lengths, EOS inside a draft), the
+drafted block is the reference loop's, chi-square at T=1 against the exact joint (greedy = AR
+for every plan shape and sharded = single device: tests/contract/test_family_contract.py); (3) the published layout round trip; (4) the loss equals a hand computation, a short run
+lowers it and decodes losslessly, and a killed run resumes with identical losses.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from confu_jax.decode import loop
+from confu_jax.decode.dflash import DFlashDrafter, parse_dflash_plan
+from confu_jax.decode.families import parse_drafter
+from confu_jax.decode.generate import generate_ar
+from confu_jax.decode.spec_params import SpecParams
+from confu_jax.models import dflash as D
+from confu_jax.decode.families import get_method
+from tests.helpers.family_checks import assert_sampling_is_lossless
+from tests.helpers.loop_fixtures import generated_rows, jit_propose, make
+from tests.helpers.jitting import jit_static
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
+MASK = 3  # the mask token of the tests' drafts
+# the draft's pieces under jit (tests/helpers/jitting.py: called eagerly, every primitive compiles on its own)
+(block_hidden, block_logits, context_features, context_kv, draft_blocks, embed_block, sequence_context,
+ init_dflash) = (jit_static(f) for f in (D.block_hidden, D.block_logits, D.context_features, D.context_kv,
+                                          D.draft_blocks, D.embed_block, D.sequence_context, D.init_dflash))
+
+
+def draft_for(dcfg, n_taps, seed=0, std=0.3):
+    """A DFlash draft with every term acting: kernels large, norm scales perturbed."""
+    p = jax.tree_util.tree_map(np.array, init_dflash(jax.random.PRNGKey(seed), dcfg, n_taps, init_std=std))
+    rng = np.random.default_rng(seed + 1)
+    for path, x in list(D._leaves(p).items()):
+        if path.endswith("scale"):
+            node = p
+            *parents, leaf = path.split("/")
+            for q in parents:
+                node = node[q]
+            node[leaf] = (1 + 0.3 * rng.standard_normal(x.shape)).astype(np.float32)
+    return p
+
+
+def setup(vocab, seed=0, n_layers=2, **kw):
+    spec, tp, _ = make("eagle3", vocab, seed=seed, **kw)
+    dcfg = D.draft_config(spec.target, n_layers, rope_theta=50000.0, rms_eps=1e-6)
+    spec = dataclasses.replace(spec, draft_model=dcfg)
+    p = draft_for(dcfg, len(spec.taps), seed=seed)
+    return spec, tp, SpecParams(target=tp, draft={"dflash": {**p, "mask_token_id": np.int32(MASK % vocab)}},
+                                confu={}, draft_vocab={})
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def _torch_reference(dcfg, n_taps, sd):
+    """The reference's DFlashDraftModel.forward, transcribed on transformers' Qwen3 modules (float64, eager
+    attention over [context ; block] with an explicit additive mask), loaded with strict=True."""
+    import torch
+    import torch.nn as nn
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+    hf = Qwen3Config(vocab_size=dcfg.vocab_size, hidden_size=dcfg.d_model, intermediate_size=dcfg.ffn_dim,
+                     num_attention_heads=dcfg.n_heads, num_key_value_heads=dcfg.n_kv_heads, head_dim=dcfg.head_dim,
+                     num_hidden_layers=dcfg.n_layers, rms_norm_eps=dcfg.rms_eps, rope_theta=dcfg.rope_theta,
+                     max_position_embeddings=dcfg.max_position_embeddings, attention_bias=False)
+    hd, hq, hkv = dcfg.head_dim, dcfg.n_heads, dcfg.n_kv_heads
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = nn.Linear(dcfg.d_model, hq * hd, bias=False)
+            self.k_proj = nn.Linear(dcfg.d_model, hkv * hd, bias=False)
+            self.v_proj = nn.Linear(dcfg.d_model, hkv * hd, bias=False)
+            self.o_proj = nn.Linear(hq * hd, dcfg.d_model, bias=False)
+            self.q_norm = Qwen3RMSNorm(hd, eps=hf.rms_norm_eps)
+            self.k_norm = Qwen3RMSNorm(hd, eps=hf.rms_norm_eps)
+
+        def forward(self, x, ctx, cos, sin, mask):
+            b, q_len = x.shape[:2]
+            c_len = ctx.shape[1]
+            q = self.q_norm(self.q_proj(x).view(b, q_len, -1, hd)).transpose(1, 2)
+            k = torch.cat([self.k_proj(ctx), self.k_proj(x)], 1).view(b, c_len + q_len, -1, hd)
+            v = torch.cat([self.v_proj(ctx), self.v_proj(x)], 1).view(b, c_len + q_len, -1, hd).transpose(1, 2)
+            k = self.k_norm(k).transpose(1, 2)
+            cq, sq = cos[:, None, -q_len:], sin[:, None, -q_len:]  # the reference's apply_rotary_pos_emb
+            q = q * cq + rotate_half(q) * sq
+            k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+            k = k.repeat_interleave(hq // hkv, 1)
+            v = v.repeat_interleave(hq // hkv, 1)
+            s = q @ k.transpose(-1, -2) * hd ** -0.5 + mask[:, None]
+            o = torch.softmax(s, -1) @ v
+            return self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = Attn()
+            self.mlp = Qwen3MLP(hf)
+            self.input_layernorm = Qwen3RMSNorm(dcfg.d_model, eps=hf.rms_norm_eps)
+            self.post_attention_layernorm = Qwen3RMSNorm(dcfg.d_model, eps=hf.rms_norm_eps)
+
+        def forward(self, x, ctx, cos, sin, mask):
+            x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer() for _ in range(dcfg.n_layers)])
+            self.fc = nn.Linear(n_taps * dcfg.d_model, dcfg.d_model, bias=False)
+            self.hidden_norm = Qwen3RMSNorm(dcfg.d_model, eps=hf.rms_norm_eps)
+            self.norm = Qwen3RMSNorm(dcfg.d_model, eps=hf.rms_norm_eps)
+            self.rotary_emb = Qwen3RotaryEmbedding(hf)
+
+        def forward(self, position_ids, noise_embedding, target_hidden, mask):
+            """mask [B, Q, C+Q] bool (True = visible)."""
+            x = noise_embedding
+            ctx = self.hidden_norm(self.fc(target_hidden))
+            cos, sin = self.rotary_emb(x, position_ids)
+            add = torch.where(mask, 0.0, float("-inf")).to(x.dtype)
+            for layer in self.layers:
+                x = layer(x, ctx, cos, sin, add)
+            return self.norm(x)
+
+    ref = Model().double()
+    ref.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in sd.items()}, strict=True)
+    return ref
+
+
+def test_forward_equals_reference():
+    import torch
+
+    spec, tp, params = setup(24)
+    dcfg, p = spec.draft_model, D.model_params(params.draft["dflash"])
+    n_taps = len(spec.taps)
+    ref = _torch_reference(dcfg, n_taps, D.to_reference_state_dict(p))
+    rng = np.random.default_rng(3)
+    b, s, bs = 2, 7, 4
+    taps = (2 * rng.standard_normal((b, s, n_taps * dcfg.d_model))).astype(np.float32)
+    noise = rng.standard_normal((b, bs, dcfg.d_model)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(s + bs) + 3, (b, s + bs)).copy()  # RoPE offset: positions matter
+    # the decode form: every context slot and the whole block visible (the reference's is_causal=False)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(pos), torch.from_numpy(noise).double(), torch.from_numpy(taps).double(),
+                   torch.ones(b, bs, s + bs, dtype=torch.bool)).numpy()
+    assert np.abs(want).std() > 0.1
+    k, v = sequence_context(p, dcfg, jnp.asarray(taps), jnp.asarray(pos[:, :s]))
+    got = block_hidden(p, dcfg, jnp.asarray(noise), jnp.asarray(pos[:, s:]), jnp.ones((b, bs, bs), bool), k, v,
+                       jnp.full((b,), s))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
+    # the context committed through the cache helpers in two pieces gives the same block
+    from confu_jax.models.kv_cache import commit, init_cache
+
+    cache = init_cache(dcfg.n_layers, b, 16, dcfg.n_kv_heads, dcfg.head_dim)
+    for lo, hi in ((0, 4), (4, s)):
+        kk, vv = context_kv(p, dcfg, context_features(p, dcfg, jnp.asarray(taps[:, lo:hi])),
+                            jnp.asarray(pos[:, lo:hi]))
+        cache = jit_static(commit)(cache, kk, vv, jnp.full((b,), hi - lo))
+    got2 = block_hidden(p, dcfg, jnp.asarray(noise), jnp.asarray(pos[:, s:]), jnp.ones((b, bs, bs), bool),
+                        cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
+    np.testing.assert_allclose(np.asarray(got2), want, rtol=2e-4, atol=2e-4)
+    # training blocks: anchors 2 and 5 of a row, each block sees the context before its anchor and itself
+    tokens = rng.integers(0, 24, (b, s))
+    anchors = np.array([[2, 5], [1, 4]])
+    h = draft_blocks(p, dcfg, spec.target, tp, jnp.asarray(taps), jnp.asarray(tokens), jnp.asarray(anchors), MASK,
+                     bs)
+    emb = np.asarray(tp["embed"]["embedding"])
+    for r in range(b):
+        for i, a in enumerate(anchors[r]):
+            blk = np.r_[tokens[r, a], np.full(bs - 1, MASK)]
+            mask = np.zeros((1, bs, s + bs), bool)
+            mask[:, :, :a] = True
+            mask[:, :, s:] = True
+            with torch.no_grad():
+                w = ref(torch.from_numpy(np.r_[np.arange(s), a + np.arange(bs)][None]),
+                        torch.from_numpy(emb[blk][None]).double(), torch.from_numpy(taps[r:r + 1]).double(),
+                        torch.from_numpy(mask)).numpy()
+            np.testing.assert_allclose(np.asarray(h[r, i]), w[0], rtol=2e-4, atol=2e-4)
+    # names round trip
+    back = D.from_reference_state_dict(D.to_reference_state_dict(p), dcfg, n_taps)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back, p)
+    D.check_dflash_params(p, dcfg, n_taps)
+    sd = D.to_reference_state_dict(p)
+    with pytest.raises(ValueError, match="missing keys"):
+        D.from_reference_state_dict({k: x for k, x in sd.items() if "q_norm" not in k}, dcfg, n_taps)
+    with pytest.raises(ValueError, match="expected shape"):
+        D.from_reference_state_dict(sd, dcfg.replace(ffn_dim=dcfg.ffn_dim * 2), n_taps)
+
+
+def test_target_layer_ids():
+    """The reference's default layers, and our taps (states entering layer l+1)."""
+    assert D.build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # configs/qwen3-8b-dflash.json in SpecForge
+    assert D.build_target_layer_ids(24, 5) == [1, 6, 11, 16, 21]  # qwen2.5-0.5b
+    assert D.build_target_layer_ids(8, 1) == [4]
+    assert D.taps_for_layer_ids([1, 3, 5]) == (2, 4, 6)
+    assert D.layer_ids_for_taps((2, 4, 6)) == [1, 3, 5]
+
+
+def test_plan_parsing():
+    d = parse_drafter("dflash", "tree:2,2,1")
+    assert isinstance(d, DFlashDrafter) and d.n_nodes == 1 + 2 + 4 + 4 and d.max_depth == 3
+    assert d.describe() == "tree:2,2,1" and d.rule(True).name == "greedy"
+    assert parse_drafter("dflash", "chain:15").plan.k == 15
+    assert parse_drafter("dflash", "sampled_chain:2").rule(False).name == "sampled_chain"
+    with pytest.raises(ValueError, match="contemplates"):
+        parse_dflash_plan("chain:3+c2")
+    assert get_method("dflash").needs_head and get_method("dflash").speculative
+    spec, tp, _ = setup(6)
+    with pytest.raises(ValueError, match="needs params.draft\\['dflash'\\]"):
+        loop.generate_from_spec(spec, SpecParams(target=tp, draft={}, confu={}, draft_vocab={}),
+                                  parse_drafter("dflash", "chain:2"), PROMPTS, max_new_tokens=4, eos_ids=())
+
+
+# ----------------------------------------------------------------------------- in the loop
+
+
+def test_block_is_the_reference_loop():
+    """The first proposal is the reference's first block: [root, M, M, M] at positions n..n+3 over the
+    prompt's taps (every context slot visible), each drafted token the argmax of its own position."""
+    from confu_jax.decode.drafter import DraftInput, PrefillView
+    from confu_jax.models.target import real_forward
+
+    spec, tp, params = setup(24, seed=1)
+    p = D.model_params(params.draft["dflash"])
+    prompt = [3, 9, 4, 17, 3, 9]
+    n = len(prompt)
+    toks = jnp.asarray([prompt], jnp.int32)
+    out = jit_static(real_forward)(spec, tp, toks)
+    root = jnp.argmax(out.logits_btv[:, -1], axis=-1).astype(jnp.int32)
+    drafter = parse_drafter("dflash", "chain:3")
+    st = jax.jit(lambda params: drafter.init(spec, params, PrefillView(toks, jnp.array([n]), root, out.taps_btc, None,
+                                                                       32)))(params)
+    inp = DraftInput(root, jnp.array([n - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0), jnp.float32(0.0),
+                     jnp.float32(1.0))
+    prop = jit_propose(drafter, spec, params, st, inp)
+    chain = np.asarray(prop.tree.tokens_bt)[0].tolist()
+    k, v = sequence_context(p, spec.draft_model, out.taps_btc)
+    blk = jnp.asarray([[int(root[0]), MASK, MASK, MASK]])
+    h = block_hidden(p, spec.draft_model, embed_block(tp, blk), jnp.arange(n, n + 4)[None],
+                     jnp.ones((1, 4, 4), bool), k, v, jnp.array([n]))
+    want = np.argmax(np.asarray(block_logits(spec.target, tp, h))[0, 1:], -1)
+    assert chain == [int(root[0])] + want.tolist()
+    # a tree's depth-d nodes are position d's top-k, the same under every parent
+    prop = jit_propose(drafter.__class__(parse_dflash_plan("tree:2,2")), spec, params, st, inp)
+    toks, par = np.asarray(prop.tree.tokens_bt)[0], np.asarray(prop.tree.parents_bt)[0]
+    kids = [sorted(int(toks[j]) for j in range(len(toks)) if par[j] == i) for i in (1, 2)]
+    assert kids[0] == kids[1] and len(kids[0]) == 2
+
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["sampled_chain:2"])
+def test_sampling_lossless_joint(plan):
+    spec, tp, params = setup(4, seed=3, n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
+    drafter = parse_drafter("dflash", plan)
+    assert_sampling_is_lossless(spec, tp, params, drafter)
+
+
+# ----------------------------------------------------------------------------- import / export
+
+
+@pytest.mark.slow
+def test_published_layout_round_trip(tmp_path):
+    import ml_dtypes
+
+    from confu_jax.decode.families import decode_head
+    from confu_jax.weights.dflash_format import is_dflash_dir, load_dflash_dir, save_dflash_dir
+    from confu_jax.weights.safetensors_io import SafetensorsFile, save_file
+
+    spec, tp, params = setup(6)
+    dcfg, p = spec.draft_model, D.model_params(params.draft["dflash"])
+    d = str(tmp_path / "dflash")
+    save_dflash_dir(d, p, dcfg, taps=spec.taps, mask_token_id=MASK, block_size=4,
+                    num_target_layers=spec.target.n_layers)
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
+    assert c["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": D.layer_ids_for_taps(spec.taps)}
+    assert (c["block_size"], c["num_target_layers"], c["num_hidden_layers"], c["rope_theta"]) == (
+        4, spec.target.n_layers, 2, 50000.0)
+    f = SafetensorsFile(os.path.join(d, "model.safetensors"))
+    assert set(f.names()) == set(D.to_reference_state_dict(p))
+    assert "layers.1.self_attn.k_norm.weight" in set(f.names())
+    np.testing.assert_array_equal(f.get("fc.weight"), np.asarray(p["fc"]["kernel"]).T)  # torch [out, in]
+    assert is_dflash_dir(d) and not is_dflash_dir(str(tmp_path))
+    imp = load_dflash_dir(d)
+    assert (imp.mask_token_id, imp.block_size, imp.taps, imp.draft.rms_eps) == (MASK, 4, spec.taps, 1e-6)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, imp.params, p)
+    # bf16, with the HF "model." prefix some exports carry: rounded values back
+    db = str(tmp_path / "bf16")
+    save_dflash_dir(db, p, dcfg, taps=spec.taps, mask_token_id=MASK, block_size=4,
+                    num_target_layers=spec.target.n_layers, dtype=ml_dtypes.bfloat16)
+    fb = SafetensorsFile(os.path.join(db, "model.safetensors"))
+    sd = {f"model.{k}": np.array(fb.get(k)) for k in fb.names()}
+    save_file(sd, os.path.join(db, "model.safetensors"))
+    rounded = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), p)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, load_dflash_dir(db).params, rounded)
+    # decode_head: the spec carries the draft's config and taps; it decodes exactly as the in-memory draft
+    head = decode_head("dflash", spec.target, tp, d)
+    assert head.trained and head.spec.draft_model.n_layers == 2 and head.spec.taps == spec.taps
+    drafter = parse_drafter("dflash", "chain:3")
+    a = loop.generate_speculative(head.target, drafter, head.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
+    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    assert generated_rows(a, 2) == generated_rows(b, 2)
+    np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
+    with pytest.raises(ValueError, match="cannot read a target of width"):
+        decode_head("dflash", spec.target.replace(d_model=32, n_heads=2, n_kv_heads=1), tp, d)
+    with pytest.raises(ValueError, match="neither a DFlash"):
+        decode_head("dflash", spec.target, tp, str(tmp_path))
+    assert not decode_head("dflash", spec.target, tp, None).trained
+
+
+@pytest.mark.slow
+def test_five_tap_drafter_imports_and_decodes(tmp_path):
+    """z-lab's 8B drafters read 5 target layers (build_target_layer_ids(L, 5)): one in their layout,
+    on the 8-layer tiny target, imports with its 5 taps and decodes exactly as AR and as in memory."""
+    from confu_jax.decode.families import decode_head
+    from confu_jax.weights.dflash_format import save_dflash_dir
+
+    spec, tp, _ = setup(6)
+    taps = D.default_taps(spec.target.n_layers, 5)
+    assert len(taps) == 5 and max(taps) < spec.target.n_layers
+    spec = dataclasses.replace(spec, head=dataclasses.replace(spec.head, tap_layers=taps))
+    p = draft_for(spec.draft_model, 5, seed=1)
+    assert np.asarray(p["fc"]["kernel"]).shape == (5 * spec.target.d_model, spec.target.d_model)
+    params = SpecParams(target=tp, draft={"dflash": {**p, "mask_token_id": np.int32(MASK)}}, confu={}, draft_vocab={})
+    d = str(tmp_path / "dflash5")
+    save_dflash_dir(d, D.model_params(p), spec.draft_model, taps=taps, mask_token_id=MASK, block_size=4,
+                    num_target_layers=spec.target.n_layers)
+    head = decode_head("dflash", spec.target, tp, d)
+    assert head.spec.taps == taps
+    drafter = parse_drafter("dflash", "chain:3")
+    ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=20, eos_ids=())
+    a = loop.generate_speculative(head.target, drafter, head.drafter_params, PROMPTS, max_new_tokens=20, eos_ids=())
+    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=20, eos_ids=())
+    assert generated_rows(a, 2) == generated_rows(ar, 2) == generated_rows(b, 2)
+    np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
+    # a drafter reading the target's last layer's output (no tap exists after it) is refused, naming the ids
+    save_dflash_dir(d, D.model_params(p), spec.draft_model, taps=taps[:4] + (spec.target.n_layers,),
+                    mask_token_id=MASK, block_size=4, num_target_layers=spec.target.n_layers)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        decode_head("dflash", spec.target, tp, d)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.mark.slow
+def test_the_smollm2_target_keeps_the_draft_model():
+    """Loading a real checkpoint replaces the preset's target config and keeps the spec's draft model
+    (SmolLM2's DFlash run once failed at init: the loaded spec had lost it; the tiny target, random
+    weights, never went through that path)."""
+    from configs.smollm2_dflash import get_config
+    from confu_jax.train.dflash_task import dflash_spec
+    from confu_jax.train.target_loading import load_target
+
+    config = get_config()
+    spec = dflash_spec(config)
+    loaded, params = load_target(config, spec)
+    assert loaded.draft_model == spec.draft_model and loaded.draft_model.n_layers == 3
+    assert loaded.taps == spec.taps and loaded.target.n_layers == spec.target.n_layers == 30
+    assert jax.tree_util.tree_leaves(params["embed"])[0].shape[0] == loaded.target.vocab_size
+
+def _config(**extra):
+    from configs.tiny_dflash import get_config
+    from tests.helpers.train_resume import short_run_config
+
+    return short_run_config(get_config, **extra)
+
+
+@pytest.mark.slow
+def test_loss_equals_hand_computation():
+    """SpecForge's block objective recomputed block by block: anchors = the rng's uniform draw among the t
+    with x[t], x[t+1] answer tokens; each block alone over the context before its anchor; CE of position
+    k >= 1 against x[a+k] where that is an answer token, weighted exp(-(k-1)/γ)."""
+    from confu_jax.train.dflash_task import dflash_loss, dflash_spec
+    from confu_jax.train.loop import setup_run
+    from confu_jax.train.loss import sample_anchors
+    from confu_jax.train.target_loading import load_target
+    from confu_jax.models.target import real_forward
+
+    config = _config()
+    run = setup_run(config)
+    batch = next(run.task.train_iterator(0, 1))
+    spec, tp = load_target(config, dflash_spec(config))
+    dcfg = spec.draft_model
+    p = draft_for(dcfg, len(spec.taps), seed=2, std=0.2)
+    bs, n_anchor, gamma, mask_id = 4, 5, 4.0, 127
+    rng = jax.random.PRNGKey(7)
+    loss, metrics = jit_static(dflash_loss)(spec, p, tp, batch, rng, block_size=bs, num_anchors=n_anchor,
+                                            mask_token_id=mask_id, gamma=gamma)
+    toks = np.asarray(batch["tokens"])
+    mask = np.asarray(batch["loss_mask"]).astype(bool)
+    if "attention_mask" in batch:
+        mask &= np.asarray(batch["attention_mask"]).astype(bool)
+    b, n = toks.shape
+    cand = mask & np.r_["1", mask[:, 1:], np.zeros((b, 1), bool)]
+    anchors, valid = (np.asarray(x) for x in jit_static(sample_anchors)(rng, jnp.asarray(cand), n_anchor))
+    assert valid.sum() > 0 and np.all(cand[np.arange(b)[:, None], anchors][valid])
+    taps = jit_static(real_forward)(spec, tp, jnp.asarray(toks), return_logits=False).taps_btc
+    k_ctx, v_ctx = sequence_context(p, dcfg, taps)
+    num = den = 0.0
+    per_pos = {i: [] for i in range(1, bs)}
+    for r in range(b):
+        for j in np.flatnonzero(valid[r]):
+            a = int(anchors[r, j])
+            blk = jnp.asarray([[toks[r, a]] + [mask_id] * (bs - 1)])
+            h = block_hidden(p, dcfg, embed_block(tp, blk), jnp.arange(a, a + bs)[None],
+                             jnp.ones((1, bs, bs), bool), k_ctx[:, r:r + 1], v_ctx[:, r:r + 1], jnp.array([a]))
+            lp = np.asarray(jax.nn.log_softmax(block_logits(spec.target, tp, h), -1))[0]
+            for i in range(1, bs):
+                if a + i < n and mask[r, a + i]:
+                    w = np.exp(-(i - 1) / gamma)
+                    num -= w * lp[i, toks[r, a + i]]
+                    den += w
+                    per_pos[i].append(-lp[i, toks[r, a + i]])
+    np.testing.assert_allclose(float(loss), num / den, rtol=2e-4)
+    for i in range(1, bs):
+        np.testing.assert_allclose(float(metrics[f"ce/head{i - 1}"]), np.mean(per_pos[i]), rtol=2e-4)
+    assert 1.0 <= float(metrics["acceptance_length"]) <= bs
+
+
+@pytest.mark.slow
+def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
+    import ml_dtypes
+
+    from confu_jax.decode.families import decode_head
+    from confu_jax.runs.dflash import export_dflash_run, is_dflash_workdir
+    from confu_jax.train.dflash_task import dflash_spec
+    from confu_jax.train.loop import train
+    from confu_jax.train.metric_writers import read_csv
+    from confu_jax.train.target_loading import load_target
+    from confu_jax.weights.dflash_format import load_dflash_dir
+
+    workdir = str(tmp_path / "dflash")
+    config = _config(**{"train.steps": 30, "train.eval_every": 15, "train.checkpoint.every": 15})
+    assert train(config, workdir).step == 30
+    rows = read_csv(os.path.join(workdir, "metrics.csv"))
+    first, last = np.mean([r["loss"] for r in rows[:3]]), np.mean([r["loss"] for r in rows[-3:]])
+    assert last < 0.95 * first, (first, last)  # block drafting sees no drafted token: slower than MTP
+    ev = read_csv(os.path.join(workdir, "eval.csv"))
+    assert ev[-1]["loss"] < ev[0]["loss"]
+    assert {"acc/head0", "acc/head2", "acceptance_length"} <= set(ev[-1])
+    assert is_dflash_workdir(workdir)
+    spec, tp = load_target(config, dflash_spec(config))
+    head = decode_head("dflash", spec.target, tp, workdir)
+    assert head.trained and "step 30" in head.source and head.spec.taps == spec.taps
+    out = str(tmp_path / "exported")
+    run = export_dflash_run(workdir, out, spec.target, tp, dtype="bfloat16")
+    imp = load_dflash_dir(out)
+    assert (imp.mask_token_id, imp.block_size, imp.taps) == (127, 4, spec.taps)
+    rounded = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32),
+                                     run.params)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, imp.params, rounded)
+    prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
+    ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
+    res = loop.generate_speculative(head.target, parse_drafter("dflash", "chain:3"), head.drafter_params, prompts,
+                                    max_new_tokens=16, eos_ids=())
+    assert generated_rows(res, 2) == generated_rows(ar, 2)
