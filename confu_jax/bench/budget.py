@@ -40,7 +40,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from confu_jax.decode.families import DEFAULT_CHAINS, DEFAULT_TREES, family_of
+from confu_jax.decode.families import family_of
+from confu_jax.decode.family import DEFAULT_CHAINS, DEFAULT_TREES
 
 AR = "ar"  # the no-speculation candidate: plain autoregressive decoding
 

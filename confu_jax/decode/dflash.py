@@ -184,7 +184,7 @@ def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
         mask, trained = target_cfg.vocab_size - 1, False
         desc = f"DFlash initialisation ({num_layers} layers, seed {seed})"
     else:
-        _, (params, dcfg, taps, mask, desc) = resolve_source(source, (
+        params, dcfg, taps, mask, desc = resolve_source(source, (
             SourceKind("a DFlash launch.train workdir (config.json with a 'dflash' section + checkpoints/)",
                        is_dflash_workdir, run),
             SourceKind("a published DFlash directory (config.json with architectures ['DFlashDraftModel'] + "

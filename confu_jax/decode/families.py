@@ -17,13 +17,7 @@ from typing import Optional
 
 from confu_jax.decode import dflash, draft_model, drafting, heads, hybrid, lookup, medusa, mlp_speculator, mtp
 from confu_jax.decode.drafter import Drafter
-from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DEFAULT_DEPTH, DEFAULT_TREES,
-                                     DrafterFamily, Method)
-from confu_jax.decode.lookup import DEFAULT_LOOKUP_TREES, LOOKUP_CHAINS, LOOKUP_FORMS
-
-__all__ = ["DEFAULT_CARTESIAN_TREES", "DEFAULT_CHAINS", "DEFAULT_DEPTH", "DEFAULT_LOOKUP_TREES", "DEFAULT_TREES",
-           "DrafterFamily", "EXPORT_FORMATS", "FAMILIES", "LOOKUP_CHAINS", "LOOKUP_FORMS", "METHODS", "Method", "SPECULATIVE_METHODS",
-           "decode_head", "export_formats", "family_of", "get_method", "parse_drafter"]
+from confu_jax.decode.family import DrafterFamily, Method
 
 _MODULES = (drafting, lookup, hybrid, draft_model, medusa, mlp_speculator, mtp, dflash)
 

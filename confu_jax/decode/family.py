@@ -103,13 +103,13 @@ def source_path(source: str) -> str:
     return storage.absolute(os.path.expanduser(source))
 
 
-def resolve_source(source: str, kinds: Sequence[SourceKind]) -> tuple[str, Any]:
-    """(absolute path, what the first matching kind read) of a family's weights source (local or
-    gs://, ``~`` expanded). No kind matching is one error naming every kind the family reads."""
+def resolve_source(source: str, kinds: Sequence[SourceKind]) -> Any:
+    """What the first matching kind reads from a family's weights source (made absolute: local or
+    gs://, ``~`` expanded; each kind gets the absolute path). No kind matching is one error naming every kind the family reads."""
     path = source_path(source)
     for kind in kinds:
         if kind.matches(path):
-            return path, kind.read(path)
+            return kind.read(path)
     raise ValueError(f"{source}: neither " + " nor ".join(k.what for k in kinds))
 
 

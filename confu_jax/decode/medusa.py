@@ -128,7 +128,7 @@ def load_medusa(target_cfg, target_params: dict, source=None, seed: int = 0,
         r = load_medusa_run(path, target_cfg, target_params, target_source=target_source)
         return r.heads, r.source
 
-    path, (heads, desc) = resolve_source(source, (
+    heads, desc = resolve_source(source, (
         SourceKind("a Medusa launch.train workdir (config.json with a 'medusa' section + checkpoints/)",
                    is_medusa_workdir, run),
         SourceKind("a FasterDecoding Medusa directory (medusa_lm_head.safetensors/.pt)", is_medusa_dir,

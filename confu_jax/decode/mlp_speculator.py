@@ -143,7 +143,7 @@ def load_mlp_speculator(target_cfg, target_params: dict, source=None, seed: int 
         r = load_mlp_speculator_run(path, target_cfg, target_params, target_source=target_source)
         return r.params, r.source
 
-    path, (params, desc) = resolve_source(source, (
+    params, desc = resolve_source(source, (
         SourceKind("an MLP speculator launch.train workdir (config.json with an 'mlp_speculator' section + "
                    "checkpoints/)", is_mlp_speculator_workdir, run),
         SourceKind("a published MLP speculator directory (config.json with model_type 'mlp_speculator' + "

@@ -154,7 +154,7 @@ def load_mtp(target_cfg, target_params: dict, source=None, seed: int = 0,
         check_shared(imp, target_cfg, target_params)
         return imp.params, f"{path} (DeepSeek-layout MTP, layer {imp.layer_index})"
 
-    path, (params, desc) = resolve_source(source, (
+    params, desc = resolve_source(source, (
         SourceKind("an MTP launch.train workdir (config.json with an 'mtp' section + checkpoints/)",
                    is_mtp_workdir, run),
         SourceKind("a DeepSeek-layout MTP directory (config.json with num_nextn_predict_layers + "

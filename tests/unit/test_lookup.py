@@ -269,7 +269,7 @@ def test_budget_auto_lookup_candidates():
     assert budget.plan_nodes("lookup:3,2", "lookup") == 7 and budget.plan_nodes("chain:3", "hybrid") == 4
     # the repetitive tiny target: lookup accepts several tokens per pass
     assert max(c.expected_tau for c in cands) > 1.5
-    assert budget.default_candidates("lookup")[1] == families.DEFAULT_LOOKUP_TREES
+    assert budget.default_candidates("lookup")[1] == lookup.DEFAULT_LOOKUP_TREES
     assert budget.default_candidates("hybrid")[1] == ()
 
 
