@@ -92,7 +92,7 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     import numpy as np
 
     from confu_jax.decode.stopping import StopReason
-    from confu_jax.decode.families import FAMILIES, decode_head, family_of
+    from confu_jax.decode.families import FAMILIES, decode_head, drafter_for, family_of
     from confu_jax.decode.loop import compile_speculative
     from confu_jax.decode.sharded import place_spec_params
 
@@ -103,7 +103,7 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
         raise ValueError(f"--draft_model is for --method {' / '.join(takes)}, not {method} (its weights: --draft_ckpt)")
     source = (draft_model or draft_ckpt) if family.source_flag == "draft_model" else draft_ckpt
     head = decode_head(method, cfg, params, source, seed=seed, target_source=target_source)
-    drafter = family.parse(plan or family.default_plan(head.params))  # the default plan fits the head
+    drafter = drafter_for(method, plan, head)  # the default plan fits the head; a deeper one is refused
     if mesh is not None:
         head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
     t0 = time.perf_counter()
@@ -149,7 +149,9 @@ flags.DEFINE_string("draft_model", None, "--method draft_model / sd2: the draft 
                     "launch.train SD² workdir (configs/*_sd2.py)")
 flags.DEFINE_string("plan", None, "speculative methods: draft plan (--tree: the same flag), chain:K | "
                     "sampled_chain:K | "
-                    "dynamic:DEPTH,TOPK,NODES (EAGLE-2 tree; NODES excludes the root); lookup also "
+                    "dynamic:DEPTH,TOPK,NODES (EAGLE-2 tree; NODES excludes the root) | tree:k1,...,kD; block "
+                    "drafters (dflash, medusa) also ddtree:N[,D] (DDTree: the N best nodes over the block's "
+                    "per-position top-k, at most D deep); lookup also "
                     "lookup:K[,W[,NMIN,NMAX]]. Default: chain:4, or as deep as the head drafts when it "
                     "drafts fewer (Medusa heads, MLP speculator stages)")
 flags.DEFINE_alias("tree", "plan")  # the flag's first name: a plan may be a chain

@@ -316,7 +316,7 @@ class _Benchmark:
         run: a method's auto rows at every temperature and method auto reuse them)."""
         from confu_jax.bench import budget as budget_lib
         from confu_jax.bench.cli_args import plan_families
-        from confu_jax.decode.families import get_method
+        from confu_jax.decode.families import fits_head, get_method
 
         if m not in self.calibrations:
             setup = self.setup
@@ -333,6 +333,7 @@ class _Benchmark:
             chains = tuple(c for c in chains if fam in plan_families(c))
             trees = tuple(c for c in trees if fam in plan_families(c))
             h = self.loaded[m]
+            chains, trees = (tuple(c for c in cands if fits_head(m, c, h)) for cands in (chains, trees))
             _, self.calibrations[m] = budget_lib.auto_plan(
                 h.spec, h.params, calib, max_new_tokens=setup.max_new_tokens, min_bucket=setup.min_bucket,
                 log=self.log, chains=chains, trees=trees, method=m, interleave=setup.interleave,
@@ -344,7 +345,7 @@ class _Benchmark:
         budget auto's choice or None); drafter None: budget auto chose plain AR."""
         from confu_jax.bench import budget as budget_lib
         from confu_jax.bench.cli_args import plan_families
-        from confu_jax.decode.families import get_method, parse_drafter
+        from confu_jax.decode.families import drafter_for, get_method
 
         family, chooser = get_method(m).family, get_method(m).chooses_method
         head = self.loaded.get(m)
@@ -366,7 +367,7 @@ class _Benchmark:
                      f"tau {best.expected_tau:.2f}, {best.tokens_per_s:.1f} tokens/s)")
             if plan_text == budget_lib.AR:  # speculation does not pay: decode as AR does
                 return plan_text, None, head, best
-        return plan_text, parse_drafter(best.method if chooser else m, plan_text), head, best
+        return plan_text, drafter_for(best.method if chooser else m, plan_text, head), head, best
 
     # ------------------------------------------------------------------------- run
 
@@ -548,8 +549,7 @@ def checkpoint_rows(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, method
     import jax
 
     from confu_jax.bench import budget as budget_lib
-    from confu_jax.decode.families import parse_drafter
-    from confu_jax.decode.families import decode_head
+    from confu_jax.decode.families import check_plan, decode_head, parse_drafter
 
     def bar(desc):
         return _bar(progress_factory, len(prompts), desc)
@@ -570,6 +570,7 @@ def checkpoint_rows(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, method
         for label, source in sources:
             head = decode_head(method, setup.target_cfg, setup.target_params, source, seed=setup.seed,
                                target_tokenizer=setup.tokenizer)
+            check_plan(method, plan, head)
             head = head._replace(params=jax.device_put(head.params))
             b, tick = bar(f"{label} {bud}")
             sp_logs, sp_tokens = _run_all(prompts, setup, programs, _spec_decoder(setup, programs, head, plan, 0.0),

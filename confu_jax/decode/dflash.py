@@ -26,8 +26,11 @@ and masks only: it does not depend on the other drafted tokens. So
   temperature / top-p, independently, and Leviathan's rule uses exactly that q_k (the q a drafted
   token was drawn from; conditioning on the earlier drafts changes nothing);
 * ``tree:k1,...,kD`` (ours) is the Cartesian tree of per-position top-k (Medusa's shape, since like
-  Medusa's heads the positions do not see each other's tokens), and ``dynamic:D,K,N`` EAGLE-2's
-  selection over it.
+  Medusa's heads the positions do not see each other's tokens), ``dynamic:D,K,N`` EAGLE-2's
+  selection over it, and ``ddtree:N[,D]`` DDTree's (arXiv 2604.12989): the N best nodes of that tree
+  by path log-probability, found best-first (``decode.tree.draft_block_tree``), verified in the one
+  tree pass under the greedy rule at T = 0 and the sequential-residual rule at T > 0 (its tokens are
+  a deterministic function of the block: point-mass q, exactly as ``tree:``).
 
 The block always has D+1 tokens for a depth-D plan (the reference's ``block_size`` argument of
 ``dflash_generate``; its published drafters are trained with 16). Verification is the project's
@@ -42,7 +45,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
@@ -54,8 +56,9 @@ from confu_jax.models.dflash import (block_hidden, block_logits, check_dflash_pa
 from confu_jax.models.kv_cache import KVCache, commit, init_cache
 from confu_jax.models.vocab_map import to_target_vocab
 
-DFLASH_FORMS = ("chain:K (a block of K+1: the root and K masks), sampled_chain:K, dynamic:D,K,N or tree:k1,...,kD "
-                "(top-k_i of block position i)")
+DFLASH_FORMS = ("chain:K (a block of K+1: the root and K masks), sampled_chain:K, dynamic:D,K,N, tree:k1,...,kD "
+                "(top-k_i of block position i) or ddtree:N[,D] (DDTree: the N best nodes over the block's "
+                "per-position top-k, at most D deep)")
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -82,8 +85,8 @@ def draft_spec(spec):
 
 
 def parse_dflash_plan(text: str) -> DraftPlan:
-    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
-    return parse_plan(text, what="DFlash", forms=DFLASH_FORMS)
+    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N``, ``tree:k1,...,kD`` or ``ddtree:N[,D]`` (no ``+cM``)."""
+    return parse_plan(text, what="DFlash", forms=DFLASH_FORMS, block=True)
 
 
 def context_entries(spec, p: dict, taps_btc, positions_bt):
@@ -119,14 +122,7 @@ class DFlashDrafter(PlanDrafter):
         h = block_hidden(model_params(p), dcfg, embed_block(params.target, blk), pos,
                          jnp.ones((b, depth + 1, depth + 1), bool), cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
         logits = to_target_vocab(block_logits(spec.target, params.target, h[:, 1:]), spec.target.vocab_size)
-        logp_bkv = jax.nn.log_softmax(logits, axis=-1)
-
-        def expand_fn(s, fr: tree_lib.Frontier):
-            """Every node at depth d gets block position d+1's distribution, whatever its parent."""
-            lp = logp_bkv[:, fr.depth][:, None, :]
-            return jnp.broadcast_to(lp, (b, fr.tokens_bk.shape[1], lp.shape[-1])), s
-
-        tree, q, _ = self.draft(expand_fn, None, inp)
+        tree, q = self.draft_positional(jax.nn.log_softmax(logits, axis=-1), inp)
         return full_proposal(tree, q, st)
 
     def update(self, spec, params, st: DFlashState, v: VerifiedPass) -> DFlashState:
@@ -151,7 +147,8 @@ def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
     ``dflash_config`` + model.safetensors: ``weights.dflash_format``; its width must be the target's and
     it must read 3 target layers, this project's tap count), or, with no source, an untrained draft
     (``num_layers`` layers of the target's shape over the reference's default layers, the last token id
-    as the mask; ``trained`` False). The spec carries the draft's layer config (``ModelSpec.draft_model``)
+    as the mask; ``trained`` False). A trained draft keeps its block size (``block_depth``: plans
+    deeper than the block are refused). The spec carries the draft's layer config (``ModelSpec.draft_model``)
     and its taps."""
     import numpy as np
 
@@ -161,7 +158,7 @@ def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
 
     def run(path):
         r = load_dflash_run(path, target_cfg, target_params, target_source=target_source)
-        return r.params, r.draft, r.taps, r.mask_token_id, r.source
+        return r.params, r.draft, r.taps, r.mask_token_id, r.block_size, r.source
 
     def published(path):
         imp = load_dflash_dir(path)
@@ -176,23 +173,32 @@ def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
                              f"below the last ({target_cfg.n_layers - 1}) of this {target_cfg.n_layers}-layer target")
         dcfg = imp.draft.replace(vocab_size=target_cfg.vocab_size, dtype=target_cfg.dtype,
                                  param_dtype=target_cfg.param_dtype)
-        return imp.params, dcfg, imp.taps, imp.mask_token_id, f"{path} (z-lab DFlash format, block {imp.block_size})"
+        return (imp.params, dcfg, imp.taps, imp.mask_token_id, imp.block_size,
+                f"{path} (z-lab DFlash format, block {imp.block_size})")
 
     if source is None:
         dcfg, taps = draft_config(target_cfg, num_layers), default_taps(target_cfg.n_layers)
         params = jax.device_get(init_dflash(jax.random.PRNGKey(seed), dcfg, len(taps)))
-        mask, trained = target_cfg.vocab_size - 1, False
+        mask, block, trained = target_cfg.vocab_size - 1, None, False
         desc = f"DFlash initialisation ({num_layers} layers, seed {seed})"
     else:
-        params, dcfg, taps, mask, desc = resolve_source(source, (
+        params, dcfg, taps, mask, block, desc = resolve_source(source, (
             SourceKind("a DFlash launch.train workdir (config.json with a 'dflash' section + checkpoints/)",
                        is_dflash_workdir, run),
             SourceKind("a published DFlash directory (config.json with architectures ['DFlashDraftModel'] + "
                        "model.safetensors)", is_dflash_dir, published)))
         trained = True
     check_dflash_params(params, dcfg, len(taps))
-    return own_weights(target_cfg, target_params, {"dflash": {**params, "mask_token_id": np.int32(mask)}}, trained,
+    scalars = {"mask_token_id": np.int32(mask), **({} if block is None else {"block_size": np.int32(block)})}
+    return own_weights(target_cfg, target_params, {"dflash": {**params, **scalars}}, trained,
                        desc, draft_model=dcfg, tap_layers=tuple(taps))
+
+
+def block_depth(params):
+    """The deepest plan a loaded DFlash draft runs: its trained block holds the root and block_size - 1
+    masks (None for an initialisation, which was trained on nothing)."""
+    block = params.draft["dflash"].get("block_size")
+    return None if block is None else int(block) - 1
 
 
 FAMILIES = (DrafterFamily(
@@ -200,5 +206,6 @@ FAMILIES = (DrafterFamily(
     methods=(Method("dflash", (), "DFlash: a block-diffusion draft drafting a whole block in one forward, "
                     "conditioned on the target's taps as extra K/V (trained with configs/*_dflash.py, or a z-lab "
                     "DFlash directory)", own_weights=True),),
-    trees=DEFAULT_CARTESIAN_TREES, export_formats=(runs_dflash.EXPORT_FORMAT,), train_task="confu_jax.train.dflash_task:build_task",
+    trees=DEFAULT_CARTESIAN_TREES + ("ddtree:8,3",), max_depth=block_depth,
+    export_formats=(runs_dflash.EXPORT_FORMAT,), train_task="confu_jax.train.dflash_task:build_task",
     configs=("configs/smollm2_dflash.py",), tiny_config="configs/tiny_dflash.py"),)

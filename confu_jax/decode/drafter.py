@@ -168,6 +168,13 @@ class PlanDrafter(Drafter):
         tree, q, _, state = self.plan.grow(expand_fn, state, inp)
         return tree, q, state
 
+    def draft_positional(self, logp_bdv, inp: DraftInput):
+        """The plan's tree for a block drafter, from every depth's distribution ``logp_bdv`` [B,D,V]
+        drafted at once from the root (``DraftPlan.grow_positional``: DDTree's ``ddtree:`` plans
+        too) -> (tree, q_btv or None)."""
+        tree, q, _, _ = self.plan.grow_positional(logp_bdv, None, inp)
+        return tree, q
+
 
 def full_proposal(tree: DraftTree, q, state) -> Proposal:
     """A proposal that asks to verify every node of ``tree`` (no contemplates)."""

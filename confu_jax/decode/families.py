@@ -58,6 +58,33 @@ def parse_drafter(method: str, text: str) -> Drafter:
     return family_of(method).parse(text)
 
 
+def check_plan(method: str, drafter: Drafter, head: heads.DecodeHead) -> None:
+    """Refuse a plan deeper than the loaded weights draft (``DrafterFamily.max_depth``: Medusa's head
+    count, a trained DFlash draft's block), naming both, before anything is traced."""
+    fam = family_of(method)
+    limit = fam.max_depth(head.params) if fam.max_depth is not None else None
+    if limit is not None and drafter.max_depth > limit:
+        raise ValueError(f"plan {drafter.describe()!r} drafts {drafter.max_depth} deep; the {fam.name} weights of "
+                         f"{head.source} draft at most {limit} deep (expected a plan of depth <= {limit})")
+
+
+def fits_head(method: str, text: str, head: heads.DecodeHead) -> bool:
+    """Whether ``method``'s plan ``text`` is no deeper than ``head``'s weights draft (budget ``auto``
+    keeps only the candidates that fit)."""
+    fam = family_of(method)
+    limit = fam.max_depth(head.params) if fam.max_depth is not None else None
+    return limit is None or fam.parse(text).max_depth <= limit
+
+
+def drafter_for(method: str, text: Optional[str], head: heads.DecodeHead) -> Drafter:
+    """The drafter ``method`` decodes ``head`` with under the plan ``text`` (None: the family's default
+    plan for these weights), checked against what the weights draft (``check_plan``)."""
+    fam = family_of(method)
+    drafter = fam.parse(text or fam.default_plan(head.params))
+    check_plan(method, drafter, head)
+    return drafter
+
+
 # every ``launch.export_head --format`` (``runs.exports.ExportFormat``), family by family
 EXPORT_FORMATS: dict = {f.name: f for fam in FAMILIES.values() for f in fam.export_formats}
 

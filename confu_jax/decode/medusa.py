@@ -21,7 +21,8 @@ heads cost nothing on the target side: the hidden state is computed by every ver
   head i's top-k_i, Medusa-1's original tree; ``plans.StaticTree.cartesian`` builds it): a node of rank r at
   depth d+1 is head d's r-th token, under every parent;
 * ``dynamic:D,K,N`` (EAGLE-2's selection by cumulative head log-probability) also works, since the
-  tree drafters only ask for the log-probabilities below each frontier node.
+  tree drafters only ask for the log-probabilities below each frontier node; so does ``ddtree:N[,D]``
+  (DDTree's best-first tree over the heads' top-k: ``decode.plans.BlockTree``).
 
 Verification is the project's exact rules (§4): greedy equality, sequential residual sampling for
 deterministic trees, Leviathan for sampled chains. Medusa's "typical acceptance" (lossy) is not
@@ -36,7 +37,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal,
                                      last_accepted_hidden)
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DrafterFamily, Method, SourceKind,
@@ -47,7 +47,8 @@ from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.medusa import config_of, medusa_logits
 from confu_jax.models.vocab_map import to_target_vocab
 
-MEDUSA_FORMS = "chain:K, sampled_chain:K, dynamic:D,K,N or tree:k1,...,kD (top-k_i of head i, Cartesian)"
+MEDUSA_FORMS = ("chain:K, sampled_chain:K, dynamic:D,K,N, tree:k1,...,kD (top-k_i of head i, Cartesian) or "
+                "ddtree:N[,D] (DDTree: the N best nodes over the heads' top-k, at most D deep)")
 
 
 @flax.struct.dataclass
@@ -65,7 +66,7 @@ def medusa_params(params) -> dict:
 
 def parse_medusa_plan(text: str) -> DraftPlan:
     """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N`` or ``tree:k1,...,kD`` (no ``+cM``)."""
-    return parse_plan(text, what="Medusa", forms=MEDUSA_FORMS)
+    return parse_plan(text, what="Medusa", forms=MEDUSA_FORMS, block=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +90,7 @@ class MedusaDrafter(PlanDrafter):
                              f"{c.num_heads} tokens ahead (depth <= medusa_num_heads)")
         sub = jax.tree_util.tree_map(lambda x: x[:depth], heads)  # only the heads the tree reaches
         logits_kbv = to_target_vocab(medusa_logits(sub, st.hidden_bd), spec.target.vocab_size)
-        logp_kbv = jax.nn.log_softmax(logits_kbv, axis=-1)
-
-        def expand_fn(s, fr: tree_lib.Frontier):
-            n = fr.tokens_bk.shape[1]
-            lp = logp_kbv[fr.depth][:, None, :]
-            return jnp.broadcast_to(lp, (lp.shape[0], n, lp.shape[-1])), s
-
-        tree, q, _ = self.draft(expand_fn, None, inp)
+        tree, q = self.draft_positional(jnp.swapaxes(jax.nn.log_softmax(logits_kbv, axis=-1), 0, 1), inp)
         return full_proposal(tree, q, st)
 
     def update(self, spec, params, st: MedusaState, v: VerifiedPass) -> MedusaState:
@@ -146,7 +140,7 @@ FAMILIES = (DrafterFamily(
     "medusa", lambda text: MedusaDrafter(parse_medusa_plan(text)), own_weights_loader(load_medusa),
     methods=(Method("medusa", (), "Medusa-1 heads on the target's last hidden state (trained with "
                     "configs/*_medusa.py, or a FasterDecoding medusa_lm_head directory)", own_weights=True),),
-    chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES,
+    chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES + ("ddtree:8,3",),
     max_depth=lambda params: config_of(params.draft["medusa"]).num_heads, export_formats=(runs_medusa.EXPORT_FORMAT,),
     train_task="confu_jax.train.medusa_task:build_task", configs=("configs/smollm2_medusa.py",),
     tiny_config="configs/tiny_medusa.py"),)

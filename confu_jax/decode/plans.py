@@ -1,11 +1,16 @@
 """Draft plans: the shape of the tree a drafter proposes each iteration, as types.
 
-A plan is a small frozen value — ``Chain``, ``SampledChain``, ``StaticTree`` or ``DynamicTree`` —
+A plan is a small frozen value — ``Chain``, ``SampledChain``, ``StaticTree``, ``DynamicTree`` or, for
+block drafters, ``BlockTree`` —
 and a static argument of the speculative program (changing it recompiles). Each type knows its
 depth, node count, draft scratch size and text form, how its tree grows from a drafter's
 ``expand_fn`` (``grow``), and the lossless acceptance rule it needs at a temperature (``rule``), so
 nothing in ``decode/`` switches on a plan's name. ``parse_plan`` reads the CLI/config form
-(``chain:4``, ``dynamic:6,8,30``, ``tree:3,2``); ``text`` writes it back.
+(``chain:4``, ``dynamic:6,8,30``, ``tree:3,2``, ``ddtree:30,8``); ``text`` writes it back.
+
+**Block drafters** (DFlash's block, Medusa's heads) draft every depth's distribution at once, from
+the root alone: ``grow_positional(logp_bdv, ...)`` grows any plan from those per-depth
+distributions, and ``ddtree:N[,D]`` (``BlockTree``, DDTree's best-first tree) is grown only so.
 
 ``contemplates`` (ConFu only; 0 = after every node) makes contemplates sparse: only M of the T nodes
 get a contemplate token in the verification pass (T + M queries instead of 2T) — the M nodes the
@@ -21,6 +26,8 @@ import abc
 import dataclasses
 import itertools
 from typing import ClassVar
+
+import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode import verify as verify_lib
@@ -89,6 +96,17 @@ class DraftPlan(abc.ABC):
         tree, score, state = tree_lib.draft_static_tree(expand_fn, state, inp.root_b, self.structure(), d2t_v=d2t_v,
                                                         return_scores=True)
         return tree, None, score, state
+
+    def grow_positional(self, logp_bdv, state, inp, *, d2t_v=None, target_vocab=None):
+        """``grow`` for a block drafter: ``logp_bdv`` [B,D',V] (D' >= D) holds the draft's distribution of
+        every depth d+1, the same under every parent (it is drafted from the root alone)."""
+        b, v = logp_bdv.shape[0], logp_bdv.shape[-1]
+
+        def expand_fn(s, fr: tree_lib.Frontier):
+            lp = logp_bdv[:, fr.depth][:, None, :]
+            return jnp.broadcast_to(lp, (b, fr.tokens_bk.shape[1], v)), s
+
+        return self.grow(expand_fn, state, inp, d2t_v=d2t_v, target_vocab=target_vocab)
 
     def rule(self, greedy: bool) -> verify_lib.AcceptanceRule:
         """The lossless acceptance rule for this plan's trees: greedy at temperature 0, else
@@ -214,6 +232,53 @@ class DynamicTree(DraftPlan):
         return tree, None, score, state
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockTree(DraftPlan):
+    """``ddtree:N[,D]`` (DDTree, arXiv 2604.12989): the N best nodes, by the sum of their path's draft
+    log-probabilities, of the tree of every position's top-k (``decode.tree.draft_block_tree``), at
+    most D deep (D defaults to N: any shape the budget reaches). Only a block drafter grows it
+    (``grow_positional``): its score assumes each position's distribution ignores the drafted tokens."""
+
+    n_nodes: int  # the root included (the text's N does not count it, as dynamic's NODES)
+    depth: int
+
+    def __post_init__(self):
+        if self.n_nodes < 2 or self.depth < 1:
+            raise ValueError(f"a ddtree plan needs N >= 1 drafted nodes and depth D >= 1; got N = "
+                             f"{self.n_nodes - 1}, D = {self.depth}")
+        if self.depth > self.n_nodes - 1:
+            raise ValueError(f"ddtree:{self.n_nodes - 1},{self.depth}: a depth past N = {self.n_nodes - 1} is never "
+                             "reached (N nodes are at most N deep)")
+        super().__post_init__()
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def n_nodes_total(self) -> int:
+        return self.n_nodes
+
+    @property
+    def n_scratch(self) -> int:
+        return 1  # block drafters keep no per-node draft state
+
+    @property
+    def body_text(self) -> str:
+        n = self.n_nodes - 1
+        return f"ddtree:{n}" if self.depth == n else f"ddtree:{n},{self.depth}"
+
+    def grow(self, expand_fn, state, inp, *, d2t_v=None, target_vocab=None):
+        raise ValueError(f"plan {self.text!r} is a tree over a block draft: it needs a drafter whose every position's "
+                         "distribution is drafted at once from the root (DFlash, Medusa), not one that conditions "
+                         "on the tokens it drafted")
+
+    def grow_positional(self, logp_bdv, state, inp, *, d2t_v=None, target_vocab=None):
+        tree, score = tree_lib.draft_block_tree(logp_bdv[:, :self.depth], inp.root_b, n_nodes=self.n_nodes,
+                                                d2t_v=d2t_v)
+        return tree, None, score, state
+
+
 def cartesian_paths(top_ks) -> tuple:
     """Medusa-1's Cartesian tree: every path (r_1..r_d), d ≤ D, r_i < top_ks[i-1]."""
     paths = []
@@ -222,11 +287,12 @@ def cartesian_paths(top_ks) -> tuple:
     return tuple(tuple(p) for p in paths)
 
 
-def parse_plan(text: str, *, what: str = "", forms: str = PLAN_FORMS) -> DraftPlan:
+def parse_plan(text: str, *, what: str = "", forms: str = PLAN_FORMS, block: bool = False) -> DraftPlan:
     """``chain:K`` | ``sampled_chain:K`` | ``dynamic:DEPTH,TOPK,NODES`` (NODES excludes the root,
     as EAGLE-2's total_tokens) | ``tree:k1,...,kD``, each optionally followed by ``+cM`` (M sparse
-    contemplates) -> a plan. ``what`` (a family without contemplates, e.g. "Medusa") refuses
-    ``+cM`` naming it; ``forms`` is what errors list as accepted."""
+    contemplates) -> a plan; with ``block`` (a block drafter's reader) also ``ddtree:N[,D]``. ``what``
+    (a family without contemplates, e.g. "Medusa") refuses ``+cM`` naming it; ``forms`` is what
+    errors list as accepted."""
     body, plus, con = text.partition("+")
     kind, _, arg = body.partition(":")
     label = f"bad {what + ' ' if what else ''}draft plan {text!r}"
@@ -252,6 +318,11 @@ def parse_plan(text: str, *, what: str = "", forms: str = PLAN_FORMS) -> DraftPl
             if not ks or min(ks) < 1:
                 raise ValueError("tree:k1,...,kD needs every k_i >= 1")
             return StaticTree.cartesian(ks, contemplates=m)
+        if kind == "ddtree" and block:
+            n, *d = (int(x) for x in arg.split(","))
+            if len(d) > 1:
+                raise ValueError("ddtree takes N or N,D")
+            return BlockTree(n + 1, d[0] if d else n, contemplates=m)
     except ValueError as e:
         raise ValueError(f"{label}: {e}; expected {forms}") from None
     raise ValueError(f"{label}: expected {forms}")

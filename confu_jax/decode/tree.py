@@ -453,3 +453,77 @@ def _keep_top_nodes(root_token_b, pool_tok, pool_cum, pool_parent, n_nodes: int,
     valid_bt = jnp.isfinite(cum_bt)
     # par_node == -1 would mean a dropped ancestor; build_tree then marks the node invalid
     return build_tree(tokens_bt, parents_bt, depth, valid_bt), cum_bt
+
+
+# --------------------------------------------------------------------------------------------
+# Trees over block drafts (DDTree): best-first over per-position top-k
+
+
+def draft_block_tree(logp_bdv: jax.Array, root_token_b: jax.Array, *, n_nodes: int,
+                     d2t_v: Optional[jax.Array] = None) -> Tuple[DraftTree, jax.Array]:
+    """DDTree's best-first tree over a block draft; returns ``(tree, cum_logp_bt)``.
+
+    ``logp_bdv`` [B,D,V]: the draft's log-probabilities of block position d+1 (the token d+1 after the
+    root), which do not depend on the tokens drafted before it (DFlash's block, Medusa's heads). A node
+    at depth d is (parent, rank r): the r-th best token of position d, scored by the sum of its path's
+    log-probabilities. Best-first expansion (DDTree, arXiv 2604.12989): a heap starts with the root's
+    first child; each of ``n_nodes - 1`` steps pops the best candidate into the tree and pushes its next
+    sibling (same parent, rank r+1) and its first child (depth d+1, rank 0). Since a child scores no
+    more than its parent and a sibling no more than its elder, the tree is the ``n_nodes - 1`` best nodes
+    of the Cartesian tree of per-position top-k (k = ``n_nodes - 1``), prefix-closed.
+
+    Static shapes: the heap is a buffer of 1 + 2(T-1) candidate slots (pop i pushes into slots 2i+1,
+    2i+2), a pop an argmax over it (ties: the earliest push). Nodes come out in pop order, which is
+    topological and puts siblings in rank order (``decode.verify``'s sequential rule visits them so);
+    a pop with no finite candidate left (the draft gives the rest zero mass) is an invalid node.
+    """
+    logp_bdv = jnp.asarray(logp_bdv, jnp.float32)
+    root_token_b = jnp.asarray(root_token_b, jnp.int32)
+    if logp_bdv.ndim != 3 or logp_bdv.shape[0] != root_token_b.shape[0]:
+        raise ValueError(f"draft_block_tree: logp_bdv must be [B,D,V] with B = {root_token_b.shape[0]} roots; "
+                         f"got {logp_bdv.shape}")
+    b, depth, v = logp_bdv.shape
+    if n_nodes < 2:
+        raise ValueError(f"draft_block_tree: n_nodes={n_nodes} must be >= 2 (the root and one draft)")
+    k = min(n_nodes - 1, v)
+    val_bdk, idx_bdk = stable_top_k(logp_bdv, k)  # [B,D,k] each position's best k, descending
+    tok_bdk = _map_tokens(idx_bdk, d2t_v)
+    n_slots = 1 + 2 * (n_nodes - 1)
+    rows = jnp.arange(b)
+    neg = jnp.float32(-jnp.inf)
+    # candidate slots: score, the parent's score, parent node, depth (1..D), rank
+    heap = dict(score=jnp.full((b, n_slots), neg).at[:, 0].set(val_bdk[:, 0, 0]),
+                base=jnp.zeros((b, n_slots), jnp.float32),
+                parent=jnp.zeros((b, n_slots), jnp.int32),
+                depth=jnp.ones((b, n_slots), jnp.int32),
+                rank=jnp.zeros((b, n_slots), jnp.int32))
+    nodes = dict(token=jnp.zeros((b, n_nodes), jnp.int32).at[:, 0].set(root_token_b),
+                 parent=jnp.full((b, n_nodes), -1, jnp.int32),
+                 cum=jnp.zeros((b, n_nodes), jnp.float32))
+
+    def pop(i, carry):
+        heap, nodes = carry
+        j = jnp.argmax(heap["score"], axis=1)  # first maximum: the earliest push wins a tie
+        s, base = heap["score"][rows, j], heap["base"][rows, j]
+        par, d, r = heap["parent"][rows, j], heap["depth"][rows, j], heap["rank"][rows, j]
+        node = i + 1
+        nodes = dict(token=nodes["token"].at[:, node].set(tok_bdk[rows, d - 1, r]),
+                     parent=nodes["parent"].at[:, node].set(par),
+                     cum=nodes["cum"].at[:, node].set(s))
+        live = jnp.isfinite(s)
+        r1 = jnp.minimum(r + 1, k - 1)
+        sib = jnp.where(live & (r + 1 < k), base + val_bdk[rows, d - 1, r1], neg)
+        d1 = jnp.minimum(d, depth - 1)
+        child = jnp.where(live & (d < depth), s + val_bdk[rows, d1, 0], neg)
+        a, c = 2 * i + 1, 2 * i + 2
+        heap = dict(score=heap["score"].at[rows, j].set(neg).at[:, a].set(sib).at[:, c].set(child),
+                    base=heap["base"].at[:, a].set(base).at[:, c].set(s),
+                    parent=heap["parent"].at[:, a].set(par).at[:, c].set(node),
+                    depth=heap["depth"].at[:, a].set(d).at[:, c].set(d + 1),
+                    rank=heap["rank"].at[:, a].set(r + 1).at[:, c].set(0))
+        return heap, nodes
+
+    _, nodes = jax.lax.fori_loop(0, n_nodes - 1, pop, (heap, nodes))
+    cum_bt = nodes["cum"]
+    tree = build_tree(nodes["token"], nodes["parent"], depth, jnp.isfinite(cum_bt))
+    return tree, cum_bt

@@ -44,7 +44,8 @@ Parameters (``SpecParams.draft['dflash']``; kernels [in, out] as flax, torch ``L
                 'mlp_norm': {'scale': [L,d]}, 'gate_proj'/'up_proj': {'kernel': [L,d,F]},
                 'down_proj': {'kernel': [L,F,d]}}}
 
-plus, in a decode tree, ``'mask_token_id'`` (an int32 scalar: M). The draft's width is the target's
+plus, in a decode tree, ``'mask_token_id'`` (an int32 scalar: M) and, for trained drafts,
+``'block_size'`` (the block it was trained on, which bounds a plan's depth). The draft's width is the target's
 (its block input is the target's embedding and its output goes to the target's LM head); its layer
 count, heads, FFN width, RoPE and norm epsilon are its own ``LlamaConfig`` (``ModelSpec.draft_model``).
 """
@@ -127,13 +128,18 @@ def _tree(flat: dict) -> dict:
     return out
 
 
+# the int32 scalars a decode tree carries beside the draft's floats: the block's mask token, and the
+# block size the draft was trained on (absent for an initialisation: no limit)
+DECODE_SCALARS = ("mask_token_id", "block_size")
+
+
 def model_params(params: dict) -> dict:
-    """The float tree of a decode tree (``mask_token_id`` dropped)."""
-    return {k: v for k, v in params.items() if k != "mask_token_id"}
+    """The float tree of a decode tree (``DECODE_SCALARS`` dropped)."""
+    return {k: v for k, v in params.items() if k not in DECODE_SCALARS}
 
 
 def check_dflash_params(params: dict, dcfg: LlamaConfig, n_taps: int) -> None:
-    """Raise unless ``params`` (``mask_token_id`` aside) is exactly a DFlash draft of ``dcfg`` reading
+    """Raise unless ``params`` (``DECODE_SCALARS`` aside) is exactly a DFlash draft of ``dcfg`` reading
     ``n_taps`` target layers."""
     want = param_shapes(dcfg, n_taps)
     got = {k: tuple(np.shape(v)) for k, v in _leaves(model_params(params)).items()}

@@ -6,7 +6,7 @@ by noise, so every term acts and — at six tokens — drafts are accepted, part
 * greedy speculative decoding through the loop's public form — ``generate_speculative(target, drafter,
   drafter_params)``, with what the record's loader returns — equals AR token for token under every plan
   shape the family runs (its default plan, a chain where that is not one, a static tree, an EAGLE-2
-  dynamic tree, its own first tree), the accept log adds up to the tokens emitted, drafts were accepted,
+  dynamic tree, DDTree's tree over a block draft where the family drafts blocks, its own first tree), the accept log adds up to the tokens emitted, drafts were accepted,
   and with an EOS that falls inside a draft the rows stop where AR's do, for the same reason;
 * decoding over a ``data × tensor`` mesh emits the single-device tokens with the same accept log.
 
@@ -33,7 +33,7 @@ PROMPTS = prompts_for(VOCAB)
 RECORDS = sorted(families.FAMILIES)
 # a chain is checked through the default plan where that is one (most families'), the sampled chain's
 # greedy rule is the chain's (its sampled rule has the chi-square tests of test_spec_loop / each family)
-SHAPES = ("chain:3", "tree:2,2,1", "dynamic:3,2,5")
+SHAPES = ("chain:3", "tree:2,2,1", "dynamic:3,2,5", "ddtree:5,3")
 NEW = 30
 
 

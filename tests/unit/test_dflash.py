@@ -220,6 +220,8 @@ def test_plan_parsing():
     assert d.describe() == "tree:2,2,1" and d.rule(True).name == "greedy"
     assert parse_drafter("dflash", "chain:15").plan.k == 15
     assert parse_drafter("dflash", "sampled_chain:2").rule(False).name == "sampled_chain"
+    dd = parse_drafter("dflash", "ddtree:30,8")  # DDTree: 30 nodes below the root, at most 8 deep
+    assert (dd.n_nodes, dd.max_depth, dd.describe(), dd.rule(False).name) == (31, 8, "ddtree:30,8", "sampled_tree")
     with pytest.raises(ValueError, match="contemplates"):
         parse_dflash_plan("chain:3+c2")
     assert get_method("dflash").needs_head and get_method("dflash").speculative
@@ -268,7 +270,7 @@ def test_block_is_the_reference_loop():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["sampled_chain:2"])
+@pytest.mark.parametrize("plan", ["sampled_chain:2", "ddtree:4,2"])
 def test_sampling_lossless_joint(plan):
     spec, tp, params = setup(4, seed=3, n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     drafter = parse_drafter("dflash", plan)
@@ -327,6 +329,14 @@ def test_published_layout_round_trip(tmp_path):
     with pytest.raises(ValueError, match="neither a DFlash"):
         decode_head("dflash", spec.target, tp, str(tmp_path))
     assert not decode_head("dflash", spec.target, tp, None).trained
+    # the block bounds a plan's depth: a block of 4 holds the root and 3 masks
+    from confu_jax.decode.families import drafter_for
+
+    assert drafter_for("dflash", None, head).max_depth == 3 and drafter_for("dflash", "ddtree:6,3", head).n_nodes == 7
+    for deep in ("chain:4", "ddtree:6"):
+        with pytest.raises(ValueError, match=f"plan '{deep}' drafts \\d+ deep; .* at most 3 deep"):
+            drafter_for("dflash", deep, head)
+    assert drafter_for("dflash", "chain:9", decode_head("dflash", spec.target, tp, None)).max_depth == 9  # untrained
 
 
 @pytest.mark.slow
