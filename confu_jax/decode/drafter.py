@@ -168,11 +168,12 @@ class PlanDrafter(Drafter):
         tree, q, _, state = self.plan.grow(expand_fn, state, inp)
         return tree, q, state
 
-    def draft_positional(self, logp_bdv, inp: DraftInput):
+    def draft_positional(self, logp_bdv, inp: DraftInput, *, d2t_v=None, target_vocab=None):
         """The plan's tree for a block drafter, from every depth's distribution ``logp_bdv`` [B,D,V]
         drafted at once from the root (``DraftPlan.grow_positional``: DDTree's ``ddtree:`` plans
-        too) -> (tree, q_btv or None)."""
-        tree, q, _, _ = self.plan.grow_positional(logp_bdv, None, inp)
+        too) -> (tree, q_btv or None). ``d2t_v`` / ``target_vocab``: drafts over a smaller draft
+        vocabulary (P-EAGLE's head)."""
+        tree, q, _, _ = self.plan.grow_positional(logp_bdv, None, inp, d2t_v=d2t_v, target_vocab=target_vocab)
         return tree, q
 
 

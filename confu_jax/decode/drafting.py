@@ -191,9 +191,13 @@ def refill_entries(v: VerifiedPass, node_feats_btc: jax.Array, tokens_ba: jax.Ar
 
 def head_block(spec: ModelSpec, params: SpecParams, future=None, future_input_bd=None):
     """The head's ``block_fn`` (``draft_block`` on its parameters, with ConFu's future entry, and at
-    ingestion what f adds to the first step's input: ``future_input``)."""
-    return functools.partial(draft_block, spec, params.draft, params.embed_vd, future=future,
-                             future_input_bd=future_input_bd)
+    ingestion what f adds to the first step's input: ``future_input``). The draft reads the target's
+    embeddings, or its own where it has trained a copy (``draft['embed_tokens']``: an imported P-EAGLE
+    head, ``weights.peagle_format``)."""
+    draft = params.draft
+    embed = draft["embed_tokens"] if "embed_tokens" in draft else params.embed_vd
+    draft = {k: v for k, v in draft.items() if k != "embed_tokens"}
+    return functools.partial(draft_block, spec, draft, embed, future=future, future_input_bd=future_input_bd)
 
 
 def future_input(spec: ModelSpec, params: SpecParams, hs: HeadDraftState) -> Optional[jax.Array]:
@@ -396,7 +400,10 @@ def random_head(variant: str, target_cfg, target_params: dict, seed: int = 0,
     v_draft = target_cfg.vocab_size if draft_vocab_size is None else draft_vocab_size
     if not 0 < v_draft <= target_cfg.vocab_size:
         raise ValueError(f"draft_vocab_size must be in [1, {target_cfg.vocab_size}], got {v_draft}")
-    spec = ModelSpec(target_cfg, HeadConfig(variant=variant, draft_vocab_size=v_draft))
+    from confu_jax.models.registry import get_variant
+
+    mask = target_cfg.vocab_size - 1 if get_variant(variant).parallel else None  # P-EAGLE: the last id as mask
+    spec = ModelSpec(target_cfg, HeadConfig(variant=variant, draft_vocab_size=v_draft, mask_token_id=mask))
     trainable = jax.device_get(init_trainable(spec, jax.random.PRNGKey(seed)))
     vocab = identity_draft_vocab(target_cfg.vocab_size, v_draft)
     return DecodeHead(spec, spec_params(target_params, trainable, vocab), False, f"random (seed {seed})")

@@ -76,6 +76,8 @@ class DraftHead(nn.Module):
                                       name="future_in")
         if h.has_future and h.future_bias is not None:
             self.future_bias = self.param("future_bias", nn.initializers.constant(h.future_bias), (t.n_heads,), pd)
+        if h.parallel:  # P-EAGLE: the target features of every slot after the first (speculators: torch.randn)
+            self.mask_hidden = self.param("mask_hidden", nn.initializers.normal(1.0), (len(self.spec.taps) * d,), pd)
 
     def features(self, h_cat_btc):
         x = h_cat_btc.astype(jnp.dtype(self.spec.head.dtype))

@@ -16,6 +16,7 @@ class Variant:
     uses_moe: bool  # [con] and [f] from an embedding MoE (else one static embedding each)
     replication: bool  # training uses ConFu's replication window (config.confu.replication)
     description: str
+    parallel: bool = False  # P-EAGLE: one pass drafts every depth (mask slots read a learned mask_hidden)
 
 
 VARIANTS: dict = {v.name: v for v in (
@@ -24,6 +25,8 @@ VARIANTS: dict = {v.name: v for v in (
     Variant("confu_nomoe", True, False, True, "ConFu with one static embedding instead of each MoE (-MoE)"),
     Variant("confu_nomoe_norep", True, False, False,
             "-MoE, trained without the replication window (-MoE & replicate)"),
+    Variant("peagle", False, False, False, "P-EAGLE: EAGLE-3's head drafting every depth in one pass (slots after "
+            "the first read the mask token and a learned mask_hidden in place of target features)", parallel=True),
 )}
 
 

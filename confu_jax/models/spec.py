@@ -63,6 +63,8 @@ class HeadConfig:
     norm_before_fc: bool = False  # one RMSNorm over h_cat (3d) before fc
     fc_norm: bool = False  # an RMSNorm per tapped layer (d each) before fc
     norm_output: bool = False  # the recurrent state is final_norm(h_out); the LM head reads it as is
+    # P-EAGLE (variant 'peagle') only: the token whose (target) embedding the parallel slots read
+    mask_token_id: Optional[int] = None
 
     def __post_init__(self):
         if self.rope_scaling is not None and self.rope_theta is None:
@@ -79,6 +81,9 @@ class HeadConfig:
             raise ValueError(f"HeadConfig: future_input needs a variant with a future path, got {self.variant!r}")
         if self.future_taps and not self.has_future:
             raise ValueError(f"HeadConfig: future_taps needs a variant with a future path, got {self.variant!r}")
+        if self.parallel != (self.mask_token_id is not None):
+            raise ValueError(f"HeadConfig: a parallel-drafting variant (P-EAGLE) needs mask_token_id and no other "
+                             f"variant takes one; got variant {self.variant!r}, mask_token_id {self.mask_token_id}")
         if self.has_future and self.n_soft_prompts < 0:
             raise ValueError(f"HeadConfig.n_soft_prompts must be >= 0, got {self.n_soft_prompts}")
 
@@ -90,6 +95,11 @@ class HeadConfig:
     @property
     def uses_moe(self) -> bool:
         return get_variant(self.variant).uses_moe
+
+    @property
+    def parallel(self) -> bool:
+        """P-EAGLE: one pass drafts every depth (``decode.peagle``)."""
+        return get_variant(self.variant).parallel
 
 
 @dataclasses.dataclass(frozen=True)

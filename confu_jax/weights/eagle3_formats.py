@@ -138,9 +138,9 @@ def load_head(directory: str, param_dtype: str = "float32") -> ImportedHead:
             "SGLang, SpecForge)")
     where = os.path.join(directory, "config.json")
     c = read_config_json(directory)
-    parsed = _parse_speculators(c, where) if fmt == "speculators" else _parse_official(c, where)
+    parsed = parse_speculators_config(c, where) if fmt == "speculators" else _parse_official(c, where)
     tensors = read_tensors(directory)
-    return _assemble(directory, fmt, parsed, tensors, param_dtype)
+    return assemble_head(directory, fmt, parsed, tensors, param_dtype)
 
 
 def _need(c: dict, key: str, where: str):
@@ -206,7 +206,7 @@ def _parse_official(c: dict, where: str) -> dict:
     return lc
 
 
-def _parse_speculators(c: dict, where: str) -> dict:
+def parse_speculators_config(c: dict, where: str) -> dict:
     kind = c.get("speculators_model_type")
     if kind != "eagle3":
         raise CheckpointError(f"{where}: speculators_model_type is {kind!r}; expected 'eagle3'")
@@ -229,7 +229,7 @@ def _parse_speculators(c: dict, where: str) -> dict:
     return lc
 
 
-def _assemble(directory: str, fmt: str, lc: dict, tensors: dict, param_dtype: str) -> ImportedHead:
+def assemble_head(directory: str, fmt: str, lc: dict, tensors: dict, param_dtype: str) -> ImportedHead:
     flags = lc["flags"]
     head = HeadConfig(
         variant="eagle3", draft_vocab_size=lc["draft_vocab_size"], draft_ffn_dim=lc["intermediate_size"],
