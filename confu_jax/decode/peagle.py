@@ -41,6 +41,7 @@ from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.decode.spec_params import SpecParams, spec_params
 from confu_jax.models import draft as draft_lib
 from confu_jax.models.spec import ModelSpec
+from confu_jax.runs import peagle as runs_peagle
 
 PEAGLE_FORMS = ("chain:K, sampled_chain:K, dynamic:D,K,N, tree:k1,...,kD (top-k_i of slot i, Cartesian) or "
                 "ddtree:N[,D] (DDTree: the N best nodes over the slots' top-k, at most D deep)")
@@ -127,4 +128,5 @@ FAMILIES = (DrafterFamily(
     methods=(Method("peagle", ("peagle",), "P-EAGLE: an EAGLE-3 head drafting every depth in one pass (parallel "
                     "drafting; a launch.train workdir or speculators' peagle layout, random without)"),),
     chains=DEFAULT_CHAINS, trees=("tree:2,2", "tree:3,2,1", "tree:4,3,2", "ddtree:8,3", "ddtree:16,6"),
-    reads_step=True),)
+    reads_step=True, export_formats=(runs_peagle.EXPORT_FORMAT,), train_task="confu_jax.train.peagle_task:build_task",
+    configs=("configs/smollm2_peagle.py",), tiny_config="configs/tiny_peagle.py"),)

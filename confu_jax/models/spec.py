@@ -201,6 +201,7 @@ def model_spec_from_config(config, backend: Optional[str] = None) -> ModelSpec:
         norm_before_fc=bool(d.get("norm_before_fc", False)),
         fc_norm=bool(d.get("fc_norm", False)),
         norm_output=bool(d.get("norm_output", False)),
+        mask_token_id=_opt(d, "mask_token_id", int),
     )
     return ModelSpec(target, head)
 

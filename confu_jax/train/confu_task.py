@@ -114,6 +114,13 @@ def _init_params_fn(spec: ModelSpec, head_rows):
 
 def build_task(config) -> TrainTask:
     """The TrainTask of a ``configs/<target>_<variant>.py`` config (see the module docstring)."""
+    return build_head_task(config)
+
+
+def build_head_task(config, losses=None, objective_text: str = "") -> TrainTask:
+    """The TrainTask of a head (EAGLE-3 / ConFu, or another objective on the same head, target, data
+    and draft vocabulary: ``losses(spec, draft_vocab) -> (loss_fn, eval_fn)``, P-EAGLE's
+    ``train.peagle_task``; ``objective_text`` then describes it). Default: ``confu_loss``."""
     check_training_config(config)
     # A Hugging Face target goes straight into its shardings when the run starts (each process reads
     # only its devices' slices); the paths that read target weights while building the task (an
@@ -157,12 +164,19 @@ def build_task(config) -> TrainTask:
                          f"expects {spec.head.draft_vocab_size} onto {spec.target.vocab_size}")
     draft_vocab = {"d2t": jnp.asarray(vocab.d2t, jnp.int32), "t2d": jnp.asarray(vocab.t2d)}
 
-    def loss_fn(trainable, frozen, batch, rng):
-        return confu_loss(spec, trainable, frozen, draft_vocab, batch, rng, train_obj)
+    def confu_losses(spec, draft_vocab):
+        def loss_fn(trainable, frozen, batch, rng):
+            return confu_loss(spec, trainable, frozen, draft_vocab, batch, rng, train_obj)
 
-    def eval_fn(trainable, frozen, batch, rng):
-        loss, metrics = confu_loss(spec, trainable, frozen, draft_vocab, batch, rng, eval_obj)
-        return dict(metrics, loss=loss)
+        def eval_fn(trainable, frozen, batch, rng):
+            loss, metrics = confu_loss(spec, trainable, frozen, draft_vocab, batch, rng, eval_obj)
+            return dict(metrics, loss=loss)
+
+        return loss_fn, eval_fn
+
+    loss_fn, eval_fn = (losses or confu_losses)(spec, draft_vocab)
+    objective_text = objective_text or (f"L_ttt={train_obj.ttt_steps}, K_train={train_obj.k_train}, "
+                                        f"l={train_obj.replication}")
 
     use_target_head = str(config.draft.get("lm_head_init", "random")) == "target"
     head_rows = head_from_target(spec, target_host, vocab.d2t) if use_target_head else None
@@ -184,7 +198,7 @@ def build_task(config) -> TrainTask:
         description=(f"{spec.head.variant} draft head on '{target_name(config)}' "
                      f"({'self-distilled random data' if synthetic else config.data.train_files}"
                      f"{', offline target features ' + config.data.target_features if offline else ''}), "
-                     f"L_ttt={train_obj.ttt_steps}, K_train={train_obj.k_train}, l={train_obj.replication}"),
+                     f"{objective_text}"),
     )
 
 

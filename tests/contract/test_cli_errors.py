@@ -45,7 +45,7 @@ def bad_release(tmp_path_factory):
     (["--method", "eagle3", "--draft_ckpt", "/nonexistent/run"], "not a launch.train workdir"),
     (["--method", "confu", "--draft_ckpt", os.path.join(REPO, "releases", "heads", "smollm2_eagle3")],
      "holds an EAGLE-3 head"),
-    (["--method", "mlp_speculator", "--tree", "chain:4"], "this MLP speculator has only 3 stages"),
+    (["--method", "mlp_speculator", "--tree", "chain:4"], "drafts 4 deep; the mlp_speculator weights of MLP speculator reference initialisation (3 stages, seed 0) draft at most 3 deep"),
     ("bad_release", "sha256"),
     (["--tree", "chain:4", "--draft_ckpt", "/some/run"], "--draft_ckpt / --plan set, but --method ar drafts nothing"),
 ], ids=["negative_tokens", "garbage_plan", "missing_ckpt", "confu_on_eagle3_head", "too_deep_for_family",

@@ -89,11 +89,19 @@ def _reference(cfg, embed, d2t, t2d, taps, seed=0, own_embed=False, flags=None):
 def _reference_rollouts(model, input_ids, h_cat, anchors, monkeypatch):
     """speculators' forward with COD sampling fixed to: every position at depth 0, then a full rollout
     of DEPTH-1 mask slots from each anchor -> {(anchor, depth): logits [V_draft]}."""
-    import speculators.models.peagle.core as core
-
     n = input_ids.shape[1]
     anchor_pos = [*range(n)] + [a for a in anchors for _ in range(1, DEPTH)]
     depth = [0] * n + [k for _ in anchors for k in range(1, DEPTH)]
+    logits = _reference_forward(model, input_ids, h_cat, anchor_pos, depth, monkeypatch)
+    return {(a, k): logits[i] for i, (a, k) in enumerate(zip(anchor_pos, depth))}
+
+
+def _reference_forward(model, input_ids, h_cat, anchor_pos, depth, monkeypatch):
+    """speculators' P-EAGLE forward over the COD layout (anchor_pos, depth) -> logits [S, V_draft], read
+    where its forward hands them to its loss."""
+    import speculators.models.peagle.core as core
+
+    n = input_ids.shape[1]
     seen = {}
 
     def fixed(**kw):
@@ -108,8 +116,8 @@ def _reference_rollouts(model, input_ids, h_cat, anchors, monkeypatch):
     with torch.no_grad():
         model(hidden_states=torch.tensor(h_cat), input_ids=torch.tensor(input_ids, dtype=torch.long),
               document_ids=torch.zeros((1, n), dtype=torch.long), position_ids=torch.arange(n)[None],
-              verifier_last_hidden_states=torch.zeros((1, n, h_cat.shape[-1] // 3)), num_depths=DEPTH)
-    return {(a, k): seen["logits"][i] for i, (a, k) in enumerate(zip(anchor_pos, depth))}
+              verifier_last_hidden_states=torch.zeros((1, n, h_cat.shape[-1] // 3)), num_depths=max(depth) + 1)
+    return seen["logits"]
 
 
 def _ours(head, x, h_cat, a):
@@ -181,6 +189,34 @@ def test_our_export_loads_in_speculators_and_back(tmp_path, monkeypatch):
     again = decode_head("peagle", cfg, tp, out)
     assert again.spec.head == head.spec.head
     jax.tree_util.tree_map(np.testing.assert_array_equal, again.params.draft, head.params.draft)
+
+
+def test_the_training_forward_is_the_references_cod_forward(tmp_path, monkeypatch):
+    """``train.peagle_task.cod_forward`` (depth 0 at every position, then nested rollouts kept per depth
+    by COD's schedule) gives speculators' forward logits over the same layout, slot for slot."""
+    from confu_jax.train.peagle_task import PEagleObjective, cod_forward, rollout_slots
+
+    cfg, tp = _target()
+    embed = np.asarray(tp["embed"]["embedding"])
+    d2t, t2d = _draft_vocab(cfg.vocab_size, DRAFT_VOCAB, seed=2)
+    model = _reference(cfg, embed, d2t, t2d, (1, 4, 6), seed=6)
+    model.save_pretrained(str(tmp_path))
+    head = decode_head("peagle", cfg, tp, str(tmp_path))
+    rng = np.random.default_rng(8)
+    n = 12
+    tokens = rng.integers(0, cfg.vocab_size, (1, n)).astype(np.int32)
+    h_cat = rng.normal(size=(1, n, 3 * cfg.d_model)).astype(np.float32)
+    obj = PEagleObjective(num_depths=DEPTH, ratio=0.7, ratio_min=0.2, num_anchors=3)
+    rank, depth = rollout_slots(obj, 3)
+    assert obj.kept(3) == (3, 2, 2) and depth.tolist() == [1, 1, 1, 2, 2, 3, 3]  # nested: ranks 0, 1 go deepest
+    anchor_k = np.array([7, 2, 9], np.int32)  # the rollouts by rank
+    anchor_bm = anchor_k[rank][None]
+    ours = np.asarray(cod_forward(head.spec, head.params.draft, jnp.asarray(embed), jnp.asarray(tokens),
+                                  jnp.asarray(h_cat), jnp.asarray(anchor_bm), jnp.asarray(rank), jnp.asarray(depth)))[0]
+    input_ids = np.concatenate([tokens[:, 1:], np.zeros((1, 1), np.int32)], 1)  # speculators' j reads x[j+1]
+    ref = _reference_forward(model, input_ids, h_cat, [*range(n), *anchor_bm[0].tolist()], [0] * n + depth.tolist(),
+                             monkeypatch)
+    np.testing.assert_allclose(ours, ref, atol=ATOL, rtol=1e-4)
 
 
 def test_bad_peagle_directories_are_refused(tmp_path):
