@@ -66,13 +66,14 @@ class DFlashState:
     draft_cache: KVCache  # [L_d, B, Hkv_d, S, hd_d]: the context K/V of positions 0..p (length p+1)
 
 
-def dflash_params(params) -> dict:
-    p = (params.draft or {}).get("dflash")
+def dflash_params(params, key: str = "dflash") -> dict:
+    """``params.draft[key]``: a DFlash tree (``key`` 'dflash') or one built on it (DSpark's, 'dspark')."""
+    p = (params.draft or {}).get(key)
     if p is None:
-        raise ValueError("a DFlash drafter needs params.draft['dflash'] (models.dflash.init_dflash, a trained "
-                         "configs/*_dflash.py workdir, or an imported DFlash directory: decode.families.decode_head)")
+        raise ValueError(f"a {key} drafter needs params.draft[{key!r}] (its init, a trained configs/*_{key}.py "
+                         f"workdir, or an imported directory: decode.families.decode_head)")
     if "mask_token_id" not in p:
-        raise ValueError("params.draft['dflash'] needs 'mask_token_id' (the block's mask token)")
+        raise ValueError(f"params.draft[{key!r}] needs 'mask_token_id' (the block's mask token)")
     return p
 
 
@@ -101,18 +102,23 @@ class DFlashDrafter(PlanDrafter):
 
     plan: DraftPlan
     what = "a DFlash draft"
+    params_key = "dflash"  # where its tree lives in params.draft (a subclass built on the backbone: its own)
+
+    def backbone(self, p: dict) -> dict:
+        """The DFlash float tree of this drafter's tree (``models.dflash.model_params``)."""
+        return model_params(p)
 
     def init(self, spec, params, view: PrefillView) -> DFlashState:
-        p = dflash_params(params)
+        p = dflash_params(params, self.params_key)
         dcfg = draft_spec(spec)
-        check_dflash_params(p, dcfg, len(spec.taps))
+        check_dflash_params(self.backbone(p), dcfg, len(spec.taps))
         b, w = view.tokens_bt.shape
         cache = init_cache(dcfg.n_layers, b, view.max_len, dcfg.n_kv_heads, dcfg.head_dim, jnp.dtype(dcfg.dtype))
         k, v = context_entries(spec, p, view.h_cat_btc, jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)))
         return DFlashState(draft_cache=commit(cache, k, v, view.lengths_b))
 
     def propose(self, spec, params, st: DFlashState, inp: DraftInput) -> Proposal:
-        p = dflash_params(params)
+        p = dflash_params(params, self.params_key)
         dcfg = draft_spec(spec)
         depth = self.max_depth
         b = inp.root_b.shape[0]
@@ -127,7 +133,7 @@ class DFlashDrafter(PlanDrafter):
 
     def update(self, spec, params, st: DFlashState, v: VerifiedPass) -> DFlashState:
         """The accepted nodes' taps (positions p+1..p+a) join the context; inactive rows commit nothing."""
-        p = dflash_params(params)
+        p = dflash_params(params, self.params_key)
         ver = v.verification
         path = jnp.maximum(ver.path_bd, 0)
         taps = jnp.take_along_axis(v.target.h_cat_btc, path[..., None], axis=1)

@@ -1,0 +1,158 @@
+"""DSpark as a ``Drafter`` (docs/DESIGN.md §11 "DSpark"; the model: ``models.dspark``; references: vLLM
+``v1/worker/gpu/spec_decode/dspark/speculator.py`` ``_sample_sequential`` and ``adaptive_verification.py``,
+speculators ``models/dspark/``).
+
+Why its own family: one backbone forward gives every slot's base logits at once, as DFlash's block, but the
+Markov head makes slot k's distribution depend on the token drafted at slot k-1, so drafts are drawn left
+to right. In this project's terms (p = the last accepted position, x[p+1] = the bonus / root):
+
+* the draft's KV cache holds the context entries of positions 0..p (DFlash's: ``decode.dflash``, whose
+  ``init`` / ``update`` this family keeps);
+* propose: the block [x[p+1], M, ..., M] of D slots at positions p+1..p+D (``sample_from_anchor``: the
+  anchor slot drafts too) gives the base logits b_k and states h_k; the plan's tree grows through an
+  ``expand_fn`` that, for a frontier node at depth k whose token is t, returns
+  log softmax(b_k + bias(w1[t], h_k)) — the bias-corrected distribution, the one drafts are drawn from and
+  the sampled rules read as q (so T > 0 stays exactly lossless, as vLLM's ``draft_logits`` cache);
+  the rnn head's state rides along per frontier node (gathered through its parent);
+* ``chain:K@P`` (the confidence head, chains only): a row asks to verify only the leading drafts whose
+  survival — the running product of the confidences conf_k = σ(proj([h_k; w1[t_k]])) — is at least P; the
+  loop compiles the widths 1..K+1 and verifies the narrowest that holds every active row's (one program,
+  ``lax.switch``; ``Drafter.widths``). vLLM's adaptive verification admits slots by the same survival
+  scores against a measured cost table; a threshold is its batch-1 form at a flat marginal cost.
+
+Plans: ``chain:K``, ``sampled_chain:K``, ``tree:k1,...,kD`` (each node's children the top-k of its own
+bias-corrected distribution), ``dynamic:D,K,N``; the block has D slots for a depth-D plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from confu_jax.decode import tree as tree_lib
+from confu_jax.decode.dflash import DFlashDrafter, dflash_params, draft_spec
+from confu_jax.decode.drafter import DraftInput, Proposal
+from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, own_weights_loader)
+from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.decode.plans import Chain, parse_plan
+from confu_jax.models import dspark as D
+from confu_jax.models.dflash import block_hidden, block_logits, embed_block
+from confu_jax.models.vocab_map import to_target_vocab
+
+DSPARK_FORMS = ("chain:K (a block of K: the root and K-1 masks, each slot drafting the next token), chain:K@P "
+                "(verify the leading drafts whose confidence survival is >= P), sampled_chain:K, tree:k1,...,kD "
+                "or dynamic:D,K,N")
+
+
+def parse_dspark(text: str) -> "DSparkDrafter":
+    """A DSpark plan, optionally ``@P`` (confidence-scheduled length, chains only)."""
+    body, at, prob = text.partition("@")
+    plan = parse_plan(body, what="DSpark", forms=DSPARK_FORMS)
+    if not at:
+        return DSparkDrafter(plan)
+    try:
+        p = float(prob)
+    except ValueError:
+        raise ValueError(f"bad DSpark plan {text!r}: @P needs a survival threshold in (0, 1), e.g. chain:6@0.3; "
+                         f"expected {DSPARK_FORMS}") from None
+    return DSparkDrafter(plan, min_survival=p)
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkDrafter(DFlashDrafter):
+    """A DSpark draft drafting the trees of ``plan`` from one backbone pass and its Markov head (module
+    docstring); ``min_survival`` > 0: the confidence head sets each row's verification length."""
+
+    min_survival: float = 0.0
+    what = "a DSpark draft"
+    params_key = "dspark"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.min_survival < 1.0:
+            raise ValueError(f"DSpark @P needs a survival threshold in (0, 1), got {self.min_survival}")
+        if self.min_survival > 0 and not isinstance(self.plan, Chain):
+            raise ValueError(f"a confidence-scheduled length (@{self.min_survival:g}) shortens a chain from its end; "
+                             f"plan {self.plan.text!r} cannot shorten: use chain:K@P")
+
+    def backbone(self, p: dict) -> dict:
+        return D.backbone(p)
+
+    @property
+    def widths(self) -> tuple:
+        return tuple(range(1, self.n_nodes + 1)) if self.min_survival > 0 else (self.n_nodes,)
+
+    def describe(self) -> str:
+        return self.plan.text + (f"@{self.min_survival:g}" if self.min_survival else "")
+
+    def propose(self, spec, params, st, inp: DraftInput) -> Proposal:
+        p = dflash_params(params, self.params_key)
+        dcfg = draft_spec(spec)
+        depth = self.max_depth
+        b = inp.root_b.shape[0]
+        blk = jnp.full((b, depth), p["mask_token_id"], jnp.int32).at[:, 0].set(inp.root_b)
+        pos = inp.anchor_b[:, None] + 1 + jnp.arange(depth, dtype=jnp.int32)[None]
+        cache = st.draft_cache
+        h = block_hidden(D.backbone(p), dcfg, embed_block(params.target, blk), pos,
+                         jnp.ones((b, depth, depth), bool), cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
+        base = to_target_vocab(block_logits(spec.target, params.target, h), spec.target.vocab_size)  # [B,D,V]
+
+        def expand_fn(state, fr: tree_lib.Frontier):
+            """Children of depth-k nodes: slot k's base logits + the bias from each node's own token."""
+            k = fr.depth
+            n = fr.tokens_bk.shape[1]
+            hk = jnp.broadcast_to(h[:, k][:, None], (b, n, h.shape[-1]))
+            prev = None if state is None else jnp.take_along_axis(state, fr.parent_slot_bk[..., None], axis=1)
+            bias, new_state = D.markov_bias(p, D.prev_embedding(p, fr.tokens_bk), hk, prev)
+            logits = base[:, k][:, None].astype(jnp.float32) + to_target_vocab(bias, spec.target.vocab_size)
+            return jax.nn.log_softmax(logits, axis=-1), new_state
+
+        tree, q, _ = self.draft(expand_fn, None, inp)
+        n = jnp.full((b,), self.n_nodes, jnp.int32)
+        if self.min_survival > 0:
+            if "confidence" not in p:
+                raise ValueError(f"plan {self.describe()!r}: this DSpark draft has no confidence head "
+                                 "(drop @P, or load a draft trained with one)")
+            conf = D.confidence(p, h, D.prev_embedding(p, tree.tokens_bt[:, :depth]))  # slot k: node k+1's
+            survive = (jnp.cumprod(conf, axis=1) >= self.min_survival) & tree.valid_bt[:, 1:]
+            n = 1 + jnp.sum(jnp.cumprod(survive.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        return Proposal(tree, q, n, None, None, st)
+
+
+# ----------------------------------------------------------------------------- the family: loading
+
+
+def load_dspark(target_cfg, target_params: dict, source=None, seed: int = 0,
+                target_source: str = "the loaded target", num_layers: int = 3, rank: int = 64) -> DecodeHead:
+    """What DSpark decodes with: with no source, an untrained draft (``num_layers`` layers of the target's
+    shape over DFlash's default taps, a vanilla Markov head of rank ``rank``, a confidence head reading it,
+    the last token id as the mask; ``trained`` False)."""
+    import numpy as np
+
+    from confu_jax.models.dflash import check_dflash_params, default_taps, draft_config
+
+    if source is not None:
+        raise ValueError(f"{source}: DSpark drafts load only as initialisations in this version (no source); "
+                         "trained DSpark runs and published layouts are not read yet")
+    dcfg, taps = draft_config(target_cfg, num_layers), default_taps(target_cfg.n_layers)
+    p = jax.device_get(D.init_dspark(jax.random.PRNGKey(seed), dcfg, len(taps), target_cfg.vocab_size, rank=rank))
+    check_dflash_params(D.backbone(p), dcfg, len(taps))
+    p = {**p, "mask_token_id": np.int32(target_cfg.vocab_size - 1)}
+    return own_weights(target_cfg, target_params, {"dspark": p}, False,
+                       f"DSpark initialisation ({num_layers} layers, Markov rank {rank}, seed {seed})",
+                       draft_model=dcfg, tap_layers=tuple(taps))
+
+
+def block_depth(params):
+    """The deepest plan a loaded DSpark draft runs: its trained block's slots (None untrained)."""
+    block = params.draft["dspark"].get("block_size")
+    return None if block is None else int(block)
+
+
+FAMILIES = (DrafterFamily(
+    "dspark", parse_dspark, own_weights_loader(load_dspark),
+    methods=(Method("dspark", (), "DSpark: DFlash's block backbone with a Markov logit bias (drafts sampled left to "
+                    "right) and a confidence head setting the verification length (chain:K@P)", own_weights=True),),
+    trees=DEFAULT_CARTESIAN_TREES, max_depth=block_depth),)
