@@ -1,4 +1,5 @@
-"""``python -m launch.generate --method eagle3|confu|dflash`` (DFlash under DDTree's ``ddtree:`` plan): on a tiny random GGUF model (real chat
+"""``python -m launch.generate --method eagle3|confu|dflash|peagle|dspark`` (DFlash and P-EAGLE under DDTree's
+``ddtree:`` plan, DSpark with a confidence-scheduled length): on a tiny random GGUF model (real chat
 template and tokenizer path) the speculative output equals ``--method ar``'s greedy output token
 for token, τ is printed, and a missing head is announced as random on stderr."""
 
@@ -35,7 +36,8 @@ def _generate(model, *args):
 def test_speculative_cli_equals_ar_and_prints_tau(tiny_gguf):
     _, ar_ids = _generate(tiny_gguf, "--method", "ar")
     assert len(ar_ids) >= 2
-    for method, tree in (("eagle3", "chain:3"), ("confu", "dynamic:3,3,8"), ("dflash", "ddtree:6,3")):
+    for method, tree in (("eagle3", "chain:3"), ("confu", "dynamic:3,3,8"), ("dflash", "ddtree:6,3"),
+                         ("peagle", "ddtree:6,3"), ("dspark", "chain:4@0.3")):
         r, ids = _generate(tiny_gguf, "--method", method, "--plan", tree)
         assert ids == ar_ids, (method, tree)
         assert "UNTRAINED" in r.stderr
