@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.dflash import DFlashDrafter, dflash_params, draft_spec
 from confu_jax.decode.drafter import DraftInput, Proposal
-from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, own_weights_loader)
+from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
+                                     resolve_source)
 from confu_jax.decode.heads import DecodeHead, own_weights
 from confu_jax.decode.plans import Chain, parse_plan
 from confu_jax.models import dspark as D
@@ -126,22 +127,32 @@ class DSparkDrafter(DFlashDrafter):
 
 def load_dspark(target_cfg, target_params: dict, source=None, seed: int = 0,
                 target_source: str = "the loaded target", num_layers: int = 3, rank: int = 64) -> DecodeHead:
-    """What DSpark decodes with: with no source, an untrained draft (``num_layers`` layers of the target's
-    shape over DFlash's default taps, a vanilla Markov head of rank ``rank``, a confidence head reading it,
-    the last token id as the mask; ``trained`` False)."""
+    """What DSpark decodes with: the draft of a ``launch.train`` DSpark workdir (``runs.dspark``, target checked;
+    it keeps its block size, which bounds a plan's depth), or, with no source, an untrained draft
+    (``num_layers`` layers of the target's shape over DFlash's default taps, a vanilla Markov head of rank
+    ``rank``, a confidence head reading it, the last token id as the mask; ``trained`` False)."""
     import numpy as np
 
     from confu_jax.models.dflash import check_dflash_params, default_taps, draft_config
+    from confu_jax.runs.dspark import is_dspark_workdir, load_dspark_run
 
-    if source is not None:
-        raise ValueError(f"{source}: DSpark drafts load only as initialisations in this version (no source); "
-                         "trained DSpark runs and published layouts are not read yet")
-    dcfg, taps = draft_config(target_cfg, num_layers), default_taps(target_cfg.n_layers)
-    p = jax.device_get(D.init_dspark(jax.random.PRNGKey(seed), dcfg, len(taps), target_cfg.vocab_size, rank=rank))
+    if source is None:
+        dcfg, taps = draft_config(target_cfg, num_layers), default_taps(target_cfg.n_layers)
+        p = jax.device_get(D.init_dspark(jax.random.PRNGKey(seed), dcfg, len(taps), target_cfg.vocab_size, rank=rank))
+        scalars = {"mask_token_id": np.int32(target_cfg.vocab_size - 1)}
+        trained, desc = False, f"DSpark initialisation ({num_layers} layers, Markov rank {rank}, seed {seed})"
+    else:
+        def run(path):
+            r = load_dspark_run(path, target_cfg, target_params, target_source=target_source)
+            return r.params, r.draft, r.taps, r.mask_token_id, r.block_size, r.source
+
+        p, dcfg, taps, mask, block, desc = resolve_source(source, (
+            SourceKind("a DSpark launch.train workdir (config.json with a 'dspark' section + checkpoints/)",
+                       is_dspark_workdir, run),))
+        scalars = {"mask_token_id": np.int32(mask), "block_size": np.int32(block)}
+        trained = True
     check_dflash_params(D.backbone(p), dcfg, len(taps))
-    p = {**p, "mask_token_id": np.int32(target_cfg.vocab_size - 1)}
-    return own_weights(target_cfg, target_params, {"dspark": p}, False,
-                       f"DSpark initialisation ({num_layers} layers, Markov rank {rank}, seed {seed})",
+    return own_weights(target_cfg, target_params, {"dspark": {**p, **scalars}}, trained, desc,
                        draft_model=dcfg, tap_layers=tuple(taps))
 
 
@@ -154,5 +165,7 @@ def block_depth(params):
 FAMILIES = (DrafterFamily(
     "dspark", parse_dspark, own_weights_loader(load_dspark),
     methods=(Method("dspark", (), "DSpark: DFlash's block backbone with a Markov logit bias (drafts sampled left to "
-                    "right) and a confidence head setting the verification length (chain:K@P)", own_weights=True),),
-    trees=DEFAULT_CARTESIAN_TREES, max_depth=block_depth),)
+                    "right) and a confidence head setting the verification length (chain:K@P); trained with configs/*_dspark.py",
+                    own_weights=True),),
+    trees=DEFAULT_CARTESIAN_TREES, max_depth=block_depth, train_task="confu_jax.train.dspark_task:build_task",
+    configs=("configs/smollm2_dspark.py",), tiny_config="configs/tiny_dspark.py"),)
