@@ -10,6 +10,8 @@
     python -m launch.export_head --workdir runs/smollm2_mlp_speculator --format mlp_speculator --out exports/mlp
     python -m launch.export_head --workdir runs/smollm2_mtp --format mtp --out exports/mtp
     python -m launch.export_head --workdir runs/smollm2_dflash --format dflash --out exports/dflash
+    python -m launch.export_head --workdir runs/smollm2_peagle --format peagle --out exports/peagle
+    python -m launch.export_head --workdir runs/smollm2_dspark --format dspark --out exports/dspark
 
 ``--format eagle3`` writes the official EAGLE-3 layout (config.json + model.safetensors, tensors
 ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` as offsets, ``t2d``), which SGLang and SpecForge
@@ -28,7 +30,9 @@ target's embedding and LM head as ``embed_tokens`` / ``shared_head.head``), whic
 (``--heads mtp=DIR``). ``--format dflash`` writes a DFlash run as z-lab's released layout
 (``DFlashDraftModel`` config.json with ``block_size`` / ``dflash_config`` + ``model.safetensors``,
 ``weights.dflash_format``), which loads back here (``--heads dflash=DIR``) and in the reference's
-``AutoModel.from_pretrained(..., trust_remote_code=True)`` with its ``dflash.py``.
+``AutoModel.from_pretrained(..., trust_remote_code=True)`` with its ``dflash.py``. ``--format peagle`` and
+``--format dspark`` write a P-EAGLE / DSpark run in speculators' ``peagle`` / ``dspark`` layouts
+(``weights.peagle_format``, ``weights.dspark_format``), which load back here and in speculators.
 
 A ConFu head exports its EAGLE-3 part only (fc, the draft layer, LM head): serving engines have no
 contemplate tokens, so its future path (soft prompts, MoE_con, MoE_f) is dropped, with a warning.

@@ -41,6 +41,7 @@ from confu_jax.decode.plans import Chain, parse_plan
 from confu_jax.models import dspark as D
 from confu_jax.models.dflash import block_hidden, block_logits, embed_block
 from confu_jax.models.vocab_map import to_target_vocab
+from confu_jax.runs import dspark as runs_dspark
 
 DSPARK_FORMS = ("chain:K (a block of K: the root and K-1 masks, each slot drafting the next token), chain:K@P "
                 "(verify the leading drafts whose confidence survival is >= P), sampled_chain:K, tree:k1,...,kD "
@@ -127,14 +128,16 @@ class DSparkDrafter(DFlashDrafter):
 
 def load_dspark(target_cfg, target_params: dict, source=None, seed: int = 0,
                 target_source: str = "the loaded target", num_layers: int = 3, rank: int = 64) -> DecodeHead:
-    """What DSpark decodes with: the draft of a ``launch.train`` DSpark workdir (``runs.dspark``, target checked;
-    it keeps its block size, which bounds a plan's depth), or, with no source, an untrained draft
+    """What DSpark decodes with: the draft of a ``launch.train`` DSpark workdir (``runs.dspark``, target checked)
+    or of speculators' ``dspark`` layout (``weights.dspark_format``; width, vocabulary and taps checked) — either
+    keeps its block size, which bounds a plan's depth — or, with no source, an untrained draft
     (``num_layers`` layers of the target's shape over DFlash's default taps, a vanilla Markov head of rank
     ``rank``, a confidence head reading it, the last token id as the mask; ``trained`` False)."""
     import numpy as np
 
     from confu_jax.models.dflash import check_dflash_params, default_taps, draft_config
     from confu_jax.runs.dspark import is_dspark_workdir, load_dspark_run
+    from confu_jax.weights.dspark_format import is_dspark_dir, load_dspark_dir
 
     if source is None:
         dcfg, taps = draft_config(target_cfg, num_layers), default_taps(target_cfg.n_layers)
@@ -146,9 +149,24 @@ def load_dspark(target_cfg, target_params: dict, source=None, seed: int = 0,
             r = load_dspark_run(path, target_cfg, target_params, target_source=target_source)
             return r.params, r.draft, r.taps, r.mask_token_id, r.block_size, r.source
 
+        def published(path):
+            imp = load_dspark_dir(path)
+            if imp.draft.d_model != target_cfg.d_model or imp.draft.vocab_size != target_cfg.vocab_size:
+                raise ValueError(f"{source}: a DSpark draft of width {imp.draft.d_model} over {imp.draft.vocab_size} "
+                                 f"tokens cannot read a target of width {target_cfg.d_model} over "
+                                 f"{target_cfg.vocab_size} (its block input is the target's embedding)")
+            if max(imp.taps) >= target_cfg.n_layers:
+                raise ValueError(f"{source}: aux_hidden_state_layer_ids {list(imp.taps)}: expected states entering "
+                                 f"layers of this {target_cfg.n_layers}-layer target (below {target_cfg.n_layers})")
+            dcfg = imp.draft.replace(dtype=target_cfg.dtype, param_dtype=target_cfg.param_dtype)
+            return (imp.params, dcfg, imp.taps, imp.mask_token_id, imp.block_size,
+                    f"{path} (speculators DSpark layout, block {imp.block_size})")
+
         p, dcfg, taps, mask, block, desc = resolve_source(source, (
             SourceKind("a DSpark launch.train workdir (config.json with a 'dspark' section + checkpoints/)",
-                       is_dspark_workdir, run),))
+                       is_dspark_workdir, run),
+            SourceKind("a speculators DSpark directory (config.json with speculators_model_type 'dspark' + "
+                       "model.safetensors)", is_dspark_dir, published)))
         scalars = {"mask_token_id": np.int32(mask), "block_size": np.int32(block)}
         trained = True
     check_dflash_params(D.backbone(p), dcfg, len(taps))
@@ -167,5 +185,5 @@ FAMILIES = (DrafterFamily(
     methods=(Method("dspark", (), "DSpark: DFlash's block backbone with a Markov logit bias (drafts sampled left to "
                     "right) and a confidence head setting the verification length (chain:K@P); trained with configs/*_dspark.py",
                     own_weights=True),),
-    trees=DEFAULT_CARTESIAN_TREES, max_depth=block_depth, train_task="confu_jax.train.dspark_task:build_task",
+    trees=DEFAULT_CARTESIAN_TREES, max_depth=block_depth, export_formats=(runs_dspark.EXPORT_FORMAT,), train_task="confu_jax.train.dspark_task:build_task",
     configs=("configs/smollm2_dspark.py",), tiny_config="configs/tiny_dspark.py"),)

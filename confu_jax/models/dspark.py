@@ -81,6 +81,11 @@ def init_dspark(rng: jax.Array, dcfg: LlamaConfig, n_taps: int, vocab: int, *, r
     return p
 
 
+def init_shapes(dcfg: LlamaConfig, n_taps: int, vocab: int, **kw) -> dict:
+    """ShapeDtypeStructs of ``init_dspark(..., **kw)`` (what a run's checkpoint or a published file holds)."""
+    return jax.eval_shape(lambda: init_dspark(jax.random.PRNGKey(0), dcfg, n_taps, vocab, **kw))
+
+
 def prev_embedding(params: dict, tokens) -> jax.Array:
     """e = w1[previous token] [..., r]."""
     return jnp.take(params["markov"]["w1"], tokens, axis=0)

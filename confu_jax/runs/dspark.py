@@ -15,6 +15,7 @@ import numpy as np
 
 from confu_jax.models.dflash import default_taps, draft_config
 from confu_jax.models.llama import LlamaConfig
+from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
 
 
 class DSparkRun(NamedTuple):
@@ -37,7 +38,7 @@ def is_dspark_workdir(path: str) -> bool:
 def load_dspark_run(workdir: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
                     target_source: str = "the loaded target") -> DSparkRun:
     """The draft of a run (last checkpoint, or ``step``), target checked by fingerprint."""
-    from confu_jax.models.dspark import init_dspark
+    from confu_jax.models.dspark import init_shapes
     from confu_jax.runs.heads import load_family_run
 
     def taps_of(config):
@@ -47,10 +48,9 @@ def load_dspark_run(workdir: str, target_cfg: LlamaConfig, target_params, *, ste
     def abstract(config):
         dc = config["dspark"]
         dcfg = draft_config(target_cfg, int(dc["num_layers"]))
-        shapes = jax.eval_shape(lambda: init_dspark(
-            jax.random.PRNGKey(0), dcfg, len(taps_of(config)), target_cfg.vocab_size, rank=int(dc["markov_rank"]),
-            kind=str(dc["markov_head_type"]), confidence=bool(dc["enable_confidence_head"]),
-            confidence_with_markov=bool(dc["confidence_head_with_markov"])))
+        shapes = init_shapes(dcfg, len(taps_of(config)), target_cfg.vocab_size, rank=int(dc["markov_rank"]),
+                             kind=str(dc["markov_head_type"]), confidence=bool(dc["enable_confidence_head"]),
+                             confidence_with_markov=bool(dc["confidence_head_with_markov"]))
         return {"draft": {"dspark": shapes}}
 
     params, step, config, workdir = load_family_run(
@@ -60,3 +60,31 @@ def load_dspark_run(workdir: str, target_cfg: LlamaConfig, target_params, *, ste
     return DSparkRun(jax.tree_util.tree_map(np.asarray, params["draft"]["dspark"]),
                      draft_config(target_cfg, int(dc["num_layers"])), taps_of(config), int(dc["mask_token_id"]),
                      int(dc["block_size"]), step, f"{workdir} (step {step})")
+
+
+# ----------------------------------------------------------------------------- export (launch.export_head)
+
+
+def _write_dspark(workdir, out, *, step=None, dtype=None, target, target_source, warn=None, verifier=None) -> str:
+    import os
+
+    from confu_jax.runs.heads import read_target_record
+    from confu_jax.weights.dspark_format import save_dspark_dir
+    from confu_jax.weights.head_dirs import store_dtype
+    from confu_jax.weights.hf import SUPPORTED_MODEL_TYPES
+    from confu_jax.weights.export import model_type_of
+
+    cfg, tp = target
+    dtype = dtype or target_dtype(target_source)
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    run = load_dspark_run(workdir, cfg, tp, step=step, target_source=target_source)
+    record = read_target_record(workdir) or {}
+    save_dspark_dir(out, run.params, run.draft, taps=run.taps, mask_token_id=run.mask_token_id,
+                    block_size=run.block_size, verifier=verifier or record.get("source") or target_source,
+                    verifier_arch=SUPPORTED_MODEL_TYPES[model_type_of(cfg)], dtype=store_dtype(dtype_text(dtype)))
+    return (f"exported {workdir} (step {run.step}, DSpark draft, blocks of {run.block_size}, mask "
+            f"{run.mask_token_id}) to {out} in speculators' dspark layout ({dtype_text(dtype)})")
+
+
+EXPORT_FORMAT = ExportFormat(name="dspark", write=_write_dspark, reads_target=True, options=("verifier",),
+                             help="speculators' dspark layout (vLLM's Qwen3DSparkForCausalLM; a DSpark run)")

@@ -77,6 +77,22 @@ def dspark_spec(config):
                                draft_model=draft_config(spec.target, int(config.dspark.num_layers)))
 
 
+def block_outputs(spec, p: dict, target_params, h: jax.Array, prev: jax.Array):
+    """(logits [B,N,bs,V] float32: the target's LM head over the backbone's states ``h`` [B,N,bs,d] plus the
+    Markov bias from ``prev`` [B,N,bs] — each slot's token at its own position —, confidences [B,N,bs] or None)."""
+    b = h.shape[0]
+    vocab = spec.target.vocab_size
+    e = D.prev_embedding(p, prev)  # [B,N,bs,r]
+    state, biases = None, []
+    for slot in range(h.shape[2]):  # the rnn head's state runs along the block
+        bias, state = D.markov_bias(p, e[:, :, slot], h[:, :, slot], state)
+        biases.append(bias)
+    flat = block_logits(spec.target, target_params, h.reshape(b, -1, h.shape[-1]))
+    logits = (to_target_vocab(flat, vocab).reshape(h.shape[:3] + (-1,)).astype(jnp.float32)
+              + to_target_vocab(jnp.stack(biases, 2), vocab))
+    return logits, (D.confidence(p, h, e) if "confidence" in p else None)
+
+
 def dspark_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,
                 gamma: float, alpha: float):
     """(loss, metrics) of one batch of padded rows (module docstring)."""
@@ -103,20 +119,13 @@ def dspark_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anch
 
     @jax.checkpoint  # the [B, N, bs, V] logits are recomputed in the backward pass
     def terms(p, h):
-        e = D.prev_embedding(p, prev)  # [B,N,bs,r]
-        state, biases = None, []
-        for slot in range(block_size):  # the rnn head's state runs along the block
-            bias, state = D.markov_bias(p, e[:, :, slot], h[:, :, slot], state)
-            biases.append(bias)
-        flat = block_logits(spec.target, target_params, h.reshape(b, -1, h.shape[-1]))
-        logq = jax.nn.log_softmax(to_target_vocab(flat, vocab).reshape(h.shape[:3] + (-1,))
-                                  + to_target_vocab(jnp.stack(biases, 2), vocab), -1)
+        logits, conf = block_outputs(spec, p, target_params, h, prev)
+        logq = jax.nn.log_softmax(logits, -1)
         t_h = hidden_t[jnp.arange(b)[:, None], jnp.minimum(idx, n - 1).reshape(b, -1)]
         logp = jax.nn.log_softmax(to_target_vocab(block_logits(spec.target, target_params, t_h), vocab), -1)
         logp = jax.lax.stop_gradient(logp.reshape(logq.shape))
         kl = jnp.sum(jnp.exp(logp) * (logp - logq), -1)
         accept = jax.lax.stop_gradient(jnp.sum(jnp.minimum(jnp.exp(logq), jnp.exp(logp)), -1))  # 1 - TV
-        conf = D.confidence(p, h, e) if "confidence" in p else None
         return kl, accept, conf, jnp.argmax(logq, -1) == jnp.argmax(logp, -1)
 
     kl, accept, conf, hit = terms(p, h)

@@ -9,7 +9,10 @@
   (the running product of the confidences) is >= P;
 * T = 1 stays exactly lossless (chi-square against the target's exact joint) for sampled chains and trees,
   whose q is the bias-corrected distribution;
-* one-line refusals: @P on a tree, @P without a confidence head, a source (not read yet).
+* one-line refusals: @P on a tree, @P without a confidence head, a source of no kind the family reads.
+
+speculators' own ``DSparkDraftModel`` (its training forward, its saved layout) is checked against ours in
+``tests/contract/test_dspark_reference.py``.
 """
 
 from __future__ import annotations
@@ -181,6 +184,6 @@ def test_bad_plans_and_sources_are_one_line():
     with pytest.raises(ValueError, match="no confidence head"):
         loop.generate_from_spec(spec, params, parse_dspark("chain:3@0.5"), prompts_for(6), max_new_tokens=4,
                                 eos_ids=())
-    with pytest.raises(ValueError, match="not read yet"):
+    with pytest.raises(ValueError, match="neither a DSpark launch.train workdir .* nor a speculators DSpark directory"):
         load_dspark(spec.target, tp, "/some/dir")
     assert isinstance(parse_dspark("chain:3"), DSparkDrafter) and parse_dspark("chain:3@0.25").describe() == "chain:3@0.25"
