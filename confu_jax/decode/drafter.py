@@ -168,6 +168,12 @@ class PlanDrafter(Drafter):
         tree, q, _, state = self.plan.grow(expand_fn, state, inp)
         return tree, q, state
 
+    def draft_conditional(self, children_fn, state0, inp: DraftInput):
+        """The plan's tree for a drafter that gives each node's children distribution from the node alone
+        (``DraftPlan.grow_conditional``: DSpark) -> (tree, q_btv or None)."""
+        tree, q, _, _ = self.plan.grow_conditional(children_fn, state0, inp)
+        return tree, q
+
     def draft_positional(self, logp_bdv, inp: DraftInput, *, d2t_v=None, target_vocab=None):
         """The plan's tree for a block drafter, from every depth's distribution ``logp_bdv`` [B,D,V]
         drafted at once from the root (``DraftPlan.grow_positional``: DDTree's ``ddtree:`` plans

@@ -9,8 +9,8 @@ to right. In this project's terms (p = the last accepted position, x[p+1] = the 
 * the draft's KV cache holds the context entries of positions 0..p (DFlash's: ``decode.dflash``, whose
   ``init`` / ``update`` this family keeps);
 * propose: the block [x[p+1], M, ..., M] of D slots at positions p+1..p+D (``sample_from_anchor``: the
-  anchor slot drafts too) gives the base logits b_k and states h_k; the plan's tree grows through an
-  ``expand_fn`` that, for a frontier node at depth k whose token is t, returns
+  anchor slot drafts too) gives the base logits b_k and states h_k; the plan's tree grows through one
+  ``children`` function that, for a node at depth k whose token is t, returns
   log softmax(b_k + bias(w1[t], h_k)) — the bias-corrected distribution, the one drafts are drawn from and
   the sampled rules read as q (so T > 0 stays exactly lossless, as vLLM's ``draft_logits`` cache);
   the rnn head's state rides along per frontier node (gathered through its parent);
@@ -21,7 +21,10 @@ to right. In this project's terms (p = the last accepted position, x[p+1] = the 
   scores against a measured cost table; a threshold is its batch-1 form at a flat marginal cost.
 
 Plans: ``chain:K``, ``sampled_chain:K``, ``tree:k1,...,kD`` (each node's children the top-k of its own
-bias-corrected distribution), ``dynamic:D,K,N``; the block has D slots for a depth-D plan.
+bias-corrected distribution), ``dynamic:D,K,N`` and DDTree's ``ddtree:N[,D]`` — best-first node by node, each
+popped node's children distribution computed from its own token (``decode.tree.draft_best_first_tree``); the
+block has D slots for a depth-D plan. One ``children`` function serves them all
+(``DraftPlan.grow_conditional``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.dflash import DFlashDrafter, dflash_params, draft_spec
 from confu_jax.decode.drafter import DraftInput, Proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
@@ -44,14 +46,15 @@ from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.runs import dspark as runs_dspark
 
 DSPARK_FORMS = ("chain:K (a block of K: the root and K-1 masks, each slot drafting the next token), chain:K@P "
-                "(verify the leading drafts whose confidence survival is >= P), sampled_chain:K, tree:k1,...,kD "
-                "or dynamic:D,K,N")
+                "(verify the leading drafts whose confidence survival is >= P), sampled_chain:K, tree:k1,...,kD, "
+                "dynamic:D,K,N or ddtree:N[,D] (DDTree's best-first tree, each node's children from its own "
+                "Markov-biased distribution)")
 
 
 def parse_dspark(text: str) -> "DSparkDrafter":
     """A DSpark plan, optionally ``@P`` (confidence-scheduled length, chains only)."""
     body, at, prob = text.partition("@")
-    plan = parse_plan(body, what="DSpark", forms=DSPARK_FORMS)
+    plan = parse_plan(body, what="DSpark", forms=DSPARK_FORMS, block=True)
     if not at:
         return DSparkDrafter(plan)
     try:
@@ -101,17 +104,18 @@ class DSparkDrafter(DFlashDrafter):
                          jnp.ones((b, depth, depth), bool), cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
         base = to_target_vocab(block_logits(spec.target, params.target, h), spec.target.vocab_size)  # [B,D,V]
 
-        def expand_fn(state, fr: tree_lib.Frontier):
-            """Children of depth-k nodes: slot k's base logits + the bias from each node's own token."""
-            k = fr.depth
-            n = fr.tokens_bk.shape[1]
-            hk = jnp.broadcast_to(h[:, k][:, None], (b, n, h.shape[-1]))
-            prev = None if state is None else jnp.take_along_axis(state, fr.parent_slot_bk[..., None], axis=1)
-            bias, new_state = D.markov_bias(p, D.prev_embedding(p, fr.tokens_bk), hk, prev)
-            logits = base[:, k][:, None].astype(jnp.float32) + to_target_vocab(bias, spec.target.vocab_size)
+        rows = jnp.arange(b)[:, None]
+
+        def children(tokens_bk, depth_bk, state):
+            """A node's children: slot k's base logits + the bias from the node's own token (k its depth)."""
+            k = jnp.minimum(depth_bk, depth - 1)
+            bias, new_state = D.markov_bias(p, D.prev_embedding(p, tokens_bk), h[rows, k], state)
+            logits = base[rows, k].astype(jnp.float32) + to_target_vocab(bias, spec.target.vocab_size)
             return jax.nn.log_softmax(logits, axis=-1), new_state
 
-        tree, q, _ = self.draft(expand_fn, None, inp)
+        rank = D.markov_rank(p)
+        state0 = jnp.zeros((b, 1, rank), jnp.float32) if D.head_type(p) == "rnn" else None
+        tree, q = self.draft_conditional(children, state0, inp)
         n = jnp.full((b,), self.n_nodes, jnp.int32)
         if self.min_survival > 0:
             if "confidence" not in p:
@@ -185,5 +189,5 @@ FAMILIES = (DrafterFamily(
     methods=(Method("dspark", (), "DSpark: DFlash's block backbone with a Markov logit bias (drafts sampled left to "
                     "right) and a confidence head setting the verification length (chain:K@P); trained with configs/*_dspark.py",
                     own_weights=True),),
-    trees=DEFAULT_CARTESIAN_TREES, max_depth=block_depth, export_formats=(runs_dspark.EXPORT_FORMAT,), train_task="confu_jax.train.dspark_task:build_task",
+    trees=DEFAULT_CARTESIAN_TREES + ("ddtree:8,3",), max_depth=block_depth, export_formats=(runs_dspark.EXPORT_FORMAT,), train_task="confu_jax.train.dspark_task:build_task",
     configs=("configs/smollm2_dspark.py",), tiny_config="configs/tiny_dspark.py"),)

@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
@@ -107,6 +108,21 @@ class DraftPlan(abc.ABC):
             return jnp.broadcast_to(lp, (b, fr.tokens_bk.shape[1], v)), s
 
         return self.grow(expand_fn, state, inp, d2t_v=d2t_v, target_vocab=target_vocab)
+
+    def grow_conditional(self, children_fn, state0, inp, *, d2t_v=None, target_vocab=None):
+        """``grow`` for a drafter that gives each node's children distribution from the node alone:
+        ``children_fn(tokens_bk, depth_bk, state_bk) -> (logp_bkv, state_bk)`` over [B,K] nodes (their
+        target-vocabulary tokens, their depths, the per-node state their parents left: ``state0`` [B,1,...]
+        or None for the root) — DSpark's block slot plus its Markov bias. Through a per-depth ``expand_fn``;
+        ``ddtree:`` plans pop node by node instead (``BlockTree``)."""
+
+        def expand_fn(s, fr: tree_lib.Frontier):
+            parent = None if s is None else jax.tree_util.tree_map(
+                lambda x: jnp.take_along_axis(x, fr.parent_slot_bk.reshape(fr.parent_slot_bk.shape + (1,) * (x.ndim - 2)),
+                                              axis=1), s)
+            return children_fn(fr.tokens_bk, jnp.full(fr.tokens_bk.shape, fr.depth, jnp.int32), parent)
+
+        return self.grow(expand_fn, state0, inp, d2t_v=d2t_v, target_vocab=target_vocab)
 
     def rule(self, greedy: bool) -> verify_lib.AcceptanceRule:
         """The lossless acceptance rule for this plan's trees: greedy at temperature 0, else
@@ -236,8 +252,10 @@ class DynamicTree(DraftPlan):
 class BlockTree(DraftPlan):
     """``ddtree:N[,D]`` (DDTree, arXiv 2604.12989): the N best nodes, by the sum of their path's draft
     log-probabilities, of the tree of every position's top-k (``decode.tree.draft_block_tree``), at
-    most D deep (D defaults to N: any shape the budget reaches). Only a block drafter grows it
-    (``grow_positional``): its score assumes each position's distribution ignores the drafted tokens."""
+    most D deep (D defaults to N: any shape the budget reaches). Grown by a block drafter whose every
+    position's distribution comes from the root alone (``grow_positional``: DFlash, Medusa, P-EAGLE) or
+    from the node it follows (``grow_conditional``: DSpark's Markov bias; ``draft_best_first_tree``),
+    not through a per-depth ``expand_fn``."""
 
     n_nodes: int  # the root included (the text's N does not count it, as dynamic's NODES)
     depth: int
@@ -277,6 +295,15 @@ class BlockTree(DraftPlan):
         tree, score = tree_lib.draft_block_tree(logp_bdv[:, :self.depth], inp.root_b, n_nodes=self.n_nodes,
                                                 d2t_v=d2t_v)
         return tree, None, score, state
+
+    def grow_conditional(self, children_fn, state0, inp, *, d2t_v=None, target_vocab=None):
+        def children(tokens_b, depth_b, state):  # one node a row: the [B,1] form of children_fn
+            logp, new = children_fn(tokens_b[:, None], depth_b[:, None], state)
+            return logp[:, 0], new
+
+        tree, score = tree_lib.draft_best_first_tree(children, inp.root_b, n_nodes=self.n_nodes, depth=self.depth,
+                                                     d2t_v=d2t_v, state0=state0)
+        return tree, None, score, state0
 
 
 def cartesian_paths(top_ks) -> tuple:

@@ -471,55 +471,92 @@ def draft_block_tree(logp_bdv: jax.Array, root_token_b: jax.Array, *, n_nodes: i
     sibling (same parent, rank r+1) and its first child (depth d+1, rank 0). Since a child scores no
     more than its parent and a sibling no more than its elder, the tree is the ``n_nodes - 1`` best nodes
     of the Cartesian tree of per-position top-k (k = ``n_nodes - 1``), prefix-closed.
-
-    Static shapes: the heap is a buffer of 1 + 2(T-1) candidate slots (pop i pushes into slots 2i+1,
-    2i+2), a pop an argmax over it (ties: the earliest push). Nodes come out in pop order, which is
-    topological and puts siblings in rank order (``decode.verify``'s sequential rule visits them so);
-    a pop with no finite candidate left (the draft gives the rest zero mass) is an invalid node.
+    (:func:`draft_best_first_tree` with a distribution that ignores the parent.)
     """
     logp_bdv = jnp.asarray(logp_bdv, jnp.float32)
     root_token_b = jnp.asarray(root_token_b, jnp.int32)
     if logp_bdv.ndim != 3 or logp_bdv.shape[0] != root_token_b.shape[0]:
         raise ValueError(f"draft_block_tree: logp_bdv must be [B,D,V] with B = {root_token_b.shape[0]} roots; "
                          f"got {logp_bdv.shape}")
-    b, depth, v = logp_bdv.shape
-    if n_nodes < 2:
-        raise ValueError(f"draft_block_tree: n_nodes={n_nodes} must be >= 2 (the root and one draft)")
-    k = min(n_nodes - 1, v)
-    val_bdk, idx_bdk = stable_top_k(logp_bdv, k)  # [B,D,k] each position's best k, descending
-    tok_bdk = _map_tokens(idx_bdk, d2t_v)
-    n_slots = 1 + 2 * (n_nodes - 1)
+    b, depth, _ = logp_bdv.shape
     rows = jnp.arange(b)
+
+    def children(tokens_b, depth_b, state):
+        del tokens_b
+        return logp_bdv[rows, jnp.minimum(depth_b, depth - 1)], state
+
+    return draft_best_first_tree(children, root_token_b, n_nodes=n_nodes, depth=depth, d2t_v=d2t_v)
+
+
+def draft_best_first_tree(children_fn, root_token_b: jax.Array, *, n_nodes: int, depth: int,
+                          d2t_v: Optional[jax.Array] = None, state0=None) -> Tuple[DraftTree, jax.Array]:
+    """DDTree's best-first tree for a draft whose next-token distribution may depend on the node it
+    follows; returns ``(tree, cum_logp_bt)``.
+
+    ``children_fn(tokens_b, depth_b, state) -> (logp_bv, state)``: the draft's log-probabilities [B,V] of
+    the token after a node whose (target-vocabulary) token is ``tokens_b`` at depth ``depth_b`` [B], and the
+    per-node state its children need (``state``: the parent's; a pytree of [B,...] arrays, or None) — e.g.
+    DSpark's block slot ``depth_b`` plus its Markov bias from ``tokens_b``. Called once for the root and once
+    per popped node (a [B,V] distribution and its top-k, inside a ``fori_loop``).
+
+    A node is (parent, rank r): the r-th best token of its parent's distribution, scored by the sum of its
+    path's log-probabilities. A heap starts with the root's first child; each of ``n_nodes - 1`` steps pops
+    the best candidate into the tree, computes its children's distribution, and pushes its next sibling
+    (rank r+1 under the same parent) and its first child (rank 0 of its own distribution, if its depth is
+    below ``depth``). A child never outscores its parent nor a sibling its elder, so the tree is the
+    ``n_nodes - 1`` best nodes of the tree of every node's top-k (k = ``n_nodes - 1``), prefix-closed.
+
+    Static shapes: the heap is a buffer of 1 + 2(T-1) candidate slots (pop i pushes into slots 2i+1,
+    2i+2), a pop an argmax over it (ties: the earliest push); every node keeps its top-k [B,T,k]. Nodes
+    come out in pop order, which is topological and puts siblings in rank order (``decode.verify``'s
+    sequential rule visits them so); a pop with no finite candidate left (zero draft mass) is an invalid node.
+    """
+    root_token_b = jnp.asarray(root_token_b, jnp.int32)
+    b = root_token_b.shape[0]
+    if n_nodes < 2 or depth < 1:
+        raise ValueError(f"draft_best_first_tree: n_nodes={n_nodes} must be >= 2 (the root and one draft) and "
+                         f"depth={depth} >= 1")
+    rows = jnp.arange(b)
+    logp0, state0 = children_fn(root_token_b, jnp.zeros((b,), jnp.int32), state0)
+    k = min(n_nodes - 1, logp0.shape[-1])
+
+    def top(logp_bv):
+        val, idx = stable_top_k(jnp.asarray(logp_bv, jnp.float32), k)
+        return val, _map_tokens(idx, d2t_v)
+
+    val0, tok0 = top(logp0)
+    n_slots = 1 + 2 * (n_nodes - 1)
     neg = jnp.float32(-jnp.inf)
-    # candidate slots: score, the parent's score, parent node, depth (1..D), rank
-    heap = dict(score=jnp.full((b, n_slots), neg).at[:, 0].set(val_bdk[:, 0, 0]),
-                base=jnp.zeros((b, n_slots), jnp.float32),
-                parent=jnp.zeros((b, n_slots), jnp.int32),
-                depth=jnp.ones((b, n_slots), jnp.int32),
-                rank=jnp.zeros((b, n_slots), jnp.int32))
-    nodes = dict(token=jnp.zeros((b, n_nodes), jnp.int32).at[:, 0].set(root_token_b),
-                 parent=jnp.full((b, n_nodes), -1, jnp.int32),
-                 cum=jnp.zeros((b, n_nodes), jnp.float32))
+    per_node = lambda x: jnp.zeros((b, n_nodes) + x.shape[1:], x.dtype).at[:, 0].set(x)  # noqa: E731
+    nodes = dict(token=per_node(root_token_b), parent=jnp.full((b, n_nodes), -1, jnp.int32),
+                 depth=jnp.zeros((b, n_nodes), jnp.int32), cum=jnp.zeros((b, n_nodes), jnp.float32),
+                 val=per_node(val0), tok=per_node(tok0), state=jax.tree_util.tree_map(per_node, state0))
+    # candidate slots: score, the parent's score, parent node, rank
+    heap = dict(score=jnp.full((b, n_slots), neg).at[:, 0].set(val0[:, 0]), base=jnp.zeros((b, n_slots), jnp.float32),
+                parent=jnp.zeros((b, n_slots), jnp.int32), rank=jnp.zeros((b, n_slots), jnp.int32))
 
     def pop(i, carry):
         heap, nodes = carry
         j = jnp.argmax(heap["score"], axis=1)  # first maximum: the earliest push wins a tie
-        s, base = heap["score"][rows, j], heap["base"][rows, j]
-        par, d, r = heap["parent"][rows, j], heap["depth"][rows, j], heap["rank"][rows, j]
+        s, base, par, r = (heap[f][rows, j] for f in ("score", "base", "parent", "rank"))
         node = i + 1
-        nodes = dict(token=nodes["token"].at[:, node].set(tok_bdk[rows, d - 1, r]),
-                     parent=nodes["parent"].at[:, node].set(par),
-                     cum=nodes["cum"].at[:, node].set(s))
+        token = nodes["tok"][rows, par, r]
+        d = nodes["depth"][rows, par] + 1
+        parent_state = jax.tree_util.tree_map(lambda x: x[rows, par], nodes["state"])
+        logp, state = children_fn(token, d, parent_state)
+        val, tok = top(logp)
         live = jnp.isfinite(s)
+        nodes = dict(token=nodes["token"].at[:, node].set(token), parent=nodes["parent"].at[:, node].set(par),
+                     depth=nodes["depth"].at[:, node].set(d), cum=nodes["cum"].at[:, node].set(s),
+                     val=nodes["val"].at[:, node].set(val), tok=nodes["tok"].at[:, node].set(tok),
+                     state=jax.tree_util.tree_map(lambda a, x: a.at[:, node].set(x), nodes["state"], state))
         r1 = jnp.minimum(r + 1, k - 1)
-        sib = jnp.where(live & (r + 1 < k), base + val_bdk[rows, d - 1, r1], neg)
-        d1 = jnp.minimum(d, depth - 1)
-        child = jnp.where(live & (d < depth), s + val_bdk[rows, d1, 0], neg)
+        sib = jnp.where(live & (r + 1 < k), base + nodes["val"][rows, par, r1], neg)
+        child = jnp.where(live & (d < depth), s + val[:, 0], neg)
         a, c = 2 * i + 1, 2 * i + 2
         heap = dict(score=heap["score"].at[rows, j].set(neg).at[:, a].set(sib).at[:, c].set(child),
                     base=heap["base"].at[:, a].set(base).at[:, c].set(s),
                     parent=heap["parent"].at[:, a].set(par).at[:, c].set(node),
-                    depth=heap["depth"].at[:, a].set(d).at[:, c].set(d + 1),
                     rank=heap["rank"].at[:, a].set(r + 1).at[:, c].set(0))
         return heap, nodes
 

@@ -62,6 +62,49 @@ def test_block_tree_is_the_best_nodes_of_the_cartesian_tree(b, depth, v, n_nodes
             assert ranks == list(range(rank)), (i, j)  # siblings in rank order, none skipped
 
 
+def test_best_first_over_a_parent_conditioned_draft_is_its_best_nodes():
+    """``draft_best_first_tree`` with a distribution that depends on the parent's token and on a state the
+    parent passes down (DSpark's Markov bias, its rnn): the tree is the best T-1 nodes of the tree of every
+    node's top-k, by brute-force enumeration of the conditional path scores."""
+    from confu_jax.decode.tree import draft_best_first_tree
+
+    rng = np.random.default_rng(4)
+    b, depth, v, n_nodes = 2, 3, 4, 9
+    base = jax.nn.log_softmax(jnp.asarray(rng.standard_normal((b, depth, v)), jnp.float32), -1)
+    mix = jnp.asarray(1.5 * rng.standard_normal((v, v)), jnp.float32)  # the bias of a token on its children
+
+    def children(tokens_b, depth_b, state):
+        rows = jnp.arange(b)
+        state = state + tokens_b.astype(jnp.float32)  # a running sum of the path's tokens
+        logits = base[rows, jnp.minimum(depth_b, depth - 1)] + mix[tokens_b] + 0.1 * state[:, None]
+        return jax.nn.log_softmax(logits, -1), state
+
+    roots = jnp.array([1, 3], jnp.int32)
+    tree, cum = jax.jit(lambda r: draft_best_first_tree(children, r, n_nodes=n_nodes, depth=depth,
+                                                        state0=jnp.zeros((b,), jnp.float32)))(roots)
+    tok, par, cum = np.asarray(tree.tokens_bt), np.asarray(tree.parents_bt), np.asarray(cum)
+    for i in range(b):
+        every = [p for dd in range(1, depth + 1) for p in itertools.product(range(v), repeat=dd)]
+
+        def score(path):
+            s, state, prev = 0.0, 0.0, int(roots[i])
+            for dpos, t in enumerate(path):
+                state += prev
+                s += float(np.asarray(jax.nn.log_softmax(base[i, dpos] + mix[prev] + 0.1 * state))[t])
+                prev = t
+            return s
+
+        best = sorted((score(p) for p in every), reverse=True)[:n_nodes - 1]
+        np.testing.assert_allclose(sorted(cum[i, 1:], reverse=True), best, rtol=1e-5, atol=1e-5)
+        for j in range(1, n_nodes):  # each node's score is its parent's plus its own conditional log-probability
+            path = []
+            node = j
+            while node > 0:
+                path.append(int(tok[i, node]))
+                node = par[i, node]
+            np.testing.assert_allclose(cum[i, j], score(path[::-1]), rtol=1e-5, atol=1e-5)
+
+
 def test_zero_mass_drafts_are_invalid_nodes():
     """Two tokens with mass at one depth: a budget of 4 drafts leaves the last two invalid."""
     logp = jnp.log(jnp.asarray([[[0.7, 0.3, 0.0, 0.0]]], jnp.float32))

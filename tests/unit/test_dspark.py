@@ -7,8 +7,8 @@
 * greedy = AR for every head type and plan shape (the vanilla head is also in the family contract), and with a
   confidence-scheduled length ``chain:K@P``, whose rows verify exactly the leading drafts whose survival
   (the running product of the confidences) is >= P;
-* T = 1 stays exactly lossless (chi-square against the target's exact joint) for sampled chains and trees,
-  whose q is the bias-corrected distribution;
+* T = 1 stays exactly lossless (chi-square against the target's exact joint) for sampled chains, trees and
+  DDTree's best-first trees (each node's children from its own Markov-biased distribution);
 * one-line refusals: @P on a tree, @P without a confidence head, a source of no kind the family reads.
 
 speculators' own ``DSparkDraftModel`` (its training forward, its saved layout) is checked against ours in
@@ -130,7 +130,7 @@ def test_greedy_equals_ar_for_every_head_and_plan(kind):
     spec, tp, params = setup(6, kind=kind, seed=3)
     prompts = prompts_for(6)
     want = generated_rows(generate_ar(tp, spec.target, prompts, max_new_tokens=24, eos_ids=()), len(prompts))
-    for text in ("chain:3", "tree:2,2,1", "dynamic:3,2,5", "chain:4@0.2"):
+    for text in ("chain:3", "tree:2,2,1", "dynamic:3,2,5", "chain:4@0.2", "ddtree:6,3"):
         out = loop.generate_from_spec(spec, params, parse_dspark(text), prompts, max_new_tokens=24, eos_ids=())
         assert generated_rows(out, len(prompts)) == want, (kind, text)
         assert np.asarray(out.accept_log_bi).max() > 1, (kind, text, "no draft accepted: vacuous")
@@ -167,7 +167,7 @@ def test_confidence_sets_each_rows_verification_length():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["sampled_chain:2", "tree:2,2"])
+@pytest.mark.parametrize("plan", ["sampled_chain:2", "tree:2,2", "ddtree:4,2"])
 def test_sampling_lossless_joint(plan):
     spec, tp, params = setup(4, seed=5, n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     assert_sampling_is_lossless(spec, tp, params, parse_dspark(plan))
@@ -178,8 +178,8 @@ def test_bad_plans_and_sources_are_one_line():
         parse_dspark("tree:2,2@0.5")
     with pytest.raises(ValueError, match="survival threshold"):
         parse_dspark("chain:3@abc")
-    with pytest.raises(ValueError, match="ddtree"):
-        parse_dspark("ddtree:8,3")  # the Markov bias makes a slot depend on its parent: not a block draft
+    with pytest.raises(ValueError, match="cannot shorten"):
+        parse_dspark("ddtree:8,3@0.5")
     spec, tp, params = setup(6, confidence=False)
     with pytest.raises(ValueError, match="no confidence head"):
         loop.generate_from_spec(spec, params, parse_dspark("chain:3@0.5"), prompts_for(6), max_new_tokens=4,
