@@ -93,6 +93,7 @@ def test_markov_and_confidence_heads_equal_speculators_modules(kind):
 # ----------------------------------------------------------------------------- drafting
 
 
+@pytest.mark.slow  # > 6 s (the fast lane's rule): eager model pieces
 def test_chain_is_vllms_sequential_sampling():
     """Slot 0 (the anchor) drafts from its base logits biased by the root; slot k by the draft of slot k-1."""
     spec, tp, params = setup(24, seed=2)
@@ -136,6 +137,7 @@ def test_greedy_equals_ar_for_every_head_and_plan(kind):
         assert np.asarray(out.accept_log_bi).max() > 1, (kind, text, "no draft accepted: vacuous")
 
 
+@pytest.mark.slow  # > 6 s (the fast lane's rule)
 def test_confidence_sets_each_rows_verification_length():
     spec, tp, params = setup(24, seed=4)
     p = params.draft["dspark"]
