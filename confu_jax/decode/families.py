@@ -59,11 +59,15 @@ def parse_drafter(method: str, text: str) -> Drafter:
     return family_of(method).parse(text)
 
 
+def _depth_limit(fam: DrafterFamily, head: heads.DecodeHead) -> Optional[int]:
+    return fam.max_depth(head.params) if fam.max_depth is not None else None
+
+
 def check_plan(method: str, drafter: Drafter, head: heads.DecodeHead) -> None:
     """Refuse a plan deeper than the loaded weights draft (``DrafterFamily.max_depth``: Medusa's head
     count, a trained DFlash draft's block), naming both, before anything is traced."""
     fam = family_of(method)
-    limit = fam.max_depth(head.params) if fam.max_depth is not None else None
+    limit = _depth_limit(fam, head)
     if limit is not None and drafter.max_depth > limit:
         raise ValueError(f"plan {drafter.describe()!r} drafts {drafter.max_depth} deep; the {fam.name} weights of "
                          f"{head.source} draft at most {limit} deep (expected a plan of depth <= {limit})")
@@ -73,7 +77,7 @@ def fits_head(method: str, text: str, head: heads.DecodeHead) -> bool:
     """Whether ``method``'s plan ``text`` is no deeper than ``head``'s weights draft (budget ``auto``
     keeps only the candidates that fit)."""
     fam = family_of(method)
-    limit = fam.max_depth(head.params) if fam.max_depth is not None else None
+    limit = _depth_limit(fam, head)
     return limit is None or fam.parse(text).max_depth <= limit
 
 

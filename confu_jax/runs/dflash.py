@@ -21,7 +21,9 @@ from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
 
 
 class DFlashRun(NamedTuple):
-    params: dict  # numpy models.dflash tree (no mask_token_id)
+    """A block-draft run as decode loads it (DFlash's; DSpark's, ``runs.dspark``, has the same fields)."""
+
+    params: dict  # numpy models.dflash (or models.dspark) tree, no decode scalars
     draft: LlamaConfig
     taps: tuple
     mask_token_id: int
@@ -37,7 +39,8 @@ def is_dflash_workdir(path: str) -> bool:
     return is_family_workdir(path, "dflash")
 
 
-def _run_taps(config: dict, target_cfg: LlamaConfig) -> tuple:
+def run_taps(config: dict, target_cfg: LlamaConfig) -> tuple:
+    """A block-draft run's taps: ``draft.tap_layers``, else DFlash's default layers of the target (DSpark too)."""
     taps = (config.get("draft") or {}).get("tap_layers")
     return tuple(int(t) for t in taps) if taps is not None else default_taps(target_cfg.n_layers)
 
@@ -49,14 +52,14 @@ def load_dflash_run(workdir: str, target_cfg: LlamaConfig, target_params, *, ste
 
     def abstract(config):
         dcfg = draft_config(target_cfg, int(config["dflash"]["num_layers"]))
-        return {"draft": {"dflash": trainable_shapes(dcfg, len(_run_taps(config, target_cfg)))}}
+        return {"draft": {"dflash": trainable_shapes(dcfg, len(run_taps(config, target_cfg)))}}
 
     params, step, config, workdir = load_family_run(
         workdir, "dflash", abstract, target_params, step=step, target_source=target_source,
         why="a DFlash draft reads its own target's taps, embedding and LM head")
     dc = config["dflash"]
     return DFlashRun(jax.tree_util.tree_map(np.asarray, params["draft"]["dflash"]),
-                     draft_config(target_cfg, int(dc["num_layers"])), _run_taps(config, target_cfg),
+                     draft_config(target_cfg, int(dc["num_layers"])), run_taps(config, target_cfg),
                      int(dc["mask_token_id"]), int(dc["block_size"]), step, f"{workdir} (step {step})")
 
 

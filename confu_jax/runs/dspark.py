@@ -8,24 +8,18 @@ target it was trained on (the draft reads that target's taps and uses its embedd
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import numpy as np
 
-from confu_jax.models.dflash import default_taps, draft_config
+from confu_jax.models.dflash import draft_config
 from confu_jax.models.llama import LlamaConfig
+from confu_jax.runs.dflash import DFlashRun, run_taps
 from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
 
 
-class DSparkRun(NamedTuple):
-    params: dict  # numpy models.dspark tree (no decode scalars)
-    draft: LlamaConfig
-    taps: tuple
-    mask_token_id: int
-    block_size: int
-    step: int
-    source: str
+DSparkRun = DFlashRun  # the same fields: a block draft's tree, layer config, taps, mask, block, step, source
 
 
 def is_dspark_workdir(path: str) -> bool:
@@ -41,14 +35,10 @@ def load_dspark_run(workdir: str, target_cfg: LlamaConfig, target_params, *, ste
     from confu_jax.models.dspark import init_shapes
     from confu_jax.runs.heads import load_family_run
 
-    def taps_of(config):
-        taps = (config.get("draft") or {}).get("tap_layers")
-        return tuple(int(t) for t in taps) if taps is not None else default_taps(target_cfg.n_layers)
-
     def abstract(config):
         dc = config["dspark"]
         dcfg = draft_config(target_cfg, int(dc["num_layers"]))
-        shapes = init_shapes(dcfg, len(taps_of(config)), target_cfg.vocab_size, rank=int(dc["markov_rank"]),
+        shapes = init_shapes(dcfg, len(run_taps(config, target_cfg)), target_cfg.vocab_size, rank=int(dc["markov_rank"]),
                              kind=str(dc["markov_head_type"]), confidence=bool(dc["enable_confidence_head"]),
                              confidence_with_markov=bool(dc["confidence_head_with_markov"]))
         return {"draft": {"dspark": shapes}}
@@ -58,7 +48,7 @@ def load_dspark_run(workdir: str, target_cfg: LlamaConfig, target_params, *, ste
         why="a DSpark draft reads its own target's taps, embedding and LM head")
     dc = config["dspark"]
     return DSparkRun(jax.tree_util.tree_map(np.asarray, params["draft"]["dspark"]),
-                     draft_config(target_cfg, int(dc["num_layers"])), taps_of(config), int(dc["mask_token_id"]),
+                     draft_config(target_cfg, int(dc["num_layers"])), run_taps(config, target_cfg), int(dc["mask_token_id"]),
                      int(dc["block_size"]), step, f"{workdir} (step {step})")
 
 

@@ -63,13 +63,12 @@ from confu_jax.models.draft import draft_logits
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.spec import ModelSpec
 from confu_jax.models.kv_cache import to_cache_layout
-from confu_jax.models.target import contemplate_queries, future_readout, real_forward
+from confu_jax.models.target import contemplate_queries, future_readout
 from confu_jax.train.acceptance import (conditional_step_accuracy, decode_path_acceptance_length,
                                         simulated_acceptance_length, step_duplication_rate)
 from confu_jax.train.rows import (pin_rows, batch_arrays, row_layout, same_segment_ahead, sample_anchors,
                                   shift_ahead)
-from confu_jax.train.teacher import (OFFLINE_KEYS, full_vocab_argmax_lse, lm_head_layout, teacher_from_hidden,
-                                     teacher_from_offline)
+from confu_jax.train.teacher import full_vocab_argmax_lse, lm_head_layout, taps_and_teacher
 
 
 ALL_POSITIONS = 1 << 30  # k_train meaning "every candidate position" (clipped to N)
@@ -495,21 +494,12 @@ def confu_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voca
     b, n = tokens_bn.shape
     target_params = jax.lax.stop_gradient(target_params)
 
-    if "h_cat" in batch:  # offline target features: no target forward (EAGLE-3 only)
-        if spec.head.has_future:
-            raise ValueError(f"confu_loss: the batch carries offline target features ('h_cat'), which only "
-                             f"EAGLE-3 can use; {spec.head.variant} needs the target's per-layer K/V for its "
-                             "contemplates and recomputes them (docs/DESIGN.md §4 'Offline target features')")
-        missing = [k for k in OFFLINE_KEYS if k not in batch]
-        if missing:
-            raise ValueError(f"confu_loss: offline batch lacks {missing} (has {sorted(batch)})")
-        h_cat_bnc = pin_rows(batch["h_cat"].astype(jnp.dtype(spec.target.dtype)))
-        teacher = teacher_from_offline(batch, draft_vocab, spec.head.draft_vocab_size)
-    else:
-        out = real_forward(spec, target_params, tokens_bn, rows.positions_bn, return_logits=False,
-                           segment_ids_bt=rows.segment_ids_bn)
-        h_cat_bnc = pin_rows(jax.lax.stop_gradient(out.taps_btc))
-        teacher = teacher_from_hidden(spec, target_params, draft_vocab, pin_rows(out.hidden_btd), cfg.vocab_chunk)
+    if "h_cat" in batch and spec.head.has_future:  # offline target features: no target forward (EAGLE-3 only)
+        raise ValueError(f"confu_loss: the batch carries offline target features ('h_cat'), which only "
+                         f"EAGLE-3 can use; {spec.head.variant} needs the target's per-layer K/V for its "
+                         "contemplates and recomputes them (docs/DESIGN.md §4 'Offline target features')")
+    h_cat_bnc, teacher, out = taps_and_teacher(spec, target_params, draft_vocab, batch, tokens_bn, rows,
+                                               cfg.vocab_chunk, "confu_loss")
 
     future, plan = None, None
     if spec.head.has_future:

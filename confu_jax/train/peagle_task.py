@@ -44,10 +44,9 @@ import numpy as np
 from confu_jax.models.draft import draft_features
 from confu_jax.models.draft_decode import draft_block
 from confu_jax.models.spec import ModelSpec
-from confu_jax.models.target import real_forward
 from confu_jax.train.loss import anchor_candidates, ttt_masks
-from confu_jax.train.rows import batch_arrays, pin_rows, row_layout, sample_anchors, shift_ahead
-from confu_jax.train.teacher import OFFLINE_KEYS, teacher_from_hidden, teacher_from_offline
+from confu_jax.train.rows import batch_arrays, row_layout, sample_anchors, shift_ahead
+from confu_jax.train.teacher import taps_and_teacher
 
 
 def default_peagle_config() -> ml_collections.ConfigDict:
@@ -141,16 +140,8 @@ def peagle_loss(spec: ModelSpec, trainable: dict, target_params: dict, draft_voc
         raise ValueError("peagle_loss: packed rows (segment_ids) are not supported; turn config.data.pack off")
     b, n = tokens_bn.shape
     target_params = jax.lax.stop_gradient(target_params)
-    if "h_cat" in batch:
-        missing = [k for k in OFFLINE_KEYS if k not in batch]
-        if missing:
-            raise ValueError(f"peagle_loss: offline batch lacks {missing} (has {sorted(batch)})")
-        h_cat_bnc = pin_rows(batch["h_cat"].astype(jnp.dtype(spec.target.dtype)))
-        teacher = teacher_from_offline(batch, draft_vocab, spec.head.draft_vocab_size)
-    else:
-        out = real_forward(spec, target_params, tokens_bn, rows.positions_bn, return_logits=False)
-        h_cat_bnc = pin_rows(jax.lax.stop_gradient(out.taps_btc))
-        teacher = teacher_from_hidden(spec, target_params, draft_vocab, pin_rows(out.hidden_btd), cfg.vocab_chunk)
+    h_cat_bnc, teacher, _ = taps_and_teacher(spec, target_params, draft_vocab, batch, tokens_bn, rows,
+                                             cfg.vocab_chunk, "peagle_loss")
     depths = cfg.num_depths
     masks = ttt_masks(loss_mask_bn, teacher.in_draft_bn, depths)  # (depth k, index j): teacher row j+1+k
     # rollouts: anchors among the inference-like positions, in a random order (valid ones first)

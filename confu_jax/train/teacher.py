@@ -137,3 +137,23 @@ def teacher_from_offline(batch: dict, draft_vocab: dict, v_draft: int) -> Teache
     lse_d, lse_f = batch["teacher_lse_draft"].astype(jnp.float32), batch["teacher_lse_full"].astype(jnp.float32)
     return Teacher(logp_bnv=jax.lax.stop_gradient(dense), in_draft_bn=jnp.take(draft_vocab["t2d"], arg, axis=0),
                    argmax_bn=arg, draft_mass_bn=jnp.exp(lse_d - lse_f))
+
+
+def taps_and_teacher(spec: ModelSpec, target_params: dict, draft_vocab: dict, batch: dict, tokens_bn: jax.Array,
+                     rows, vocab_chunk: int, who: str):
+    """(h_cat [B,N,3d], the teacher, the target pass or None) of a head's batch: the stored features of an
+    offline batch (``launch.target_features``: ``OFFLINE_KEYS``), else one target pass (``rows``: the batch's
+    ``train.rows.RowLayout``). ``who`` names the loss in errors. No gradient reaches the target."""
+    from confu_jax.models.target import real_forward
+    from confu_jax.train.rows import pin_rows
+
+    if "h_cat" in batch:
+        missing = [k for k in OFFLINE_KEYS if k not in batch]
+        if missing:
+            raise ValueError(f"{who}: offline batch lacks {missing} (has {sorted(batch)})")
+        h_cat_bnc = pin_rows(batch["h_cat"].astype(jnp.dtype(spec.target.dtype)))
+        return h_cat_bnc, teacher_from_offline(batch, draft_vocab, spec.head.draft_vocab_size), None
+    out = real_forward(spec, target_params, tokens_bn, rows.positions_bn, return_logits=False,
+                       segment_ids_bt=rows.segment_ids_bn)
+    h_cat_bnc = pin_rows(jax.lax.stop_gradient(out.taps_btc))
+    return h_cat_bnc, teacher_from_hidden(spec, target_params, draft_vocab, pin_rows(out.hidden_btd), vocab_chunk), out
