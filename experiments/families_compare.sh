@@ -9,6 +9,14 @@
 #   bash experiments/families_compare.sh bench    # on a quiet CPU (nothing else running)
 #   bash experiments/families_compare.sh table    # the RESULTS table and figure
 #
+# The drafters of 2026 on the same budget (docs/RESULTS.md "The drafters of 2026 at equal training compute"):
+# EAGLE 3.1, P-EAGLE and DSpark beside EAGLE-3 and DFlash, each at step FAMILY_STEPS of the same schedule,
+# decoded with chains and trees of equal node budgets at T = 0 and 1 on MT-Bench, the grounded set and
+# held-out conversations:
+#   bash experiments/families_compare.sh train2026   # background-friendly; resumes after a kill
+#   bash experiments/families_compare.sh bench2026   # on a quiet CPU
+#   bash experiments/families_compare.sh table2026   # docs/results/drafters2026.{md,json}
+#
 # Budget: ROWS x LEN padded rows a step, one learning rate for all (the GPU campaign's), warm-up then
 # cosine over E + P steps; every family starts from its reference initialisation (Medusa's and the MLP
 # speculator's LM heads from the target's, MTP sharing the target's embedding and head).
@@ -47,6 +55,17 @@ train() {  # name config steps [extra flags]: skipped when its last checkpoint e
         $common --config.train.steps="$steps" "$@" > "$OUT/$name.log" 2>&1
 }
 
+eagle3_at() {  # EAGLE-3 at the families' step: a workdir holding that checkpoint alone (decode loads the latest)
+    local at="$OUT/eagle3_at_$FAMILY_STEPS"
+    if [ "$FAMILY_STEPS" = "$STEPS" ]; then echo "$OUT/eagle3"; return; fi
+    if [ ! -d "$at/checkpoints/$FAMILY_STEPS" ]; then
+        mkdir -p "$at/checkpoints"
+        cp "$OUT/eagle3/config.json" "$OUT/eagle3/target.json" "$at/"
+        cp -r "$OUT/eagle3/checkpoints/$FAMILY_STEPS" "$at/checkpoints/"
+    fi
+    echo "$at"
+}
+
 case "${1:-train}" in
 train)
     train eagle3 configs/smollm2_eagle3.py $STEPS
@@ -56,15 +75,46 @@ train)
         train $family configs/smollm2_$family.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS
     done
     ;;
+train2026)
+    # EAGLE-3 to the families' step of the same schedule: the first FAMILY_STEPS steps of `train`'s run (which
+    # resumes from here), so both comparisons share it
+    train eagle3 configs/smollm2_eagle3.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS
+    for family in eagle31 dflash peagle dspark; do
+        train $family configs/smollm2_$family.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS
+    done
+    ;;
+bench2026)
+    # equal node budgets: EAGLE-3's best-first tree of 8 nodes over depth 3 (dynamic:3,4,8) against DDTree's over
+    # the block drafters' per-position top-k (ddtree:8,3); three runs a set, each with its own AR row (the speed-
+    # up's baseline): EAGLE-3, EAGLE 3.1 (an eagle3 head too, so a run of its own) and the block drafters. τ
+    # ratios pair questions across runs (same prompts and seed)
+    python -m launch.heldout_questions --data "$DATA" --n 8 --out "$OUT/heldout.jsonl"
+    T=${FAMILIES_TOKENS:-64}
+    bench26() {  # results-name methods heads budgets prompts n_per_category temperatures
+        python -m launch.decode_bench --methods "$2" --heads "$3" --budgets "$4" --prompts "$5" --n_per_category "$6" \
+            --temperatures "$7" --max_new_tokens "$T" --out "docs/results/drafters2026_$1.json"
+    }
+    for set in mtbench:2:0,1 grounded:2:0,1 heldout:0:0; do
+        IFS=: read -r name n temps <<< "$set"
+        prompts=$name; [ "$name" = heldout ] && prompts="$OUT/heldout.jsonl"
+        bench26 "${name}_eagle3" ar,eagle3 "eagle3=$(eagle3_at)" chain:3,dynamic:3,4,8 "$prompts" "$n" "$temps"
+        bench26 "${name}_eagle31" ar,eagle3 "eagle3=$OUT/eagle31" chain:3,dynamic:3,4,8 "$prompts" "$n" "$temps"
+        bench26 "${name}_block" ar,dflash,peagle,dspark "dflash=$OUT/dflash,peagle=$OUT/peagle,dspark=$OUT/dspark" \
+            chain:3,ddtree:8,3 "$prompts" "$n" "$temps"
+    done
+    ;;
+table2026)
+    args=()
+    for name in mtbench grounded heldout; do
+        args+=(--results "$name=docs/results/drafters2026_${name}_eagle3.json"
+               --results "$name=docs/results/drafters2026_${name}_eagle31.json:eagle3=eagle31"
+               --results "$name=docs/results/drafters2026_${name}_block.json")
+    done
+    python -m launch.families_table --runs "$OUT" --methods eagle3,eagle31,dflash,peagle,dspark \
+        --at_step eagle3=$FAMILY_STEPS "${args[@]}" --out docs/results/drafters2026
+    ;;
 bench)
-    # EAGLE-3 at the families' step: a workdir holding that checkpoint alone (decode loads the latest)
-    at="$OUT/eagle3_at_$FAMILY_STEPS"
-    if [ "$FAMILY_STEPS" != "$STEPS" ] && [ ! -d "$at/checkpoints/$FAMILY_STEPS" ]; then
-        mkdir -p "$at/checkpoints"
-        cp "$OUT/eagle3/config.json" "$OUT/eagle3/target.json" "$at/"
-        cp -r "$OUT/eagle3/checkpoints/$FAMILY_STEPS" "$at/checkpoints/"
-    fi
-    [ "$FAMILY_STEPS" = "$STEPS" ] && at="$OUT/eagle3"
+    at=$(eagle3_at)
     python -m launch.heldout_questions --data "$DATA" --n 8 --out "$OUT/heldout.jsonl"
     bench() {  # results-name methods heads
         python -m launch.decode_bench --methods "$2" --heads "$3" --prompts mtbench --n_per_category 2 \
@@ -85,7 +135,7 @@ table)
         --out docs/results/confu_equal
     ;;
 *)
-    echo "usage: $0 train|bench|table" >&2
+    echo "usage: $0 train|bench|table|train2026|bench2026|table2026" >&2
     exit 2
     ;;
 esac

@@ -167,6 +167,88 @@ def comparison(records: Sequence[TrainingRecord], mtbench: Sequence[Mapping], he
     return out
 
 
+def plan_kind(budget: str) -> str:
+    """``chain`` for a chain plan (``chain:K``, ``chain:K@P``, ``sampled_chain:K``), else ``tree``: rows of
+    one kind are compared with each other (EAGLE-3's best-first tree against DDTree's, same node budget)."""
+    return "chain" if str(budget).split(":")[0] in ("chain", "sampled_chain") else "tree"
+
+
+def grid(records: Sequence[TrainingRecord], sets: Mapping[str, Sequence[tuple[Sequence[Mapping], Mapping[str, str]]]],
+         reference: str = "eagle3", n_boot: int = 2000) -> list[dict]:
+    """The families over several prompt sets, temperatures and plans: one line per (set, T, family, plan).
+
+    ``sets``: set name -> the ``decode_bench`` results measured on it, each with a renaming of its methods
+    (``{"eagle3": "eagle31"}``: a second EAGLE-3 head measured in a run of its own). A line's pass cost
+    and speed-up are against the AR row of its own results (same run, same temperature); its τ ratio is
+    paired by question with ``reference``'s line of the same set, temperature and plan kind (runs of one
+    set sample the same questions). Raises when the families saw different row tokens, a results list
+    has no AR row at a temperature it measured, or a family has no row in a set.
+    """
+    tokens = {r.method: r.row_tokens for r in records}
+    if len(set(tokens.values())) != 1:
+        raise ValueError(f"families trained on different token budgets (rows x length x steps): {tokens}")
+    wanted = [r.method for r in records]
+    out = []
+    for set_name, runs in sets.items():
+        lines = []
+        for results, rename in runs:
+            ars = {float(r["temperature"]): r for r in results if r.get("method") == "ar"}
+            for r in results:
+                method = rename.get(r.get("method"), r.get("method"))
+                if method not in wanted:
+                    continue
+                t = float(r["temperature"])
+                if t not in ars:
+                    raise ValueError(f"{set_name} results: expected an 'ar' row at T={t:g} (the speed-up's "
+                                     f"baseline); have {sorted(ars)}")
+                lines.append({"set": set_name, "method": method, "temperature": t, "budget": r.get("budget"),
+                              "kind": plan_kind(r.get("budget")), "tau": r["tau"], "tau_ci": r.get("tau_ci"),
+                              "speedup": r["speedup"], "speedup_ci": r.get("speedup_ci"),
+                              "pass_cost": pass_cost(r, ars[t]),
+                              "acceptance_per_depth": r.get("acceptance_rate_per_depth"),
+                              "lossless": r.get("lossless_greedy"), "n_questions": r["n_questions"],
+                              "_row": r})
+        missing = sorted(set(wanted) - {ln["method"] for ln in lines})
+        if missing:
+            raise ValueError(f"{set_name} results: no row for {missing}; have {sorted({ln['method'] for ln in lines})}")
+        refs = {(ln["temperature"], ln["kind"]): ln["_row"] for ln in lines if ln["method"] == reference}
+        for ln in lines:
+            ref = refs.get((ln["temperature"], ln["kind"]))
+            if ref is not None and ln["method"] != reference:
+                c = compare(ln["_row"], ref, n_boot=n_boot)
+                ln["tau_ratio"], ln["tau_ratio_ci"] = c["tau_ratio"]["ratio"], c["tau_ratio"]["ci"]
+        order = {m: i for i, m in enumerate(wanted)}
+        lines.sort(key=lambda ln: (ln["temperature"], order[ln["method"]], ln["kind"] != "chain"))
+        out += [{k: v for k, v in ln.items() if k != "_row"} for ln in lines]
+    return out
+
+
+def training_markdown(records: Sequence[TrainingRecord]) -> str:
+    """What each family's head cost to train, one line each."""
+    lines = ["| family | trainable params | steps (row tokens) | train wall |", "|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r.method} | " + (f"{r.trainable_params / 1e6:.1f} M" if r.trainable_params else "–")
+                     + f" | {r.steps} ({r.row_tokens / 1e3:.0f}k) | "
+                     + (f"{r.wall_s / 60:.1f} min" if r.wall_s else "–") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def grid_markdown(lines: Sequence[Mapping], reference: str = "eagle3") -> str:
+    """The grid as one markdown table: a line per (set, T, family, plan)."""
+    head = ["set", "T", "family", "plan", "τ", f"τ / {reference}", "speed-up", "pass cost (AR steps)",
+            "accepted at depth 1/2/3", "lossless (T = 0)"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    for ln in lines:
+        acc = ln.get("acceptance_per_depth") or []
+        out.append("| " + " | ".join([
+            ln["set"], f"{ln['temperature']:g}", ln["method"], str(ln["budget"]), _ci(ln["tau"], ln.get("tau_ci")),
+            "1" if ln["method"] == reference else _ci(ln.get("tau_ratio"), ln.get("tau_ratio_ci"), 3),
+            _ci(ln["speedup"], ln.get("speedup_ci")), f"{ln['pass_cost']:.2f}",
+            " / ".join(f"{a:.2f}" for a in acc[:3]) if acc else "–",
+            {True: "yes", False: "no"}.get(ln.get("lossless"), "–")]) + " |")
+    return "\n".join(out) + "\n"
+
+
 def _ci(value, ci, digits: int = 2) -> str:
     if value is None:
         return "–"

@@ -1,6 +1,7 @@
 """The equal-compute family table (bench/families.py): training cost read from workdirs and logs,
 branched runs counted with their parent's share, pass cost and paired τ ratios from decode_bench rows."""
 
+import dataclasses
 import json
 import os
 
@@ -110,3 +111,71 @@ def test_plot_writes_a_png(tmp_path):
     families.plot(families.comparison(_records(), _bench(), _bench(), n_boot=50), path)
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _at(row, temperature, budget):
+    return {**row, "temperature": temperature, "budget": budget}
+
+
+def test_grid_pairs_within_set_temperature_and_plan_kind_across_runs():
+    """A line per (set, T, family, plan); pass cost against its own run's AR at its T; τ ratios against the
+    reference's line of the same kind, a renamed head from a second run included (EAGLE 3.1 as eagle3)."""
+    main = [_at(r, t, b) for t in (0.0, 1.0) for r, b in zip(_bench(), ("–", "chain:3", "chain:3"))]
+    main += [_at(_row("eagle3", {"q0": (13, 10), "q1": (26, 20), "q2": (39, 30)}, wall_s=18.0), 0.0, "dynamic:3,4,8"),
+             _at(_row("medusa", {"q0": (20, 10), "q1": (40, 20), "q2": (60, 30)}, wall_s=12.0), 0.0, "ddtree:8,3")]
+    second_ar = _row("ar", {"q0": (10, 10), "q1": (20, 20), "q2": (30, 30)}, wall_s=3.0)  # 0.05 s a step
+    second = [second_ar, _row("eagle3", {"q0": (11, 10), "q1": (22, 20), "q2": (33, 30)}, wall_s=6.0)]
+    records = [families.TrainingRecord(method=m, steps=100, rows=4, length=512, wall_s=60.0, trainable_params=None)
+               for m in ("eagle3", "eagle31", "medusa")]
+    lines = families.grid(records, {"mtbench": [(main, {}), (second, {"eagle3": "eagle31"})]}, n_boot=100)
+    key = {(ln["temperature"], ln["method"], ln["budget"]): ln for ln in lines}
+    assert set(key) == {(0.0, "eagle3", "chain:3"), (0.0, "eagle3", "dynamic:3,4,8"), (0.0, "eagle31", "chain:3"),
+                        (0.0, "medusa", "chain:3"), (0.0, "medusa", "ddtree:8,3"), (1.0, "eagle3", "chain:3"),
+                        (1.0, "medusa", "chain:3")}
+    assert [(ln["temperature"], ln["method"], ln["kind"]) for ln in lines][:4] == [
+        (0.0, "eagle3", "chain"), (0.0, "eagle3", "tree"), (0.0, "eagle31", "chain"), (0.0, "medusa", "chain")]
+    assert key[(0.0, "eagle31", "chain:3")]["pass_cost"] == pytest.approx(2.0)  # its own run's AR: 0.1 / 0.05
+    assert key[(0.0, "eagle31", "chain:3")]["tau_ratio"] == pytest.approx(66 / 78)  # against eagle3's chain
+    assert key[(0.0, "medusa", "ddtree:8,3")]["tau_ratio"] == pytest.approx(2.0 / 1.3)  # against eagle3's tree
+    assert key[(1.0, "medusa", "chain:3")]["tau_ratio"] == pytest.approx(1.5 / 1.3)
+    assert "tau_ratio" not in key[(0.0, "eagle3", "dynamic:3,4,8")]
+    table = families.grid_markdown(lines)
+    assert table.count("\n") == 2 + len(lines)
+    assert "| mtbench | 0 | medusa | ddtree:8,3 | 2.00 [1.00, 2.00] | 1.538" in table
+    assert "| eagle3 | – | 100 (205k) | 1.0 min |" in families.training_markdown(records[:1])
+
+
+def test_grid_refuses_a_missing_family_or_baseline():
+    records = [families.TrainingRecord(method=m, steps=100, rows=4, length=512, wall_s=None, trainable_params=None)
+               for m in ("eagle3", "medusa")]
+    with pytest.raises(ValueError, match=r"no row for \['medusa'\]"):
+        families.grid(records, {"grounded": [([r for r in _bench() if r["method"] != "medusa"], {})]})
+    with pytest.raises(ValueError, match="'ar' row at T=0"):
+        families.grid(records, {"grounded": [([r for r in _bench() if r["method"] != "ar"], {})]})
+    with pytest.raises(ValueError, match="different token budgets"):
+        families.grid([records[0], dataclasses.replace(records[1], steps=50)], {"s": [(_bench(), {})]})
+
+
+def test_cli_writes_the_grid_from_result_files(tmp_path):
+    """launch.families_table --results SET=FILE[:METHOD=NAME]: the renamed second run joins the grid."""
+    import subprocess
+    import sys
+
+    root = str(tmp_path)
+    for m in ("eagle3", "eagle31", "medusa"):
+        _workdir(root, m, steps=[100], wall=120.0, params=1_000_000)
+    main, second = tmp_path / "main.json", tmp_path / "second.json"
+    main.write_text(json.dumps({"results": _bench()}))
+    second.write_text(json.dumps({"results": [_bench()[0], _bench()[1]]}))
+    out = str(tmp_path / "grid")
+    cmd = [sys.executable, "-m", "launch.families_table", "--runs", root, "--methods", "eagle3,eagle31,medusa",
+           "--results", f"mtbench={main}", "--results", f"mtbench={second}:eagle3=eagle31", "--out", out]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=repo)
+    assert done.returncode == 0, done.stderr[-2000:]
+    grid = json.load(open(out + ".json"))["grid"]
+    assert [(g["method"], g["tau_ratio"] if "tau_ratio" in g else None) for g in grid] == [
+        ("eagle3", None), ("eagle31", 1.0), ("medusa", pytest.approx(1.5 / 1.3))]
+    # the first --results kept, --mtbench beside it
+    bad = subprocess.run(cmd[:-4] + ["--mtbench", str(main)], capture_output=True, text=True, cwd=repo)
+    assert bad.returncode != 0 and "expected either --mtbench and --heldout, or --results" in bad.stderr
