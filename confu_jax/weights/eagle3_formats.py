@@ -466,7 +466,8 @@ def export_head(out_dir: str, fmt: str, spec: ModelSpec, draft_params: dict, d2t
                 embed: Optional[np.ndarray] = None) -> str:
     """Write an EAGLE-3 head (``spec.head.variant == 'eagle3'``; see ``eagle3_part``) in ``fmt``.
 
-    ``d2t`` holds absolute target ids (ours), written as EAGLE-3 offsets. ``dtype`` (default: the
+    ``d2t`` holds absolute target ids (ours), written as EAGLE-3 offsets (not written for a head over the
+    whole vocabulary, whose maps are the identity: vLLM refuses them there). ``dtype`` (default: the
     params' own) is the stored float dtype. ``verifier``: the target's name or path, recorded in
     speculators' ``speculators_config.verifier`` (vLLM and speculators read the target from it).
     ``embed``: also store the target's embedding as ``embed_tokens.weight`` (speculators only).
@@ -496,8 +497,13 @@ def export_head(out_dir: str, fmt: str, spec: ModelSpec, draft_params: dict, d2t
         raise ValueError(f"export_head: params are {store}; pass dtype= one of {sorted(_STORE_DTYPES)}")
     tensors = {k: np.ascontiguousarray(np.asarray(v).astype(store)) for k, v in sorted(leaves.items())}
     d2t = np.asarray(d2t, np.int64)
-    tensors["d2t"] = d2t - np.arange(d2t.size, dtype=np.int64)  # offsets: target = draft + d2t[draft]
-    tensors["t2d"] = np.asarray(t2d, bool)
+    if not (d2t.size == t.vocab_size and np.array_equal(d2t, np.arange(d2t.size))):
+        # a head over the whole vocabulary writes no maps: vLLM builds its draft_id_to_target_id parameter only
+        # when draft_vocab_size != the target's vocabulary and refuses a d2t tensor it has no parameter for
+        # ("no module or parameter named 'draft_id_to_target_id'"); every reader, ours included, takes absent
+        # maps as the identity
+        tensors["d2t"] = d2t - np.arange(d2t.size, dtype=np.int64)  # offsets: target = draft + d2t[draft]
+        tensors["t2d"] = np.asarray(t2d, bool)
     if embed is not None:
         tensors["embed_tokens.weight"] = np.ascontiguousarray(np.asarray(embed).astype(store))
     dtype_name = {v: k for k, v in _STORE_DTYPES.items()}[store]

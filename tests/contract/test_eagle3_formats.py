@@ -589,3 +589,28 @@ def test_confu_training_starts_from_an_imported_head(tmp_path):
     assert "draft/fc/kernel" in report["copied"] and "draft/q_proj/kernel" in report["copied"]
     assert not report["shape_mismatch"]
     assert all("moe" in p or "soft_prompt" in p for p in report["kept_init"])
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_a_whole_vocabulary_head_writes_no_maps_and_reads_back_the_identity(tmp_path, fmt):
+    """vLLM's Eagle3LlamaForCausalLM has a draft_id_to_target_id parameter only when draft_vocab_size differs from
+    the target's vocabulary, and refuses a d2t tensor otherwise (as it did our P-EAGLE export): a head over the
+    whole vocabulary is written without d2t / t2d and reads back with the identity maps; a reduced one keeps both."""
+    cfg, tp = _target()
+    full = ModelSpec(cfg, dataclasses.replace(tiny_spec("eagle3").head, draft_vocab_size=cfg.vocab_size))
+    dp = jax.device_get(init_draft_params(full, jax.random.PRNGKey(3)))
+    ident = np.arange(cfg.vocab_size)
+    out = export_head(str(tmp_path / "full"), fmt, full, dp, ident, np.ones(cfg.vocab_size, bool))
+    assert not {"d2t", "t2d"} & set(read_tensors(out))
+    spec, trainable, vocab = bind_to_target(load_head(out), cfg, tp)
+    np.testing.assert_array_equal(vocab["d2t"], ident)
+    assert vocab["t2d"].all() and spec.head.draft_vocab_size == cfg.vocab_size
+    # a permutation of the whole vocabulary is not the identity: its maps are written
+    perm = ident[::-1].copy()
+    out = export_head(str(tmp_path / "perm"), fmt, full, dp, perm, np.ones(cfg.vocab_size, bool))
+    assert {"d2t", "t2d"} <= set(read_tensors(out))
+    d2t, t2d = _draft_vocab(cfg.vocab_size, DRAFT_VOCAB, seed=2)
+    reduced = tiny_spec("eagle3")
+    out = export_head(str(tmp_path / "reduced"), fmt, ModelSpec(cfg, reduced.head),
+                      jax.device_get(init_draft_params(ModelSpec(cfg, reduced.head), jax.random.PRNGKey(4))), d2t, t2d)
+    np.testing.assert_array_equal(np.asarray(read_tensors(out)["d2t"]), d2t - np.arange(DRAFT_VOCAB))

