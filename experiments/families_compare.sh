@@ -79,9 +79,14 @@ train2026)
     # EAGLE-3 to the families' step of the same schedule: the first FAMILY_STEPS steps of `train`'s run (which
     # resumes from here), so both comparisons share it
     train eagle3 configs/smollm2_eagle3.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS
-    for family in eagle31 dflash peagle dspark; do
+    for family in eagle31 dflash peagle; do
         train $family configs/smollm2_$family.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS
     done
+    # DSpark on DFlash's 32 anchors a row (its config's 64 cost 26 s a step here, 3.5x DFlash's): the same blocks
+    # of the same backbone, so the difference is what DSpark adds (the Markov and confidence heads, every slot
+    # drafting the next token)
+    train dspark configs/smollm2_dspark.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS \
+        --config.dspark.num_anchors=32
     ;;
 bench2026)
     # equal node budgets: EAGLE-3's best-first tree of 8 nodes over depth 3 (dynamic:3,4,8) against DDTree's over
@@ -94,18 +99,23 @@ bench2026)
         python -m launch.decode_bench --methods "$2" --heads "$3" --budgets "$4" --prompts "$5" --n_per_category "$6" \
             --temperatures "$7" --max_new_tokens "$T" --out "docs/results/drafters2026_$1.json"
     }
-    for set in mtbench:2:0,1 grounded:2:0,1 heldout:0:0; do
-        IFS=: read -r name n temps <<< "$set"
+    # NAME:N_PER_CATEGORY:TEMPERATURES:PLANS; held-out conversations (the training distribution: the release
+    # criterion) at T = 0 with chains only; FAMILIES_SETS picks others (RESULTS ran the grounded set at T = 0 only)
+    for set in ${FAMILIES_SETS:-mtbench:2:0,1:tree grounded:2:0,1:tree heldout:0:0:chain}; do
+        IFS=: read -r name n temps trees <<< "$set"
         prompts=$name; [ "$name" = heldout ] && prompts="$OUT/heldout.jsonl"
-        bench26 "${name}_eagle3" ar,eagle3 "eagle3=$(eagle3_at)" chain:3,dynamic:3,4,8 "$prompts" "$n" "$temps"
-        bench26 "${name}_eagle31" ar,eagle3 "eagle3=$OUT/eagle31" chain:3,dynamic:3,4,8 "$prompts" "$n" "$temps"
+        e3=chain:3 block=chain:3
+        [ "$trees" = tree ] && e3=chain:3,dynamic:3,4,8 block=chain:3,ddtree:8,3
+        bench26 "${name}_eagle3" ar,eagle3 "eagle3=$(eagle3_at)" $e3 "$prompts" "$n" "$temps"
+        bench26 "${name}_eagle31" ar,eagle3 "eagle3=$OUT/eagle31" $e3 "$prompts" "$n" "$temps"
         bench26 "${name}_block" ar,dflash,peagle,dspark "dflash=$OUT/dflash,peagle=$OUT/peagle,dspark=$OUT/dspark" \
-            chain:3,ddtree:8,3 "$prompts" "$n" "$temps"
+            $block "$prompts" "$n" "$temps"
     done
     ;;
 table2026)
     args=()
-    for name in mtbench grounded heldout; do
+    for name in mtbench grounded heldout; do  # the sets bench2026 measured
+        [ -f "docs/results/drafters2026_${name}_eagle3.json" ] || continue
         args+=(--results "$name=docs/results/drafters2026_${name}_eagle3.json"
                --results "$name=docs/results/drafters2026_${name}_eagle31.json:eagle3=eagle31"
                --results "$name=docs/results/drafters2026_${name}_block.json")

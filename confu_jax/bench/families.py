@@ -244,7 +244,7 @@ def grid_markdown(lines: Sequence[Mapping], reference: str = "eagle3") -> str:
             ln["set"], f"{ln['temperature']:g}", ln["method"], str(ln["budget"]), _ci(ln["tau"], ln.get("tau_ci")),
             "1" if ln["method"] == reference else _ci(ln.get("tau_ratio"), ln.get("tau_ratio_ci"), 3),
             _ci(ln["speedup"], ln.get("speedup_ci")), f"{ln['pass_cost']:.2f}",
-            " / ".join(f"{a:.2f}" for a in acc[:3]) if acc else "–",
+            " / ".join("–" if a is None else f"{a:.2f}" for a in acc[:3]) if acc else "–",
             {True: "yes", False: "no"}.get(ln.get("lossless"), "–")]) + " |")
     return "\n".join(out) + "\n"
 
