@@ -16,8 +16,9 @@ against the reference's line of the same plan kind), e.g. the drafters of 2026 w
 ``eagle3`` in a run of its own::
 
     python -m launch.families_table --runs runs/families --methods eagle3,eagle31,dflash,peagle,dspark \\
-        --results mtbench=docs/results/drafters2026_mtbench.json \\
+        --results mtbench=docs/results/drafters2026_mtbench_eagle3.json \\
         --results mtbench=docs/results/drafters2026_mtbench_eagle31.json:eagle3=eagle31 \\
+        --results mtbench=docs/results/drafters2026_mtbench_block.json \\
         --out docs/results/drafters2026
 
 writes ``<out>.json`` and ``<out>.md`` (the training table, then the grid).

@@ -127,6 +127,14 @@ def pass_cost(row: Mapping, ar: Mapping) -> float:
     return (row["wall_s"] / row["n_target_passes"]) / (ar["wall_s"] / ar["n_target_passes"])
 
 
+def _measured(row: Mapping, ar: Mapping) -> dict:
+    """What a table line shows of one decode_bench row: τ, speed-up, pass cost against ``ar`` (same run)."""
+    return {"budget": row.get("budget"), "tau": row["tau"], "tau_ci": row.get("tau_ci"), "speedup": row["speedup"],
+            "speedup_ci": row.get("speedup_ci"), "pass_cost": pass_cost(row, ar),
+            "acceptance_per_depth": row.get("acceptance_rate_per_depth"), "lossless": row.get("lossless_greedy"),
+            "n_questions": row["n_questions"]}
+
+
 def comparison(records: Sequence[TrainingRecord], mtbench: Sequence[Mapping], heldout: Sequence[Mapping],
                reference: str = "eagle3", n_boot: int = 2000) -> list[dict]:
     """One row per family: training cost, held-out and MT-Bench τ, τ over ``reference``'s (paired
@@ -152,13 +160,7 @@ def comparison(records: Sequence[TrainingRecord], mtbench: Sequence[Mapping], he
             if row is None:
                 raise ValueError(f"{b} results: no row for method {rec.method!r}; "
                                  f"have {sorted({r.get('method') for r in results})}")
-            line[b] = {
-                "tau": row["tau"], "tau_ci": row.get("tau_ci"), "speedup": row["speedup"],
-                "speedup_ci": row.get("speedup_ci"), "pass_cost": pass_cost(row, ar),
-                "acceptance_per_depth": row.get("acceptance_rate_per_depth"),
-                "lossless": row.get("lossless_greedy"), "n_questions": row["n_questions"],
-                "budget": row.get("budget"),
-            }
+            line[b] = _measured(row, ar)
             if ref[b] is not None and rec.method != reference:
                 c = compare(row, ref[b], n_boot=n_boot)
                 line[b]["tau_ratio"] = c["tau_ratio"]["ratio"]
@@ -201,13 +203,8 @@ def grid(records: Sequence[TrainingRecord], sets: Mapping[str, Sequence[tuple[Se
                 if t not in ars:
                     raise ValueError(f"{set_name} results: expected an 'ar' row at T={t:g} (the speed-up's "
                                      f"baseline); have {sorted(ars)}")
-                lines.append({"set": set_name, "method": method, "temperature": t, "budget": r.get("budget"),
-                              "kind": plan_kind(r.get("budget")), "tau": r["tau"], "tau_ci": r.get("tau_ci"),
-                              "speedup": r["speedup"], "speedup_ci": r.get("speedup_ci"),
-                              "pass_cost": pass_cost(r, ars[t]),
-                              "acceptance_per_depth": r.get("acceptance_rate_per_depth"),
-                              "lossless": r.get("lossless_greedy"), "n_questions": r["n_questions"],
-                              "_row": r})
+                lines.append({"set": set_name, "method": method, "temperature": t,
+                              "kind": plan_kind(r.get("budget")), **_measured(r, ars[t]), "_row": r})
         missing = sorted(set(wanted) - {ln["method"] for ln in lines})
         if missing:
             raise ValueError(f"{set_name} results: no row for {missing}; have {sorted({ln['method'] for ln in lines})}")
