@@ -25,8 +25,8 @@ MODES = ("asis", "zero", "none")
 def patch(mode: str) -> None:
     original = drafting.future_entry
     if mode == "zero":
-        def zeroed(spec, params, hs, anchor_b, g_bad=None):
-            return original(spec, params, hs.replace(future_bd=jnp.zeros_like(hs.future_bd)), anchor_b, g_bad)
+        def zeroed(target, dp, hs, anchor_b, g_bad=None):
+            return original(target, dp, hs.replace(future_bd=jnp.zeros_like(hs.future_bd)), anchor_b, g_bad)
 
         drafting.future_entry = zeroed
     elif mode == "none":

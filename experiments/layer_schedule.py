@@ -42,23 +42,23 @@ def main(argv):
     for unroll in (False, True):
         schedule = "unroll" if unroll else "scan"
         t0 = time.perf_counter()
-        programs[f"ar/{schedule}"] = (*generate.compile_ar(params, cfg, prompt, unroll_layers=unroll, **kw), params)
+        programs[f"ar/{schedule}"] = (*generate.compile_ar(params, cfg, prompt, unroll_layers=unroll, **kw), (params,))
         compile_s[f"ar/{schedule}"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        programs[f"{FLAGS.plan}/{schedule}"] = (*loop.compile_from_spec(
-            head.spec, head.params, parse_drafter("eagle3", FLAGS.plan), prompt, unroll_layers=unroll, **kw),
-            head.params)
+        programs[f"{FLAGS.plan}/{schedule}"] = (*loop.compile_speculative(
+            head.target, parse_drafter("eagle3", FLAGS.plan), head.drafter_params, prompt, unroll_layers=unroll, **kw),
+            (head.target, head.drafter_params))
         compile_s[f"{FLAGS.plan}/{schedule}"] = time.perf_counter() - t0
     outputs = {}
     for name, (fn, args, p) in programs.items():  # first runs, untimed
-        res = jax.block_until_ready(fn(p, *args))
+        res = jax.block_until_ready(fn(*p, *args))
         outputs[name] = np.asarray(res.tokens_bn)[0, :int(np.asarray(res.n_generated_b)[0])].tolist()
     assert len({tuple(v) for v in outputs.values()}) == 1, "the schedules' outputs differ"
     times = {name: [] for name in programs}
     for _ in range(FLAGS.rounds):
         for name, (fn, args, p) in programs.items():
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(p, *args))
+            jax.block_until_ready(fn(*p, *args))
             times[name].append(time.perf_counter() - t0)
     print(f"{'program':<22} {'compile s':>10} {'run s (median)':>15} {'min':>7} {'max':>7}")
     for name in programs:

@@ -86,7 +86,8 @@ def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab:
 
     from confu_jax.decode.generate import compile_ar
     from confu_jax.decode.drafting import random_head
-    from confu_jax.decode.loop import compile_from_spec
+    from confu_jax.decode.drafting import HeadDrafter
+    from confu_jax.decode.loop import compile_speculative
     from confu_jax.decode.plans import parse_plan
     from confu_jax.weights import load_model
 
@@ -103,23 +104,23 @@ def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab:
     # Every program is compiled first, then all are timed round-robin (one call each per round,
     # medians over rounds), so a slow spell of the machine hits every figure alike.
     kw = dict(eos_ids=(), max_len=max_len)
-    plan = parse_plan("chain:3")
+    plan = HeadDrafter(parse_plan("chain:3"))
     heads = {m: random_head(m, cfg, params, draft_vocab_size=draft_vocab) for m in ("eagle3", "confu")}
-    progs = {}  # name -> (compiled, params, args)
+    progs = {}  # name -> (compiled, its parameter arguments, args)
     for n in (new_tokens, 1):
         run, args = compile_ar(params, cfg, [prompt], max_new_tokens=n, **kw)
-        progs[("ar", n)] = (run, params, args)
+        progs[("ar", n)] = (run, (params,), args)
         for m, head in heads.items():
-            run, args = compile_from_spec(head.spec, head.params, plan, [prompt], max_new_tokens=n, **kw)
-            progs[(m, n)] = (run, head.params, args)
+            run, args = compile_speculative(head.target, plan, head.drafter_params, [prompt], max_new_tokens=n, **kw)
+            progs[(m, n)] = (run, (head.target, head.drafter_params), args)
     times = {k: [] for k in progs}
     outs = {}
     for k, (run, p, args) in progs.items():  # warm-up
-        outs[k] = jax.block_until_ready(run(p, *args))
+        outs[k] = jax.block_until_ready(run(*p, *args))
     for _ in range(repeats):
         for k, (run, p, args) in progs.items():
             t0 = time.perf_counter()
-            jax.block_until_ready(run(p, *args))
+            jax.block_until_ready(run(*p, *args))
             times[k].append(time.perf_counter() - t0)
     med = {k: float(np.median(v)) for k, v in times.items()}
 
@@ -158,6 +159,7 @@ def sharded_report(name: str, mesh, plan_text: str, head_vocab: int, lower: bool
     import jax
 
     from confu_jax.decode import sharded, tracing
+    from confu_jax.decode.drafting import HeadDrafter
     from confu_jax.decode.plans import parse_plan
     from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import HeadConfig, ModelSpec
@@ -166,8 +168,8 @@ def sharded_report(name: str, mesh, plan_text: str, head_vocab: int, lower: bool
     res = {"mesh": dict(mesh.shape), "dtype": cfg.dtype, "params": {}}
     for label, variant in (("target", None), ("target+eagle3", "eagle3"), ("target+confu", "confu")):
         spec = ModelSpec(cfg, HeadConfig(variant=variant or "eagle3", draft_vocab_size=min(head_vocab, cfg.vocab_size)))
-        params = sharded.abstract_spec_params(spec, mesh)
-        tree = params.target if variant is None else params
+        params = sharded.abstract_params(spec, mesh)
+        tree = params[0].params if variant is None else params
         r = sharded.bytes_report(tree, jax.tree_util.tree_map(lambda x: x.sharding, tree))
         n_dev = len(r["per_device"])
         row = {k: r[k] for k in ("total", "sharded", "replicated", "max_per_device")}
@@ -176,14 +178,14 @@ def sharded_report(name: str, mesh, plan_text: str, head_vocab: int, lower: bool
         print(f"{name:<14} {label:<14} {r['total'] / 2**30:>9.3f} {r['sharded'] / 2**30:>9.3f} "
               f"{r['replicated'] / 2**20:>11.2f} {r['max_per_device'] / 2**30:>12.3f} "
               f"{(r['sharded'] / n_dev + r['replicated']) / 2**30:>15.3f}", flush=True)
-    fb = sharded.explain_fallbacks(sharded.abstract_spec_params(
+    fb = sharded.explain_fallbacks(sharded.abstract_params(
         ModelSpec(cfg, HeadConfig(variant="confu", draft_vocab_size=min(head_vocab, cfg.vocab_size))), mesh), cfg, mesh)
     res["replicated_fallbacks"] = [f"{r['path']} {r['shape']}" for r in fb]
     for f in res["replicated_fallbacks"]:
         print(f"  {name}: not divisible on this mesh, replicated: {f}")
     if lower:
         spec = ModelSpec(cfg, HeadConfig(variant="confu", draft_vocab_size=min(head_vocab, cfg.vocab_size)))
-        traced = tracing.trace_loops(spec, mesh, parse_plan(plan_text))
+        traced = tracing.trace_loops(spec, mesh, HeadDrafter(parse_plan(plan_text)))
         for prog, tr in traced.items():
             tr.lower()
             res[f"lowers_{prog}"] = True

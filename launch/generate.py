@@ -94,7 +94,7 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     from confu_jax.decode.stopping import StopReason
     from confu_jax.decode.families import FAMILIES, decode_head, drafter_for, family_of
     from confu_jax.decode.loop import compile_speculative
-    from confu_jax.decode.sharded import place_spec_params
+    from confu_jax.decode.sharded import place_params
 
     family = family_of(method)
     if draft_model and family.source_flag != "draft_model":
@@ -104,10 +104,10 @@ def run_speculative(params, cfg, prompt_ids: list, decode, eos_ids, *, method: s
     source = (draft_model or draft_ckpt) if family.source_flag == "draft_model" else draft_ckpt
     head = decode_head(method, cfg, params, source, seed=seed, target_source=target_source)
     drafter = drafter_for(method, plan, head)  # the default plan fits the head; a deeper one is refused
-    if mesh is not None:
-        head = head._replace(params=place_spec_params(head.params, head.spec, mesh))
-    t0 = time.perf_counter()
     target, drafter_params = head.target, head.drafter_params
+    if mesh is not None:
+        target, drafter_params = place_params(target, drafter_params, mesh)
+    t0 = time.perf_counter()
     run, args = compile_speculative(  # a plan the drafter cannot run is refused here, at trace time
         target, drafter, drafter_params, [prompt_ids], max_new_tokens=decode.max_new_tokens,
         temperature=decode.temperature, top_p=decode.top_p, seed=decode.seed, eos_ids=eos_ids,

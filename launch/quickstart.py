@@ -247,7 +247,7 @@ RELEASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 def released_heads(root: str = RELEASES) -> dict:
     """{variant: folder} of the head releases present (``<root>/smollm2_<variant>``), each
-    hash-checked against its manifest here (``decode.heads`` checks again when it loads them)."""
+    hash-checked against its manifest here (``decode.loaded`` checks again when it loads them)."""
     from confu_jax.runs.head_release import find_released_heads
 
     found = find_released_heads(root, VARIANTS if FLAGS.released_confu else ("eagle3",))

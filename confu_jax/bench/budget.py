@@ -110,19 +110,20 @@ def _timed_call(run, timed: bool):
     return res, time.perf_counter() - t0
 
 
-def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: int, method: str,
+def _plan_runner(target, drafter_params, plan: str, *, max_new_tokens: int, min_bucket: int, method: str,
                  unroll_layers: Optional[bool] = None, mesh=None):
     """decode(prompt) -> (seconds, passes, accepted lengths incl. bonus) of ``method``'s ``plan``,
     greedy, EOS off, batch 1 (``timed=False``: a warm-up call, nothing returned)."""
     from confu_jax.decode.families import parse_drafter
-    from confu_jax.decode.loop import generate_from_spec
+    from confu_jax.decode.loop import generate_speculative
 
     p = parse_drafter(method, plan)
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), min_bucket=min_bucket, unroll_layers=unroll_layers,
               mesh=mesh)
 
     def decode(prompt, timed=True):
-        res, seconds = _timed_call(lambda: generate_from_spec(spec, params, p, [list(prompt)], **kw), timed)
+        res, seconds = _timed_call(lambda: generate_speculative(target, p, drafter_params, [list(prompt)], **kw),
+                                       timed)
         if not timed:
             return None
         n = int(np.asarray(res.n_passes_b)[0])
@@ -131,7 +132,7 @@ def _plan_runner(spec, params, plan: str, *, max_new_tokens: int, min_bucket: in
     return decode
 
 
-def _ar_runner(spec, params, *, max_new_tokens: int, min_bucket: int, unroll_layers: Optional[bool] = None,
+def _ar_runner(target, *, max_new_tokens: int, min_bucket: int, unroll_layers: Optional[bool] = None,
                mesh=None):
     """decode(prompt) -> (seconds, steps after the first token, [1] * steps) of plain AR decoding
     of the target (greedy, EOS off, batch 1): the first token comes from the prefill."""
@@ -141,7 +142,7 @@ def _ar_runner(spec, params, *, max_new_tokens: int, min_bucket: int, unroll_lay
               mesh=mesh)
 
     def decode(prompt, timed=True):
-        res, seconds = _timed_call(lambda: generate_ar(params.target, spec.target, [list(prompt)], **kw), timed)
+        res, seconds = _timed_call(lambda: generate_ar(target.params, target.config, [list(prompt)], **kw), timed)
         if not timed:
             return None
         steps = max(1, int(np.asarray(res.n_generated_b)[0]) - 1)
@@ -171,7 +172,7 @@ def _summarise(timed, what: str):
     return float(per_pass.mean()), per_pass - 1, seconds / passes
 
 
-def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+def measure_plan(target, drafter_params, plan: str, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                  min_bucket: int = 64, method: str = "eagle3"):
     """(mean τ, accepted-draft counts per pass, seconds per pass) of ``method``'s ``plan``, greedy,
     EOS off. A drafter with several pass widths (prompt lookup) averages its narrow and full
@@ -181,17 +182,18 @@ def measure_plan(spec, params, plan: str, prompts: Sequence[Sequence[int]], *, m
     (``decode.requests.one_prompt_per_bucket``; warming only the first prompt put the other buckets'
     compilation inside the timed calls and doubled SmolLM2's measured pass cost, docs/RESULTS.md),
     then every prompt is decoded once, batch 1, and timed."""
-    decode = _plan_runner(spec, params, plan, max_new_tokens=max_new_tokens, min_bucket=min_bucket, method=method)
+    decode = _plan_runner(target, drafter_params, plan, max_new_tokens=max_new_tokens, min_bucket=min_bucket,
+                          method=method)
     _warm(decode, prompts, min_bucket, f"{method} {plan}")
     return _summarise([decode(p) for p in prompts], plan)
 
 
-def measure_ar(spec, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+def measure_ar(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                min_bucket: int = 64) -> float:
-    """Seconds per token of plain AR decoding of the target in ``params`` (greedy, EOS off, batch 1),
+    """Seconds per token of plain AR decoding of ``target`` (greedy, EOS off, batch 1),
     on the same prompts and bucket as ``measure_plan``: the wall time over the tokens after the
     first (which comes from the prefill)."""
-    decode = _ar_runner(spec, params, max_new_tokens=max_new_tokens, min_bucket=min_bucket)
+    decode = _ar_runner(target, max_new_tokens=max_new_tokens, min_bucket=min_bucket)
     _warm(decode, prompts, min_bucket, AR)
     return _summarise([decode(p) for p in prompts], "ar")[2]
 
@@ -239,7 +241,7 @@ def release_compiled() -> None:
     jax.clear_caches()
 
 
-def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequence[str] = DEFAULT_CHAINS,
+def auto_plan(target, drafter_params, prompts: Sequence[Sequence[int]], *, chains: Sequence[str] = DEFAULT_CHAINS,
               trees: Sequence[str] = DEFAULT_TREES, max_new_tokens: int = 64, include_ar: bool = True,
               log: Optional[Callable[[str], None]] = None, method: str = "eagle3", min_bucket: int = 64,
               interleave: bool = False, unroll_layers: Optional[bool] = None, mesh=None):
@@ -258,8 +260,8 @@ def auto_plan(spec, params, prompts: Sequence[Sequence[int]], *, chains: Sequenc
     the backend's default). ``mesh``: the device mesh the decoding runs on (``decode.sharded``), so
     each candidate is timed as it will run."""
     kw = dict(max_new_tokens=max_new_tokens, min_bucket=min_bucket, unroll_layers=unroll_layers, mesh=mesh)
-    runners = ([(AR, _ar_runner(spec, params, **kw))] if include_ar else []) + [
-        (plan, _plan_runner(spec, params, plan, method=method, **kw)) for plan in (*chains, *trees)]
+    runners = ([(AR, _ar_runner(target, **kw))] if include_ar else []) + [
+        (plan, _plan_runner(target, drafter_params, plan, method=method, **kw)) for plan in (*chains, *trees)]
     timed = {plan: [] for plan, _ in runners}
     label = {plan: plan if plan == AR else f"{method} {plan}" for plan, _ in runners}  # progress lines
     if interleave:

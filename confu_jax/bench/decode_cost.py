@@ -83,32 +83,32 @@ def split_iteration(head, plan, prompt, max_len: int, repeats: int, temperature:
 
     from confu_jax.decode import drafting, loop
     from confu_jax.decode.drafter import DraftInput
+    from confu_jax.decode.plans import DraftPlan
     from confu_jax.models.unrolled import split_layers
 
-    spec = head.spec
-    args, static = loop.prepare_spec_inputs(spec, plan, [prompt], max_new_tokens=8, eos_ids=(),
+    target, dp = head.target, head.drafter_params
+    drafter = drafting.HeadDrafter(plan) if isinstance(plan, DraftPlan) else plan
+    args, static = loop.prepare_spec_inputs(target.config, drafter, [prompt], max_new_tokens=8, eos_ids=(),
                                             max_len=max_len, temperature=temperature)
     tokens_bt, lengths_b, temp, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
     rule = static["rule"]
-    params = head.params
     if static["unroll_layers"]:
-        params = jax.jit(lambda p: p.replace(target=split_layers(p.target, spec.target)))(params)
+        target = jax.jit(lambda t: t.replace(params=split_layers(t.params, t.config)))(target)
     temp, top_p = jnp.float32(temp), jnp.float32(top_p)
-    state = jax.jit(lambda p: loop._prefill(spec, p, plan, tokens_bt, lengths_b, temp, top_p, eos_e, key,
+    params = (target, dp)
+    state = jax.jit(lambda p: loop._prefill(*p, drafter, tokens_bt, lengths_b, temp, top_p, eos_e, key,
                                             **kw))(params)
 
-    drafter = drafting.HeadDrafter(plan)
-
     def draft(p, s):
-        return drafter.propose(spec, p, s.drafter, DraftInput(s.root_b, s.cache.length_b - 1, s.done_b, s.key,
-                                                              temp, top_p))
+        return drafter.propose(*p, s.drafter, DraftInput(s.root_b, s.cache.length_b - 1, s.done_b, s.key,
+                                                         temp, top_p))
 
     def draft_verify(p, s):
-        return loop._verify(spec, p, rule, s, draft(p, s), s.key, temp, top_p)[1]
+        return loop._verify(*p, rule, s, draft(p, s), s.key, temp, top_p)[1]
 
     def whole(p, s):
-        return loop.iteration(spec, p, plan, rule, s, temp, top_p, eos_e, **kw)
+        return loop.iteration(*p, drafter, rule, s, temp, top_p, eos_e, **kw)
 
     runs = {name: jax.jit(fn).lower(params, state).compile()
             for name, fn in (("draft", draft), ("draft_verify", draft_verify), ("iteration", whole))}

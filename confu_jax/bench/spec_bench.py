@@ -40,7 +40,8 @@ class _Programs:
     def __init__(self):
         self.cache, self.compile_s = {}, 0.0
 
-    def get(self, jitted, params, args, static):
+    def get(self, jitted, params: tuple, args, static):
+        """``params``: the program's parameter arguments, in order (the target's, or the loop's two trees)."""
         key = (id(jitted), tuple(getattr(a, "shape", ()) for a in args), tuple(sorted(static.items())))
         if key not in self.cache:
             import jax
@@ -48,9 +49,9 @@ class _Programs:
             t0 = time.perf_counter()
             with progress.phase(f"compiling {getattr(jitted, '__name__', 'a decode program')} "
                                 f"({', '.join(f'{k}={v}' for k, v in sorted(static.items()))})"[:100]):
-                compiled = jitted.lower(params, *args, **static).compile()
+                compiled = jitted.lower(*params, *args, **static).compile()
             self.compile_s += time.perf_counter() - t0
-            jax.block_until_ready(compiled(params, *args))  # the first execution, untimed (see above)
+            jax.block_until_ready(compiled(*params, *args))  # the first execution, untimed (see above)
             self.cache[key] = compiled
         return self.cache[key]
 
@@ -112,7 +113,7 @@ def _ar_decoder(setup: BenchSetup, programs: _Programs, temperature: float):
                                          temperature=temperature, top_p=setup.top_p, seed=setup.seed,
                                          eos_ids=setup.tokenizer.eos_ids, min_bucket=setup.min_bucket,
                                          unroll_layers=setup.unroll_layers, mesh=setup.mesh)
-        fn = programs.get(generate_padded_jit, setup.target_params, args, static)
+        fn = programs.get(generate_padded_jit, (setup.target_params,), args, static)
         t0 = time.perf_counter()
         res = jax.block_until_ready(fn(setup.target_params, *args))
         wall = time.perf_counter() - t0
@@ -128,13 +129,14 @@ def _spec_decoder(setup: BenchSetup, programs: _Programs, head, plan, temperatur
     from confu_jax.decode.loop import prepare_spec_inputs, speculative_padded_jit
 
     def decode_one(ids):
-        args, static = prepare_spec_inputs(head.spec, plan, [ids], max_new_tokens=setup.max_new_tokens,
+        args, static = prepare_spec_inputs(head.target.config, plan, [ids], max_new_tokens=setup.max_new_tokens,
                                            temperature=temperature, top_p=setup.top_p, seed=setup.seed,
                                            eos_ids=setup.tokenizer.eos_ids, min_bucket=setup.min_bucket,
                                            unroll_layers=setup.unroll_layers, mesh=setup.mesh)
-        fn = programs.get(speculative_padded_jit, head.params, args, static)
+        params = (head.target, head.drafter_params)
+        fn = programs.get(speculative_padded_jit, params, args, static)
         t0 = time.perf_counter()
-        res = jax.block_until_ready(fn(head.params, *args))
+        res = jax.block_until_ready(fn(*params, *args))
         wall = time.perf_counter() - t0
         n = int(np.asarray(res.n_generated_b)[0])
         passes = int(np.asarray(res.n_passes_b)[0])
@@ -296,15 +298,16 @@ class _Benchmark:
         setup = self.setup
         host_target = setup.target_params
         if setup.mesh is not None:
-            from confu_jax.decode.sharded import place_spec_params, place_target
+            from confu_jax.decode.sharded import place_params, place_target
 
             self.setup = setup = dataclasses.replace(
                 setup, target_params=place_target(setup.target_params, setup.target_cfg, setup.mesh))
         for m in self.drafting:
             head = decode_head(m, setup.target_cfg, host_target, heads.get(m), seed=setup.seed,
                                target_tokenizer=setup.tokenizer)  # a draft model's tokenizer is checked against it
-            self.loaded[m] = head._replace(params=jax.device_put(head.params) if setup.mesh is None
-                                           else place_spec_params(head.params, head.spec, setup.mesh))
+            target, dp = ((jax.device_put(head.target), jax.device_put(head.drafter_params)) if setup.mesh is None
+                          else place_params(head.target, head.drafter_params, setup.mesh))
+            self.loaded[m] = head._replace(target=target, drafter_params=dp)
             if not self.loaded[m].trained and get_method(m).needs_head:
                 self.log(f"[{m}] no trained head given (--heads {m}=WORKDIR): UNTRAINED head "
                          f"({self.loaded[m].source}), tau ~ 1")
@@ -335,7 +338,7 @@ class _Benchmark:
             h = self.loaded[m]
             chains, trees = (tuple(c for c in cands if fits_head(m, c, h)) for cands in (chains, trees))
             _, self.calibrations[m] = budget_lib.auto_plan(
-                h.spec, h.params, calib, max_new_tokens=setup.max_new_tokens, min_bucket=setup.min_bucket,
+                h.target, h.drafter_params, calib, max_new_tokens=setup.max_new_tokens, min_bucket=setup.min_bucket,
                 log=self.log, chains=chains, trees=trees, method=m, interleave=setup.interleave,
                 unroll_layers=setup.unroll_layers, mesh=setup.mesh)
         return self.calibrations[m]
@@ -571,7 +574,7 @@ def checkpoint_rows(setup: BenchSetup, prompts: Sequence[BenchPrompt], *, method
             head = decode_head(method, setup.target_cfg, setup.target_params, source, seed=setup.seed,
                                target_tokenizer=setup.tokenizer)
             check_plan(method, plan, head)
-            head = head._replace(params=jax.device_put(head.params))
+            head = head._replace(target=jax.device_put(head.target), drafter_params=jax.device_put(head.drafter_params))
             b, tick = bar(f"{label} {bud}")
             sp_logs, sp_tokens = _run_all(prompts, setup, programs, _spec_decoder(setup, programs, head, plan, 0.0),
                                           tick)

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
-from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.decode.loaded import LoadedDrafter, own_weights
 from confu_jax.runs import dflash as runs_dflash
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.dflash import (block_hidden, block_logits, check_dflash_params, context_features, context_kv,
@@ -66,23 +66,23 @@ class DFlashState:
     draft_cache: KVCache  # [L_d, B, Hkv_d, S, hd_d]: the context K/V of positions 0..p (length p+1)
 
 
-def dflash_params(params, key: str = "dflash") -> dict:
-    """``params.draft[key]``: a DFlash tree (``key`` 'dflash') or one built on it (DSpark's, 'dspark')."""
-    p = (params.draft or {}).get(key)
+def dflash_params(dp, key: str = "dflash") -> dict:
+    """``dp.weights[key]``: a DFlash tree (``key`` 'dflash') or one built on it (DSpark's, 'dspark')."""
+    p = (dp.weights or {}).get(key)
     if p is None:
-        raise ValueError(f"a {key} drafter needs params.draft[{key!r}] (its init, a trained configs/*_{key}.py "
+        raise ValueError(f"a {key} drafter needs drafter_params.weights[{key!r}] (its init, a trained configs/*_{key}.py "
                          f"workdir, or an imported directory: decode.families.decode_head)")
     if "mask_token_id" not in p:
-        raise ValueError(f"params.draft[{key!r}] needs 'mask_token_id' (the block's mask token)")
+        raise ValueError(f"drafter_params.weights[{key!r}] needs 'mask_token_id' (the block's mask token)")
     return p
 
 
-def draft_spec(spec):
-    """The draft's LlamaConfig (``ModelSpec.draft_model``; ``load_dflash`` sets it)."""
-    if spec.draft_model is None:
-        raise ValueError("a DFlash drafter needs ModelSpec.draft_model (the draft's layer config; "
+def draft_spec(dp):
+    """The draft's LlamaConfig (``DrafterParams.draft_model``; ``load_dflash`` sets it)."""
+    if dp.draft_model is None:
+        raise ValueError("a DFlash drafter needs DrafterParams.draft_model (the draft's layer config; "
                          "decode.families.decode_head('dflash', ...) sets it)")
-    return spec.draft_model
+    return dp.draft_model
 
 
 def parse_dflash_plan(text: str) -> DraftPlan:
@@ -90,9 +90,9 @@ def parse_dflash_plan(text: str) -> DraftPlan:
     return parse_plan(text, what="DFlash", forms=DFLASH_FORMS, block=True)
 
 
-def context_entries(spec, p: dict, taps_btc, positions_bt):
+def context_entries(dp, p: dict, taps_btc, positions_bt):
     """Every draft layer's K/V of the target taps ``taps_btc`` at ``positions_bt`` ([L_d,B,T,Hkv,hd])."""
-    dcfg = draft_spec(spec)
+    dcfg = draft_spec(dp)
     return context_kv(p, dcfg, context_features(p, dcfg, taps_btc), positions_bt)
 
 
@@ -102,43 +102,43 @@ class DFlashDrafter(PlanDrafter):
 
     plan: DraftPlan
     what = "a DFlash draft"
-    params_key = "dflash"  # where its tree lives in params.draft (a subclass built on the backbone: its own)
+    params_key = "dflash"  # where its tree lives in DrafterParams.weights (a subclass built on the backbone: its own)
 
     def backbone(self, p: dict) -> dict:
         """The DFlash float tree of this drafter's tree (``models.dflash.model_params``)."""
         return model_params(p)
 
-    def init(self, spec, params, view: PrefillView) -> DFlashState:
-        p = dflash_params(params, self.params_key)
-        dcfg = draft_spec(spec)
-        check_dflash_params(self.backbone(p), dcfg, len(spec.taps))
+    def init(self, target, dp, view: PrefillView) -> DFlashState:
+        p = dflash_params(dp, self.params_key)
+        dcfg = draft_spec(dp)
+        check_dflash_params(self.backbone(p), dcfg, len(dp.spec(target.config).taps))
         b, w = view.tokens_bt.shape
         cache = init_cache(dcfg.n_layers, b, view.max_len, dcfg.n_kv_heads, dcfg.head_dim, jnp.dtype(dcfg.dtype))
-        k, v = context_entries(spec, p, view.h_cat_btc, jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)))
+        k, v = context_entries(dp, p, view.h_cat_btc, jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)))
         return DFlashState(draft_cache=commit(cache, k, v, view.lengths_b))
 
-    def propose(self, spec, params, st: DFlashState, inp: DraftInput) -> Proposal:
-        p = dflash_params(params, self.params_key)
-        dcfg = draft_spec(spec)
+    def propose(self, target, dp, st: DFlashState, inp: DraftInput) -> Proposal:
+        p = dflash_params(dp, self.params_key)
+        dcfg = draft_spec(dp)
         depth = self.max_depth
         b = inp.root_b.shape[0]
         blk = jnp.full((b, depth + 1), p["mask_token_id"], jnp.int32).at[:, 0].set(inp.root_b)
         pos = inp.anchor_b[:, None] + 1 + jnp.arange(depth + 1, dtype=jnp.int32)[None]
         cache = st.draft_cache
-        h = block_hidden(model_params(p), dcfg, embed_block(params.target, blk), pos,
+        h = block_hidden(model_params(p), dcfg, embed_block(target.params, blk), pos,
                          jnp.ones((b, depth + 1, depth + 1), bool), cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
-        logits = to_target_vocab(block_logits(spec.target, params.target, h[:, 1:]), spec.target.vocab_size)
+        logits = to_target_vocab(block_logits(target.config, target.params, h[:, 1:]), target.config.vocab_size)
         tree, q = self.draft_positional(jax.nn.log_softmax(logits, axis=-1), inp)
         return full_proposal(tree, q, st)
 
-    def update(self, spec, params, st: DFlashState, v: VerifiedPass) -> DFlashState:
+    def update(self, target, dp, st: DFlashState, v: VerifiedPass) -> DFlashState:
         """The accepted nodes' taps (positions p+1..p+a) join the context; inactive rows commit nothing."""
-        p = dflash_params(params, self.params_key)
+        p = dflash_params(dp, self.params_key)
         ver = v.verification
         path = jnp.maximum(ver.path_bd, 0)
         taps = jnp.take_along_axis(v.target.h_cat_btc, path[..., None], axis=1)
         pos = v.anchor_b[:, None] + 1 + jnp.arange(path.shape[1], dtype=jnp.int32)[None]
-        k, vv = context_entries(spec, p, taps, pos)
+        k, vv = context_entries(dp, p, taps, pos)
         n_new = jnp.where(v.active_b, ver.n_accepted_b, 0)
         return st.replace(draft_cache=commit(st.draft_cache, k, vv, n_new))
 
@@ -147,14 +147,14 @@ class DFlashDrafter(PlanDrafter):
 
 
 def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
-                target_source: str = "the loaded target", num_layers: int = 3) -> DecodeHead:
+                target_source: str = "the loaded target", num_layers: int = 3) -> LoadedDrafter:
     """What DFlash decodes with: the draft of a ``launch.train`` DFlash workdir (``runs.dflash``, target
     checked), of a published z-lab DFlash directory (config.json with ``DFlashDraftModel`` /
     ``dflash_config`` + model.safetensors: ``weights.dflash_format``; its width must be the target's and
     it must read 3 target layers, this project's tap count), or, with no source, an untrained draft
     (``num_layers`` layers of the target's shape over the reference's default layers, the last token id
     as the mask; ``trained`` False). A trained draft keeps its block size (``block_depth``: plans
-    deeper than the block are refused). The spec carries the draft's layer config (``ModelSpec.draft_model``)
+    deeper than the block are refused). The drafter params carry the draft's layer config (``DrafterParams.draft_model``)
     and its taps."""
     import numpy as np
 
@@ -200,10 +200,10 @@ def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
                        desc, draft_model=dcfg, tap_layers=tuple(taps))
 
 
-def block_depth(params):
+def block_depth(dp):
     """The deepest plan a loaded DFlash draft runs: its trained block holds the root and block_size - 1
     masks (None for an initialisation, which was trained on nothing)."""
-    block = params.draft["dflash"].get("block_size")
+    block = dp.weights["dflash"].get("block_size")
     return None if block is None else int(block) - 1
 
 

@@ -2,9 +2,9 @@
 
 Any Llama that shares the target's tokenizer drafts with **its own KV cache** inside the same
 jitted loop (docs/DESIGN.md §11 "Independent draft models and SD²"). Its architecture is
-``spec.draft_model`` (a ``LlamaConfig``, static), its weights ``params.draft['model']``; with no
-``'model'`` entry the drafter is the **early-exit self-drafter**: the target's first N layers
-(N = ``spec.draft_model.n_layers``) with the target's final norm and LM head, read from the
+``DrafterParams.draft_model`` (a ``LlamaConfig``, static), its weights ``DrafterParams.weights['model']``;
+with no ``'model'`` entry the drafter is the **early-exit self-drafter**: the target's first N layers
+(N = ``draft_model.n_layers``) with the target's final norm and LM head, read from the
 target's own parameters (no copy; on the layer-unrolled CPU path the target's per-layer buffers).
 
 **State** (``DraftModelState``, per row): the draft cache holds the draft's K/V of positions
@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
 from confu_jax.decode.family import DrafterFamily, Method
-from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.decode.loaded import LoadedDrafter, own_weights
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models import steering as steer_lib
 from confu_jax.models.early_exit import early_exit_params, is_early_exit_of
@@ -88,26 +88,26 @@ class DraftModelState:
 # ----------------------------------------------------------------------------- the model
 
 
-def draft_config(spec) -> LlamaConfig:
-    if spec.draft_model is None:
-        raise ValueError("this spec has no draft model (spec.draft_model is None): build the pair with "
-                         "decode.families.decode_head('draft_model', ...) or ModelSpec(..., draft_model=cfg)")
-    return spec.draft_model
+def draft_config(dp) -> LlamaConfig:
+    if dp.draft_model is None:
+        raise ValueError("these drafter params have no draft model (DrafterParams.draft_model is None): build them "
+                         "with decode.families.decode_head('draft_model', ...) or DrafterParams(..., draft_model=cfg)")
+    return dp.draft_model
 
 
-def draft_weights(spec, params):
-    """(draft LlamaConfig, draft weights in the target's layout): ``params.draft['model']``, or the
+def draft_weights(target, dp):
+    """(draft LlamaConfig, draft weights in the target's layout): ``dp.weights['model']``, or the
     target's first layers (early exit). On the layer-unrolled path (the loop split the target into
     ``SplitParams``) an independent model's stack is split too (``models.unrolled``): already, by
     ``DraftModel.prepare_params`` outside the loop, or here for callers that skipped it."""
-    cfg = draft_config(spec)
-    model = (params.draft or {}).get("model")
+    cfg = draft_config(dp)
+    model = (dp.weights or {}).get("model")
     if model is None:
-        if not is_early_exit_of(cfg, spec.target):
-            raise ValueError(f"params.draft has no 'model': the early-exit drafter needs spec.draft_model = the "
-                             f"target's config with fewer layers; got {cfg} for target {spec.target}")
-        return cfg, early_exit_params(params.target, cfg.n_layers)
-    if isinstance(params.target, SplitParams) and not isinstance(model, SplitParams):
+        if not is_early_exit_of(cfg, target.config):
+            raise ValueError(f"drafter_params.weights has no 'model': the early-exit drafter needs draft_model = the "
+                             f"target's config with fewer layers; got {cfg} for target {target.config}")
+        return cfg, early_exit_params(target.params, cfg.n_layers)
+    if isinstance(target.params, SplitParams) and not isinstance(model, SplitParams):
         return cfg, split_layers(model, cfg)
     return cfg, model
 
@@ -128,10 +128,10 @@ def logits(cfg: LlamaConfig, weights, hidden_xd, vocab: int) -> jax.Array:
     return to_target_vocab(target_logits(weights, cfg, hidden_xd), vocab)
 
 
-def _steering(spec, params, c: int, cfg: LlamaConfig) -> dict:
-    st = (params.draft or {}).get("steering")
+def _steering(dp, c: int, cfg: LlamaConfig) -> dict:
+    st = (dp.weights or {}).get("steering")
     if st is None:
-        raise ValueError("an SD² (steered) drafter needs params.draft['steering'] (models.steering.init_steering, "
+        raise ValueError("an SD² (steered) drafter needs drafter_params.weights['steering'] (models.steering.init_steering, "
                          "or a trained launch.train SD² workdir)")
     steer_lib.check_steering(st, c, cfg)
     return st
@@ -142,7 +142,7 @@ def _steering(spec, params, c: int, cfg: LlamaConfig) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class DraftModel(PlanDrafter):
-    """An independent draft model (``spec.draft_model``, weights ``params.draft['model']`` or the
+    """An independent draft model (``DrafterParams.draft_model``, weights ``['model']`` or the
     target's first layers) drafting the trees of ``plan`` (chain, sampled chain, static or EAGLE-2
     dynamic tree; no contemplates). ``steered``: SD² steering from the verifier's taps."""
 
@@ -150,26 +150,26 @@ class DraftModel(PlanDrafter):
     steered: bool = False
     what = "a draft model"
 
-    def prepare_params(self, spec, params):
+    def prepare_params(self, target, dp):
         """On the unrolled path, split an independent model's layer stack once (``draft_weights``)."""
-        model = (params.draft or {}).get("model")
-        if model is None or not isinstance(params.target, SplitParams) or isinstance(model, SplitParams):
-            return params
-        return params.replace(draft={**params.draft, "model": draft_weights(spec, params)[1]})
+        model = (dp.weights or {}).get("model")
+        if model is None or not isinstance(target.params, SplitParams) or isinstance(model, SplitParams):
+            return dp
+        return dp.replace(weights={**dp.weights, "model": draft_weights(target, dp)[1]})
 
     # ------------------------------------------------------------------ init
 
-    def init(self, spec, params, view: PrefillView) -> DraftModelState:
+    def init(self, target, dp, view: PrefillView) -> DraftModelState:
         """The prompt as one causal block (positions 0..n-1 committed); the pending token is the
         first emitted one. SD²: prompt position j is steered by g[j-1] (offset 1; g[0] at j = 0)."""
-        cfg, w = draft_weights(spec, params)
+        cfg, w = draft_weights(target, dp)
         b, width = view.tokens_bt.shape
         a = self.max_depth + 1
         pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
         rows = jnp.arange(b)
         steer_src = steer_bias = mlp_bias = None
         if self.steered:
-            st = _steering(spec, params, view.h_cat_btc.shape[-1], cfg)
+            st = _steering(dp, view.h_cat_btc.shape[-1], cfg)
             src = jnp.concatenate([view.h_cat_btc[:, :1], view.h_cat_btc[:, :-1]], axis=1)  # h_cat[max(j-1, 0)]
             mlp_bias = steer_lib.bias_from_taps(st, src)  # [L,B,W,F]
             steer_src = view.h_cat_btc[rows, view.lengths_b - 1]
@@ -186,15 +186,15 @@ class DraftModel(PlanDrafter):
 
     # ------------------------------------------------------------------ propose
 
-    def propose(self, spec, params, st: DraftModelState, inp: DraftInput) -> Proposal:
-        cfg, w = draft_weights(spec, params)
-        vocab = spec.target.vocab_size
+    def propose(self, target, dp, st: DraftModelState, inp: DraftInput) -> Proposal:
+        cfg, w = draft_weights(target, dp)
+        vocab = target.config.vocab_size
         b, a = st.pending_tokens_ba.shape
         rows = jnp.arange(b)
         active = ~inp.done_b
         bias_new = None
         if self.steered:
-            steering = _steering(spec, params, st.steer_src_bc.shape[-1], cfg)
+            steering = _steering(dp, st.steer_src_bc.shape[-1], cfg)
             bias_new = steer_lib.bias_from_taps(steering, st.steer_src_bc)  # [L,B,F]: fixed for the round
         round_bias = None if bias_new is None else bias_new[:, :, None, :]  # [L,B,1,F]
 
@@ -250,7 +250,7 @@ class DraftModel(PlanDrafter):
 
     # ------------------------------------------------------------------ update
 
-    def update(self, spec, params, st: DraftModelState, v: VerifiedPass) -> DraftModelState:
+    def update(self, target, dp, st: DraftModelState, v: VerifiedPass) -> DraftModelState:
         """Pending = the emitted tokens (accepted drafts, then the bonus); SD²: g's source = h_cat
         at the last accepted node (the one whose logits gave the bonus)."""
         ver, active = v.verification, v.active_b
@@ -269,7 +269,7 @@ class DraftModel(PlanDrafter):
 
 def draft_model_weights(target_cfg: LlamaConfig, target_params: dict, source: Optional[str] = None, *,
                      steered: bool = False, target_tokenizer=None, target_source: str = "the loaded target"
-                     ) -> DecodeHead:
+                     ) -> LoadedDrafter:
     """What an independent draft model (family ``draft_model``) or SD² (family ``sd2``) decodes with
     (``decode.draft_model``; sources: ``runs.draft_models``): ``source`` = ``self:N`` (the target's first
     N layers; default a quarter of them), an asset / GGUF / Hugging Face directory sharing the target's

@@ -2,15 +2,18 @@
 
 The loop (``decode.loop``) owns the target: prefill, the verification pass, the lossless rule, the
 KV-cache commit, emission and stopping. A drafter owns everything else, in three pure functions of
-its own state (a pytree it defines, carried in ``SpecState.drafter``):
+its own state (a pytree it defines, carried in ``SpecState.drafter``), each reading the loop's two
+parameter trees (``decode.params``): ``target`` (a ``Target``: the target's config and weights) and
+``dp`` (a ``DrafterParams``: the drafter's own architecture as static fields, its weights, ConFu's
+extras, its vocabulary maps):
 
-* ``init(spec, params, view)`` after the target's prefill (``PrefillView``: the prompt, the first
+* ``init(target, dp, view)`` after the target's prefill (``PrefillView``: the prompt, the first
   emitted token, the prompt's target features);
-* ``propose(spec, params, state, inp)`` → ``Proposal``: a ``DraftTree`` rooted at the bonus token
+* ``propose(target, dp, state, inp)`` → ``Proposal``: a ``DraftTree`` rooted at the bonus token
   (``inp.root_b``), the draft distributions q where the sampled-chain rule needs them, how many of
   the tree's leading nodes are worth verifying per row, and for ConFu the contemplate inputs of the
   verification pass;
-* ``update(spec, params, state, v)`` after verification (``VerifiedPass``): ingest the accepted
+* ``update(target, dp, state, v)`` after verification (``VerifiedPass``): ingest the accepted
   tokens and, where the family uses them, the target's hidden states of the accepted nodes.
 
 A drafter is a frozen, hashable dataclass — a static argument of the jitted loop, like gemma's
@@ -105,29 +108,29 @@ class Drafter(abc.ABC):
         return verify_lib.GREEDY if greedy else verify_lib.SAMPLED_TREE
 
     def packable_draft(self) -> tuple:
-        """Names of the modules in ``params.draft`` that are ``models.llama.PackableDense`` and whose
+        """Names of the modules in ``dp.weights`` that are ``models.llama.PackableDense`` and whose
         kernels nothing else reads, which the CPU decode path packs for the few-row matmul where it
         packed the target (``kernels.cpu_matmul``); () keeps the drafter's weights as they are."""
         return ()
 
-    def prepare_params(self, spec, params):
-        """``params`` as the loop body reads them, computed once per generation outside the
-        ``while_loop`` (after the loop laid out the target, e.g. split into per-layer buffers on
+    def prepare_params(self, target, dp):
+        """``dp`` (a ``DrafterParams``) as the loop body reads it, computed once per generation outside
+        the ``while_loop`` (after the loop laid out the target, e.g. split into per-layer buffers on
         the unrolled CPU path). A drafter with weights of its own re-lays them here to match, so the
-        loop body does not redo it every iteration; the default keeps ``params`` as they are."""
-        del spec
-        return params
+        loop body does not redo it every iteration; the default keeps ``dp`` as it is."""
+        del target
+        return dp
 
     @abc.abstractmethod
-    def init(self, spec, params, view: PrefillView) -> Any:
+    def init(self, target, dp, view: PrefillView) -> Any:
         """The drafter state after the prompt (a pytree of device arrays with shape-lettered names)."""
 
     @abc.abstractmethod
-    def propose(self, spec, params, state, inp: DraftInput) -> Proposal:
+    def propose(self, target, dp, state, inp: DraftInput) -> Proposal:
         """Draft one tree per row."""
 
     @abc.abstractmethod
-    def update(self, spec, params, state, v: VerifiedPass) -> Any:
+    def update(self, target, dp, state, v: VerifiedPass) -> Any:
         """Ingest the accepted tokens (rows with ``v.active_b`` false must keep their state)."""
 
     def describe(self) -> str:

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
 from confu_jax.decode.family import DrafterFamily, Method, source_path
-from confu_jax.decode.heads import DecodeHead, check_release
+from confu_jax.decode.loaded import LoadedDrafter, check_release, head_weights
 from confu_jax.decode.plans import Chain, DraftPlan, parse_plan
-from confu_jax.decode.spec_params import SpecParams, spec_params
+from confu_jax.decode.params import DrafterParams, Target
 from confu_jax.models import draft as draft_lib
 from confu_jax.runs.exports import HEAD_FORMATS
 from confu_jax.models.draft_decode import draft_block, init_draft_cache
@@ -66,22 +66,23 @@ class DraftScratch(NamedTuple):
     h_out_bkd: jax.Array  # [B, K, d] draft state of the last frontier (its children's hidden input)
 
 
-def future_entry(spec: ModelSpec, params: SpecParams, hs: HeadDraftState, anchor_b: jax.Array,
+def future_entry(target: Target, dp: DrafterParams, hs: HeadDraftState, anchor_b: jax.Array,
                  g_bad: Optional[jax.Array] = None) -> Optional[draft_lib.DraftFuture]:
     """ConFu's future entry for this iteration (token [f] = MoE_f(g[a]), hidden f[a], key at a+1,
     a = ``hs.future_anchor_b``: p, or with sparse contemplates the deepest contemplated accepted
     node); None for EAGLE-3. ``anchor_b`` = p. ``g_bad``: fc of the ingestion buffer when the
     caller has it (``draft_tree`` computes it once for ingestion); a is one of the buffer's entries."""
-    if not spec.head.has_future:
+    if not dp.has_future:
         return None
+    spec = dp.spec(target.config)
     rows = jnp.arange(hs.future_anchor_b.shape[0])
     # the buffer holds entries p-n+1..p (n = ingest_count_b)
     idx = hs.future_anchor_b - (anchor_b + 1 - hs.ingest_count_b)
     if g_bad is None:
-        g_anchor = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac[rows, idx])
+        g_anchor = draft_lib.draft_features(spec, dp.weights, hs.ingest_h_cat_bac[rows, idx])
     else:
         g_anchor = g_bad[rows, idx]
-    return draft_lib.draft_future_entry(spec, params.draft, hs.future_bd[:, None], g_anchor[:, None],
+    return draft_lib.draft_future_entry(spec, dp.weights, hs.future_bd[:, None], g_anchor[:, None],
                                         hs.future_anchor_b[:, None])
 
 
@@ -189,42 +190,43 @@ def refill_entries(v: VerifiedPass, node_feats_btc: jax.Array, tokens_ba: jax.Ar
 # ----------------------------------------------------------------------------- the EAGLE-3 / ConFu head
 
 
-def head_block(spec: ModelSpec, params: SpecParams, future=None, future_input_bd=None):
+def head_block(target: Target, dp: DrafterParams, future=None, future_input_bd=None):
     """The head's ``block_fn`` (``draft_block`` on its parameters, with ConFu's future entry, and at
     ingestion what f adds to the first step's input: ``future_input``). The draft reads the target's
     embeddings, or its own where it has trained a copy (``draft['embed_tokens']``: an imported P-EAGLE
     head, ``weights.peagle_format``)."""
-    draft = params.draft
-    embed = draft["embed_tokens"] if "embed_tokens" in draft else params.embed_vd
+    draft = dp.weights
+    embed = draft["embed_tokens"] if "embed_tokens" in draft else target.embed_vd
     draft = {k: v for k, v in draft.items() if k != "embed_tokens"}
-    return functools.partial(draft_block, spec, draft, embed, future=future, future_input_bd=future_input_bd)
+    return functools.partial(draft_block, dp.spec(target.config), draft, embed, future=future,
+                             future_input_bd=future_input_bd)
 
 
-def future_input(spec: ModelSpec, params: SpecParams, hs: HeadDraftState) -> Optional[jax.Array]:
+def future_input(target: Target, dp: DrafterParams, hs: HeadDraftState) -> Optional[jax.Array]:
     """[B,d] what this iteration's f adds to the first draft step's input (``HeadConfig.future_input``), or None."""
-    if not spec.head.future_input:
+    if not dp.head.future_input:
         return None
-    return draft_lib.draft_future_input(spec, params.draft, hs.future_bd[:, None])[:, 0]
+    return draft_lib.draft_future_input(dp.spec(target.config), dp.weights, hs.future_bd[:, None])[:, 0]
 
 
-def ingest(spec: ModelSpec, params: SpecParams, hs: HeadDraftState, done_b: jax.Array, future,
+def ingest(target: Target, dp: DrafterParams, hs: HeadDraftState, done_b: jax.Array, future,
            draft_cache: KVCache, g_bad: Optional[jax.Array] = None):
     """Depth 0: commit the pending entries to the draft cache -> (logits at the anchor [B,1,V_d],
     draft state at the anchor [B,1,d], updated draft cache). ``g_bad``: fc of the pending entries'
     h_cat when the caller computed it already. The LM head runs at the anchor row only."""
     if g_bad is None:
-        g_bad = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac)
-    block = head_block(spec, params, future, future_input(spec, params, hs) if future is not None else None)
+        g_bad = draft_lib.draft_features(dp.spec(target.config), dp.weights, hs.ingest_h_cat_bac)
+    block = head_block(target, dp, future, future_input(target, dp, hs) if future is not None else None)
     return ingest_entries(block, hs.ingest_tokens_ba, g_bad, hs.ingest_count_b, done_b, draft_cache)
 
 
-def expand(spec: ModelSpec, params: SpecParams, st: DraftScratch, fr: tree_lib.Frontier,
+def expand(target: Target, dp: DrafterParams, st: DraftScratch, fr: tree_lib.Frontier,
            anchor_b: jax.Array, future):
     """Depth k > 0: draft the frontier's children -> (logits [B,K,V_d], updated scratch)."""
-    return expand_frontier(head_block(spec, params, future), st, fr, anchor_b)
+    return expand_frontier(head_block(target, dp, future), st, fr, anchor_b)
 
 
-def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDraftState, inp: DraftInput,
+def draft_tree(target: Target, dp: DrafterParams, plan: DraftPlan, hs: HeadDraftState, inp: DraftInput,
                with_scores: bool = False):
     """Run the draft for one iteration -> (DraftTree, q_btv or None, updated draft cache,
     con_nodes_bm or None), and with ``with_scores`` (static trees and chains) the nodes'
@@ -233,25 +235,25 @@ def draft_tree(spec: ModelSpec, params: SpecParams, plan: DraftPlan, hs: HeadDra
     ``q_btv`` (sampled chains only) holds the draft distributions the nodes were drawn from;
     ``con_nodes_bm`` [B,M] (ConFu with sparse contemplates only) the nodes that get one.
     """
-    t = spec.target
+    t = target.config
     # fc(h_cat) of the pending entries, once: the future anchor's g also builds the future entry
-    g_bad = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac)
-    future = future_entry(spec, params, hs, inp.anchor_b, g_bad)
+    g_bad = draft_lib.draft_features(dp.spec(t), dp.weights, hs.ingest_h_cat_bac)
+    future = future_entry(target, dp, hs, inp.anchor_b, g_bad)
     tree, q, score_bt, draft_cache = draft_cached_tree(
-        plan, head_block(spec, params, future), hs.draft_cache, hs.ingest_tokens_ba, g_bad, hs.ingest_count_b, inp,
-        n_kv_heads=t.n_kv_heads, head_dim=t.head_dim, d_model=t.d_model, dtype=spec.head.dtype,
-        d2t_v=params.draft_vocab["d2t"], target_vocab=t.vocab_size,
-        ingest_block_fn=head_block(spec, params, future, future_input(spec, params, hs)))
-    con_nodes = contemplate_nodes(spec, plan, tree, None if plan.nodes_ranked else score_bt)
+        plan, head_block(target, dp, future), hs.draft_cache, hs.ingest_tokens_ba, g_bad, hs.ingest_count_b, inp,
+        n_kv_heads=t.n_kv_heads, head_dim=t.head_dim, d_model=t.d_model, dtype=dp.head.dtype,
+        d2t_v=dp.draft_vocab["d2t"], target_vocab=t.vocab_size,
+        ingest_block_fn=head_block(target, dp, future, future_input(target, dp, hs)))
+    con_nodes = contemplate_nodes(dp.has_future, plan, tree, None if plan.nodes_ranked else score_bt)
     if with_scores:
         return tree, q, draft_cache, con_nodes, (score_bt if plan.nodes_ranked else None)
     return tree, q, draft_cache, con_nodes
 
 
-def contemplate_nodes(spec: ModelSpec, plan: DraftPlan, tree: tree_lib.DraftTree,
+def contemplate_nodes(has_future: bool, plan: DraftPlan, tree: tree_lib.DraftTree,
                       score_bt: Optional[jax.Array]) -> Optional[jax.Array]:
     """Sparse contemplates: the M nodes that get one -> [B,M] node indices in topological order,
-    or None when every node gets one (EAGLE-3, or M = T).
+    or None when every node gets one (``has_future`` false: EAGLE-3; or M = T).
 
     The M nodes the draft scores highest: by cumulative draft log-probability where the tree
     keeps it (dynamic trees; ties to the earlier node, so the root — score 0 — always comes
@@ -259,7 +261,7 @@ def contemplate_nodes(spec: ModelSpec, plan: DraftPlan, tree: tree_lib.DraftTree
     list nodes root-first, the draft's preferred children first). Invalid nodes score -inf.
     """
     m, t = plan.n_contemplates, tree.tokens_bt.shape[1]
-    if not spec.head.has_future or m >= t:
+    if not has_future or m >= t:
         return None
     b = tree.tokens_bt.shape[0]
     if score_bt is None:
@@ -285,7 +287,7 @@ def _future_source(tree, last_node_b: jax.Array, con_nodes_bm) -> jax.Array:
 class HeadDrafter(PlanDrafter):
     """A trained (or random) EAGLE-3 / ConFu head drafting the trees of ``plan`` (chain, sampled
     chain, static or EAGLE-2 dynamic tree; ``+cM`` sparse contemplates for ConFu). The variant —
-    and so whether verification runs contemplates — is the loop's ``spec.head``.
+    and so whether verification runs contemplates — is ``DrafterParams.head``.
 
     ``min_prob`` (chains only; plan text ``chain:K@P``): **confidence-gated width**. A row wants
     verified only the leading drafts whose cumulative draft probability is at least P, and the
@@ -314,38 +316,39 @@ class HeadDrafter(PlanDrafter):
     def widths(self) -> tuple:
         return tuple(range(1, self.n_nodes + 1)) if self.min_prob > 0 else (self.n_nodes,)
 
-    def init(self, spec: ModelSpec, params: SpecParams, view: PrefillView) -> HeadDraftState:
+    def init(self, target: Target, dp: DrafterParams, view: PrefillView) -> HeadDraftState:
         """Draft prefill: entries j = 0..n-2 (token x[j+1], g[j]) as one causal block, committed;
         entry n-1 (token = the first emitted token, h_cat[n-1]) waits in the ingestion buffer."""
         b = view.tokens_bt.shape[0]
-        g_btd = draft_lib.draft_features(spec, params.draft, view.h_cat_btc)
-        draft_cache = commit_prompt(head_block(spec, params), init_draft_cache(spec, b, view.max_len), view, g_btd)
+        spec = dp.spec(target.config)
+        g_btd = draft_lib.draft_features(spec, dp.weights, view.h_cat_btc)
+        draft_cache = commit_prompt(head_block(target, dp), init_draft_cache(spec, b, view.max_len), view, g_btd)
         tokens, h_cat, count = prompt_buffer(view, view.h_cat_btc, self.max_depth + 1)
         return HeadDraftState(
             draft_cache=draft_cache,
             ingest_tokens_ba=tokens,
             ingest_h_cat_bac=h_cat,
             ingest_count_b=count,
-            future_bd=(view.future_bd if spec.head.has_future
-                       else jnp.zeros((b, spec.target.d_model), jnp.float32)),
+            future_bd=(view.future_bd if dp.has_future
+                       else jnp.zeros((b, target.config.d_model), jnp.float32)),
             future_anchor_b=view.lengths_b - 1,  # the prefill contemplate follows the last prompt token
         )
 
-    def propose(self, spec: ModelSpec, params: SpecParams, hs: HeadDraftState, inp: DraftInput) -> Proposal:
+    def propose(self, target: Target, dp: DrafterParams, hs: HeadDraftState, inp: DraftInput) -> Proposal:
         t = self.n_nodes
         if self.min_prob > 0:
-            tree, q, draft_cache, con_nodes, score_bt = draft_tree(spec, params, self.plan, hs, inp, with_scores=True)
+            tree, q, draft_cache, con_nodes, score_bt = draft_tree(target, dp, self.plan, hs, inp, with_scores=True)
             # a chain's cumulative score falls with depth: the confident drafts are a prefix
             confident = (score_bt >= jnp.log(self.min_prob)) & tree.valid_bt
             n = 1 + jnp.sum(confident[:, 1:], axis=1).astype(jnp.int32)
         else:
-            tree, q, draft_cache, con_nodes = draft_tree(spec, params, self.plan, hs, inp)
+            tree, q, draft_cache, con_nodes = draft_tree(target, dp, self.plan, hs, inp)
             n = jnp.full(inp.root_b.shape, t, jnp.int32)
         rows = jnp.arange(inp.root_b.shape[0])
-        con_src = hs.ingest_h_cat_bac[rows, hs.ingest_count_b - 1] if spec.head.has_future else None  # h_cat[p]
+        con_src = hs.ingest_h_cat_bac[rows, hs.ingest_count_b - 1] if dp.has_future else None  # h_cat[p]
         return Proposal(tree, q, n, con_src, con_nodes, hs.replace(draft_cache=draft_cache))
 
-    def update(self, spec: ModelSpec, params: SpecParams, hs: HeadDraftState, v: VerifiedPass) -> HeadDraftState:
+    def update(self, target: Target, dp: DrafterParams, hs: HeadDraftState, v: VerifiedPass) -> HeadDraftState:
         """Refill the ingestion buffer with the accepted path (emitted tokens, the nodes' h_cat); for
         ConFu, f is that of the contemplate after the last accepted (contemplated) node."""
         ver, vo, tree, active = v.verification, v.target, v.tree, v.active_b
@@ -354,7 +357,7 @@ class HeadDrafter(PlanDrafter):
         tokens, h_cat, count = refill_entries(v, vo.h_cat_btc, hs.ingest_tokens_ba, hs.ingest_h_cat_bac,
                                               hs.ingest_count_b)
         future_new, future_anchor = hs.future_bd, hs.future_anchor_b
-        if spec.head.has_future:
+        if dp.has_future:
             c = _future_source(tree, ver.last_node_b, v.con_nodes_bm)
             future_new = vo.future_btd[rows, c]
             node = ver.last_node_b if v.con_nodes_bm is None else v.con_nodes_bm[rows, c]
@@ -390,7 +393,7 @@ def parse_head(text: str) -> HeadDrafter:
 
 
 def random_head(variant: str, target_cfg, target_params: dict, seed: int = 0,
-                draft_vocab_size: Optional[int] = None) -> DecodeHead:
+                draft_vocab_size: Optional[int] = None) -> LoadedDrafter:
     """An untrained head of ``variant`` (τ ≈ 1): lossless checks and cost measurements. Random heads
     draft over the whole target vocabulary (identity d2t), or its first ``draft_vocab_size`` ids — a
     trained head's draft LM head has that many rows."""
@@ -403,14 +406,14 @@ def random_head(variant: str, target_cfg, target_params: dict, seed: int = 0,
     from confu_jax.models.registry import get_variant
 
     mask = target_cfg.vocab_size - 1 if get_variant(variant).parallel else None  # P-EAGLE: the last id as mask
-    spec = ModelSpec(target_cfg, HeadConfig(variant=variant, draft_vocab_size=v_draft, mask_token_id=mask))
-    trainable = jax.device_get(init_trainable(spec, jax.random.PRNGKey(seed)))
+    head = HeadConfig(variant=variant, draft_vocab_size=v_draft, mask_token_id=mask)
+    trainable = jax.device_get(init_trainable(ModelSpec(target_cfg, head), jax.random.PRNGKey(seed)))
     vocab = identity_draft_vocab(target_cfg.vocab_size, v_draft)
-    return DecodeHead(spec, spec_params(target_params, trainable, vocab), False, f"random (seed {seed})")
+    return head_weights(target_cfg, target_params, head, trainable, vocab, False, f"random (seed {seed})")
 
 
 def _trained_head(method, workdir: str, target_cfg, target_params: dict, step: Optional[int],
-                  target_source: str) -> DecodeHead:
+                  target_source: str) -> LoadedDrafter:
     """The head of a ``launch.train`` workdir or a release on this target (architecture and weights checked)."""
     import numpy as np
 
@@ -422,12 +425,11 @@ def _trained_head(method, workdir: str, target_cfg, target_params: dict, step: O
         raise ValueError(f"{workdir} holds a {h.spec.head.variant!r} head; --method {method.name} needs one of "
                          f"{method.variants}")
     check_head_target(h, workdir, target_cfg, target_params, target_source)
-    spec = ModelSpec(target_cfg, h.spec.head)
     vocab = {"d2t": np.asarray(h.draft_vocab["d2t"], np.int32), "t2d": np.asarray(h.draft_vocab["t2d"])}
-    return DecodeHead(spec, spec_params(target_params, h.trainable, vocab), True, f"{workdir} (step {h.step})")
+    return head_weights(target_cfg, target_params, h.spec.head, h.trainable, vocab, True, f"{workdir} (step {h.step})")
 
 
-def _imported_head(method, directory: str, target_cfg, target_params: dict) -> DecodeHead:
+def _imported_head(method, directory: str, target_cfg, target_params: dict) -> LoadedDrafter:
     """An EAGLE-3 head in the official (SGLang / SpecForge) or speculators (vLLM) format
     (``weights.eagle3_formats``), checked against this target: width, heads, vocabulary, taps."""
     from confu_jax.weights.eagle3_formats import bind_to_target, load_head
@@ -438,11 +440,11 @@ def _imported_head(method, directory: str, target_cfg, target_params: dict) -> D
         raise ValueError(f"{directory} holds an EAGLE-3 head ({imp.fmt} format); --method {method.name} needs one "
                          f"of {method.variants}: decode it with --method eagle3, or train ConFu from it (init_from)")
     spec, trainable, vocab = bind_to_target(imp, target_cfg, target_params)
-    return DecodeHead(spec, spec_params(target_params, trainable, vocab), True, f"{directory} ({imp.fmt} format)")
+    return head_weights(target_cfg, target_params, spec.head, trainable, vocab, True, f"{directory} ({imp.fmt} format)")
 
 
 def load_head_weights(method, target_cfg, target_params, source, *, seed=0, step=None,
-                      target_source="the loaded target", target_tokenizer=None) -> DecodeHead:
+                      target_source="the loaded target", target_tokenizer=None) -> LoadedDrafter:
     """An EAGLE-3 / ConFu head (``DrafterFamily.load``): a ``launch.train`` workdir (``WORKDIR@STEP``),
     a release, a published EAGLE-3 layout, or, with no source, a random head of the method's first
     variant."""

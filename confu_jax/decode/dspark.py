@@ -38,7 +38,7 @@ from confu_jax.decode.dflash import DFlashDrafter, dflash_params, draft_spec
 from confu_jax.decode.drafter import DraftInput, Proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
-from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.decode.loaded import LoadedDrafter, own_weights
 from confu_jax.decode.plans import Chain, parse_plan
 from confu_jax.models import dspark as D
 from confu_jax.models.dflash import block_hidden, block_logits, embed_block
@@ -92,17 +92,17 @@ class DSparkDrafter(DFlashDrafter):
     def describe(self) -> str:
         return self.plan.text + (f"@{self.min_survival:g}" if self.min_survival else "")
 
-    def propose(self, spec, params, st, inp: DraftInput) -> Proposal:
-        p = dflash_params(params, self.params_key)
-        dcfg = draft_spec(spec)
+    def propose(self, target, dp, st, inp: DraftInput) -> Proposal:
+        p = dflash_params(dp, self.params_key)
+        dcfg = draft_spec(dp)
         depth = self.max_depth
         b = inp.root_b.shape[0]
         blk = jnp.full((b, depth), p["mask_token_id"], jnp.int32).at[:, 0].set(inp.root_b)
         pos = inp.anchor_b[:, None] + 1 + jnp.arange(depth, dtype=jnp.int32)[None]
         cache = st.draft_cache
-        h = block_hidden(D.backbone(p), dcfg, embed_block(params.target, blk), pos,
+        h = block_hidden(D.backbone(p), dcfg, embed_block(target.params, blk), pos,
                          jnp.ones((b, depth, depth), bool), cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
-        base = to_target_vocab(block_logits(spec.target, params.target, h), spec.target.vocab_size)  # [B,D,V]
+        base = to_target_vocab(block_logits(target.config, target.params, h), target.config.vocab_size)  # [B,D,V]
 
         rows = jnp.arange(b)[:, None]
 
@@ -110,7 +110,7 @@ class DSparkDrafter(DFlashDrafter):
             """A node's children: slot k's base logits + the bias from the node's own token (k its depth)."""
             k = jnp.minimum(depth_bk, depth - 1)
             bias, new_state = D.markov_bias(p, D.prev_embedding(p, tokens_bk), h[rows, k], state)
-            logits = base[rows, k].astype(jnp.float32) + to_target_vocab(bias, spec.target.vocab_size)
+            logits = base[rows, k].astype(jnp.float32) + to_target_vocab(bias, target.config.vocab_size)
             return jax.nn.log_softmax(logits, axis=-1), new_state
 
         rank = D.markov_rank(p)
@@ -131,7 +131,7 @@ class DSparkDrafter(DFlashDrafter):
 
 
 def load_dspark(target_cfg, target_params: dict, source=None, seed: int = 0,
-                target_source: str = "the loaded target", num_layers: int = 3, rank: int = 64) -> DecodeHead:
+                target_source: str = "the loaded target", num_layers: int = 3, rank: int = 64) -> LoadedDrafter:
     """What DSpark decodes with: the draft of a ``launch.train`` DSpark workdir (``runs.dspark``, target checked)
     or of speculators' ``dspark`` layout (``weights.dspark_format``; width, vocabulary and taps checked) — either
     keeps its block size, which bounds a plan's depth — or, with no source, an untrained draft
@@ -178,9 +178,9 @@ def load_dspark(target_cfg, target_params: dict, source=None, seed: int = 0,
                        draft_model=dcfg, tap_layers=tuple(taps))
 
 
-def block_depth(params):
+def block_depth(dp):
     """The deepest plan a loaded DSpark draft runs: its trained block's slots (None untrained)."""
-    block = params.draft["dspark"].get("block_size")
+    block = dp.weights["dspark"].get("block_size")
     return None if block is None else int(block)
 
 

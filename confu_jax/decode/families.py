@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from confu_jax.decode import (dflash, draft_model, drafting, dspark, heads, hybrid, lookup, medusa, mlp_speculator, mtp,
+from confu_jax.decode import (dflash, draft_model, drafting, dspark, hybrid, lookup, medusa, mlp_speculator, mtp,
                               peagle)
 from confu_jax.decode.drafter import Drafter
+from confu_jax.decode import loaded as heads
 from confu_jax.decode.family import DrafterFamily, Method
 
 _MODULES = (drafting, lookup, hybrid, draft_model, medusa, mlp_speculator, mtp, dflash, peagle, dspark)
@@ -59,11 +60,11 @@ def parse_drafter(method: str, text: str) -> Drafter:
     return family_of(method).parse(text)
 
 
-def _depth_limit(fam: DrafterFamily, head: heads.DecodeHead) -> Optional[int]:
-    return fam.max_depth(head.params) if fam.max_depth is not None else None
+def _depth_limit(fam: DrafterFamily, head: heads.LoadedDrafter) -> Optional[int]:
+    return fam.max_depth(head.drafter_params) if fam.max_depth is not None else None
 
 
-def check_plan(method: str, drafter: Drafter, head: heads.DecodeHead) -> None:
+def check_plan(method: str, drafter: Drafter, head: heads.LoadedDrafter) -> None:
     """Refuse a plan deeper than the loaded weights draft (``DrafterFamily.max_depth``: Medusa's head
     count, a trained DFlash draft's block), naming both, before anything is traced."""
     fam = family_of(method)
@@ -73,7 +74,7 @@ def check_plan(method: str, drafter: Drafter, head: heads.DecodeHead) -> None:
                          f"{head.source} draft at most {limit} deep (expected a plan of depth <= {limit})")
 
 
-def fits_head(method: str, text: str, head: heads.DecodeHead) -> bool:
+def fits_head(method: str, text: str, head: heads.LoadedDrafter) -> bool:
     """Whether ``method``'s plan ``text`` is no deeper than ``head``'s weights draft (budget ``auto``
     keeps only the candidates that fit)."""
     fam = family_of(method)
@@ -81,11 +82,11 @@ def fits_head(method: str, text: str, head: heads.DecodeHead) -> bool:
     return limit is None or fam.parse(text).max_depth <= limit
 
 
-def drafter_for(method: str, text: Optional[str], head: heads.DecodeHead) -> Drafter:
+def drafter_for(method: str, text: Optional[str], head: heads.LoadedDrafter) -> Drafter:
     """The drafter ``method`` decodes ``head`` with under the plan ``text`` (None: the family's default
     plan for these weights), checked against what the weights draft (``check_plan``)."""
     fam = family_of(method)
-    drafter = fam.parse(text or fam.default_plan(head.params))
+    drafter = fam.parse(text or fam.default_plan(head.drafter_params))
     check_plan(method, drafter, head)
     return drafter
 
@@ -100,7 +101,7 @@ def export_formats() -> tuple:
 
 
 def decode_head(method: str, target_cfg, target_params: dict, workdir: Optional[str] = None, seed: int = 0,
-                target_source: str = "the loaded target", target_tokenizer=None) -> heads.DecodeHead:
+                target_source: str = "the loaded target", target_tokenizer=None) -> heads.LoadedDrafter:
     """What ``method`` drafts with (``DrafterFamily.load``): a trained head from ``workdir`` (a
     ``launch.train`` workdir, ``WORKDIR@STEP`` where the family reads steps, a release or a published
     layout), a random one, nothing (model-free methods, which refuse a source), or a draft model

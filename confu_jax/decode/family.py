@@ -55,8 +55,8 @@ class Method:
 class DrafterFamily:
     """One drafter family. ``parse(text) -> Drafter`` (errors list the forms it accepts);
     ``load(method: Method, target_cfg, target_params, source, *, seed, step, target_source,
-    target_tokenizer) -> decode.heads.DecodeHead`` (a trained source, or an initialisation when
-    ``source`` is None); ``max_depth(params)`` -> the deepest plan the loaded weights draft (None: any);
+    target_tokenizer) -> decode.loaded.LoadedDrafter`` (a trained source, or an initialisation when
+    ``source`` is None); ``max_depth(drafter_params)`` -> the deepest plan the loaded weights draft (None: any);
     ``reads_step``: a source may name one checkpoint step (``WORKDIR@STEP``); ``source_flag``: the
     ``launch.generate`` flag that names a source; ``chains`` / ``trees``: budget ``auto``'s candidates;
     ``export_formats``: its ``runs.exports.ExportFormat`` records (``launch.export_head --format``); ``train_task``: the ``config.train.task`` entry
@@ -80,9 +80,9 @@ class DrafterFamily:
     tiny_config: Optional[str] = None
     packs_rows: bool = False
 
-    def default_plan(self, params=None) -> str:
-        """The plan a CLI drafts with when none is given: chain:4, or as deep as ``params`` allow."""
-        limit = None if self.max_depth is None or params is None else self.max_depth(params)
+    def default_plan(self, drafter_params=None) -> str:
+        """The plan a CLI drafts with when none is given: chain:4, or as deep as ``drafter_params`` allow."""
+        limit = None if self.max_depth is None or drafter_params is None else self.max_depth(drafter_params)
         return f"chain:{DEFAULT_DEPTH if limit is None else min(DEFAULT_DEPTH, limit)}"
 
 

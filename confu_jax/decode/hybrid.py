@@ -61,12 +61,12 @@ class Hybrid(Drafter):
         nothing and the head is unsure verifies the root alone)."""
         return self.head.widths
 
-    def init(self, spec, params, view: PrefillView) -> HybridState:
-        return HybridState(head=self.head.init(spec, params, view), lookup=self.lookup.init(spec, params, view))
+    def init(self, target, dp, view: PrefillView) -> HybridState:
+        return HybridState(head=self.head.init(target, dp, view), lookup=self.lookup.init(target, dp, view))
 
-    def propose(self, spec, params, st: HybridState, inp: DraftInput) -> Proposal:
-        hp = self.head.propose(spec, params, st.head, inp)
-        lp = self.lookup.propose(spec, params, st.lookup, inp)
+    def propose(self, target, dp, st: HybridState, inp: DraftInput) -> Proposal:
+        hp = self.head.propose(target, dp, st.head, inp)
+        lp = self.lookup.propose(target, dp, st.lookup, inp)
         use = lp.n_nodes_b > 1  # lookup found a match for this row
 
         def pick(x_lookup, x_head):
@@ -76,9 +76,9 @@ class Hybrid(Drafter):
         return Proposal(tree, None, jnp.where(use, lp.n_nodes_b, hp.n_nodes_b), hp.con_src_bc, hp.con_nodes_bm,
                         HybridState(head=hp.state, lookup=lp.state))
 
-    def update(self, spec, params, st: HybridState, v: VerifiedPass) -> HybridState:
-        return HybridState(head=self.head.update(spec, params, st.head, v),
-                           lookup=self.lookup.update(spec, params, st.lookup, v))
+    def update(self, target, dp, st: HybridState, v: VerifiedPass) -> HybridState:
+        return HybridState(head=self.head.update(target, dp, st.head, v),
+                           lookup=self.lookup.update(target, dp, st.lookup, v))
 
     def describe(self) -> str:
         """The head's plan text (``chain:K`` or ``chain:K@P``): the lookup follows from it."""

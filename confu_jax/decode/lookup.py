@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
 from confu_jax.decode.family import DrafterFamily, Method
-from confu_jax.decode.heads import DecodeHead, model_free
+from confu_jax.decode.loaded import LoadedDrafter, model_free
 
 NO_TOKEN = -1  # history slots past the text, and continuation slots past the history
 
@@ -151,7 +151,7 @@ class PromptLookup(Drafter):
     def widths(self) -> tuple:
         return tuple(sorted({int(w) for w in self.pass_widths} | {self.n_nodes}))
 
-    def init(self, spec, params, view: PrefillView) -> LookupState:
+    def init(self, target, dp, view: PrefillView) -> LookupState:
         b, width = view.tokens_bt.shape
         pos = jnp.arange(view.max_len + 1, dtype=jnp.int32)[None]
         prompt = jnp.concatenate([view.tokens_bt.astype(jnp.int32),
@@ -160,13 +160,13 @@ class PromptLookup(Drafter):
         hist = jnp.where(pos == view.lengths_b[:, None], view.first_b[:, None].astype(jnp.int32), hist)
         return LookupState(history_bn=hist)
 
-    def propose(self, spec, params, st: LookupState, inp: DraftInput) -> Proposal:
+    def propose(self, target, dp, st: LookupState, inp: DraftInput) -> Proposal:
         tokens, _ = lookup_continuations(st.history_bn, inp.anchor_b + 2, k=self.k, branches=self.branches,
                                          min_match=self.min_match, max_match=self.max_match)
         tree, n_nodes_b = lookup_tree(inp.root_b, tokens)
         return Proposal(tree, None, n_nodes_b, None, None, st)
 
-    def update(self, spec, params, st: LookupState, v: VerifiedPass) -> LookupState:
+    def update(self, target, dp, st: LookupState, v: VerifiedPass) -> LookupState:
         """Append the emitted tokens (accepted drafts, then the bonus) after the old root x[p+1]."""
         ver = v.verification
         b, a = ver.emitted_bd.shape
@@ -205,7 +205,7 @@ def parse_lookup(text: str) -> PromptLookup:
     raise ValueError(f"bad lookup plan {text!r}: expected {LOOKUP_FORMS}")
 
 
-def load_model_free(method, target_cfg, target_params, source, **kw) -> DecodeHead:
+def load_model_free(method, target_cfg, target_params, source, **kw) -> LoadedDrafter:
     """A model-free family's ``DrafterFamily.load``: the target alone; a source is refused."""
     del kw
     if source:

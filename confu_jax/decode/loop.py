@@ -1,7 +1,10 @@
 """Speculative decoding with any drafter (every family of ``decode.families``) as one jitted
 ``lax.while_loop`` with static shapes.
 
-One program per (model spec, draft plan, verification rule, batch, prompt bucket, cache size,
+The loop takes ``(target, drafter, drafter_params)`` and nothing else (``generate_speculative``): a
+``params.Target``, a ``decode.drafter.Drafter`` (how to draft: a hashable static argument) and a
+``params.DrafterParams`` (what it drafts with: its architecture as static fields and its weights).
+One program per (target and drafter architecture, drafter, verification rule, batch, prompt bucket, cache size,
 max_new_tokens); temperature, top-p, EOS ids and the RNG key are traced. Nothing leaves the device
 between iterations: the host sees the prompt going in and the finished token buffer coming out.
 
@@ -35,27 +38,27 @@ from confu_jax import sharding as shd
 
 from confu_jax.decode import verify as verify_lib
 from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
-from confu_jax.decode.drafters import as_drafter
 from confu_jax.decode.requests import default_unroll_layers, validate_request
 from confu_jax.decode.sampling import choose_token
-from confu_jax.decode.sharded import constrain_tree, place_request, place_spec_params
-from confu_jax.decode.spec_params import DrafterParams, SpecParams, Target, join
+from confu_jax.decode.params import DrafterParams, Target
+from confu_jax.decode.sharded import constrain_tree, place_params, place_request
 from confu_jax.decode.spec_state import SpecResult, SpecState
 from confu_jax.decode.stopping import PAD_OUT, emit, is_eos, update_stop
 from confu_jax.models import target as target_lib
 from confu_jax.models.kv_cache import commit, init_cache
-from confu_jax.models.spec import ModelSpec
 from confu_jax.models.unrolled import SplitParams, is_packed_split, prepared_dense, prepared_layers, split_layers
 
 
 # ----------------------------------------------------------------------------- one iteration
 
 
-def _verify(spec: ModelSpec, params: SpecParams, rule: verify_lib.AcceptanceRule, s: SpecState, prop: Proposal, key,
+def _verify(target: Target, dp: DrafterParams, rule: verify_lib.AcceptanceRule, s: SpecState, prop: Proposal, key,
             temperature, top_p):
-    """Target pass over the proposed tree and the acceptance rule -> (target outputs, Verification)."""
+    """Target pass over the proposed tree and the acceptance rule -> (target outputs, Verification).
+    What verification reads of the drafter: its head (whether ConFu's contemplates run) and their extras."""
     tree = prop.tree
-    vo = target_lib.verify(spec, params.target, params.confu, s.cache, tree.tokens_bt, tree.ancestor_btt,
+    vo = target_lib.verify(dp.spec(target.config), target.params, dp.verify_extras, s.cache, tree.tokens_bt,
+                           tree.ancestor_btt,
                            con_src_bc=prop.con_src_bc, depth_bt=tree.depth_bt, con_nodes_bm=prop.con_nodes_bm)
     return vo, rule.accept(tree, vo.logits_btv, prop.q_btv, key, temperature, top_p)
 
@@ -94,7 +97,8 @@ def truncate_proposal(prop: Proposal, width: int) -> Proposal:
     return prop._replace(tree=tree, q_btv=q)
 
 
-def _finish(spec: ModelSpec, params: SpecParams, drafter: Drafter, rule: verify_lib.AcceptanceRule, s: SpecState, prop: Proposal,
+def _finish(target: Target, dp: DrafterParams, drafter: Drafter, rule: verify_lib.AcceptanceRule, s: SpecState,
+            prop: Proposal,
             k_verify, temperature, top_p, eos_e, *, width: int, max_new_tokens: int, max_len: int) -> SpecState:
     """Verify the proposal's first ``width`` nodes, commit, emit, and let the drafter ingest."""
     b = s.root_b.shape[0]
@@ -103,7 +107,7 @@ def _finish(spec: ModelSpec, params: SpecParams, drafter: Drafter, rule: verify_
     active = ~s.done_b
     anchor_b = s.cache.length_b - 1
     prop = truncate_proposal(prop, width)
-    vo, ver = _verify(spec, params, rule, s, prop, k_verify, temperature, top_p)
+    vo, ver = _verify(target, dp, rule, s, prop, k_verify, temperature, top_p)
     path = jnp.maximum(ver.path_bd, 0)  # [B, A]
     cache = commit(s.cache, vo.k_new_lbthd, vo.v_new_lbthd, jnp.where(active, ver.n_accepted_b, 0),
                    src_idx_bt=path)
@@ -112,7 +116,7 @@ def _finish(spec: ModelSpec, params: SpecParams, drafter: Drafter, rule: verify_
     accept_log = s.accept_log_bi.at[rows, log_col].set(n_emit, mode="drop")
     done_b, reason_b = update_stop(active, hit_eos, n_gen, cache.length_b + a, s.done_b, s.reason_b,
                                    max_new_tokens=max_new_tokens, max_len=max_len)
-    dstate = drafter.update(spec, params, prop.state,
+    dstate = drafter.update(target, dp, prop.state,
                             VerifiedPass(prop.tree, ver, vo, prop.con_nodes_bm, active, anchor_b))
     return s.replace(
         tokens_bn=tokens_bn,
@@ -134,24 +138,22 @@ def pass_width_index(widths: Sequence[int], n_nodes_b: jax.Array, active_b: jax.
     return jnp.sum(jnp.asarray(widths, jnp.int32) < need).astype(jnp.int32)
 
 
-def iteration(spec: ModelSpec, params: SpecParams, drafter, rule: verify_lib.AcceptanceRule, s: SpecState,
+def iteration(target: Target, dp: DrafterParams, drafter: Drafter, rule: verify_lib.AcceptanceRule, s: SpecState,
               temperature, top_p, eos_e, *, max_new_tokens: int, max_len: int) -> SpecState:
     """Draft, verify, commit and emit once for every row (done rows ride along unchanged).
 
-    ``drafter``: a ``Drafter`` (or a ``DraftPlan``, meaning the head drafter of ``spec``). With
-    several compiled widths the pass verifies the narrowest that holds every active row's
+    With several compiled widths the pass verifies the narrowest that holds every active row's
     proposal (``lax.switch``): an iteration where nothing was drafted costs one AR step."""
-    drafter = as_drafter(drafter)
     k_draft, k_verify = jax.random.split(jax.random.fold_in(jax.random.fold_in(s.key, 1), s.iteration))
     anchor_b = s.cache.length_b - 1  # p: the last accepted position
-    prop = drafter.propose(spec, params, s.drafter,
+    prop = drafter.propose(target, dp, s.drafter,
                            DraftInput(s.root_b, anchor_b, s.done_b, k_draft, temperature, top_p))
     kw = dict(max_new_tokens=max_new_tokens, max_len=max_len)
     widths = tuple(drafter.widths)
     operands = (s, prop, k_verify, temperature, top_p, eos_e)
     if len(widths) == 1:
-        return _finish(spec, params, drafter, rule, *operands, width=widths[0], **kw)
-    branches = [functools.partial(_finish, spec, params, drafter, rule, width=w, **kw) for w in widths]
+        return _finish(target, dp, drafter, rule, *operands, width=widths[0], **kw)
+    branches = [functools.partial(_finish, target, dp, drafter, rule, width=w, **kw) for w in widths]
     return jax.lax.switch(pass_width_index(widths, prop.n_nodes_b, ~s.done_b), branches, *operands)
 
 
@@ -165,21 +167,20 @@ def trace_count() -> int:
     return _TRACE_COUNT[0]
 
 
-def _prefill(spec: ModelSpec, params: SpecParams, drafter, tokens_bt, lengths_b, temperature,
+def _prefill(target: Target, dp: DrafterParams, drafter: Drafter, tokens_bt, lengths_b, temperature,
              top_p, eos_e, key, *, max_new_tokens: int, max_len: int) -> SpecState:
     """Target prefill (+ the first contemplate), the first token, and the drafter's ``init``."""
-    drafter = as_drafter(drafter)
-    t = spec.target
+    t = target.config
     b, width = tokens_bt.shape
     a = drafter.max_depth + 1
     cache = init_cache(t.n_layers, b, max_len, t.n_kv_heads, t.head_dim, jnp.dtype(t.dtype),
-                       per_layer=isinstance(params.target, SplitParams))  # layer-unrolled: read in place
+                       per_layer=isinstance(target.params, SplitParams))  # layer-unrolled: read in place
     # attend_cache=False: the cache is empty, and attending to a freshly zeroed cache makes XLA
     # constant-fold a batch-sized, fully masked score block (seconds of compile time)
-    pre, cache = target_lib.prefill(spec, params.target, params.confu, cache, tokens_bt, lengths_b,
+    pre, cache = target_lib.prefill(dp.spec(t), target.params, dp.verify_extras, cache, tokens_bt, lengths_b,
                                     attend_cache=False)
     first_b = choose_token(jax.random.fold_in(key, 0), pre.last_logits_bv, temperature, top_p)
-    dstate = drafter.init(spec, params, PrefillView(tokens_bt, lengths_b, first_b, pre.h_cat_btc,
+    dstate = drafter.init(target, dp, PrefillView(tokens_bt, lengths_b, first_b, pre.h_cat_btc,
                                                     pre.future_bd, max_len, pre.last_hidden_bd, pre.hidden_btd))
     all_b = jnp.ones((b,), bool)
     tokens_bn, n_gen = emit(jnp.full((b, max_new_tokens), PAD_OUT, jnp.int32), jnp.zeros((b,), jnp.int32),
@@ -198,8 +199,8 @@ def _prefill(spec: ModelSpec, params: SpecParams, drafter, tokens_bt, lengths_b,
     )
 
 
-def speculative_padded(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
-                       spec: ModelSpec, drafter: Drafter, rule: verify_lib.AcceptanceRule, max_new_tokens: int,
+def speculative_padded(target: Target, dp: DrafterParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
+                       drafter: Drafter, rule: verify_lib.AcceptanceRule, max_new_tokens: int,
                        max_len: int, unroll_layers: bool, mesh: Optional[Mesh] = None) -> SpecResult:
     """The speculative program on a validated, padded request (``requests.DecodeRequest``).
 
@@ -207,28 +208,27 @@ def speculative_padded(params: SpecParams, tokens_bt, lengths_b, temperature, to
     caches, per-row arrays) is pinned to the training table's layouts; inputs must be on the mesh."""
     _TRACE_COUNT[0] += 1
     with shd.activation_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        return _speculative(params, tokens_bt, lengths_b, temperature, top_p, eos_e, key, spec=spec,
+        return _speculative(target, dp, tokens_bt, lengths_b, temperature, top_p, eos_e, key,
                             drafter=drafter, rule=rule, max_new_tokens=max_new_tokens, max_len=max_len,
                             unroll_layers=unroll_layers)
 
 
-def _speculative(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
-                 spec: ModelSpec, drafter: Drafter, rule: verify_lib.AcceptanceRule, max_new_tokens: int,
+def _speculative(target: Target, dp: DrafterParams, tokens_bt, lengths_b, temperature, top_p, eos_e, key, *,
+                 drafter: Drafter, rule: verify_lib.AcceptanceRule, max_new_tokens: int,
                  max_len: int, unroll_layers: bool) -> SpecResult:
-    drafter = as_drafter(drafter)
-    if unroll_layers and not isinstance(params.target, SplitParams):  # per-layer buffers, outside the loop
-        params = params.replace(target=split_layers(params.target, spec.target))
-    params = drafter.prepare_params(spec, params)  # once, outside the loop (e.g. the draft model's split)
+    if unroll_layers and not isinstance(target.params, SplitParams):  # per-layer buffers, outside the loop
+        target = target.replace(params=split_layers(target.params, target.config))
+    dp = drafter.prepare_params(target, dp)  # once, outside the loop (e.g. the draft model's split)
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
-    state = constrain_tree(_prefill(spec, params, drafter, tokens_bt, lengths_b, temperature, top_p, eos_e,
+    state = constrain_tree(_prefill(target, dp, drafter, tokens_bt, lengths_b, temperature, top_p, eos_e,
                                     key, max_new_tokens=max_new_tokens, max_len=max_len))
 
     def cond(s: SpecState):
         return ~jnp.all(s.done_b) & (s.iteration < max_new_tokens)
 
     def body(s: SpecState):
-        return constrain_tree(iteration(spec, params, drafter, rule, s, temperature, top_p, eos_e,
+        return constrain_tree(iteration(target, dp, drafter, rule, s, temperature, top_p, eos_e,
                                         max_new_tokens=max_new_tokens, max_len=max_len))
 
     state = jax.lax.while_loop(cond, body, state)
@@ -238,87 +238,89 @@ def _speculative(params: SpecParams, tokens_bt, lengths_b, temperature, top_p, e
 
 speculative_padded_jit = jax.jit(
     speculative_padded,
-    static_argnames=("spec", "drafter", "rule", "max_new_tokens", "max_len", "unroll_layers", "mesh"))
+    static_argnames=("drafter", "rule", "max_new_tokens", "max_len", "unroll_layers", "mesh"))
 
 
-def prepare_spec_inputs(spec: ModelSpec, drafter, prompts, *, max_new_tokens: int = 128,
+def check_drafter(drafter) -> Drafter:
+    """``drafter`` if it is a ``Drafter``; a bare ``DraftPlan`` or anything else is refused (a plan says
+    how deep and wide to draft, not with what: ``decode.families.parse_drafter(method, text)`` makes one)."""
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"expected a decode.drafter.Drafter (decode.families.parse_drafter(method, plan_text) makes "
+                        f"one), got {type(drafter).__name__}: {drafter!r}")
+    return drafter
+
+
+def _check_params(target: Target, drafter_params: DrafterParams) -> None:
+    if not isinstance(target, Target) or not isinstance(drafter_params, DrafterParams):
+        raise TypeError(f"expected (Target, DrafterParams) from decode.params (decode.families.decode_head loads "
+                        f"both), got ({type(target).__name__}, {type(drafter_params).__name__})")
+    drafter_params.check()
+
+
+def prepare_spec_inputs(target_cfg, drafter: Drafter, prompts, *, max_new_tokens: int = 128,
                         temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                         eos_ids: Optional[Sequence[int]] = None, max_len: Optional[int] = None,
                         min_bucket: int = 16, unroll_layers: Optional[bool] = None,
                         mesh: Optional[Mesh] = None):
-    """Host-side validation and padding -> (dynamic args after ``params``, static kwargs); with
-    ``mesh`` the args are placed on it (rows over data × fsdp, ``decode.sharded``).
+    """Host-side validation and padding for the target ``target_cfg`` -> (dynamic args after the two
+    parameter trees, static kwargs); with ``mesh`` the args are placed on it (rows over data × fsdp,
+    ``decode.sharded``).
 
     The cache must hold the prompt plus one verification (D+1 slots). ``unroll_layers`` (default:
     on for the CPU backend) runs the target layer-unrolled, as the AR baseline does, so speed-ups
     compare like with like."""
-    drafter = as_drafter(drafter)
+    drafter = check_drafter(drafter)
     a = drafter.max_depth + 1
-    req = validate_request(spec.target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+    req = validate_request(target_cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=top_p, seed=seed, eos_ids=eos_ids, max_len=max_len, min_bucket=min_bucket,
                            reserve=a, reserve_what=f"one verification of depth {a - 1}")
-    static = dict(spec=spec, drafter=drafter, rule=drafter.rule(temperature <= 0.0),
+    static = dict(drafter=drafter, rule=drafter.rule(temperature <= 0.0),
                   max_new_tokens=req.max_new_tokens, max_len=req.max_len,
                   unroll_layers=default_unroll_layers(unroll_layers), mesh=mesh)
     args = req.device_args()
     return (args if mesh is None else place_request(args, mesh)), static
 
 
-def generate_speculative(target: Target, drafter, drafter_params: DrafterParams, prompts, **kw) -> SpecResult:
-    """Speculative generation for a list of token-id prompts: the loop's public form.
+def generate_speculative(target: Target, drafter: Drafter, drafter_params: DrafterParams, prompts,
+                         **kw) -> SpecResult:
+    """Speculative generation for a list of token-id prompts.
 
-    ``target``: the frozen target (``spec_params.Target``: config and weights); ``drafter``: any
+    ``target``: the frozen target (``params.Target``: config and weights); ``drafter``: any
     ``decode.drafter.Drafter`` (a head's plan, prompt lookup, hybrid, ...: how to draft, from
-    ``decode.families.parse_drafter``), or a ``DraftPlan`` for a head; ``drafter_params``: what it drafts
-    with (``spec_params.DrafterParams``: its architecture and weights, ``decode.families.decode_head``).
+    ``decode.families.parse_drafter``); ``drafter_params``: what it drafts with
+    (``params.DrafterParams``: its architecture and weights, ``decode.families.decode_head``).
     Keyword arguments as ``generate_ar`` (max_new_tokens, temperature, top_p, seed, eos_ids, max_len,
     min_bucket, mesh). With ``mesh`` the params are placed on it by the training table (``decode.sharded``).
     """
-    spec, params = join(target, drafter_params)
-    return generate_from_spec(spec, params, drafter, prompts, **kw)
+    _check_params(target, drafter_params)
+    args, static = prepare_spec_inputs(target.config, drafter, prompts, **kw)
+    return speculative_padded_jit(*_placed(target, drafter_params, static), *args, **static)
 
 
-def compile_speculative(target: Target, drafter, drafter_params: DrafterParams, prompts, **kw):
+def compile_speculative(target: Target, drafter: Drafter, drafter_params: DrafterParams, prompts, **kw):
     """Ahead-of-time compile -> (run, args): ``run(target, drafter_params, *args)`` neither traces nor
     compiles (with ``mesh=``, it places what is not on the mesh yet)."""
-    spec, params = join(target, drafter_params)
-    compiled, args = compile_from_spec(spec, params, drafter, prompts, **kw)
-    mesh = kw.get("mesh")
+    _check_params(target, drafter_params)
+    args, static = prepare_spec_inputs(target.config, drafter, prompts, **kw)
+    compiled = speculative_padded_jit.lower(*_placed(target, drafter_params, static), *args, **static).compile()
 
     def run(target_: Target, drafter_params_: DrafterParams, *a):
-        p = join(target_, drafter_params_)[1]
-        return compiled(p if mesh is None else place_spec_params(p, spec, mesh), *a)
+        return compiled(*_placed(target_, drafter_params_, static), *a)
 
     return run, args
 
 
-def generate_from_spec(spec: ModelSpec, params: SpecParams, drafter, prompts, **kw) -> SpecResult:
-    """``generate_speculative`` on the joined form (``spec_params.join``): what a training run holds
-    (its spec and ``spec_params``) and what the loop's own tests drive."""
-    args, static = prepare_spec_inputs(spec, drafter, prompts, **kw)
-    return speculative_padded_jit(_placed(params, spec, static), *args, **static)
-
-
-def _placed(params: SpecParams, spec: ModelSpec, static: dict) -> SpecParams:
-    """On a mesh, placed by the training table; on the unrolled (CPU) path, the target's split
-    weights made once per target (``models.unrolled.prepared_layers``), and where those are packed
-    for the few-row matmul, the drafter's packable projections too (``Drafter.packable_draft``)."""
+def _placed(target: Target, dp: DrafterParams, static: dict) -> tuple:
+    """(target, dp) as the compiled program takes them: on a mesh, placed by the training table; on the
+    unrolled (CPU) path, the target's split weights made once per target
+    (``models.unrolled.prepared_layers``), and where those are packed for the few-row matmul, the
+    drafter's packable projections too (``Drafter.packable_draft``)."""
     if static["mesh"] is not None:
-        return place_spec_params(params, spec, static["mesh"])
+        return place_params(target, dp, static["mesh"])
     if not static["unroll_layers"]:
-        return params
-    target = prepared_layers(params.target, spec.target)
-    names = as_drafter(static["drafter"]).packable_draft()
-    if names and is_packed_split(target):  # the target went packed: the draft head's projections too
-        return params.replace(target=target, draft=prepared_dense(params.draft, names))
-    return params.replace(target=target)
-
-
-def compile_from_spec(spec: ModelSpec, params: SpecParams, drafter, prompts, **kw):
-    """``compile_speculative`` on the joined form -> (run, args): ``run(params, *args)`` neither traces nor
-    compiles. With ``mesh=``, ``run`` expects params placed by ``decode.sharded.place_spec_params``."""
-    args, static = prepare_spec_inputs(spec, drafter, prompts, **kw)
-    compiled = speculative_padded_jit.lower(_placed(params, spec, static), *args, **static).compile()
-    if static["mesh"] is not None:
-        return compiled, args
-    return (lambda p, *a: compiled(_placed(p, spec, static), *a)), args
+        return target, dp
+    target = target.replace(params=prepared_layers(target.params, target.config))
+    names = static["drafter"].packable_draft()
+    if names and is_packed_split(target.params):  # the target went packed: the draft head's projections too
+        return target, dp.replace(weights=prepared_dense(dp.weights, names))
+    return target, dp

@@ -41,7 +41,7 @@ from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Prop
                                      last_accepted_hidden)
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DrafterFamily, Method, SourceKind,
                                      own_weights_loader, resolve_source)
-from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.decode.loaded import LoadedDrafter, own_weights
 from confu_jax.runs import medusa as runs_medusa
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.medusa import config_of, medusa_logits
@@ -56,10 +56,10 @@ class MedusaState:
     hidden_bd: jax.Array  # [B, d] the target's final-normed hidden state at p (the last accepted position)
 
 
-def medusa_params(params) -> dict:
-    heads = (params.draft or {}).get("medusa")
+def medusa_params(dp) -> dict:
+    heads = (dp.weights or {}).get("medusa")
     if heads is None:
-        raise ValueError("a Medusa drafter needs params.draft['medusa'] (models.medusa.init_medusa, a trained "
+        raise ValueError("a Medusa drafter needs drafter_params.weights['medusa'] (models.medusa.init_medusa, a trained "
                          "configs/*_medusa.py workdir, or an imported FasterDecoding head: decode.families.decode_head)")
     return heads
 
@@ -76,24 +76,24 @@ class MedusaDrafter(PlanDrafter):
     plan: DraftPlan
     what = "Medusa heads"
 
-    def init(self, spec, params, view: PrefillView) -> MedusaState:
+    def init(self, target, dp, view: PrefillView) -> MedusaState:
         if view.last_hidden_bd is None:
             raise ValueError("MedusaDrafter.init needs PrefillView.last_hidden_bd (the target's last hidden state)")
         return MedusaState(hidden_bd=view.last_hidden_bd.astype(jnp.float32))
 
-    def propose(self, spec, params, st: MedusaState, inp: DraftInput) -> Proposal:
-        heads = medusa_params(params)
+    def propose(self, target, dp, st: MedusaState, inp: DraftInput) -> Proposal:
+        heads = medusa_params(dp)
         c = config_of(heads)
         depth = self.max_depth
         if depth > c.num_heads:
             raise ValueError(f"plan {self.describe()!r} drafts {depth} deep; these Medusa heads predict only "
                              f"{c.num_heads} tokens ahead (depth <= medusa_num_heads)")
         sub = jax.tree_util.tree_map(lambda x: x[:depth], heads)  # only the heads the tree reaches
-        logits_kbv = to_target_vocab(medusa_logits(sub, st.hidden_bd), spec.target.vocab_size)
+        logits_kbv = to_target_vocab(medusa_logits(sub, st.hidden_bd), target.config.vocab_size)
         tree, q = self.draft_positional(jnp.swapaxes(jax.nn.log_softmax(logits_kbv, axis=-1), 0, 1), inp)
         return full_proposal(tree, q, st)
 
-    def update(self, spec, params, st: MedusaState, v: VerifiedPass) -> MedusaState:
+    def update(self, target, dp, st: MedusaState, v: VerifiedPass) -> MedusaState:
         """h[p'] at the new last accepted position p' = the last accepted node of the pass."""
         return st.replace(hidden_bd=last_accepted_hidden(v, st.hidden_bd, "MedusaDrafter"))
 
@@ -102,7 +102,7 @@ class MedusaDrafter(PlanDrafter):
 
 
 def load_medusa(target_cfg, target_params: dict, source=None, seed: int = 0,
-                target_source: str = "the loaded target", num_heads: int = 4) -> DecodeHead:
+                target_source: str = "the loaded target", num_heads: int = 4) -> LoadedDrafter:
     """What Medusa decodes with: the heads of a ``launch.train`` Medusa workdir (``runs.medusa``, target
     checked), of a FasterDecoding directory (``medusa_lm_head.safetensors`` / ``.pt`` + config.json:
     ``weights.medusa_format``, width and vocabulary checked), or, with no source, the reference
@@ -141,6 +141,6 @@ FAMILIES = (DrafterFamily(
     methods=(Method("medusa", (), "Medusa-1 heads on the target's last hidden state (trained with "
                     "configs/*_medusa.py, or a FasterDecoding medusa_lm_head directory)", own_weights=True),),
     chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES + ("ddtree:8,3",),
-    max_depth=lambda params: config_of(params.draft["medusa"]).num_heads, export_formats=(runs_medusa.EXPORT_FORMAT,),
+    max_depth=lambda dp: config_of(dp.weights["medusa"]).num_heads, export_formats=(runs_medusa.EXPORT_FORMAT,),
     train_task="confu_jax.train.medusa_task:build_task", configs=("configs/smollm2_medusa.py",),
     tiny_config="configs/tiny_medusa.py"),)

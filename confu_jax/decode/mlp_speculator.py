@@ -51,7 +51,7 @@ from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Prop
                                      last_accepted_hidden)
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DrafterFamily, Method, SourceKind,
                                      own_weights_loader, resolve_source)
-from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.decode.loaded import LoadedDrafter, own_weights
 from confu_jax.runs import mlp_speculator as runs_mlp_speculator
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.mlp_speculator import config_of, input_state, stage_logits, stage_state
@@ -66,10 +66,10 @@ class MLPSpeculatorState:
     hidden_bd: jax.Array  # [B, d] the target's final-normed hidden state at p (the last accepted position)
 
 
-def mlp_speculator_params(params) -> dict:
-    sp = (params.draft or {}).get("mlp_speculator")
+def mlp_speculator_params(dp) -> dict:
+    sp = (dp.weights or {}).get("mlp_speculator")
     if sp is None:
-        raise ValueError("an MLP speculator drafter needs params.draft['mlp_speculator'] (models.mlp_speculator."
+        raise ValueError("an MLP speculator drafter needs drafter_params.weights['mlp_speculator'] (models.mlp_speculator."
                          "init_mlp_speculator, a trained configs/*_mlp_speculator.py workdir, or an imported "
                          "fms / vLLM mlp_speculator directory: decode.families.decode_head)")
     return sp
@@ -87,20 +87,20 @@ class MLPSpeculatorDrafter(PlanDrafter):
     plan: DraftPlan
     what = "an MLP speculator"
 
-    def init(self, spec, params, view: PrefillView) -> MLPSpeculatorState:
+    def init(self, target, dp, view: PrefillView) -> MLPSpeculatorState:
         if view.last_hidden_bd is None:
             raise ValueError("MLPSpeculatorDrafter.init needs PrefillView.last_hidden_bd (the target's last hidden "
                              "state)")
         return MLPSpeculatorState(hidden_bd=view.last_hidden_bd.astype(jnp.float32))
 
-    def propose(self, spec, params, st: MLPSpeculatorState, inp: DraftInput) -> Proposal:
-        sp = mlp_speculator_params(params)
+    def propose(self, target, dp, st: MLPSpeculatorState, inp: DraftInput) -> Proposal:
+        sp = mlp_speculator_params(dp)
         c = config_of(sp)
         depth = self.max_depth
         if depth > c.n_predict:
             raise ValueError(f"plan {self.describe()!r} drafts {depth} deep; this MLP speculator has only "
                              f"{c.n_predict} stages (depth <= n_predict)")
-        vocab = spec.target.vocab_size
+        vocab = target.config.vocab_size
 
         def expand_fn(prev_bkx, fr: tree_lib.Frontier):
             """Stage ``fr.depth`` on each frontier node: its parent's state (the root's parent: s_{-1})
@@ -114,7 +114,7 @@ class MLPSpeculatorDrafter(PlanDrafter):
         tree, q, _ = self.draft(expand_fn, s0, inp)
         return full_proposal(tree, q, st)
 
-    def update(self, spec, params, st: MLPSpeculatorState, v: VerifiedPass) -> MLPSpeculatorState:
+    def update(self, target, dp, st: MLPSpeculatorState, v: VerifiedPass) -> MLPSpeculatorState:
         """h[p'] at the new last accepted position p' = the last accepted node of the pass."""
         return st.replace(hidden_bd=last_accepted_hidden(v, st.hidden_bd, "MLPSpeculatorDrafter"))
 
@@ -123,7 +123,7 @@ class MLPSpeculatorDrafter(PlanDrafter):
 
 
 def load_mlp_speculator(target_cfg, target_params: dict, source=None, seed: int = 0,
-                        target_source: str = "the loaded target", n_predict: int = 3) -> DecodeHead:
+                        target_source: str = "the loaded target", n_predict: int = 3) -> LoadedDrafter:
     """What the MLP speculator decodes with: the stages of a ``launch.train`` MLP speculator workdir
     (``runs.mlp_speculator``, target checked), of a published fms-extras / vLLM directory (config.json with
     model_type ``mlp_speculator`` + model.safetensors: ``weights.mlp_speculator_format``, width and
@@ -166,6 +166,6 @@ FAMILIES = (DrafterFamily(
                     "and the drafted tokens (trained with configs/*_mlp_speculator.py, or an fms / vLLM "
                     "mlp_speculator directory)", own_weights=True),),
     chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES,
-    max_depth=lambda params: config_of(params.draft["mlp_speculator"]).n_predict,
+    max_depth=lambda dp: config_of(dp.weights["mlp_speculator"]).n_predict,
     export_formats=(runs_mlp_speculator.EXPORT_FORMAT,), train_task="confu_jax.train.mlp_speculator_task:build_task",
     configs=("configs/smollm2_mlp_speculator.py",), tiny_config="configs/tiny_mlp_speculator.py"),)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
 from confu_jax.decode.drafting import commit_prompt, draft_cached_tree, prompt_buffer, refill_entries
 from confu_jax.decode.family import DrafterFamily, Method, SourceKind, own_weights_loader, resolve_source
-from confu_jax.decode.heads import DecodeHead, own_weights
+from confu_jax.decode.loaded import LoadedDrafter, own_weights
 from confu_jax.runs import mtp as runs_mtp
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.draft_decode import DraftBlockOutput
@@ -62,10 +62,10 @@ class MTPState:
     ingest_count_b: jax.Array  # [B] int32 pending entries (>= 1)
 
 
-def mtp_params(params) -> dict:
-    m = (params.draft or {}).get("mtp")
+def mtp_params(dp) -> dict:
+    m = (dp.weights or {}).get("mtp")
     if m is None:
-        raise ValueError("an MTP drafter needs params.draft['mtp'] (models.mtp.init_mtp, a trained configs/*_mtp.py "
+        raise ValueError("an MTP drafter needs drafter_params.weights['mtp'] (models.mtp.init_mtp, a trained configs/*_mtp.py "
                          "workdir, or an imported DeepSeek-layout MTP directory: decode.families.decode_head)")
     return m
 
@@ -75,9 +75,9 @@ def parse_mtp_plan(text: str) -> DraftPlan:
     return parse_plan(text, what="MTP module", forms=MTP_FORMS)
 
 
-def _block(spec, params, mtp: dict, tokens_bt, hidden_btd, positions_bt, **kw) -> DraftBlockOutput:
-    out = mtp_block(mtp, spec.target, params.target, tokens_bt, hidden_btd, positions_bt, **kw)
-    return out._replace(logits_btv=to_target_vocab(out.logits_btv, spec.target.vocab_size))
+def _block(target, dp, mtp: dict, tokens_bt, hidden_btd, positions_bt, **kw) -> DraftBlockOutput:
+    out = mtp_block(mtp, target.config, target.params, tokens_bt, hidden_btd, positions_bt, **kw)
+    return out._replace(logits_btv=to_target_vocab(out.logits_btv, target.config.vocab_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,30 +87,30 @@ class MTPDrafter(PlanDrafter):
     plan: DraftPlan
     what = "an MTP module"
 
-    def block_fn(self, spec, params):
-        m = mtp_params(params)
-        check_mtp_params(m, spec.target)
-        return functools.partial(_block, spec, params, m)
+    def block_fn(self, target, dp):
+        m = mtp_params(dp)
+        check_mtp_params(m, target.config)
+        return functools.partial(_block, target, dp, m)
 
-    def init(self, spec, params, view: PrefillView) -> MTPState:
+    def init(self, target, dp, view: PrefillView) -> MTPState:
         if view.hidden_btd is None:
             raise ValueError("MTPDrafter.init needs PrefillView.hidden_btd (the target's hidden states of the prompt)")
-        t = spec.target
+        t = target.config
         b = view.tokens_bt.shape[0]
         cache = init_cache(1, b, view.max_len, t.n_kv_heads, t.head_dim, jnp.dtype(t.dtype))
-        cache = commit_prompt(self.block_fn(spec, params), cache, view, view.hidden_btd)
+        cache = commit_prompt(self.block_fn(target, dp), cache, view, view.hidden_btd)
         tokens, hidden, count = prompt_buffer(view, view.hidden_btd, self.max_depth + 1)
         return MTPState(draft_cache=cache, ingest_tokens_ba=tokens, ingest_hidden_bad=hidden, ingest_count_b=count)
 
-    def propose(self, spec, params, st: MTPState, inp: DraftInput) -> Proposal:
-        t = spec.target
-        tree, q, _, cache = draft_cached_tree(self.plan, self.block_fn(spec, params), st.draft_cache,
+    def propose(self, target, dp, st: MTPState, inp: DraftInput) -> Proposal:
+        t = target.config
+        tree, q, _, cache = draft_cached_tree(self.plan, self.block_fn(target, dp), st.draft_cache,
                                               st.ingest_tokens_ba, st.ingest_hidden_bad, st.ingest_count_b, inp,
                                               n_kv_heads=t.n_kv_heads, head_dim=t.head_dim, d_model=t.d_model,
                                               dtype=t.dtype)
         return full_proposal(tree, q, st.replace(draft_cache=cache))
 
-    def update(self, spec, params, st: MTPState, v: VerifiedPass) -> MTPState:
+    def update(self, target, dp, st: MTPState, v: VerifiedPass) -> MTPState:
         """The buffer <- the accepted path: emitted tokens and the nodes' final-normed hidden states."""
         if v.target.hidden_btd is None:
             raise ValueError("MTPDrafter.update needs VerifyOutput.hidden_btd (models.target.verify)")
@@ -125,7 +125,7 @@ _LAYER_FIELDS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "rop
 
 
 def load_mtp(target_cfg, target_params: dict, source=None, seed: int = 0,
-             target_source: str = "the loaded target") -> DecodeHead:
+             target_source: str = "the loaded target") -> LoadedDrafter:
     """What the MTP module decodes with: the module of a ``launch.train`` MTP workdir (``runs.mtp``, target
     checked), of a DeepSeek-layout directory (config.json with ``num_nextn_predict_layers`` +
     model.safetensors: ``weights.mtp_format``; its layer must be the target's layer shape, and any

@@ -36,11 +36,10 @@ import jax.numpy as jnp
 from confu_jax.decode.drafter import DraftInput, Proposal
 from confu_jax.decode.drafting import HeadDraftState, HeadDrafter, head_block, ingest_entries, load_head_weights
 from confu_jax.decode.family import DEFAULT_CHAINS, DrafterFamily, Method, source_path
-from confu_jax.decode.heads import DecodeHead, check_release
+from confu_jax.decode.loaded import LoadedDrafter, check_release, head_weights
 from confu_jax.decode.plans import DraftPlan, parse_plan
-from confu_jax.decode.spec_params import SpecParams, spec_params
+from confu_jax.decode.params import DrafterParams, Target
 from confu_jax.models import draft as draft_lib
-from confu_jax.models.spec import ModelSpec
 from confu_jax.runs import peagle as runs_peagle
 
 PEAGLE_FORMS = ("chain:K, sampled_chain:K, dynamic:D,K,N, tree:k1,...,kD (top-k_i of slot i, Cartesian) or "
@@ -52,21 +51,22 @@ def parse_peagle_plan(text: str) -> DraftPlan:
     return parse_plan(text, what="P-EAGLE", forms=PEAGLE_FORMS, block=True)
 
 
-def parallel_logits(spec: ModelSpec, params: SpecParams, hs: HeadDraftState, inp: DraftInput, depth: int):
+def parallel_logits(target: Target, dp: DrafterParams, hs: HeadDraftState, inp: DraftInput, depth: int):
     """One P-EAGLE pass -> (draft logits of depths 1..``depth`` [B,D,V_d], the draft cache with the
     ingestion buffer committed)."""
-    head = spec.head
+    head = dp.head
     if head is None or not head.parallel:
         raise ValueError(f"a P-EAGLE drafter needs a parallel-drafting head (variant 'peagle'); got "
                          f"{head.variant if head else 'no head'!r}: decode it with --method eagle3 / confu")
-    block = head_block(spec, params)
-    g_bad = draft_lib.draft_features(spec, params.draft, hs.ingest_h_cat_bac)
+    spec = dp.spec(target.config)
+    block = head_block(target, dp)
+    g_bad = draft_lib.draft_features(spec, dp.weights, hs.ingest_h_cat_bac)
     logits0, _, cache = ingest_entries(block, hs.ingest_tokens_ba, g_bad, hs.ingest_count_b, inp.done_b,
                                        hs.draft_cache)
     if depth == 1:
         return logits0, cache
     b, m = inp.root_b.shape[0], depth - 1
-    g_mask = draft_lib.draft_features(spec, params.draft, params.draft["mask_hidden"][None, None])  # [1,1,d]
+    g_mask = draft_lib.draft_features(spec, dp.weights, dp.weights["mask_hidden"][None, None])  # [1,1,d]
     pos = inp.anchor_b[:, None] + jnp.arange(1, depth, dtype=jnp.int32)[None]  # slot k at p+k
     out = block(jnp.full((b, m), head.mask_token_id, jnp.int32), jnp.broadcast_to(g_mask, (b, m, g_mask.shape[-1])),
                 pos, cache=cache)  # causal among the slots (draft_block's default), the whole cache
@@ -85,10 +85,10 @@ class PEagleDrafter(HeadDrafter):
         if self.min_prob:
             raise ValueError("a P-EAGLE head has no confidence-gated width (@P): its chain comes from one pass")
 
-    def propose(self, spec: ModelSpec, params: SpecParams, hs: HeadDraftState, inp: DraftInput) -> Proposal:
-        logits, cache = parallel_logits(spec, params, hs, inp, self.max_depth)
+    def propose(self, target: Target, dp: DrafterParams, hs: HeadDraftState, inp: DraftInput) -> Proposal:
+        logits, cache = parallel_logits(target, dp, hs, inp, self.max_depth)
         tree, q = self.draft_positional(jax.nn.log_softmax(logits, axis=-1), inp,
-                                        d2t_v=params.draft_vocab["d2t"], target_vocab=spec.target.vocab_size)
+                                        d2t_v=dp.draft_vocab["d2t"], target_vocab=target.config.vocab_size)
         n = jnp.full(inp.root_b.shape, self.n_nodes, jnp.int32)
         return Proposal(tree, q, n, None, None, hs.replace(draft_cache=cache))
 
@@ -97,7 +97,7 @@ class PEagleDrafter(HeadDrafter):
 
 
 def load_peagle(method, target_cfg, target_params, source, *, seed=0, step=None, target_source="the loaded target",
-                target_tokenizer=None) -> DecodeHead:
+                target_tokenizer=None) -> LoadedDrafter:
     """A P-EAGLE head (``DrafterFamily.load``): speculators' ``peagle`` layout (``weights.peagle_format``:
     checked against the target; a trained embedding copy kept), or, as every head, a ``launch.train``
     workdir (``WORKDIR@STEP``), a release, or with no source a random head of variant 'peagle'."""
@@ -120,7 +120,7 @@ def load_peagle(method, target_cfg, target_params, source, *, seed=0, step=None,
     if own is not None:
         trainable["draft"]["embed_tokens"] = own.astype(np.asarray(trainable["draft"]["fc"]["kernel"]).dtype)
     desc = f"{path} (speculators P-EAGLE layout{', its own embedding' if own is not None else ''})"
-    return DecodeHead(spec, spec_params(target_params, trainable, vocab), True, desc)
+    return head_weights(target_cfg, target_params, spec.head, trainable, vocab, True, desc)
 
 
 FAMILIES = (DrafterFamily(

@@ -14,7 +14,7 @@ changes, and it comes from the same table as training (``confu_jax.sharding``, d
 
 The loops take ``mesh`` as a static argument; with one, they pin their carry to these layouts
 (:func:`constrain_tree`) so XLA's propagation cannot pick a different one inside the while loop.
-Placement of inputs is explicit (:func:`place_spec_params`, :func:`place_target`,
+Placement of inputs is explicit (:func:`place_params`, :func:`place_target`,
 :func:`place_request`); outputs come back row-sharded. Sharding changes only summation order
 (partial sums over heads / MLP columns are all-reduced), so greedy output equals the single-device
 output token for token unless the target has a near-tie within float rounding
@@ -87,12 +87,14 @@ def target_shardings(target_params, cfg, mesh: Mesh):
     return shd.tree_shardings(target_params, mesh, shd.PARAM_RULES, axis_units=_units(cfg))
 
 
-def spec_params_shardings(params, spec, mesh: Mesh):
-    """NamedShardings of a ``SpecParams`` (target + draft head + ConFu extras + draft-vocab maps).
+def params_shardings(target, dp, mesh: Mesh) -> tuple:
+    """NamedShardings of the loop's ``(Target, DrafterParams)`` (target + drafter weights + ConFu
+    extras + draft-vocab maps).
 
-    The head's paths ('draft/lm_head/kernel', 'confu/soft_prompt_k_lphd', ...) hit the same
-    PARAM_RULES as in training; the vocab maps match no rule and are replicated."""
-    return shd.tree_shardings(params, mesh, shd.PARAM_RULES, axis_units=_units(spec.target))
+    The drafter's paths ('weights/lm_head/kernel', 'confu/soft_prompt_k_lphd', ...) hit the same
+    PARAM_RULES as in training (rules match a path's tail); the vocab maps match no rule and are
+    replicated."""
+    return shd.tree_shardings((target, dp), mesh, shd.PARAM_RULES, axis_units=_units(target.config))
 
 
 def place_target(target_params, cfg, mesh: Mesh):
@@ -100,9 +102,10 @@ def place_target(target_params, cfg, mesh: Mesh):
     return jax.device_put(target_params, target_shardings(target_params, cfg, mesh))
 
 
-def place_spec_params(params, spec, mesh: Mesh):
-    """A ``SpecParams`` on ``mesh`` by :func:`spec_params_shardings`."""
-    return jax.device_put(params, spec_params_shardings(params, spec, mesh))
+def place_params(target, dp, mesh: Mesh) -> tuple:
+    """The loop's ``(Target, DrafterParams)`` on ``mesh`` by :func:`params_shardings` (a no-op for
+    leaves already laid out so)."""
+    return jax.device_put((target, dp), params_shardings(target, dp, mesh))
 
 
 def request_shardings(args: Sequence, mesh: Mesh) -> tuple:
@@ -215,18 +218,18 @@ def explain_fallbacks(tree, spec_or_cfg, mesh: Mesh) -> list:
 # ----------------------------------------------------------------------------- shape-only lowering
 
 
-def abstract_spec_params(spec, mesh: Mesh, draft_vocab_size: Optional[int] = None):
-    """ShapeDtypeStructs (with shardings) of a ``SpecParams`` for ``spec``: target, head and vocab
-    maps without allocating, so an 8B loop can be lowered on any machine (``jax.eval_shape``)."""
+def abstract_params(spec, mesh: Mesh, draft_vocab_size: Optional[int] = None) -> tuple:
+    """ShapeDtypeStructs (with shardings) of the loop's ``(Target, DrafterParams)`` for a head's
+    ``spec`` (a ``models.spec.ModelSpec``): target, head and vocab maps without allocating, so an 8B
+    loop can be lowered on any machine (``jax.eval_shape``)."""
     import jax.numpy as jnp
 
-    from confu_jax.decode.spec_params import SpecParams
+    from confu_jax.decode.params import DrafterParams, Target
     from confu_jax.models.llama import param_shapes
     from confu_jax.models.params import trainable_shapes
 
     v, vd = spec.target.vocab_size, draft_vocab_size or spec.head.draft_vocab_size
-    tr = trainable_shapes(spec)
-    params = SpecParams(target=param_shapes(spec.target), draft=tr["draft"], confu=tr.get("confu", {}),
-                        draft_vocab={"d2t": jax.ShapeDtypeStruct((vd,), jnp.int32),
-                                     "t2d": jax.ShapeDtypeStruct((v,), jnp.bool_)})
-    return shd.with_shardings(params, spec_params_shardings(params, spec, mesh))
+    vocab = {"d2t": jax.ShapeDtypeStruct((vd,), jnp.int32), "t2d": jax.ShapeDtypeStruct((v,), jnp.bool_)}
+    target = Target(spec.target, param_shapes(spec.target))
+    dp = DrafterParams.for_head(spec.head, trainable_shapes(spec), vocab)
+    return shd.with_shardings((target, dp), params_shardings(target, dp, mesh))

@@ -34,7 +34,7 @@ newly accepted positions, ``block_hidden`` runs the block against the cache. The
 many blocks of one row at once with the same function (``masked_attention``: each query block sees
 the context slots before its anchor, within its conversation, and its own block).
 
-Parameters (``SpecParams.draft['dflash']``; kernels [in, out] as flax, torch ``Linear.weight`` is
+Parameters (``DrafterParams.weights['dflash']``; kernels [in, out] as flax, torch ``Linear.weight`` is
 [out, in]; layers stacked on a leading axis)::
 
     {'fc': {'kernel': [m*d, d]}, 'hidden_norm': {'scale': [d]}, 'norm': {'scale': [d]},

@@ -19,7 +19,7 @@ context K/V, Qwen3 layers, final norm, the target's LM head), but the block is r
 * **Confidence head** (``confidence``): conf_k = σ(proj([h_k; e_k])) (or proj(h_k) without the Markov
   embedding): slot k's predicted acceptance probability; their running product is the draft's survival.
 
-Parameters (``params.draft['dspark']``): the DFlash tree (``models.dflash``) plus ``markov`` {``w1``, ``w2``},
+Parameters (``DrafterParams.weights['dspark']``): the DFlash tree (``models.dflash``) plus ``markov`` {``w1``, ``w2``},
 optionally ``markov_gate`` {``kernel`` [d+r, r], ``bias`` [r]} or ``markov_rnn`` {``kernel`` [2r+d, 3r],
 ``bias`` [3r]}, optionally ``confidence`` {``kernel`` [d(+r), 1], ``bias`` [1]}; in a decode tree also
 ``mask_token_id`` and, trained, ``block_size`` (int32 scalars).

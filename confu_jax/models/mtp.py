@@ -24,7 +24,7 @@ and the published checkpoints' ``eh_proj`` is laid out so — we follow them. vL
 embedding at position 0 (``inputs_embeds[positions == 0] = 0``); SGLang and the report do not, and
 neither do we (it changes only the one entry at position 0).
 
-Parameters (``SpecParams.draft['mtp']``; kernels [in, out] as flax, torch ``Linear.weight`` is
+Parameters (``DrafterParams.weights['mtp']``; kernels [in, out] as flax, torch ``Linear.weight`` is
 [out, in])::
 
     {'enorm': {'scale': [d]}, 'hnorm': {'scale': [d]},

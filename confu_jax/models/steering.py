@@ -12,7 +12,7 @@ before the gate product). Initialisation (the paper's): W_hml such that g = h + 
 stacked identities), W_s^l = 0 — an untrained steered drafter computes exactly the unsteered one.
 
 Parameters (``{'w_hml': {'kernel': [3d, d]}, 'w_s': {'kernel': [L_d, d, F_d]}}``) live next to the
-draft model's in ``SpecParams.draft['steering']`` (decode) and in the trainable tree (training,
+draft model's in ``DrafterParams.weights['steering']`` (decode) and in the trainable tree (training,
 ``train.sd2_task``). Decoding holds g fixed for a whole drafting round: it is computed from h_cat
 at the last accepted node of the previous verification (the position whose logits gave the bonus
 token), so the round's depth-i draft reads a steering vector i+1 positions old; training draws

@@ -1,6 +1,6 @@
 """Draft models for decoding and SD² training: where they come from, and whether they fit the target.
 
-Shared by ``decode`` (``decode.heads``: the drafter a method decodes with) and ``train``
+Shared by ``decode`` (``decode.loaded``: the drafter a method decodes with) and ``train``
 (``train.sd2_task``: the pretrained drafter SD² fine-tunes), which do not import each other
 (docs/DESIGN.md §2). A **draft source** is
 

@@ -6,7 +6,7 @@ layout** (``config.json`` + ``model.safetensors``, bf16: what SGLang / SpecForge
 format, name, sha256 and bytes of every file, the data release it was trained on (its manifest's
 sha256 and totals), the training run (steps, tokens seen, command, commit), the target's
 fingerprint and the τ it measured (held-out decode τ, MT-Bench τ). ``verify_head_release`` checks
-the hashes; ``decode.heads`` calls it before loading any folder that holds such a manifest.
+the hashes; ``decode.loaded`` calls it before loading any folder that holds such a manifest.
 
 A release is replaced only when it improves: ``better_than_released`` wants a τ gain of at least
 ``MIN_TAU_GAIN`` (0.05) on the same metric.

@@ -86,8 +86,8 @@ def test_the_default_plan_fits_a_depth_bounded_family():
     from confu_jax.models.medusa import init_medusa
     from confu_jax.models.mlp_speculator import MLPSpeculatorConfig, init_mlp_speculator
 
-    assert FAMILIES["head"].default_plan(SimpleNamespace(draft={})) == "chain:4"  # a head drafts at any depth
+    assert FAMILIES["head"].default_plan(SimpleNamespace(weights={})) == "chain:4"  # a head drafts at any depth
     medusa = init_medusa(jax.random.PRNGKey(0), 2, 1, jnp.zeros((40, 16)), 0)
-    assert FAMILIES["medusa"].default_plan(SimpleNamespace(draft={"medusa": medusa})) == "chain:2"
+    assert FAMILIES["medusa"].default_plan(SimpleNamespace(weights={"medusa": medusa})) == "chain:2"
     spec = init_mlp_speculator(jax.random.PRNGKey(0), MLPSpeculatorConfig(3, 16, 16, 40))
-    assert FAMILIES["mlp_speculator"].default_plan(SimpleNamespace(draft={"mlp_speculator": spec})) == "chain:3"
+    assert FAMILIES["mlp_speculator"].default_plan(SimpleNamespace(weights={"mlp_speculator": spec})) == "chain:3"

@@ -105,7 +105,7 @@ def _reference_blocks(model, input_ids, h_cat, anchors, monkeypatch):
 
 
 def _ours(head, tp, tokens, h_cat, anchors):
-    p = head.params.draft["dspark"]
+    p = head.drafter_params.weights["dspark"]
     spec = head.spec
     h = draft_blocks(D.backbone(p), spec.draft_model, spec.target, tp, jnp.asarray(h_cat), jnp.asarray(tokens),
                      jnp.asarray([anchors]), MASK, BLOCK)
@@ -134,8 +134,8 @@ def test_speculators_dspark_imports_to_its_block_logits(tmp_path, monkeypatch, k
     model = _reference(cfg, tp, kind)
     model.save_pretrained(str(tmp_path))
     head = decode_head("dspark", cfg, tp, str(tmp_path))
-    assert head.trained and head.spec.taps == TAPS and int(head.params.draft["dspark"]["block_size"]) == BLOCK
-    assert D.head_type(head.params.draft["dspark"]) == kind and D.markov_rank(head.params.draft["dspark"]) == RANK
+    assert head.trained and head.spec.taps == TAPS and int(head.drafter_params.weights["dspark"]["block_size"]) == BLOCK
+    assert D.head_type(head.drafter_params.weights["dspark"]) == kind and D.markov_rank(head.drafter_params.weights["dspark"]) == RANK
     _compare(head, tp, model, monkeypatch)
 
 
@@ -148,7 +148,7 @@ def test_our_export_loads_in_speculators_and_back(tmp_path, monkeypatch):
     ref = _reference(cfg, tp, "gated", seed=3)
     ref.save_pretrained(str(tmp_path / "ref"))
     head = decode_head("dspark", cfg, tp, str(tmp_path / "ref"))
-    p = head.params.draft["dspark"]
+    p = head.drafter_params.weights["dspark"]
     save_hf(cfg, tp, str(tmp_path / "target"))  # the verifier speculators reads: a local directory
     out = save_dspark_dir(str(tmp_path / "ours"), {k: v for k, v in p.items() if k not in ("mask_token_id", "block_size")},
                           head.spec.draft_model, taps=head.spec.taps, mask_token_id=MASK, block_size=BLOCK,
@@ -164,7 +164,7 @@ def test_our_export_loads_in_speculators_and_back(tmp_path, monkeypatch):
     _verifier_weights(back, cfg, tp)
     _compare(head, tp, back, monkeypatch, seed=1)
     again = decode_head("dspark", cfg, tp, out)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, again.params.draft, head.params.draft)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, again.drafter_params.weights, head.drafter_params.weights)
 
 
 def test_unread_settings_are_refused(tmp_path):

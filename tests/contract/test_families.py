@@ -98,8 +98,8 @@ def test_what_a_family_loads_without_a_source_drafts_its_default_plan(family):
     rec = families.FAMILIES[family]
     method = _a_method(family)
     head = families.decode_head(method, cfg, tp, None)
-    drafter = rec.parse(rec.default_plan(head.params))
-    limit = rec.max_depth(head.params) if rec.max_depth else None
+    drafter = rec.parse(rec.default_plan(head.drafter_params))
+    limit = rec.max_depth(head.drafter_params) if rec.max_depth else None
     assert limit is None or drafter.max_depth <= limit
     if not rec.reads_step:
         with pytest.raises(ValueError, match="checkpoint step"):

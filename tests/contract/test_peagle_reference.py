@@ -124,13 +124,13 @@ def _ours(head, x, h_cat, a):
     """Our one-pass draft at anchor p = a: entries 0..a-1 committed, entry a pending (its token
     x[a+1] is the root) -> [DEPTH, V_draft]."""
     drafter = parse_drafter("peagle", f"chain:{DEPTH}")
-    spec, params = head.spec, head.params
+    target, dp = head.target, head.drafter_params
     view = PrefillView(jnp.asarray(x[:, :a + 1]), jnp.array([a + 1]), jnp.asarray(x[:, a + 1]),
                        jnp.asarray(h_cat[:, :a + 1]), None, 64)
-    st = drafter.init(spec, params, view)
+    st = drafter.init(target, dp, view)
     inp = DraftInput(jnp.asarray(x[:, a + 1]), jnp.array([a]), jnp.zeros((1,), bool), jax.random.PRNGKey(0),
                      jnp.float32(0.0), jnp.float32(1.0))
-    logits, _ = parallel_logits(spec, params, st, inp, DEPTH)
+    logits, _ = parallel_logits(target, dp, st, inp, DEPTH)
     return np.asarray(logits[0])
 
 
@@ -158,7 +158,7 @@ def test_speculators_peagle_imports_to_its_rollout_logits(tmp_path, monkeypatch,
     head = decode_head("peagle", cfg, tp, str(tmp_path))
     assert head.trained and head.spec.head.variant == "peagle" and head.spec.head.mask_token_id == MASK
     assert head.spec.taps == (1, 4, 6) and head.spec.head.fc_norm
-    assert ("embed_tokens" in head.params.draft) == own_embed and ("own embedding" in head.source) == own_embed
+    assert ("embed_tokens" in head.drafter_params.weights) == own_embed and ("own embedding" in head.source) == own_embed
     _compare(head, model, monkeypatch)
 
 
@@ -174,8 +174,9 @@ def test_our_export_loads_in_speculators_and_back(tmp_path, monkeypatch):
     from confu_jax.weights import save_hf
 
     save_hf(cfg, tp, str(tmp_path / "target"))  # the verifier speculators reads: a local directory, never the hub
-    out = export_peagle(str(tmp_path / "ours"), head.spec, head.params.draft, head.params.draft_vocab["d2t"],
-                        head.params.draft_vocab["t2d"], embed=embed, depth=DEPTH, verifier=str(tmp_path / "target"))
+    out = export_peagle(str(tmp_path / "ours"), head.spec, head.drafter_params.weights,
+                        head.drafter_params.draft_vocab["d2t"],
+                        head.drafter_params.draft_vocab["t2d"], embed=embed, depth=DEPTH, verifier=str(tmp_path / "target"))
     with open(os.path.join(out, "config.json")) as f:
         c = json.load(f)
     assert (c["speculators_model_type"], c["mask_token_id"], c["speculators_config"]["algorithm"]) == (
@@ -184,11 +185,12 @@ def test_our_export_loads_in_speculators_and_back(tmp_path, monkeypatch):
     config = PEagleSpeculatorConfig.from_pretrained(out)
     config.transformer_layer_config._attn_implementation = "eager"
     back = PEagleDraftModel.from_pretrained(out, config=config).eval()
-    np.testing.assert_array_equal(back.mask_hidden.detach().numpy().reshape(-1), head.params.draft["mask_hidden"])
+    np.testing.assert_array_equal(back.mask_hidden.detach().numpy().reshape(-1),
+                                  head.drafter_params.weights["mask_hidden"])
     _compare(head, back, monkeypatch, seed=1)
     again = decode_head("peagle", cfg, tp, out)
     assert again.spec.head == head.spec.head
-    jax.tree_util.tree_map(np.testing.assert_array_equal, again.params.draft, head.params.draft)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, again.drafter_params.weights, head.drafter_params.weights)
 
 
 def test_the_training_forward_is_the_references_cod_forward(tmp_path, monkeypatch):
@@ -211,7 +213,7 @@ def test_the_training_forward_is_the_references_cod_forward(tmp_path, monkeypatc
     assert obj.kept(3) == (3, 2, 2) and depth.tolist() == [1, 1, 1, 2, 2, 3, 3]  # nested: ranks 0, 1 go deepest
     anchor_k = np.array([7, 2, 9], np.int32)  # the rollouts by rank
     anchor_bm = anchor_k[rank][None]
-    ours = np.asarray(cod_forward(head.spec, head.params.draft, jnp.asarray(embed), jnp.asarray(tokens),
+    ours = np.asarray(cod_forward(head.spec, head.drafter_params.weights, jnp.asarray(embed), jnp.asarray(tokens),
                                   jnp.asarray(h_cat), jnp.asarray(anchor_bm), jnp.asarray(rank), jnp.asarray(depth)))[0]
     input_ids = np.concatenate([tokens[:, 1:], np.zeros((1, 1), np.int32)], 1)  # speculators' j reads x[j+1]
     ref = _reference_forward(model, input_ids, h_cat, [*range(n), *anchor_bm[0].tolist()], [0] * n + depth.tolist(),
@@ -225,7 +227,7 @@ def test_bad_peagle_directories_are_refused(tmp_path):
     d2t, t2d = _draft_vocab(cfg.vocab_size, DRAFT_VOCAB)
     head = decode_head("peagle", cfg, tp, None)
     spec = ModelSpec(cfg, dataclasses.replace(head.spec.head, draft_vocab_size=DRAFT_VOCAB))
-    draft = jax.tree_util.tree_map(np.asarray, dict(head.params.draft))
+    draft = jax.tree_util.tree_map(np.asarray, dict(head.drafter_params.weights))
     draft["lm_head"] = {"kernel": draft["lm_head"]["kernel"][:, :DRAFT_VOCAB]}
     out = export_peagle(str(tmp_path / "h"), spec, draft, d2t, t2d, embed=embed)
     path = os.path.join(out, "config.json")

@@ -7,7 +7,6 @@ target often rejects, which exercises rejection as much as acceptance). DFlash i
 five target taps, the layout of the published Qwen3 DFlash drafters.
 """
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -66,12 +65,12 @@ def test_five_tap_dflash(target):
     head = decode_head("dflash", cfg, tp, None, seed=2)
     taps = D.default_taps(cfg.n_layers, 5)
     assert len(set(taps)) == 5
-    spec = dataclasses.replace(head.spec, tap_layers=taps)
     import jax
 
-    p = jax.device_get(D.init_dflash(jax.random.PRNGKey(3), spec.draft_model, 5, init_std=0.3))
-    draft = {"dflash": {**p, "mask_token_id": head.params.draft["dflash"]["mask_token_id"]}}
-    params = dataclasses.replace(head.params, draft=draft)
-    out = loop.generate_from_spec(spec, params, parse_drafter("dflash", "chain:3"), PROMPTS,
+    dp = head.drafter_params
+    p = jax.device_get(D.init_dflash(jax.random.PRNGKey(3), dp.draft_model, 5, init_std=0.3))
+    draft = {"dflash": {**p, "mask_token_id": dp.weights["dflash"]["mask_token_id"]}}
+    dp = dp.replace(weights=draft, tap_layers=taps)
+    out = loop.generate_speculative(head.target, parse_drafter("dflash", "chain:3"), dp, PROMPTS,
                                     max_new_tokens=N_NEW, eos_ids=())
     assert _rows(out) == ar

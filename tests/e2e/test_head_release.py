@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from configs.tiny import get_config
+from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.runs import head_release as hr
 from confu_jax.train.loop import train
 from tests.helpers.xla_env import SINGLE_DEVICE
@@ -72,7 +73,7 @@ def test_decoding_loads_a_verified_release(released):
     assert dh.trained and "(eagle3 format)" in dh.source
     prompts = [[3, 5, 7, 2, 9], [4, 4, 1]]
     ar = generate_ar(target, spec.target, prompts, max_new_tokens=10, eos_ids=())
-    sp = generate_speculative(dh.target, parse_plan("chain:2"), dh.drafter_params, prompts,
+    sp = generate_speculative(dh.target, HeadDrafter(parse_plan("chain:2")), dh.drafter_params, prompts,
                               max_new_tokens=10, eos_ids=())
     for b in range(2):
         assert np.asarray(sp.tokens_bn)[b].tolist() == np.asarray(ar.tokens_bn)[b].tolist()
@@ -237,7 +238,7 @@ def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_pa
     assert dh.trained
     prompts = [[3, 5, 7, 2, 9], [4, 4, 1]]
     ar = generate_ar(target, spec.target, prompts, max_new_tokens=10, eos_ids=())
-    sp = generate_speculative(dh.target, parse_plan("chain:2"), dh.drafter_params, prompts,
+    sp = generate_speculative(dh.target, HeadDrafter(parse_plan("chain:2")), dh.drafter_params, prompts,
                               max_new_tokens=10, eos_ids=())
     for b in range(2):
         assert np.asarray(sp.tokens_bn)[b].tolist() == np.asarray(ar.tokens_bn)[b].tolist()

@@ -300,12 +300,12 @@ def test_a_new_program_runs_once_untimed_before_it_is_returned():
     programs = spec_bench._Programs()
     params = {"w": jnp.float32(2.0)}
     x3, x4 = jnp.arange(3.0), jnp.arange(4.0)
-    fn = programs.get(jitted, params, (x3,), {"scale": 3})
+    fn = programs.get(jitted, (params,), (x3,), {"scale": 3})
     assert len(runs) == 1 and programs.compile_s > 0  # compiled, then run once
-    assert programs.get(jitted, params, (x3,), {"scale": 3}) is fn and len(runs) == 1  # cached: not run again
+    assert programs.get(jitted, (params,), (x3,), {"scale": 3}) is fn and len(runs) == 1  # cached: not run again
     assert jnp.array_equal(fn(params, x3), jitted(params, x3, scale=3)) and len(runs) == 3  # timed calls: 2
-    programs.get(jitted, params, (x4,), {"scale": 3})  # another shape: another program, warmed
-    programs.get(jitted, params, (x3,), {"scale": 5})  # another static argument: likewise
+    programs.get(jitted, (params,), (x4,), {"scale": 3})  # another shape: another program, warmed
+    programs.get(jitted, (params,), (x3,), {"scale": 5})  # another static argument: likewise
     assert len(runs) == 5 and len(programs.cache) == 3
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 
+from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.data.draft_vocab import build_draft_vocab, count_answer_tokens
 from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.models.llama import Llama
@@ -88,13 +89,14 @@ def test_training_lowers_loss_and_raises_acceptance(variant):
 
     # The briefly trained head in the real decode loop: lossless (== AR greedy) and it accepts.
     from confu_jax.decode import loop
-    from confu_jax.decode import spec_params as spec_params_lib
+    from confu_jax.decode.loaded import head_weights
     from confu_jax.decode import plans
     from confu_jax.decode.generate import generate_ar
 
     prompts = [list(map(int, r[:PROMPT])) for r in np.asarray(held_out["tokens"])[:4]]
-    params = spec_params_lib.spec_params(target, trainable, draft_vocab)
-    sp = loop.generate_from_spec(spec, params, plans.parse_plan("dynamic:3,2,6"), prompts,
+    params = head_weights(spec.target, target, spec.head, trainable, draft_vocab, True, "trained")
+    sp = loop.generate_speculative(params.target, HeadDrafter(plans.parse_plan("dynamic:3,2,6")),
+                                   params.drafter_params, prompts,
                                    max_new_tokens=N - PROMPT, eos_ids=())
     ar = generate_ar(target, spec.target, prompts, max_new_tokens=N - PROMPT, eos_ids=())
     assert np.array_equal(np.asarray(sp.tokens_bn), np.asarray(ar.tokens_bn))

@@ -78,9 +78,10 @@ def served(tmp_path_factory):
     from confu_jax.weights.medusa_format import save_medusa_dir
 
     medusa = load_medusa(cfg, weights)
-    save_medusa_dir(str(d / "medusa"), medusa.params.draft["medusa"], base_model_name_or_path=str(d / "smollm2"))
+    save_medusa_dir(str(d / "medusa"), medusa.drafter_params.weights["medusa"],
+                    base_model_name_or_path=str(d / "smollm2"))
     dflash = load_dflash(cfg, weights)
-    draft = dict(dflash.params.draft["dflash"])
+    draft = dict(dflash.drafter_params.weights["dflash"])
     mask = int(draft.pop("mask_token_id"))
     save_dflash_dir(str(d / "dflash"), draft, dflash.spec.draft_model, taps=dflash.spec.tap_layers,
                     mask_token_id=mask, block_size=DEPTH + 1, num_target_layers=cfg.n_layers)
@@ -90,8 +91,9 @@ def served(tmp_path_factory):
 
     peagle = decode_head("peagle", cfg, weights)  # a random P-EAGLE head
     assert peagle.spec.head.parallel and peagle.spec.head.mask_token_id is not None
-    export_peagle(str(d / "peagle"), peagle.spec, peagle.params.draft, peagle.params.draft_vocab["d2t"],
-                  peagle.params.draft_vocab["t2d"], embed=np.asarray(embedding_table(weights)),
+    export_peagle(str(d / "peagle"), peagle.spec, peagle.drafter_params.weights,
+                  peagle.drafter_params.draft_vocab["d2t"],
+                  peagle.drafter_params.draft_vocab["t2d"], embed=np.asarray(embedding_table(weights)),
                   verifier=str(d / "smollm2"), depth=DEPTH)
     assert set(EXPORT_FORMATS) >= {"eagle3", "speculators", "medusa", "dflash", "peagle"}
     ar = run_vllm(d, "ar", d / "smollm2", d / "prompts.json")

@@ -24,7 +24,8 @@ def assert_sampling_is_lossless(spec, target_params, params, drafter, *, prompt=
     joint = exact_joint(spec, target_params, prompt, temperature, top_p)
     samples = []
     for r in range(reps):
-        res = loop.generate_from_spec(spec, params, drafter, [prompt] * n_per, max_new_tokens=3, eos_ids=(),
+        res = loop.generate_speculative(params.target, drafter, params.drafter_params, [prompt] * n_per,
+                                        max_new_tokens=3, eos_ids=(),
                                         temperature=temperature, top_p=top_p, seed=seed + r, min_bucket=8)
         assert np.all(np.asarray(res.n_generated_b) == 3)
         samples.append(np.asarray(res.tokens_bn)[:, :3])
@@ -33,10 +34,11 @@ def assert_sampling_is_lossless(spec, target_params, params, drafter, *, prompt=
     assert p > 1e-3, p
 
 
-def assert_sharded_equals_single_device(spec, params, drafter, prompts, *, mesh: str = "data=2,tensor=2",
+def assert_sharded_equals_single_device(target, drafter_params, drafter, prompts, *, mesh: str = "data=2,tensor=2",
                                         max_new_tokens: int = 16, same_accepts: bool = True):
-    single = loop.generate_from_spec(spec, params, drafter, prompts, max_new_tokens=max_new_tokens, eos_ids=())
-    out = loop.generate_from_spec(spec, params, drafter, prompts, max_new_tokens=max_new_tokens, eos_ids=(),
+    single = loop.generate_speculative(target, drafter, drafter_params, prompts, max_new_tokens=max_new_tokens,
+                                       eos_ids=())
+    out = loop.generate_speculative(target, drafter, drafter_params, prompts, max_new_tokens=max_new_tokens, eos_ids=(),
                                     mesh=sharded.parse_mesh(mesh))
     assert generated_rows(out, len(prompts)) == generated_rows(single, len(prompts))
     if same_accepts:

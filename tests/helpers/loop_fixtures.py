@@ -8,7 +8,8 @@ import numpy as np
 from scipy import stats
 
 from confu_jax.decode import loop
-from confu_jax.decode import spec_params as spec_params_lib
+from confu_jax.decode.loaded import LoadedDrafter, head_weights
+from confu_jax.decode.params import DrafterParams, Target
 from confu_jax.decode.sampling import target_probs
 from confu_jax.models.llama import Llama
 from confu_jax.models.presets import get_preset
@@ -25,7 +26,20 @@ def make(variant, vocab, seed=0, head_kw=None, **target_kw):
                       expert_top_k=2, init_std=0.2, soft_prompt_init_std=1.0, **(head_kw or {}))
     spec = ModelSpec(target, head)
     tp, tr = tiny_params(spec, seed)
-    return spec, tp, spec_params_lib.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
+    return spec, tp, head_weights(target, tp, head, tr, identity_draft_vocab(vocab, vocab), False, "test")
+
+
+def own(spec, tp, weights: dict, **kw) -> LoadedDrafter:
+    """A family's own ``weights`` ({family: tree}) beside the tiny target ``tp``: the loop's two trees with
+    ``spec``'s draft model and taps (``kw``: other ``DrafterParams`` fields)."""
+    dp = DrafterParams(weights=weights, draft_vocab={}, draft_model=spec.draft_model, tap_layers=spec.tap_layers, **kw)
+    return LoadedDrafter(Target(spec.target, tp), dp, False, "test")
+
+
+def with_weights(loaded: LoadedDrafter, **weights) -> LoadedDrafter:
+    """``loaded`` with entries of its drafter's weight tree replaced (or added)."""
+    dp = loaded.drafter_params
+    return loaded._replace(drafter_params=dp.replace(weights={**dp.weights, **weights}))
 
 
 def prompts_for(vocab):
@@ -34,10 +48,10 @@ def prompts_for(vocab):
 
 # The loop's pieces under jit, for tests that step it by hand (the loop-vs-training and gate tests):
 # run eagerly, each of their ~1000 primitives is an XLA compile of its own (~40 ms apiece on 2 cores).
-jit_prefill = jax.jit(loop._prefill, static_argnums=(0, 2), static_argnames=("max_new_tokens", "max_len"))
-jit_iteration = jax.jit(loop.iteration, static_argnums=(0, 2, 3), static_argnames=("max_new_tokens", "max_len"))
-jit_propose = jax.jit(lambda drafter, spec, params, state, inp: drafter.propose(spec, params, state, inp),
-                      static_argnums=(0, 1))
+jit_prefill = jax.jit(loop._prefill, static_argnums=(2,), static_argnames=("max_new_tokens", "max_len"))
+jit_iteration = jax.jit(loop.iteration, static_argnums=(2, 3), static_argnames=("max_new_tokens", "max_len"))
+jit_propose = jax.jit(lambda drafter, target, dp, state, inp: drafter.propose(target, dp, state, inp),
+                      static_argnums=(0,))
 
 
 def generated_rows(result, n_rows):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode import loop, plans
 from confu_jax.train import loss as L
 from confu_jax.train.acceptance import decode_path_acceptance_length, simulated_acceptance_length
@@ -77,10 +78,11 @@ def test_decode_tau_metric_equals_the_loops_tau_on_its_own_greedy_text(vocab, se
     # training metric computed on it must equal tokens per pass of the loop, for every chain depth.
     spec, tp, params = make("eagle3", vocab, seed=seed)
     prompt = [t % vocab for t in [2, 0, 3, 1, 1, 2, 0, 3]]
-    trainable = {"draft": params.draft, "confu": params.confu}
+    trainable = {"draft": params.drafter_params.weights, "confu": params.drafter_params.confu}
     n_new, r_steps = 40, 3
     for depth in (1, 2, 3):
-        res = loop.generate_from_spec(spec, params, plans.parse_plan(f"chain:{depth}"), [prompt],
+        res = loop.generate_speculative(params.target, HeadDrafter(plans.parse_plan(f"chain:{depth}")),
+                                        params.drafter_params, [prompt],
                                         max_new_tokens=n_new, eos_ids=())
         out = np.asarray(res.tokens_bn)[0, : int(res.n_generated_b[0])].tolist()
         passes = int(res.n_passes_b[0])
@@ -94,5 +96,6 @@ def test_decode_tau_metric_equals_the_loops_tau_on_its_own_greedy_text(vocab, se
                  "loss_mask": jnp.asarray([[i >= len(prompt) for i in range(len(seq))]]),
                  "attention_mask": jnp.ones((1, len(seq)), bool)}
         cfg = L.ObjectiveConfig(ttt_steps=r_steps, k_train=L.ALL_POSITIONS, replication=0, max_lag=1)
-        _, metrics = L.confu_loss(spec, trainable, tp, params.draft_vocab, batch, jax.random.PRNGKey(0), cfg)
+        _, metrics = L.confu_loss(spec, trainable, tp, params.drafter_params.draft_vocab, batch,
+                                  jax.random.PRNGKey(0), cfg)
         assert float(metrics[f"decode_tau/chain{depth}"]) == pytest.approx(loop_tau, abs=1e-6)

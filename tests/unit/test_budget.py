@@ -42,7 +42,7 @@ def test_choice_depends_on_the_device_timings():
 
 @pytest.mark.slow
 def test_auto_plan_on_tiny_model():
-    from confu_jax.decode import spec_params as spec_params_lib
+    from confu_jax.decode.loaded import head_weights
     from confu_jax.models.vocab_map import identity_draft_vocab
     from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import HeadConfig, ModelSpec
@@ -52,17 +52,18 @@ def test_auto_plan_on_tiny_model():
     spec = ModelSpec(get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=()),
                      HeadConfig(variant="eagle3", draft_vocab_size=vocab, init_std=0.2))
     tp, tr = tiny_params(spec, 0)
-    params = spec_params_lib.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
+    h = head_weights(spec.target, tp, spec.head, tr, identity_draft_vocab(vocab, vocab), False, "test")
+    target, dp = h.target, h.drafter_params
     prompts = [[1, 2, 3, 0, 1], [3, 3, 2]]
     seen = []
-    best, cands = budget.auto_plan(spec, params, prompts, chains=("chain:1", "chain:3"), trees=(),
+    best, cands = budget.auto_plan(target, dp, prompts, chains=("chain:1", "chain:3"), trees=(),
                                    max_new_tokens=24, log=seen.append)
     assert [c.plan for c in cands] == ["ar", "chain:1", "chain:3"] and len(seen) == 3
     assert cands[0].expected_tau == 1.0 and cands[0].pass_s > 0  # plain AR competes (tau 1 by definition)
     assert best.tokens_per_s == max(c.tokens_per_s for c in cands)
     assert all(c.pass_s > 0 and 1.0 <= c.expected_tau <= budget.plan_nodes(c.plan) for c in cands)
     # E[tau] is the measured tau: every accepted count within [0, k], bonus adds 1
-    tau3, accepted, pass_s = budget.measure_plan(spec, params, "chain:3", prompts, max_new_tokens=24)
+    tau3, accepted, pass_s = budget.measure_plan(target, dp, "chain:3", prompts, max_new_tokens=24)
     assert cands[1].expected_tau == pytest.approx(tau3) == pytest.approx(1 + accepted.mean())
     assert accepted.min() >= 0 and accepted.max() <= 3 and pass_s > 0
     # the chain:1 estimate from chain:3's accepted counts is within [1, 2]
@@ -73,7 +74,7 @@ def test_auto_plan_on_tiny_model():
 def test_interleaved_calibration_measures_the_same_plans(monkeypatch):
     """interleave: the candidates decode the prompts in turn (prompt by prompt, the first rotating),
     with the same τ as one candidate after another; only the order of the timed calls changes."""
-    from confu_jax.decode import spec_params as spec_params_lib
+    from confu_jax.decode.loaded import head_weights
     from confu_jax.models.vocab_map import identity_draft_vocab
     from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import HeadConfig, ModelSpec
@@ -83,7 +84,8 @@ def test_interleaved_calibration_measures_the_same_plans(monkeypatch):
     spec = ModelSpec(get_preset("tiny").replace(vocab_size=vocab, eos_token_ids=()),
                      HeadConfig(variant="eagle3", draft_vocab_size=vocab, init_std=0.2))
     tp, tr = tiny_params(spec, 0)
-    params = spec_params_lib.spec_params(tp, tr, identity_draft_vocab(vocab, vocab))
+    h = head_weights(spec.target, tp, spec.head, tr, identity_draft_vocab(vocab, vocab), False, "test")
+    target, dp = h.target, h.drafter_params
     prompts = [[1, 2, 3, 0, 1], [3, 3, 2], [2, 1]]
     order = []
     real_plan, real_ar = budget._plan_runner, budget._ar_runner
@@ -95,12 +97,12 @@ def test_interleaved_calibration_measures_the_same_plans(monkeypatch):
             return decode(prompt, timed)
         return run
 
-    monkeypatch.setattr(budget, "_plan_runner", lambda s, p, plan, **kw: spy(plan, real_plan(s, p, plan, **kw)))
-    monkeypatch.setattr(budget, "_ar_runner", lambda s, p, **kw: spy("ar", real_ar(s, p, **kw)))
+    monkeypatch.setattr(budget, "_plan_runner", lambda t, d, plan, **kw: spy(plan, real_plan(t, d, plan, **kw)))
+    monkeypatch.setattr(budget, "_ar_runner", lambda t, **kw: spy("ar", real_ar(t, **kw)))
     kw = dict(chains=("chain:1", "chain:2"), trees=(), max_new_tokens=12, min_bucket=16)
-    _, seq = budget.auto_plan(spec, params, prompts, **kw)
+    _, seq = budget.auto_plan(target, dp, prompts, **kw)
     order.clear()
-    _, inter = budget.auto_plan(spec, params, prompts, interleave=True, **kw)
+    _, inter = budget.auto_plan(target, dp, prompts, interleave=True, **kw)
     assert [c.plan for c in inter] == [c.plan for c in seq] == ["ar", "chain:1", "chain:2"]
     assert [c.expected_tau for c in inter] == [c.expected_tau for c in seq]
     timed = order[-9:]
@@ -130,7 +132,7 @@ def test_calibration_compiles_every_prompt_bucket_before_timing(monkeypatch):
 
     prompts = [[1] * 10, [1] * 70, [1] * 100, [1] * 200, [1] * 65]  # widths 64, 128, 128, 256, 128
     assert [len(p) for p in one_prompt_per_bucket(prompts, 64)] == [10, 70, 200]
-    for module, name in ((loop, "generate_from_spec"), (generate, "generate_ar")):
+    for module, name in ((loop, "generate_speculative"), (generate, "generate_ar")):
         clock, calls = [0], []
 
         def tick():  # odd between a timed call's t0 and t1, even otherwise
@@ -144,11 +146,11 @@ def test_calibration_compiles_every_prompt_bucket_before_timing(monkeypatch):
 
         monkeypatch.setattr(module, name, fake_decode)
         monkeypatch.setattr(budget.time, "perf_counter", tick)
-        fakes = SimpleNamespace(target=None)
-        if name == "generate_from_spec":
+        fakes = SimpleNamespace(params=None, config=None)
+        if name == "generate_speculative":
             budget.measure_plan(fakes, fakes, "chain:1", prompts, min_bucket=64)
         else:
-            budget.measure_ar(fakes, fakes, prompts, min_bucket=64)
+            budget.measure_ar(fakes, prompts, min_bucket=64)
         monkeypatch.undo()
         kinds = [kind for kind, _ in calls]
         assert kinds == ["warm"] * 3 + ["timed"] * len(prompts), (name, calls)

@@ -118,11 +118,12 @@ def test_loop_packs_target_and_head_and_stays_lossless():
     greedy speculative decoding through it equals AR decoding through it, token for token."""
     spec, tp, params = make("eagle3", 96)
     drafter = HeadDrafter(parse_plan("chain:3"))
-    _, static = loop.prepare_spec_inputs(spec, drafter, prompts_for(96), max_new_tokens=12, eos_ids=())
+    _, static = loop.prepare_spec_inputs(spec.target, drafter, prompts_for(96), max_new_tokens=12, eos_ids=())
     placed = loop._placed(params, spec, static)
     assert cpu_matmul.is_packed(placed.target.layers[0]["q_proj"]["kernel"])
     assert cpu_matmul.is_packed(placed.draft["q_proj"]["kernel"])
     assert cpu_matmul.is_packed(placed.draft["lm_head"]["kernel"])
-    spec_out = loop.generate_from_spec(spec, params, drafter, prompts_for(96), max_new_tokens=12, eos_ids=())
+    spec_out = loop.generate_speculative(params.target, drafter, params.drafter_params, prompts_for(96),
+                                         max_new_tokens=12, eos_ids=())
     ar_out = generate_ar(tp, spec.target, prompts_for(96), max_new_tokens=12, eos_ids=())
     np.testing.assert_array_equal(np.asarray(spec_out.tokens_bn), np.asarray(ar_out.tokens_bn))

@@ -28,11 +28,10 @@ from confu_jax.decode import loop
 from confu_jax.decode.dflash import DFlashDrafter, parse_dflash_plan
 from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
-from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import dflash as D
 from confu_jax.decode.families import get_method
 from tests.helpers.family_checks import assert_sampling_is_lossless
-from tests.helpers.loop_fixtures import generated_rows, jit_propose, make
+from tests.helpers.loop_fixtures import generated_rows, jit_propose, make, own
 from tests.helpers.jitting import jit_static
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
@@ -62,8 +61,7 @@ def setup(vocab, seed=0, n_layers=2, **kw):
     dcfg = D.draft_config(spec.target, n_layers, rope_theta=50000.0, rms_eps=1e-6)
     spec = dataclasses.replace(spec, draft_model=dcfg)
     p = draft_for(dcfg, len(spec.taps), seed=seed)
-    return spec, tp, SpecParams(target=tp, draft={"dflash": {**p, "mask_token_id": np.int32(MASK % vocab)}},
-                                confu={}, draft_vocab={})
+    return spec, tp, own(spec, tp, {"dflash": {**p, "mask_token_id": np.int32(MASK % vocab)}})
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -149,7 +147,7 @@ def test_forward_equals_reference():
     import torch
 
     spec, tp, params = setup(24)
-    dcfg, p = spec.draft_model, D.model_params(params.draft["dflash"])
+    dcfg, p = spec.draft_model, D.model_params(params.drafter_params.weights["dflash"])
     n_taps = len(spec.taps)
     ref = _torch_reference(dcfg, n_taps, D.to_reference_state_dict(p))
     rng = np.random.default_rng(3)
@@ -226,9 +224,10 @@ def test_plan_parsing():
         parse_dflash_plan("chain:3+c2")
     assert get_method("dflash").needs_head and get_method("dflash").speculative
     spec, tp, _ = setup(6)
-    with pytest.raises(ValueError, match="needs params.draft\\['dflash'\\]"):
-        loop.generate_from_spec(spec, SpecParams(target=tp, draft={}, confu={}, draft_vocab={}),
-                                  parse_drafter("dflash", "chain:2"), PROMPTS, max_new_tokens=4, eos_ids=())
+    with pytest.raises(ValueError, match="needs drafter_params.weights\\['dflash'\\]"):
+        empty = own(spec, tp, {})
+        loop.generate_speculative(empty.target, parse_drafter("dflash", "chain:2"), empty.drafter_params, PROMPTS,
+                                  max_new_tokens=4, eos_ids=())
 
 
 # ----------------------------------------------------------------------------- in the loop
@@ -241,18 +240,19 @@ def test_block_is_the_reference_loop():
     from confu_jax.models.target import real_forward
 
     spec, tp, params = setup(24, seed=1)
-    p = D.model_params(params.draft["dflash"])
+    p = D.model_params(params.drafter_params.weights["dflash"])
     prompt = [3, 9, 4, 17, 3, 9]
     n = len(prompt)
     toks = jnp.asarray([prompt], jnp.int32)
     out = jit_static(real_forward)(spec, tp, toks)
     root = jnp.argmax(out.logits_btv[:, -1], axis=-1).astype(jnp.int32)
     drafter = parse_drafter("dflash", "chain:3")
-    st = jax.jit(lambda params: drafter.init(spec, params, PrefillView(toks, jnp.array([n]), root, out.taps_btc, None,
-                                                                       32)))(params)
+    st = jax.jit(lambda target, dp: drafter.init(target, dp, PrefillView(toks, jnp.array([n]), root, out.taps_btc,
+                                                                         None, 32)))(params.target,
+                                                                                     params.drafter_params)
     inp = DraftInput(root, jnp.array([n - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0), jnp.float32(0.0),
                      jnp.float32(1.0))
-    prop = jit_propose(drafter, spec, params, st, inp)
+    prop = jit_propose(drafter, params.target, params.drafter_params, st, inp)
     chain = np.asarray(prop.tree.tokens_bt)[0].tolist()
     k, v = sequence_context(p, spec.draft_model, out.taps_btc)
     blk = jnp.asarray([[int(root[0]), MASK, MASK, MASK]])
@@ -261,7 +261,7 @@ def test_block_is_the_reference_loop():
     want = np.argmax(np.asarray(block_logits(spec.target, tp, h))[0, 1:], -1)
     assert chain == [int(root[0])] + want.tolist()
     # a tree's depth-d nodes are position d's top-k, the same under every parent
-    prop = jit_propose(drafter.__class__(parse_dflash_plan("tree:2,2")), spec, params, st, inp)
+    prop = jit_propose(drafter.__class__(parse_dflash_plan("tree:2,2")), params.target, params.drafter_params, st, inp)
     toks, par = np.asarray(prop.tree.tokens_bt)[0], np.asarray(prop.tree.parents_bt)[0]
     kids = [sorted(int(toks[j]) for j in range(len(toks)) if par[j] == i) for i in (1, 2)]
     assert kids[0] == kids[1] and len(kids[0]) == 2
@@ -289,7 +289,7 @@ def test_published_layout_round_trip(tmp_path):
     from confu_jax.weights.safetensors_io import SafetensorsFile, save_file
 
     spec, tp, params = setup(6)
-    dcfg, p = spec.draft_model, D.model_params(params.draft["dflash"])
+    dcfg, p = spec.draft_model, D.model_params(params.drafter_params.weights["dflash"])
     d = str(tmp_path / "dflash")
     save_dflash_dir(d, p, dcfg, taps=spec.taps, mask_token_id=MASK, block_size=4,
                     num_target_layers=spec.target.n_layers)
@@ -321,7 +321,7 @@ def test_published_layout_round_trip(tmp_path):
     assert head.trained and head.spec.draft_model.n_layers == 2 and head.spec.taps == spec.taps
     drafter = parse_drafter("dflash", "chain:3")
     a = loop.generate_speculative(head.target, drafter, head.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
-    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    b = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     with pytest.raises(ValueError, match="cannot read a target of width"):
@@ -352,7 +352,7 @@ def test_five_tap_drafter_imports_and_decodes(tmp_path):
     spec = dataclasses.replace(spec, head=dataclasses.replace(spec.head, tap_layers=taps))
     p = draft_for(spec.draft_model, 5, seed=1)
     assert np.asarray(p["fc"]["kernel"]).shape == (5 * spec.target.d_model, spec.target.d_model)
-    params = SpecParams(target=tp, draft={"dflash": {**p, "mask_token_id": np.int32(MASK)}}, confu={}, draft_vocab={})
+    params = own(spec, tp, {"dflash": {**p, "mask_token_id": np.int32(MASK)}})
     d = str(tmp_path / "dflash5")
     save_dflash_dir(d, D.model_params(p), spec.draft_model, taps=taps, mask_token_id=MASK, block_size=4,
                     num_target_layers=spec.target.n_layers)
@@ -361,7 +361,7 @@ def test_five_tap_drafter_imports_and_decodes(tmp_path):
     drafter = parse_drafter("dflash", "chain:3")
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=20, eos_ids=())
     a = loop.generate_speculative(head.target, drafter, head.drafter_params, PROMPTS, max_new_tokens=20, eos_ids=())
-    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=20, eos_ids=())
+    b = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=20, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(ar, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     # a drafter reading the target's last layer's output (no tap exists after it) is refused, naming the ids

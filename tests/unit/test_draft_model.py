@@ -20,7 +20,6 @@ import pytest
 from confu_jax.decode import loop, plans
 from confu_jax.decode import draft_model as dm
 from confu_jax.decode.generate import generate_ar
-from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import early_exit, steering as steer_lib
 from confu_jax.runs import draft_models
 from confu_jax.models.llama import Llama, param_shapes
@@ -28,13 +27,13 @@ from confu_jax.models.spec import ModelSpec
 from confu_jax.models.unrolled import split_layers
 from tests.helpers.model_fakes import _fill
 from tests.helpers.family_checks import assert_sampling_is_lossless, assert_sharded_equals_single_device
-from tests.helpers.loop_fixtures import generated_rows, make
+from tests.helpers.loop_fixtures import generated_rows, make, own, with_weights
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 
 
 def pair(vocab, *, early=None, other=None, steered_std=None, seed=0, **target_kw):
-    """(spec, target params, SpecParams) of the tiny target with a draft model: the early-exit
+    """(spec, target params, LoadedDrafter) of the tiny target with a draft model: the early-exit
     drafter of ``early`` layers, or an independent random Llama ``other`` (a LlamaConfig);
     ``steered_std``: add SD² steering params (W_s ~ N(0, std); None = no steering tree)."""
     spec, tp, _ = make("eagle3", vocab, seed=seed, **target_kw)
@@ -48,7 +47,7 @@ def pair(vocab, *, early=None, other=None, steered_std=None, seed=0, **target_kw
         w_s = np.random.default_rng(seed + 11).standard_normal(st["w_s"]["kernel"].shape) * steered_std
         draft["steering"] = {"w_hml": st["w_hml"], "w_s": {"kernel": jnp.asarray(w_s, jnp.float32)}}
     spec = ModelSpec(spec.target, spec.head, draft_model=dcfg)
-    return spec, tp, SpecParams(target=tp, draft=draft, confu={}, draft_vocab={})
+    return spec, tp, own(spec, tp, draft)
 
 
 def other_model(vocab, **kw):
@@ -69,14 +68,16 @@ def test_early_exit_equals_truncated_target(split):
     spec, tp, params = pair(24, early=3)
     toks = jnp.asarray([[3, 5, 7, 2, 9, 1]], jnp.int32)
     pos = jnp.arange(6)[None]
-    cfg, w = dm.draft_weights(spec, params if not split else params.replace(target=split_layers(tp, spec.target)))
+    target = params.target if not split else params.target.replace(params=split_layers(tp, spec.target))
+    cfg, w = dm.draft_weights(target, params.drafter_params)
     got = dm.logits(cfg, w, dm.forward(cfg, w, toks, pos).hidden_btd, spec.target.vocab_size)
     model = Llama(spec.target)
     entering = model.apply({"params": tp}, toks, pos, tap_layers=(3,), return_logits=False).taps_btc
     want = model.apply({"params": tp}, entering, method=lambda m, x: m.logits(m.final_norm(x)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     # a different depth is a different model
-    cfg2, w2 = dm.draft_weights(ModelSpec(spec.target, spec.head, early_exit.early_exit_config(spec.target, 2)), params)
+    cfg2, w2 = dm.draft_weights(params.target, params.drafter_params.replace(
+        draft_model=early_exit.early_exit_config(spec.target, 2)))
     assert not np.allclose(np.asarray(dm.logits(cfg2, w2, dm.forward(cfg2, w2, toks, pos).hidden_btd, 24)),
                            np.asarray(got))
 
@@ -114,7 +115,8 @@ def test_full_depth_self_drafter_is_always_accepted(plan):
     that hold the top-1 path: the static tree's (0, 0, 0), EAGLE-2 with top_k 1)."""
     spec, tp, params = pair(24, early=8)
     drafter = dm.DraftModel(plan if isinstance(plan, plans.DraftPlan) else plans.parse_plan(plan))
-    sp = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=25, eos_ids=())
+    sp = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=25,
+                                   eos_ids=())
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=25, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
@@ -146,7 +148,8 @@ def test_greedy_equals_ar(which, plan, steered):
     spec, tp, params = _pair_for(which, 6, steered)
     drafter = dm.DraftModel(plans.parse_plan(plan), steered=steered)
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
-    sp = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
+    sp = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=30,
+                                   eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log = np.asarray(sp.accept_log_bi)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
@@ -154,7 +157,8 @@ def test_greedy_equals_ar(which, plan, steered):
     # EOS inside a draft: rows stop at different times
     eos = generated_rows(ar, 2)[0][11]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    sp_e = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
+    sp_e = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=30,
+                                     eos_ids=(eos,))
     assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
@@ -168,19 +172,23 @@ def test_zero_steering_equals_unsteered():
     for which, plan, temp in (("early3", "chain:3", 0.0), ("other", "dynamic:3,2,5", 1.0)):
         spec, tp, params = _pair_for(which, 24, False)
         cfg = spec.draft_model
-        steered = params.replace(draft=dict(params.draft, steering=steer_lib.init_steering(spec.target.d_model, 3, cfg)))
+        steered = with_weights(params, steering=steer_lib.init_steering(spec.target.d_model, 3, cfg))
         kw = dict(max_new_tokens=20, eos_ids=(), temperature=temp, seed=3)
-        a = loop.generate_from_spec(spec, params, dm.DraftModel(plans.parse_plan(plan)), PROMPTS, **kw)
-        b = loop.generate_from_spec(spec, steered, dm.DraftModel(plans.parse_plan(plan), steered=True),
+        a = loop.generate_speculative(params.target, dm.DraftModel(plans.parse_plan(plan)), params.drafter_params,
+                                      PROMPTS, **kw)
+        b = loop.generate_speculative(steered.target, dm.DraftModel(plans.parse_plan(plan), steered=True),
+                                      steered.drafter_params,
                                       PROMPTS, **kw)
         assert generated_rows(a, 2) == generated_rows(b, 2)
         np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     # and non-zero steering changes what is drafted (so the test above is not vacuous)
     spec, tp, params = _pair_for("early3", 24, True)
-    plain = params.replace(draft={})
-    a = loop.generate_from_spec(spec, plain, dm.DraftModel(plans.parse_plan("chain:3")), PROMPTS,
+    plain = params._replace(drafter_params=params.drafter_params.replace(weights={}))
+    a = loop.generate_speculative(plain.target, dm.DraftModel(plans.parse_plan("chain:3")), plain.drafter_params,
+                                  PROMPTS,
                                   max_new_tokens=20, eos_ids=())
-    b = loop.generate_from_spec(spec, params, dm.DraftModel(plans.parse_plan("chain:3"), steered=True), PROMPTS,
+    b = loop.generate_speculative(params.target, dm.DraftModel(plans.parse_plan("chain:3"), steered=True),
+                                  params.drafter_params, PROMPTS,
                                   max_new_tokens=20, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(b, 2)
     assert not np.array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
@@ -202,15 +210,17 @@ def test_sharded_draft_model_equals_single_device():
     # the early-exit drafters (families draft_model and sd2) are sharded in tests/contract/test_family_contract.py
     spec, tp, params = _pair_for("other", 6, True)
     drafter = dm.DraftModel(plans.parse_plan("dynamic:3,2,5"), steered=True)
-    assert_sharded_equals_single_device(spec, params, drafter, prompts, same_accepts=False)
+    assert_sharded_equals_single_device(params.target, params.drafter_params, drafter, prompts, same_accepts=False)
 
 
 @pytest.mark.slow
 def test_stacked_and_unrolled_loops_agree():
     spec, tp, params = _pair_for("other", 6, True)
     drafter = dm.DraftModel(plans.parse_plan("chain:3"), steered=True)
-    a = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=16, eos_ids=(), unroll_layers=True)
-    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=16, eos_ids=(), unroll_layers=False)
+    a = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=16,
+                                  eos_ids=(), unroll_layers=True)
+    b = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=16,
+                                  eos_ids=(), unroll_layers=False)
     assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
 
@@ -219,12 +229,13 @@ def test_drafter_refuses_bad_setups():
     spec, tp, params = pair(6, early=2)
     with pytest.raises(ValueError, match="no contemplates"):
         dm.DraftModel(plans.parse_plan("chain:3+c2"))
-    with pytest.raises(ValueError, match="needs params.draft\\['steering'\\]"):
-        loop.generate_from_spec(spec, params, dm.DraftModel(plans.parse_plan("chain:2"), steered=True), PROMPTS,
+    with pytest.raises(ValueError, match="needs drafter_params.weights\\['steering'\\]"):
+        loop.generate_speculative(params.target, dm.DraftModel(plans.parse_plan("chain:2"), steered=True),
+                                  params.drafter_params, PROMPTS,
                                   max_new_tokens=4, eos_ids=())
-    no_draft = ModelSpec(spec.target, spec.head)
-    with pytest.raises(ValueError, match="has no draft model"):
-        loop.generate_from_spec(no_draft, params, dm.DraftModel(plans.parse_plan("chain:2")), PROMPTS,
+    no_draft = params.drafter_params.replace(draft_model=None)
+    with pytest.raises(ValueError, match="have no draft model"):
+        loop.generate_speculative(params.target, dm.DraftModel(plans.parse_plan("chain:2")), no_draft, PROMPTS,
                                   max_new_tokens=4, eos_ids=())
     with pytest.raises(ValueError, match="n_layers must be in"):
         early_exit.early_exit_config(spec.target, 9)
@@ -263,13 +274,14 @@ def test_independent_model_is_split_once_outside_the_loop():
     for which, split_expected in (("other", True), ("early3", False)):
         spec, tp, params = _pair_for(which, 6, False)
         drafter = dm.DraftModel(plans.parse_plan("chain:3"))
-        assert drafter.prepare_params(spec, params) is params  # stacked path: nothing to lay out
-        unrolled = params.replace(target=split_layers(params.target, spec.target))
-        prepared = drafter.prepare_params(spec, unrolled)
-        model = (prepared.draft or {}).get("model")
+        target, dp = params.target, params.drafter_params
+        assert drafter.prepare_params(target, dp) is dp  # stacked path: nothing to lay out
+        unrolled = target.replace(params=split_layers(target.params, spec.target))
+        prepared = drafter.prepare_params(unrolled, dp)
+        model = (prepared.weights or {}).get("model")
         assert isinstance(model, SplitParams) == split_expected
         if split_expected:
-            assert dm.draft_weights(spec, prepared)[1] is model
-            assert drafter.prepare_params(spec, prepared) is prepared  # idempotent
+            assert dm.draft_weights(unrolled, prepared)[1] is model
+            assert drafter.prepare_params(unrolled, prepared) is prepared  # idempotent
             np.testing.assert_array_equal(np.asarray(jax.tree_util.tree_leaves(model.layers[1])[0]),
-                                          np.asarray(jax.tree_util.tree_leaves(params.draft["model"]["layers"])[0][1]))
+                                          np.asarray(jax.tree_util.tree_leaves(params.drafter_params.weights["model"]["layers"])[0][1]))

@@ -29,11 +29,10 @@ from confu_jax.decode.dflash import context_entries
 from confu_jax.decode.drafter import DraftInput, PrefillView
 from confu_jax.decode.dspark import DSparkDrafter, load_dspark, parse_dspark
 from confu_jax.decode.generate import generate_ar
-from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import dflash as DF
 from confu_jax.models import dspark as D
 from tests.helpers.family_checks import assert_sampling_is_lossless
-from tests.helpers.loop_fixtures import generated_rows, make, prompts_for
+from tests.helpers.loop_fixtures import generated_rows, make, prompts_for, own
 
 MASK = 3
 
@@ -47,8 +46,7 @@ def setup(vocab, kind="vanilla", seed=0, n_layers=2, rank=8, confidence=True, wi
                                                          confidence_with_markov=with_markov, init_std=0.3))
     rng = np.random.default_rng(seed)
     p["markov"]["w1"] = (0.5 * rng.standard_normal(p["markov"]["w1"].shape)).astype(np.float32)  # a bias that acts
-    return spec, tp, SpecParams(target=tp, draft={"dspark": {**p, "mask_token_id": np.int32(MASK % vocab)}},
-                                confu={}, draft_vocab={})
+    return spec, tp, own(spec, tp, {"dspark": {**p, "mask_token_id": np.int32(MASK % vocab)}})
 
 
 # ----------------------------------------------------------------------------- the heads, against speculators
@@ -97,7 +95,7 @@ def test_markov_and_confidence_heads_equal_speculators_modules(kind):
 def test_chain_is_vllms_sequential_sampling():
     """Slot 0 (the anchor) drafts from its base logits biased by the root; slot k by the draft of slot k-1."""
     spec, tp, params = setup(24, seed=2)
-    p = params.draft["dspark"]
+    p = params.drafter_params.weights["dspark"]
     from confu_jax.models.target import real_forward
 
     prompt = [3, 9, 4, 17, 3, 9]
@@ -106,12 +104,13 @@ def test_chain_is_vllms_sequential_sampling():
     out = real_forward(spec, tp, toks)
     root = jnp.argmax(out.logits_btv[:, -1], axis=-1).astype(jnp.int32)
     drafter = parse_dspark("chain:4")
-    st = drafter.init(spec, params, PrefillView(toks, jnp.array([n]), root, out.taps_btc, None, 32))
+    st = drafter.init(params.target, params.drafter_params, PrefillView(toks, jnp.array([n]), root, out.taps_btc,
+                                                                        None, 32))
     inp = DraftInput(root, jnp.array([n - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0), jnp.float32(0.0),
                      jnp.float32(1.0))
-    chain = np.asarray(drafter.propose(spec, params, st, inp).tree.tokens_bt)[0].tolist()
+    chain = np.asarray(drafter.propose(params.target, params.drafter_params, st, inp).tree.tokens_bt)[0].tolist()
     # the reference loop, from the pieces: context K/V of the prompt, one block forward, then sequential argmax
-    k, v = context_entries(spec, p, out.taps_btc, jnp.arange(n)[None])
+    k, v = context_entries(params.drafter_params, p, out.taps_btc, jnp.arange(n)[None])
     blk = jnp.asarray([[int(root[0]), MASK, MASK, MASK]])
     h = DF.block_hidden(D.backbone(p), spec.draft_model, DF.embed_block(tp, blk), jnp.arange(n, n + 4)[None],
                         jnp.ones((1, 4, 4), bool), k.transpose(0, 1, 3, 2, 4),
@@ -132,7 +131,8 @@ def test_greedy_equals_ar_for_every_head_and_plan(kind):
     prompts = prompts_for(6)
     want = generated_rows(generate_ar(tp, spec.target, prompts, max_new_tokens=24, eos_ids=()), len(prompts))
     for text in ("chain:3", "tree:2,2,1", "dynamic:3,2,5", "chain:4@0.2", "ddtree:6,3"):
-        out = loop.generate_from_spec(spec, params, parse_dspark(text), prompts, max_new_tokens=24, eos_ids=())
+        out = loop.generate_speculative(params.target, parse_dspark(text), params.drafter_params, prompts,
+                                        max_new_tokens=24, eos_ids=())
         assert generated_rows(out, len(prompts)) == want, (kind, text)
         assert np.asarray(out.accept_log_bi).max() > 1, (kind, text, "no draft accepted: vacuous")
 
@@ -140,7 +140,7 @@ def test_greedy_equals_ar_for_every_head_and_plan(kind):
 @pytest.mark.slow  # > 6 s (the fast lane's rule)
 def test_confidence_sets_each_rows_verification_length():
     spec, tp, params = setup(24, seed=4)
-    p = params.draft["dspark"]
+    p = params.drafter_params.weights["dspark"]
     from confu_jax.models.target import real_forward
 
     prompt = [5, 1, 7, 7, 2]
@@ -151,11 +151,12 @@ def test_confidence_sets_each_rows_verification_length():
     inp = DraftInput(root, jnp.array([len(prompt) - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0),
                      jnp.float32(0.0), jnp.float32(1.0))
     full = parse_dspark("chain:5")
-    prop = full.propose(spec, params, full.init(spec, params, view), inp)
+    prop = full.propose(params.target, params.drafter_params, full.init(params.target, params.drafter_params, view),
+                        inp)
     assert int(prop.n_nodes_b[0]) == 6 and full.widths == (6,)
     # the survival by hand, from the chain's tokens and the block's states
     tokens = prop.tree.tokens_bt[:, :5]
-    k, v = context_entries(spec, p, out.taps_btc, jnp.arange(len(prompt))[None])
+    k, v = context_entries(params.drafter_params, p, out.taps_btc, jnp.arange(len(prompt))[None])
     blk = jnp.concatenate([root[:, None], jnp.full((1, 4), MASK, jnp.int32)], 1)
     h = DF.block_hidden(D.backbone(p), spec.draft_model, DF.embed_block(tp, blk),
                         jnp.arange(len(prompt), len(prompt) + 5)[None], jnp.ones((1, 5, 5), bool),
@@ -164,7 +165,8 @@ def test_confidence_sets_each_rows_verification_length():
     for threshold in sorted({0.999, *np.round(survival, 6).tolist(), 1e-4}):
         gated = parse_dspark(f"chain:5@{threshold:.6f}")
         assert gated.widths == (1, 2, 3, 4, 5, 6)
-        n = int(gated.propose(spec, params, gated.init(spec, params, view), inp).n_nodes_b[0])
+        n = int(gated.propose(params.target, params.drafter_params, gated.init(params.target, params.drafter_params,
+                                                                               view), inp).n_nodes_b[0])
         assert n == 1 + int(np.sum(np.cumprod(survival >= float(f"{threshold:.6f}")))), threshold
 
 
@@ -184,7 +186,8 @@ def test_bad_plans_and_sources_are_one_line():
         parse_dspark("ddtree:8,3@0.5")
     spec, tp, params = setup(6, confidence=False)
     with pytest.raises(ValueError, match="no confidence head"):
-        loop.generate_from_spec(spec, params, parse_dspark("chain:3@0.5"), prompts_for(6), max_new_tokens=4,
+        loop.generate_speculative(params.target, parse_dspark("chain:3@0.5"), params.drafter_params, prompts_for(6),
+                                  max_new_tokens=4,
                                 eos_ids=())
     with pytest.raises(ValueError, match="neither a DSpark launch.train workdir .* nor a speculators DSpark directory"):
         load_dspark(spec.target, tp, "/some/dir")

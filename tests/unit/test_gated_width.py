@@ -47,7 +47,8 @@ def test_gated_greedy_equals_ar(variant, text):
     drafter = families.parse_drafter(variant, text)
     assert drafter.widths == tuple(range(1, drafter.n_nodes + 1))
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=())
-    sp = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=24, eos_ids=())
+    sp = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=24,
+                                   eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
@@ -55,7 +56,8 @@ def test_gated_greedy_equals_ar(variant, text):
         assert np.all(log[np.arange(log.shape[1])[None] < passes[:, None]] == 1)
     eos = generated_rows(ar, 2)[1][9]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
-    sp_e = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
+    sp_e = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=24,
+                                     eos_ids=(eos,))
     assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
@@ -65,28 +67,30 @@ def test_gate_counts_the_confident_prefix_and_hybrid():
     spec, tp, params = make("eagle3", 6, seed=2)
     gated = HeadDrafter(plans.parse_plan("chain:3"), min_prob=0.3)
     ungated = HeadDrafter(plans.parse_plan("chain:3"))
-    args, static = loop.prepare_spec_inputs(spec, gated, PROMPTS, max_new_tokens=8, eos_ids=())
+    args, static = loop.prepare_spec_inputs(spec.target, gated, PROMPTS, max_new_tokens=8, eos_ids=())
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
-    s0 = jit_prefill(spec, params, gated, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
+    s0 = jit_prefill(params.target, params.drafter_params, gated, tokens_bt, lengths_b, jnp.float32(0),
+                     jnp.float32(1), eos_e, key, **kw)
     from confu_jax.decode.drafter import DraftInput
     from confu_jax.decode.drafting import draft_tree
 
     inp = DraftInput(s0.root_b, s0.cache.length_b - 1, s0.done_b, key, jnp.float32(0), jnp.float32(1))
-    prop = jit_propose(gated, spec, params, s0.drafter, inp)
-    scores = jax.jit(lambda params, state, inp: draft_tree(spec, params, gated.plan, state, inp, with_scores=True)[-1])
-    score = scores(params, s0.drafter, inp)
+    prop = jit_propose(gated, params.target, params.drafter_params, s0.drafter, inp)
+    scores = jax.jit(lambda target, dp, state, inp: draft_tree(target, dp, gated.plan, state, inp,
+                                                               with_scores=True)[-1])
+    score = scores(params.target, params.drafter_params, s0.drafter, inp)
     want = 1 + np.sum(np.asarray(score)[:, 1:] >= np.log(0.3), axis=1)
     assert np.array_equal(np.asarray(prop.n_nodes_b), want)
     # the gate changes only how much is verified, not what is drafted
-    full = jit_propose(ungated, spec, params, s0.drafter, inp)
+    full = jit_propose(ungated, params.target, params.drafter_params, s0.drafter, inp)
     assert np.array_equal(np.asarray(prop.tree.tokens_bt), np.asarray(full.tree.tokens_bt))
     assert np.all(np.asarray(full.n_nodes_b) == 4)
     # hybrid with a gated head: lossless, and its widths are the head's
     hyb = families.parse_drafter("hybrid", "chain:3@0.3")
     assert hyb.widths == (1, 2, 3, 4) and hyb.head.min_prob == 0.3
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=())
-    sp = loop.generate_from_spec(spec, params, hyb, PROMPTS, max_new_tokens=24, eos_ids=())
+    sp = loop.generate_speculative(params.target, hyb, params.drafter_params, PROMPTS, max_new_tokens=24, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
     for text, msg in (("chain:3@1.5", "probability in"), ("dynamic:2,2,4@0.5", "needs a chain"),
                       ("chain:3@x", "probability in")):
@@ -103,7 +107,8 @@ def test_gated_sampling_lossless_joint():
     n_per, reps = 25_000, 4
     samples = []
     for r in range(reps):
-        res = loop.generate_from_spec(spec, params, drafter, [prompt] * n_per, max_new_tokens=3, eos_ids=(),
+        res = loop.generate_speculative(params.target, drafter, params.drafter_params, [prompt] * n_per,
+                                        max_new_tokens=3, eos_ids=(),
                                         temperature=1.0, top_p=1.0, seed=300 + r, min_bucket=8)
         assert np.all(np.asarray(res.n_generated_b) == 3)
         samples.append(np.asarray(res.tokens_bn)[:, :3])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs.tiny import get_config
+from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.runs.heads import load_trained_head
 from confu_jax.train.loop import train
 
@@ -95,7 +96,7 @@ def test_trained_head_decodes_losslessly_and_checks_the_method(trained):
     assert dh.trained and dh.source.endswith("(step 2)")
     prompts = [[3, 5, 7, 2, 9], [4, 4, 1]]
     ar = generate_ar(target, spec.target, prompts, max_new_tokens=12, eos_ids=())
-    sp = generate_speculative(dh.target, parse_plan("chain:2"), dh.drafter_params, prompts,
+    sp = generate_speculative(dh.target, HeadDrafter(parse_plan("chain:2")), dh.drafter_params, prompts,
                               max_new_tokens=12, eos_ids=())
     for b in range(2):
         n = int(np.asarray(sp.n_generated_b)[b])
@@ -145,10 +146,10 @@ def test_random_head_with_a_smaller_draft_vocabulary():
     tp, _ = tiny_params(ModelSpec(cfg, HeadConfig(variant="eagle3", draft_vocab_size=cfg.vocab_size)))
     head = random_head("confu", cfg, tp, draft_vocab_size=16)
     assert head.spec.head.draft_vocab_size == 16 and not head.trained
-    assert np.array_equal(np.asarray(head.params.draft_vocab["d2t"]), np.arange(16))
-    t2d = np.asarray(head.params.draft_vocab["t2d"])
+    assert np.array_equal(np.asarray(head.drafter_params.draft_vocab["d2t"]), np.arange(16))
+    t2d = np.asarray(head.drafter_params.draft_vocab["t2d"])
     assert t2d.shape == (cfg.vocab_size,) and t2d[:16].all() and not t2d[16:].any()
-    assert {x.shape[-1] for x in jax.tree_util.tree_leaves(head.params.draft["lm_head"])} == {16}
+    assert {x.shape[-1] for x in jax.tree_util.tree_leaves(head.drafter_params.weights["lm_head"])} == {16}
     with pytest.raises(ValueError, match="draft_vocab_size must be in"):
         random_head("eagle3", cfg, tp, draft_vocab_size=cfg.vocab_size + 1)
 
@@ -156,7 +157,7 @@ def test_random_head_with_a_smaller_draft_vocabulary():
 def test_a_head_source_can_name_one_checkpoint_step(trained):
     """``WORKDIR@STEP`` (decode_bench --heads, launch.scaling_curve) decodes that step's head."""
     from confu_jax.decode.families import decode_head
-    from confu_jax.decode.heads import split_step
+    from confu_jax.decode.loaded import split_step
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.train.target_loading import load_target
 
@@ -170,7 +171,7 @@ def test_a_head_source_can_name_one_checkpoint_step(trained):
     for source, step in ((f"{workdir}@1", 1), (f"{workdir}@2", 2), (workdir, 2)):
         head = decode_head("eagle3", spec.target, target_params, source)
         assert head.source.endswith(f"(step {step})")
-        np.testing.assert_array_equal(np.asarray(head.params.draft["fc"]["kernel"]),
+        np.testing.assert_array_equal(np.asarray(head.drafter_params.weights["fc"]["kernel"]),
                                       seen[step]["draft"]["fc"]["kernel"])
     with pytest.raises(FileNotFoundError, match="step 9"):
         decode_head("eagle3", spec.target, target_params, f"{workdir}@9")

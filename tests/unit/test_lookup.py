@@ -21,10 +21,9 @@ from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.hybrid import Hybrid
 from confu_jax.decode.lookup import NO_TOKEN, PromptLookup
-from confu_jax.decode.spec_params import SpecParams
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.jitting import jit_static
-from tests.helpers.loop_fixtures import generated_rows, make
+from tests.helpers.loop_fixtures import generated_rows, make, own
 
 # the matcher and the trie under jit (tests/helpers/jitting.py: called eagerly, every primitive compiles on its own)
 lookup_continuations, lookup_tree = jit_static(lookup.lookup_continuations), jit_static(lookup.lookup_tree)
@@ -130,7 +129,7 @@ PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 
 
 def _lookup_params(spec, tp):
-    return SpecParams(target=tp, draft={}, confu={}, draft_vocab={})
+    return own(spec, tp, {})
 
 
 DRAFTERS = [
@@ -149,7 +148,8 @@ def test_greedy_equals_ar(variant, drafter):
     if isinstance(drafter, PromptLookup):
         params = _lookup_params(spec, tp)
     ar = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=())
-    sp = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=())
+    sp = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=30,
+                                   eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
     log, passes = np.asarray(sp.accept_log_bi), np.asarray(sp.n_passes_b)
     assert np.array_equal(log.sum(1) + 1, np.asarray(sp.n_generated_b))
@@ -157,7 +157,8 @@ def test_greedy_equals_ar(variant, drafter):
     # EOS inside a draft: stop at a token each row emits mid-text; rows stop at different times
     eos = generated_rows(ar, 2)[0][11]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
-    sp_e = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=30, eos_ids=(eos,))
+    sp_e = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=30,
+                                     eos_ids=(eos,))
     assert generated_rows(sp_e, 2) == generated_rows(ar_e, 2)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
@@ -170,7 +171,7 @@ def test_no_match_iteration_is_an_ar_step():
     params = _lookup_params(spec, tp)
     prompts = [[1, 2, 3, 4, 5, 6, 7]]
     drafter = PromptLookup(k=3, min_match=4, max_match=4)
-    sp = loop.generate_from_spec(spec, params, drafter, prompts, max_new_tokens=6, eos_ids=())
+    sp = loop.generate_speculative(params.target, drafter, params.drafter_params, prompts, max_new_tokens=6, eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=6, eos_ids=())
     assert generated_rows(sp, 1) == generated_rows(ar, 1)
     # the width chosen: 1 while no active row has a match, else the full tree

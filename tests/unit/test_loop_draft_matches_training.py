@@ -17,44 +17,45 @@ import numpy as np
 import pytest
 
 from confu_jax.decode import drafting, loop, plans
+from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode import verify as verify_lib
 from confu_jax.models import target as target_lib
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
 from confu_jax.models.kv_cache import to_cache_layout
-from tests.helpers.loop_fixtures import jit_iteration, jit_prefill, jit_propose, make
+from tests.helpers.loop_fixtures import jit_iteration, jit_prefill, jit_propose, make, with_weights
 
 # Everything here runs under jit (eagerly, the loop's and training's primitives would each be a compile).
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _depth0(spec, params, s):
+@jax.jit
+def _depth0(target, dp, s):
     anchor_b = s.cache.length_b - 1
-    future = drafting.future_entry(spec, params, s.drafter, anchor_b)
-    logits, _, _ = drafting.ingest(spec, params, s.drafter, s.done_b, future, s.drafter.draft_cache)
+    future = drafting.future_entry(target, dp, s.drafter, anchor_b)
+    logits, _, _ = drafting.ingest(target, dp, s.drafter, s.done_b, future, s.drafter.draft_cache)
     return jax.nn.log_softmax(logits[:, 0], axis=-1), anchor_b
 
 
 def _loop_depth0_logprobs(spec, params, s):
     """What ``drafting.draft_tree`` scores the root's children with: ingest at the anchor p."""
-    logp, anchor_b = _depth0(spec, params, s)
+    logp, anchor_b = _depth0(params.target, params.drafter_params, s)
     return np.asarray(logp), np.asarray(anchor_b)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "steps", "zero_future"))
-def _training_form(params, x, anchor, lag, j, *, spec, steps, zero_future):
-    real = target_lib.real_forward(spec, params.target, x, return_logits=False)
+def _training_form(target, dp, x, anchor, lag, j, *, spec, steps, zero_future):
+    real = target_lib.real_forward(spec, target.params, x, return_logits=False)
     h_cat = real.taps_btc
     if not spec.head.has_future:  # EAGLE-3: no contemplate, no future entry
-        out = draft_ttt(spec, params.draft, params.embed_vd, x, h_cat, steps)
+        out = draft_ttt(spec, dp.weights, target.embed_vd, x, h_cat, steps)
         return jax.nn.log_softmax(out.logits_rbnv[:, 0, j], axis=-1)
     anchors = jnp.reshape(anchor, (1, 1))
     f_bkd = target_lib.contemplate_queries(
-        spec, params.target, params.confu, to_cache_layout(real.k_new_lbthd), to_cache_layout(real.v_new_lbthd),
+        spec, target.params, dp.confu, to_cache_layout(real.k_new_lbthd), to_cache_layout(real.v_new_lbthd),
         anchors, jax.lax.dynamic_slice_in_dim(h_cat, anchor - lag, 1, axis=1))
     if zero_future:
         f_bkd = jnp.zeros_like(f_bkd)
     window = jnp.where(jnp.arange(x.shape[1]) == j, 0, -1).astype(jnp.int32)[None]
-    out = draft_ttt(spec, params.draft, params.embed_vd, x, h_cat, steps,
+    out = draft_ttt(spec, dp.weights, target.embed_vd, x, h_cat, steps,
                     future=TTTFuture(f_bkd=f_bkd, anchor_bk=anchors, index_bn=window))
     return jax.nn.log_softmax(out.logits_rbnv[:, 0, j], axis=-1)
 
@@ -65,7 +66,8 @@ def _training_form_logprobs(spec, params, seq, anchor, lag, *, zero_future=False
     future entry of ``anchor``, whose contemplate read h_cat[anchor - lag] — a replication window
     when index > anchor. ``steps`` > 1: [steps, V], TTT step r's log-probabilities at that index."""
     j = anchor if index is None else index
-    logp = np.asarray(_training_form(params, jnp.asarray([seq], jnp.int32), jnp.int32(anchor), jnp.int32(lag),
+    logp = np.asarray(_training_form(params.target, params.drafter_params, jnp.asarray([seq], jnp.int32),
+                                     jnp.int32(anchor), jnp.int32(lag),
                                      jnp.int32(j), spec=spec, steps=steps, zero_future=zero_future))
     if not spec.head.has_future:
         return logp
@@ -78,7 +80,7 @@ def _with_future_input(spec, params, head_kw):
         return params
     d = spec.target.d_model
     kernel = 0.3 * jax.random.normal(jax.random.PRNGKey(11), (d, d), jnp.float32)
-    return params.replace(draft={**params.draft, "future_in": {"kernel": kernel}})
+    return with_weights(params, future_in={"kernel": kernel})
 
 
 @pytest.mark.slow
@@ -93,14 +95,16 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text, head_kw):
     # and the draft query at the last accepted position sits in that anchor's window.
     spec, tp, params = make(variant, 4, seed=1, head_kw=head_kw)
     params = _with_future_input(spec, params, head_kw)
-    plan = plans.parse_plan(plan_text)
-    sparse = plan.contemplates == 1
+    plan = HeadDrafter(plans.parse_plan(plan_text))
+    sparse = plan.plan.contemplates == 1
     prompt = [2, 0, 3, 1, 1, 2, 0]
-    args, static = loop.prepare_spec_inputs(spec, plan, [prompt], max_new_tokens=16, eos_ids=())
+    args, static = loop.prepare_spec_inputs(spec.target, plan, [prompt], max_new_tokens=16, eos_ids=())
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
-    s0 = jit_prefill(spec, params, plan, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
-    s1 = jit_iteration(spec, params, plan, verify_lib.GREEDY, s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
+    s0 = jit_prefill(params.target, params.drafter_params, plan, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1),
+                     eos_e, key, **kw)
+    s1 = jit_iteration(params.target, params.drafter_params, plan, verify_lib.GREEDY, s0, jnp.float32(0),
+                       jnp.float32(1), eos_e, **kw)
 
     n = len(prompt)
     emitted = np.asarray(s1.tokens_bn)[0, : int(s1.n_generated_b[0])].tolist()
@@ -113,8 +117,8 @@ def test_loop_depth0_draft_equals_training_form(variant, plan_text, head_kw):
     want = _training_form_logprobs(spec, params, prompt + emitted[:1], n - 1, 1)
     np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
     if head_kw.get("future_input"):  # not vacuous: f's map into the first step moves the draft
-        kernel = params.draft["future_in"]["kernel"]
-        zeroed = params.replace(draft={**params.draft, "future_in": {"kernel": jnp.zeros_like(kernel)}})
+        kernel = params.drafter_params.weights["future_in"]["kernel"]
+        zeroed = with_weights(params, future_in={"kernel": jnp.zeros_like(kernel)})
         assert np.abs(_loop_depth0_logprobs(spec, zeroed, s0)[0][0] - got[0]).max() > 1e-3
 
     # after one pass that accepted n_acc nodes: anchor n-1+n_acc, lag n_acc ([con] from h_cat[n-1]);
@@ -154,16 +158,18 @@ def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
 
     spec, tp, params = make(variant, 4, seed=1, head_kw=head_kw)
     if head_kw.get("future_bias") is not None:  # the random init gives the bias values near 0: make it matter
-        params = params.replace(draft={**params.draft, "future_bias": jnp.linspace(-2.0, 3.0, spec.target.n_heads)})
+        params = with_weights(params, future_bias=jnp.linspace(-2.0, 3.0, spec.target.n_heads))
     params = _with_future_input(spec, params, head_kw)
-    full = plans.parse_plan("dynamic:3,4,36")  # all of depth 1 and most of depths 2-3 of vocab 4
+    full = HeadDrafter(plans.parse_plan("dynamic:3,4,36"))  # all of depth 1 and most of depths 2-3 of vocab 4
     chain = HeadDrafter(plans.parse_plan("sampled_chain:3"))
     prompt = [2, 0, 3, 1, 1, 2, 0]
-    args, static = loop.prepare_spec_inputs(spec, full, [prompt], max_new_tokens=16, eos_ids=())
+    args, static = loop.prepare_spec_inputs(spec.target, full, [prompt], max_new_tokens=16, eos_ids=())
     tokens_bt, lengths_b, temperature, top_p, eos_e, key = args
     kw = dict(max_new_tokens=static["max_new_tokens"], max_len=static["max_len"])
-    s0 = jit_prefill(spec, params, full, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1), eos_e, key, **kw)
-    s1 = jit_iteration(spec, params, full, verify_lib.GREEDY, s0, jnp.float32(0), jnp.float32(1), eos_e, **kw)
+    s0 = jit_prefill(params.target, params.drafter_params, full, tokens_bt, lengths_b, jnp.float32(0), jnp.float32(1),
+                     eos_e, key, **kw)
+    s1 = jit_iteration(params.target, params.drafter_params, full, verify_lib.GREEDY, s0, jnp.float32(0),
+                       jnp.float32(1), eos_e, **kw)
     emitted = np.asarray(s1.tokens_bn)[0, : int(s1.n_generated_b[0])].tolist()
     n_acc = int(s1.drafter.ingest_count_b[0])  # nodes accepted, root included: the next draft's lag
     assert n_acc >= 2 and len(emitted) == 1 + n_acc, emitted  # first token + accepted drafts + bonus
@@ -173,7 +179,7 @@ def test_loop_deep_drafts_equal_training_steps(variant, head_kw):
         assert anchor == len(context) - 2  # the context ends with the bonus token x[p+1]
         inp = DraftInput(s.root_b, s.cache.length_b - 1, s.done_b, jax.random.PRNGKey(7), jnp.float32(1),
                          jnp.float32(1))
-        prop = jit_propose(chain, spec, params, s.drafter, inp)
+        prop = jit_propose(chain, params.target, params.drafter_params, s.drafter, inp)
         tokens = np.asarray(prop.tree.tokens_bt)[0].tolist()
         assert tokens[0] == context[-1]
         got = np.log(np.maximum(np.asarray(prop.q_btv)[0, 1:], 1e-30))  # [3,V] depths 0..2 of the chain

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.bench import lossless
 from confu_jax.decode import loop, plans
 from confu_jax.decode.generate import generate_ar
@@ -115,7 +116,8 @@ def test_bf16_speculative_run_is_lossless_up_to_ties(variant, plan):
         return [toks[b, : n[b]].tolist() for b in range(len(prompts))]
 
     ar = rows(generate_ar(tp, spec.target, prompts, max_new_tokens=40, eos_ids=()))
-    sp = rows(loop.generate_from_spec(spec, params, plans.parse_plan(plan), prompts, max_new_tokens=40,
+    sp = rows(loop.generate_speculative(params.target, HeadDrafter(plans.parse_plan(plan)), params.drafter_params,
+                                        prompts, max_new_tokens=40,
                                         eos_ids=()))
     res = lossless.compare_greedy(tp, spec.target, [(i, 0) for i in range(len(prompts))],
                                   list(zip(prompts, ar)), list(zip(prompts, sp)))

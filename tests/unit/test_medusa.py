@@ -25,13 +25,12 @@ from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.medusa import MedusaDrafter, parse_medusa_plan
 from confu_jax.decode.plans import cartesian_paths
-from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import medusa as med
 from confu_jax.decode.families import get_method
 from confu_jax.train.metric_writers import read_csv
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.jitting import jit_static
-from tests.helpers.loop_fixtures import generated_rows, make
+from tests.helpers.loop_fixtures import generated_rows, make, own
 
 # the heads' pieces under jit (tests/helpers/jitting.py: called eagerly, every primitive compiles on its own)
 init_medusa, medusa_logits = jit_static(med.init_medusa), jit_static(med.medusa_logits)
@@ -55,7 +54,7 @@ def heads_for(spec, tp, num_heads=3, num_layers=1, std=0.3, seed=0):
 def setup(vocab, num_heads=3, seed=0, **kw):
     spec, tp, _ = make("eagle3", vocab, seed=seed, **kw)
     heads = heads_for(spec, tp, num_heads, seed=seed)
-    return spec, tp, SpecParams(target=tp, draft={"medusa": heads}, confu={}, draft_vocab={})
+    return spec, tp, own(spec, tp, {"medusa": heads})
 
 
 # ----------------------------------------------------------------------------- the heads
@@ -138,7 +137,8 @@ def test_plan_parsing():
     assert all(parse_drafter("medusa", p).max_depth <= 3 for p in chains + trees)
     spec, tp, params = setup(6, num_heads=2)
     with pytest.raises(ValueError, match="medusa_num_heads"):
-        loop.generate_from_spec(spec, params, parse_drafter("medusa", "chain:3"), PROMPTS, max_new_tokens=4,
+        loop.generate_speculative(params.target, parse_drafter("medusa", "chain:3"), params.drafter_params, PROMPTS,
+                                  max_new_tokens=4,
                                   eos_ids=())
 
 
@@ -152,7 +152,8 @@ def test_full_tree_accepts_every_depth():
     tokens are always in the tree and every pass emits 3 (the last may be clipped)."""
     spec, tp, params = setup(4, num_heads=2)
     prompts = [[t % 4 for t in p] for p in PROMPTS]
-    sp = loop.generate_from_spec(spec, params, parse_drafter("medusa", "tree:4,4"), prompts, max_new_tokens=25,
+    sp = loop.generate_speculative(params.target, parse_drafter("medusa", "tree:4,4"), params.drafter_params, prompts,
+                                   max_new_tokens=25,
                                    eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=25, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
@@ -170,9 +171,10 @@ def test_state_follows_the_last_accepted_node():
     heads = init_medusa(jax.random.PRNGKey(0), 1, 1, jnp.asarray(tp["embed"]["embedding"]), 0)
     heads = jax.tree_util.tree_map(np.array, heads)
     heads["resblocks"]["bias"][:] = 0
-    params = SpecParams(target=tp, draft={"medusa": heads}, confu={}, draft_vocab={})
+    params = own(spec, tp, {"medusa": heads})
     prompts = [[t % 4 for t in p] for p in PROMPTS]
-    sp = loop.generate_from_spec(spec, params, parse_drafter("medusa", "chain:1"), prompts, max_new_tokens=20,
+    sp = loop.generate_speculative(params.target, parse_drafter("medusa", "chain:1"), params.drafter_params, prompts,
+                                   max_new_tokens=20,
                                    eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=20, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
@@ -207,7 +209,7 @@ def test_faster_decoding_format_round_trip(tmp_path):
     from confu_jax.weights.medusa_format import load_medusa_dir, save_medusa_dir
 
     spec, tp, params = setup(6)
-    heads = params.draft["medusa"]
+    heads = params.drafter_params.weights["medusa"]
     d = str(tmp_path / "st")
     save_medusa_dir(d, heads, base_model_name_or_path="tiny")
     with open(os.path.join(d, "config.json")) as f:
@@ -227,7 +229,7 @@ def test_faster_decoding_format_round_trip(tmp_path):
     assert head.trained and "FasterDecoding" in head.source
     drafter = parse_drafter("medusa", "chain:3")
     a = loop.generate_speculative(head.target, drafter, head.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
-    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    b = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     with pytest.raises(ValueError, match="missing keys"):

@@ -34,13 +34,12 @@ from confu_jax.decode.drafter import DraftInput
 from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.mlp_speculator import MLPSpeculatorDrafter, MLPSpeculatorState, parse_mlp_speculator_plan
-from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import mlp_speculator as ms
 from confu_jax.decode.families import get_method
 from confu_jax.train.metric_writers import read_csv
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.jitting import jit_static
-from tests.helpers.loop_fixtures import generated_rows, jit_propose, make
+from tests.helpers.loop_fixtures import generated_rows, jit_propose, make, own
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
 # the speculator's pieces under jit (tests/helpers/jitting.py: called eagerly, every primitive compiles on its own)
@@ -64,7 +63,7 @@ def speculator_for(d, vocab, n_predict=3, inner_dim=32, tie_weights=False, scale
 def setup(vocab, n_predict=3, seed=0, **kw):
     spec, tp, _ = make("eagle3", vocab, seed=seed, **kw)
     p, _ = speculator_for(spec.target.d_model, vocab, n_predict, seed=seed)
-    return spec, tp, SpecParams(target=tp, draft={"mlp_speculator": p}, confu={}, draft_vocab={})
+    return spec, tp, own(spec, tp, {"mlp_speculator": p})
 
 
 # ----------------------------------------------------------------------------- the reference, transcribed
@@ -271,11 +270,12 @@ def test_tied_gradient_is_the_sum_over_stages():
 
 
 def _propose(spec, tp, p, plan, h_bd, root_b):
-    params = SpecParams(target=tp, draft={"mlp_speculator": p}, confu={}, draft_vocab={})
+    params = own(spec, tp, {"mlp_speculator": p})
     b = root_b.shape[0]
     inp = DraftInput(jnp.asarray(root_b, jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool),
                      jax.random.PRNGKey(0), jnp.float32(0.0), jnp.float32(1.0))
-    return jit_propose(parse_drafter("mlp_speculator", plan), spec, params, MLPSpeculatorState(jnp.asarray(h_bd)), inp)
+    return jit_propose(parse_drafter("mlp_speculator", plan), params.target, params.drafter_params,
+                       MLPSpeculatorState(jnp.asarray(h_bd)), inp)
 
 
 @pytest.mark.parametrize("scale_input", [False, True])
@@ -327,7 +327,8 @@ def test_plan_parsing():
     assert get_method("mlp_speculator").needs_head and get_method("mlp_speculator").speculative
     spec, tp, params = setup(6, n_predict=2)
     with pytest.raises(ValueError, match="depth <= n_predict"):
-        loop.generate_from_spec(spec, params, parse_drafter("mlp_speculator", "chain:3"), PROMPTS,
+        loop.generate_speculative(params.target, parse_drafter("mlp_speculator", "chain:3"), params.drafter_params,
+                                  PROMPTS,
                                   max_new_tokens=4, eos_ids=())
 
 
@@ -342,7 +343,8 @@ def test_full_tree_accepts_every_depth():
     tokens are always in the tree and every pass emits 3 (the last may be clipped)."""
     spec, tp, params = setup(4, n_predict=2)
     prompts = [[t % 4 for t in p] for p in PROMPTS]
-    sp = loop.generate_from_spec(spec, params, parse_drafter("mlp_speculator", "tree:4,4"), prompts,
+    sp = loop.generate_speculative(params.target, parse_drafter("mlp_speculator", "tree:4,4"), params.drafter_params,
+                                   prompts,
                                    max_new_tokens=25, eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=25, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
@@ -373,9 +375,10 @@ def test_state_follows_the_last_accepted_node():
     spec, tp, _ = make("eagle3", 4)
     p, c = _target_argmax_speculator(tp, spec.target.d_model, 4)
     assert ms.config_of(p) == c
-    params = SpecParams(target=tp, draft={"mlp_speculator": p}, confu={}, draft_vocab={})
+    params = own(spec, tp, {"mlp_speculator": p})
     prompts = [[t % 4 for t in q] for q in PROMPTS]
-    sp = loop.generate_from_spec(spec, params, parse_drafter("mlp_speculator", "chain:1"), prompts,
+    sp = loop.generate_speculative(params.target, parse_drafter("mlp_speculator", "chain:1"), params.drafter_params,
+                                   prompts,
                                    max_new_tokens=20, eos_ids=())
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=20, eos_ids=())
     assert generated_rows(sp, 2) == generated_rows(ar, 2)
@@ -414,7 +417,7 @@ def test_published_format_round_trip(tmp_path):
     from confu_jax.weights.safetensors_io import SafetensorsFile, save_file
 
     spec, tp, params = setup(6)
-    p = params.draft["mlp_speculator"]
+    p = params.drafter_params.weights["mlp_speculator"]
     d = str(tmp_path / "untied")
     save_mlp_speculator_dir(d, p)
     with open(os.path.join(d, "config.json")) as f:
@@ -469,7 +472,7 @@ def test_published_format_round_trip(tmp_path):
     assert head.trained and "mlp_speculator format" in head.source
     drafter = parse_drafter("mlp_speculator", "tree:2,2")
     a = loop.generate_speculative(head.target, drafter, head.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
-    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    b = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     with pytest.raises(ValueError, match="neither an MLP speculator"):
@@ -554,7 +557,7 @@ def test_training_lowers_the_loss_and_the_run_decodes(tmp_path):
     spec, tp = load_target(config, model_spec_from_config(config))
     head = decode_head("mlp_speculator", spec.target, tp, workdir)
     assert head.trained and "step 40" in head.source
-    sp = head.params.draft["mlp_speculator"]
+    sp = head.drafter_params.weights["mlp_speculator"]
     assert ms.is_tied(sp) and ms.config_of(sp).scale_input and ms.config_of(sp).inner_dim == 32
     out = str(tmp_path / "exported")
     run = export_mlp_speculator_run(workdir, out, spec.target, tp, dtype="bfloat16")

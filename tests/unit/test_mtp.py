@@ -33,13 +33,12 @@ import pytest
 from confu_jax.decode import loop
 from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.mtp import MTPDrafter, parse_mtp_plan
-from confu_jax.decode.spec_params import SpecParams
 from confu_jax.models import mtp as mtp_lib
 from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.decode.families import get_method
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.jitting import jit_static
-from tests.helpers.loop_fixtures import generated_rows, make
+from tests.helpers.loop_fixtures import generated_rows, make, own
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
@@ -65,7 +64,7 @@ def module_for(cfg, tp, seed=0, eh_std=0.3, init_block="random"):
 def setup(vocab, seed=0, **kw):
     spec, tp, _ = make("eagle3", vocab, seed=seed, **kw)
     m = module_for(spec.target, tp, seed=seed)
-    return spec, tp, SpecParams(target=tp, draft={"mtp": m}, confu={}, draft_vocab={})
+    return spec, tp, own(spec, tp, {"mtp": m})
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -117,7 +116,7 @@ def test_forward_equals_reference():
     import torch
 
     spec, tp, params = setup(24)
-    cfg, m = spec.target, params.draft["mtp"]
+    cfg, m = spec.target, params.drafter_params.weights["mtp"]
     n = cfg.n_layers
     sd = mtp_lib.to_reference_state_dict(m, n)
     assert all(k.startswith(f"model.layers.{n}.") for k in sd)
@@ -188,9 +187,10 @@ def test_plan_parsing():
         parse_drafter("mtp", p)
     assert get_method("mtp").needs_head and get_method("mtp").speculative
     spec, tp, _ = make("eagle3", 6)
-    with pytest.raises(ValueError, match="needs params.draft\\['mtp'\\]"):
-        loop.generate_from_spec(spec, SpecParams(target=tp, draft={}, confu={}, draft_vocab={}),
-                                  parse_drafter("mtp", "chain:2"), PROMPTS, max_new_tokens=4, eos_ids=())
+    with pytest.raises(ValueError, match="needs drafter_params.weights\\['mtp'\\]"):
+        empty = own(spec, tp, {})
+        loop.generate_speculative(empty.target, parse_drafter("mtp", "chain:2"), empty.drafter_params, PROMPTS,
+                                  max_new_tokens=4, eos_ids=())
 
 
 # ----------------------------------------------------------------------------- in the loop
@@ -205,16 +205,16 @@ def _first_proposal(spec, tp, params, plan, prompt):
     drafter = parse_drafter("mtp", plan)
 
     @jax.jit
-    def first(params, toks):
+    def first(target, dp, toks):
         out = real_forward(spec, tp, toks)
         root = jnp.argmax(out.logits_btv[:, -1], axis=-1).astype(jnp.int32)
-        st = drafter.init(spec, params, PrefillView(toks, jnp.array([n]), root, out.taps_btc, None, 32,
+        st = drafter.init(target, dp, PrefillView(toks, jnp.array([n]), root, out.taps_btc, None, 32,
                                                     out.hidden_btd[:, -1], out.hidden_btd))
         inp = DraftInput(root, jnp.array([n - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0), jnp.float32(0.0),
                          jnp.float32(1.0))
-        return drafter.propose(spec, params, st, inp), out.hidden_btd[0], root[0]
+        return drafter.propose(target, dp, st, inp), out.hidden_btd[0], root[0]
 
-    prop, hidden, root = first(params, jnp.asarray([prompt], jnp.int32))
+    prop, hidden, root = first(params.target, params.drafter_params, jnp.asarray([prompt], jnp.int32))
     return prop, np.asarray(hidden), int(root)
 
 
@@ -238,7 +238,7 @@ def test_drafts_are_the_recursive_module():
     """chain:3 is depth after depth the argmax of the recursion on the module's own output; in tree:3,2 each
     depth-1 node's children are the top-2 of its own recursion (they differ per parent, unlike Medusa's)."""
     spec, tp, params = setup(24, seed=1)
-    m = params.draft["mtp"]
+    m = params.drafter_params.weights["mtp"]
     prompt = [3, 9, 4, 17, 3, 9]
     prop, hidden, root = _first_proposal(spec, tp, params, "chain:3", prompt)
     chain = np.asarray(prop.tree.tokens_bt)[0].tolist()
@@ -279,7 +279,7 @@ def test_deepseek_layout_round_trip(tmp_path):
     from confu_jax.weights.safetensors_io import SafetensorsFile, save_file
 
     spec, tp, params = setup(6)
-    cfg, m = spec.target, params.draft["mtp"]
+    cfg, m = spec.target, params.drafter_params.weights["mtp"]
     n = cfg.n_layers
     d = str(tmp_path / "mtp")
     save_mtp_dir(d, m, cfg)
@@ -323,9 +323,9 @@ def test_deepseek_layout_round_trip(tmp_path):
         decode_head("mtp", cfg, tp, str(tmp_path))
     # and it decodes exactly as the in-memory module
     drafter = parse_drafter("mtp", "tree:2,2")
-    a = loop.generate_from_spec(spec, decode_head("mtp", cfg, tp, d).params, drafter, PROMPTS, max_new_tokens=12,
-                                  eos_ids=())
-    b = loop.generate_from_spec(spec, params, drafter, PROMPTS, max_new_tokens=12, eos_ids=())
+    loaded = decode_head("mtp", cfg, tp, d)
+    a = loop.generate_speculative(loaded.target, drafter, loaded.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
+    b = loop.generate_speculative(params.target, drafter, params.drafter_params, PROMPTS, max_new_tokens=12, eos_ids=())
     assert generated_rows(a, 2) == generated_rows(b, 2)
     np.testing.assert_array_equal(np.asarray(a.accept_log_bi), np.asarray(b.accept_log_bi))
     assert not decode_head("mtp", cfg, tp, None).trained
@@ -396,7 +396,7 @@ def test_packed_rows_equal_padded_rows():
     from confu_jax.train.mtp_task import mtp_loss
 
     spec, tp, params = setup(24, seed=4)
-    m = params.draft["mtp"]
+    m = params.drafter_params.weights["mtp"]
     rng = np.random.default_rng(0)
     a, b, n = rng.integers(0, 24, 9), rng.integers(0, 24, 11), 24
     ma, mb = np.r_[np.zeros(3), np.ones(6)], np.r_[np.zeros(4), np.ones(7)]
@@ -442,7 +442,7 @@ def test_training_lowers_the_loss_and_the_run_loads(tmp_path):
     spec, tp = load_target(config, model_spec_from_config(config))
     head = decode_head("mtp", spec.target, tp, workdir)
     assert head.trained and "step 20" in head.source
-    trained = head.params.draft["mtp"]
+    trained = head.drafter_params.weights["mtp"]
     assert np.abs(np.asarray(trained["eh_proj"]["kernel"]) - np.asarray(
         init_mtp(jax.random.PRNGKey(0), spec.target, tp)["eh_proj"]["kernel"])).max() > 0
     mtp_lib.check_mtp_params(trained, spec.target)  # decodes as any module does (tests/contract/test_family_contract.py)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode.generate import prepare_ar_inputs
 from confu_jax.decode.loop import prepare_spec_inputs
 from confu_jax.decode.plans import parse_plan
@@ -18,7 +19,7 @@ def _both(prompts, **kw):
     """Run a request through the AR and the speculative preparation; return what each raised."""
     out = []
     for prep in (lambda: prepare_ar_inputs(CFG, prompts, **kw),
-                 lambda: prepare_spec_inputs(SPEC, parse_plan("chain:2"), prompts, **kw)):
+                 lambda: prepare_spec_inputs(SPEC.target, HeadDrafter(parse_plan("chain:2")), prompts, **kw)):
         with pytest.raises(ValueError) as e:
             prep()
         out.append(str(e.value))
@@ -39,8 +40,8 @@ def test_cache_must_hold_the_prompt_plus_what_the_loop_needs_first():
     prompt = [[1] * 8]
     validate_request(CFG, prompt, max_len=8)  # AR: a prompt that fills the cache still emits one token
     with pytest.raises(ValueError, match="cannot hold a prompt of 8 tokens plus one verification of depth 2"):
-        prepare_spec_inputs(SPEC, parse_plan("chain:2"), prompt, max_len=10)
-    args, static = prepare_spec_inputs(SPEC, parse_plan("chain:2"), prompt, max_len=11)
+        prepare_spec_inputs(SPEC.target, HeadDrafter(parse_plan("chain:2")), prompt, max_len=10)
+    args, static = prepare_spec_inputs(SPEC.target, HeadDrafter(parse_plan("chain:2")), prompt, max_len=11)
     assert static["max_len"] == 11
 
 

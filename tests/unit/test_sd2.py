@@ -79,7 +79,7 @@ def test_training_lowers_the_kl_and_the_run_decodes(tmp_path):
     spec, tp = load_target(config, model_spec_from_config(config))
     head = decode_head("sd2", spec.target, tp, workdir)
     assert head.trained and "SD²" in head.source
-    assert np.abs(np.asarray(head.params.draft["steering"]["w_s"]["kernel"])).max() > 0
+    assert np.abs(np.asarray(head.drafter_params.weights["steering"]["w_s"]["kernel"])).max() > 0
     prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
     sp = loop.generate_speculative(head.target, parse_drafter("sd2", "chain:3"), head.drafter_params, prompts,
@@ -124,10 +124,10 @@ def test_distilled_baseline_fine_tunes_the_drafter_alone(tmp_path):
     with pytest.raises(ValueError, match="distilled run"):
         decode_head("sd2", spec.target, tp, workdir)
     head = decode_head("draft_model", spec.target, tp, workdir)
-    assert "steering" not in head.params.draft and "model" in head.params.draft
+    assert "steering" not in head.drafter_params.weights and "model" in head.drafter_params.weights
     pretrained = early_exit_params(tp, head.spec.draft_model.n_layers)  # the drafter moved off it
     assert max(float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max()) for a, b in zip(
-        jax.tree_util.tree_leaves(head.params.draft["model"]), jax.tree_util.tree_leaves(pretrained))) > 0
+        jax.tree_util.tree_leaves(head.drafter_params.weights["model"]), jax.tree_util.tree_leaves(pretrained))) > 0
     prompts = [[5, 9, 17, 3], [40, 2, 7, 7, 1, 30]]
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=16, eos_ids=())
     sp = loop.generate_speculative(head.target, parse_drafter("draft_model", "chain:3"), head.drafter_params, prompts,

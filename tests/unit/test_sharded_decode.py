@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from confu_jax.decode.drafting import HeadDrafter
 from confu_jax import sharding as shd
 from confu_jax.decode import loop, plans, sharded, tracing
 from confu_jax.decode.generate import generate_ar, prepare_ar_inputs
@@ -120,7 +121,8 @@ def test_sharded_speculative_equals_single_device(reference, variant, plan, mesh
     if shardy_aborts:
         jax.config.update("jax_use_shardy_partitioner", False)
     try:
-        out = loop.generate_from_spec(spec, params, plans.parse_plan(plan), prompts_for(VOCAB),
+        out = loop.generate_speculative(params.target, HeadDrafter(plans.parse_plan(plan)), params.drafter_params,
+                                        prompts_for(VOCAB),
                                         max_new_tokens=N_NEW, eos_ids=(), mesh=mesh)
     finally:
         jax.config.update("jax_use_shardy_partitioner", shardy)
@@ -137,7 +139,7 @@ def llama8b():
     """Shapes only: the 8B target + a ConFu head (32k draft vocabulary) on a 1×8 tensor mesh."""
     mesh = sharded.parse_mesh("data=1,tensor=8")
     spec = ModelSpec(get_preset("llama-3.1-8b"), HeadConfig(variant="confu"))
-    return mesh, spec, sharded.abstract_spec_params(spec, mesh)
+    return mesh, spec, sharded.abstract_params(spec, mesh)
 
 
 def test_llama8b_per_device_parameter_bytes(llama8b):
@@ -149,13 +151,14 @@ def test_llama8b_per_device_parameter_bytes(llama8b):
     # every sharded leaf divides by 8 here (32 heads, 8 KV heads, 14336 MLP, 128256 vocab)
     assert set(per_dev.values()) == {rep["sharded"] // 8 + rep["replicated"]}
     assert rep["replicated"] < 0.01 * rep["total"], rep  # norms, router, vocab maps
-    t_rep = sharded.bytes_report(params.target, shardings.target)
+    t_rep = sharded.bytes_report(params[0].params, shardings[0].params)
     assert t_rep["total"] == 2 * 8_030_261_248  # Llama-3.1-8B's parameter count in bf16
     assert t_rep["max_per_device"] == t_rep["sharded"] // 8 + t_rep["replicated"]
     # the training table decides: q_proj over heads, embeddings over vocab
     specs = {shd.path_str(p): s.spec for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
-    assert specs["target/layers/q_proj/kernel"] == P(None, None, "tensor")
-    assert specs["target/embed/embedding"] == P("tensor", None)
+    assert specs["0/params/layers/q_proj/kernel"] == P(None, None, "tensor")
+    assert specs["0/params/embed/embedding"] == P("tensor", None)
+    assert specs["1/weights/lm_head/kernel"] == P(None, "tensor")  # the head's LM head over its vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +166,7 @@ def llama8b_traced(llama8b):
     """The AR and speculative (ConFu, dynamic tree) 8B programs traced with sharded inputs, scanned
     layers (the accelerator form)."""
     mesh, spec, _ = llama8b
-    traced = tracing.trace_loops(spec, mesh, plans.parse_plan("dynamic:4,4,16"))
+    traced = tracing.trace_loops(spec, mesh, HeadDrafter(plans.parse_plan("dynamic:4,4,16")))
     return traced["ar"], traced["speculative"]
 
 

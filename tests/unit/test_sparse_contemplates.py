@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode import drafting, loop, plans
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.tree import build_tree
@@ -92,13 +93,13 @@ def test_contemplate_nodes_rule():
     score = jnp.asarray([[0.0, -0.1, -2.0, -0.3, -3.0, -2.5, -0.2],
                          [0.0, -1.0, -0.5, -1.2, -4.0, -0.6, -1.3]])
     # highest cumulative scores, root first, returned in topological (index) order
-    np.testing.assert_array_equal(np.asarray(drafting.contemplate_nodes(spec, dyn, tree, score)),
+    np.testing.assert_array_equal(np.asarray(drafting.contemplate_nodes(spec.has_future, dyn, tree, score)),
                                   [[0, 1, 6], [0, 2, 5]])
     chain = plans.parse_plan("chain:6+c3")
-    np.testing.assert_array_equal(np.asarray(drafting.contemplate_nodes(spec, chain, tree, None)), [[0, 1, 2]] * 2)
+    np.testing.assert_array_equal(np.asarray(drafting.contemplate_nodes(spec.has_future, chain, tree, None)), [[0, 1, 2]] * 2)
     # full ConFu and EAGLE-3: no selection (every node / no contemplates)
-    assert drafting.contemplate_nodes(spec, plans.parse_plan("chain:6"), tree, None) is None
-    assert drafting.contemplate_nodes(tiny_spec("eagle3"), chain, tree, None) is None
+    assert drafting.contemplate_nodes(spec.has_future, plans.parse_plan("chain:6"), tree, None) is None
+    assert drafting.contemplate_nodes(tiny_spec("eagle3").has_future, chain, tree, None) is None
 
 
 @pytest.mark.slow
@@ -108,7 +109,8 @@ def test_sparse_contemplates_greedy_equals_ar(variant, vocab, plan):
     spec, tp, params = make(variant, vocab)
     prompts = prompts_for(vocab)
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=24, eos_ids=())
-    sp = loop.generate_from_spec(spec, params, plans.parse_plan(plan), prompts, max_new_tokens=24, eos_ids=())
+    sp = loop.generate_speculative(params.target, HeadDrafter(plans.parse_plan(plan)), params.drafter_params, prompts,
+                                   max_new_tokens=24, eos_ids=())
     assert generated_rows(sp, 4) == generated_rows(ar, 4)
     if vocab == 4:  # the full 2-level tree: passes accept >= 3 tokens, so f comes from deep nodes
         log = np.asarray(sp.accept_log_bi)[:, : int(np.asarray(sp.n_passes_b).min()) - 1]

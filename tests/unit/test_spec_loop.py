@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from confu_jax.decode.drafting import HeadDrafter
 from confu_jax.decode import loop, plans
 from confu_jax.decode.generate import generate_ar
 from confu_jax.decode.stopping import StopReason
-from tests.helpers.loop_fixtures import PROMPTS, chi_square_pvalue, exact_joint, generated_rows, make, prompts_for
+from tests.helpers.loop_fixtures import (PROMPTS, chi_square_pvalue, exact_joint, generated_rows, make, prompts_for,
+                                         with_weights)
 
 
 # vocab 24 with a random draft: most drafts are rejected. vocab 4 with a full 2-level tree
@@ -32,12 +34,12 @@ def test_greedy_lossless_batch(variant, vocab, plan, head_kw):
     spec, tp, params = make(variant, vocab, head_kw=head_kw)
     if head_kw.get("future_input"):
         d = spec.target.d_model
-        params = params.replace(draft={**params.draft, "future_in": {
-            "kernel": 0.3 * jax.random.normal(jax.random.PRNGKey(5), (d, d), jnp.float32)}})
-    plan = plans.parse_plan(plan)
+        params = with_weights(params, future_in={
+            "kernel": 0.3 * jax.random.normal(jax.random.PRNGKey(5), (d, d), jnp.float32)})
+    plan = HeadDrafter(plans.parse_plan(plan))
     prompts = prompts_for(vocab)
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=30, eos_ids=())
-    sp = loop.generate_from_spec(spec, params, plan, prompts, max_new_tokens=30, eos_ids=())
+    sp = loop.generate_speculative(params.target, plan, params.drafter_params, prompts, max_new_tokens=30, eos_ids=())
     assert generated_rows(sp, 4) == generated_rows(ar, 4)
     assert np.all(np.asarray(sp.stop_reason_b) == StopReason.MAX_NEW_TOKENS)
     log = np.asarray(sp.accept_log_bi)
@@ -54,16 +56,17 @@ def test_greedy_lossless_batch(variant, vocab, plan, head_kw):
 
 def test_greedy_lossless_batch1_and_eos():
     spec, tp, params = make("confu", 24, seed=1)
-    plan = plans.parse_plan("dynamic:3,3,8")
+    plan = HeadDrafter(plans.parse_plan("dynamic:3,3,8"))
     prompt = [PROMPTS[1]]
     ar = generate_ar(tp, spec.target, prompt, max_new_tokens=24, eos_ids=())
-    sp = loop.generate_from_spec(spec, params, plan, prompt, max_new_tokens=24, eos_ids=())
+    sp = loop.generate_speculative(params.target, plan, params.drafter_params, prompt, max_new_tokens=24, eos_ids=())
     assert generated_rows(sp, 1) == generated_rows(ar, 1)
     # rows finishing at different times: stop at EOS = a token each row emits at a different step
     ar_rows = generated_rows(ar, 1)[0]
     eos = ar_rows[7]
     ar_e = generate_ar(tp, spec.target, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
-    sp_e = loop.generate_from_spec(spec, params, plan, PROMPTS, max_new_tokens=24, eos_ids=(eos,))
+    sp_e = loop.generate_speculative(params.target, plan, params.drafter_params, PROMPTS, max_new_tokens=24,
+                                     eos_ids=(eos,))
     assert generated_rows(sp_e, 4) == generated_rows(ar_e, 4)
     assert np.array_equal(np.asarray(sp_e.stop_reason_b), np.asarray(ar_e.stop_reason_b))
 
@@ -71,10 +74,10 @@ def test_greedy_lossless_batch1_and_eos():
 @pytest.mark.slow
 def test_cache_full_stops_cleanly():
     spec, tp, params = make("eagle3", 4)
-    plan = plans.parse_plan("dynamic:2,4,20")
+    plan = HeadDrafter(plans.parse_plan("dynamic:2,4,20"))
     max_len = 16 + 12  # bucket 16 + a few verifications
     prompts = prompts_for(4)
-    sp = loop.generate_from_spec(spec, params, plan, prompts, max_new_tokens=64, eos_ids=(),
+    sp = loop.generate_speculative(params.target, plan, params.drafter_params, prompts, max_new_tokens=64, eos_ids=(),
                                    max_len=max_len)
     ar = generate_ar(tp, spec.target, prompts, max_new_tokens=64, eos_ids=())
     reasons = np.asarray(sp.stop_reason_b)
@@ -90,9 +93,10 @@ def test_cache_full_stops_cleanly():
 def test_one_compiled_program_no_host_round_trip():
     """The whole generation is one while_loop inside one program: no callbacks, one trace."""
     spec, tp, params = make("confu", 24)
-    plan = plans.parse_plan("chain:2")
-    args, static = loop.prepare_spec_inputs(spec, plan, PROMPTS[:2], max_new_tokens=12, eos_ids=())
-    jaxpr = jax.make_jaxpr(lambda p, *a: loop.speculative_padded(p, *a, **static))(params, *args)
+    plan = HeadDrafter(plans.parse_plan("chain:2"))
+    args, static = loop.prepare_spec_inputs(spec.target, plan, PROMPTS[:2], max_new_tokens=12, eos_ids=())
+    jaxpr = jax.make_jaxpr(lambda t, d, *a: loop.speculative_padded(t, d, *a, **static))(
+        params.target, params.drafter_params, *args)
     top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
     assert top.count("while") == 1, top
 
@@ -108,14 +112,17 @@ def test_one_compiled_program_no_host_round_trip():
     prims = set(all_prims(jaxpr.jaxpr))
     assert not {p for p in prims if "callback" in p or p in ("infeed", "outfeed")}, prims
     before = loop.trace_count()
-    run, args2 = loop.compile_from_spec(spec, params, plan, PROMPTS[:2], max_new_tokens=12, eos_ids=())
+    run, args2 = loop.compile_speculative(params.target, plan, params.drafter_params, PROMPTS[:2], max_new_tokens=12,
+                                          eos_ids=())
     after_compile = loop.trace_count()
-    out = run(params, *args2)
+    out = run(params.target, params.drafter_params, *args2)
     jax.block_until_ready(out)
     assert after_compile - before == 1 and loop.trace_count() == after_compile
     # a second prompt set in the same bucket reuses the program
-    loop.generate_from_spec(spec, params, plan, [[1, 2], [3, 4, 5]], max_new_tokens=12, eos_ids=())
-    loop.generate_from_spec(spec, params, plan, [[7], [3, 4, 5, 6]], max_new_tokens=12, eos_ids=())
+    loop.generate_speculative(params.target, plan, params.drafter_params, [[1, 2], [3, 4, 5]], max_new_tokens=12,
+                              eos_ids=())
+    loop.generate_speculative(params.target, plan, params.drafter_params, [[7], [3, 4, 5, 6]], max_new_tokens=12,
+                              eos_ids=())
     assert loop.trace_count() - after_compile <= 1
 
 
@@ -131,13 +138,13 @@ def test_one_compiled_program_no_host_round_trip():
 def test_sampling_lossless_joint(plan, temperature, top_p, head_kw):
     spec, tp, params = make("confu", 8, seed=3, head_kw=head_kw, n_layers=4, d_model=32, n_heads=2, n_kv_heads=1,
                             ffn_dim=64)
-    plan = plans.parse_plan(plan)
+    plan = HeadDrafter(plans.parse_plan(plan))
     prompt = [1, 5, 2]
     joint = exact_joint(spec, tp, prompt, temperature, top_p)
     n_per, reps = 25_000, 4
     samples = []
     for r in range(reps):
-        res = loop.generate_from_spec(spec, params, plan, [prompt] * n_per, max_new_tokens=3,
+        res = loop.generate_speculative(params.target, plan, params.drafter_params, [prompt] * n_per, max_new_tokens=3,
                                         eos_ids=(), temperature=temperature, top_p=top_p,
                                         seed=100 + r, min_bucket=4)
         toks = np.asarray(res.tokens_bn)
@@ -148,24 +155,30 @@ def test_sampling_lossless_joint(plan, temperature, top_p, head_kw):
     assert p > 1e-3, p
 
 
-def test_the_public_form_joins_to_the_traced_form_and_names_a_missing_or_stray_confu_field():
-    """``split`` / ``join`` between (ModelSpec, SpecParams) and (Target, DrafterParams) are inverses; ConFu's
-    extras are the one optional field: None for EAGLE-3, required for ConFu, and either mistake is named."""
-    from confu_jax.decode import spec_params as sp
+def test_the_loop_takes_one_form_and_names_a_missing_or_stray_confu_field_or_a_bare_plan():
+    """The loop takes ``(Target, Drafter, DrafterParams)`` and nothing else: a drafter's architecture lives in its
+    params' static fields (one trace per architecture), ConFu's extras are the one optional field (None for
+    EAGLE-3, required for ConFu: either mistake is named), and a bare ``DraftPlan`` is refused as a drafter."""
+    from confu_jax.decode.params import DrafterParams
 
     for variant in ("eagle3", "confu"):
         spec, _, params = make(variant, 6)
-        target, dp = sp.split(spec, params)
+        target, dp = params.target, params.drafter_params
         assert (dp.confu is None) == (variant == "eagle3") and dp.head == spec.head
-        spec2, params2 = sp.join(target, dp)
-        assert spec2 == spec
-        assert jax.tree_util.tree_structure(params2) == jax.tree_util.tree_structure(params)
-        assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(params2), jax.tree_util.tree_leaves(params)))
+        assert dp.spec(target.config) == spec and params.spec == spec
+        # the architecture is static: in the tree's structure, not among its leaves
+        assert jax.tree_util.tree_structure(dp) != jax.tree_util.tree_structure(dp.replace(head=None))
+        drafter = HeadDrafter(plans.parse_plan("chain:2"))
         if variant == "confu":
             with pytest.raises(ValueError, match="contemplates need drafter_params.confu"):
-                sp.join(target, dp.replace(confu=None))
+                loop.generate_speculative(target, drafter, dp.replace(confu=None), PROMPTS[:1], max_new_tokens=2)
         else:
             with pytest.raises(ValueError, match="runs no contemplates"):
-                sp.join(target, dp.replace(confu={"soft_prompts": params.draft["fc"]}))
-    with pytest.raises(TypeError, match=r"expected \(Target, DrafterParams\), got \(ModelSpec, SpecParams\)"):
-        sp.join(spec, params)
+                loop.generate_speculative(target, drafter, dp.replace(confu={"soft_prompts": dp.weights["fc"]}),
+                                          PROMPTS[:1], max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"expected \(Target, DrafterParams\).*got \(Target, dict\)"):
+        loop.generate_speculative(target, drafter, {"draft": dp.weights}, PROMPTS[:1], max_new_tokens=2)
+    with pytest.raises(TypeError, match="expected a decode.drafter.Drafter.*got Chain"):
+        loop.generate_speculative(target, plans.parse_plan("chain:2"), dp, PROMPTS[:1], max_new_tokens=2)
+    with pytest.raises(ValueError, match="need trainable\\['draft'\\]"):
+        DrafterParams.for_head(spec.head, {"confu": {}}, dp.draft_vocab)
