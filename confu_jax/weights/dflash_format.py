@@ -32,7 +32,7 @@ import numpy as np
 from confu_jax.models.dflash import (build_target_layer_ids, from_reference_state_dict, taps_for_layer_ids,
                                      to_reference_state_dict)
 from confu_jax.models.llama import LlamaConfig
-from confu_jax.weights.eagle3_formats import read_tensors
+from confu_jax.weights.tensor_files import read_tensors
 from confu_jax.weights.export import hf_config_dict
 from confu_jax.weights.head_dirs import dtype_name, read_config_json
 from confu_jax.weights.hf import config_from_dict

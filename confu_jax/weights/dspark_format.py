@@ -28,7 +28,7 @@ import numpy as np
 from confu_jax.models import dspark as D
 from confu_jax.models.dflash import from_reference_state_dict, to_reference_state_dict
 from confu_jax.models.llama import LlamaConfig
-from confu_jax.weights.eagle3_formats import read_tensors
+from confu_jax.weights.tensor_files import read_tensors
 from confu_jax.weights.export import hf_config_dict
 from confu_jax.weights.head_dirs import dtype_name, read_config_json
 from confu_jax.weights.hf import config_from_dict

@@ -32,7 +32,7 @@ import numpy as np
 
 from confu_jax.models.mlp_speculator import (config_of, from_reference_state_dict, make_config,
                                              reference_config_dict, to_reference_state_dict)
-from confu_jax.weights.eagle3_formats import read_tensors
+from confu_jax.weights.tensor_files import read_tensors
 from confu_jax.weights.head_dirs import dtype_name, read_config_json
 from confu_jax.weights.safetensors_io import save_file
 

@@ -23,9 +23,9 @@ import numpy as np
 
 from confu_jax import storage
 from confu_jax.models.spec import ModelSpec
-from confu_jax.weights.eagle3_formats import (ImportedHead, assemble_head, export_head, parse_speculators_config,
-                                              read_tensors, save_safetensors)
+from confu_jax.weights.eagle3_formats import ImportedHead, assemble_head, export_head, parse_speculators_config
 from confu_jax.weights.errors import CheckpointError
+from confu_jax.weights.tensor_files import read_tensors, save_safetensors
 from confu_jax.weights.head_dirs import read_config_json
 
 KIND = "peagle"

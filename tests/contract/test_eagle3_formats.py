@@ -26,9 +26,9 @@ import pytest
 
 from confu_jax.models.draft import init_draft_params
 from confu_jax.models.spec import HeadConfig, ModelSpec
-from confu_jax.weights.eagle3_formats import (bind_to_target, eagle3_part, export_head, load_head, read_tensors,
-                                              save_safetensors)
+from confu_jax.weights.eagle3_formats import bind_to_target, eagle3_part, export_head, load_head
 from confu_jax.weights.errors import CheckpointError
+from confu_jax.weights.tensor_files import read_tensors, save_safetensors
 from tests.helpers.speculators_ref import our_ttt_logits, speculators_ttt_logits
 from tests.helpers.model_fakes import DRAFT_VOCAB, tiny_params, tiny_spec
 from tests.helpers.xla_env import SINGLE_DEVICE

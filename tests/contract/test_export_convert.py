@@ -13,7 +13,7 @@ import pytest
 
 from confu_jax.decode.families import EXPORT_FORMATS
 from confu_jax.runs.exports import target_dtype
-from confu_jax.weights.eagle3_formats import read_tensors
+from confu_jax.weights.tensor_files import read_tensors
 from confu_jax.weights.export import hf_config_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

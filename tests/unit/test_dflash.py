@@ -349,7 +349,7 @@ def test_five_tap_drafter_imports_and_decodes(tmp_path):
     spec, tp, _ = setup(6)
     taps = D.default_taps(spec.target.n_layers, 5)
     assert len(taps) == 5 and max(taps) < spec.target.n_layers
-    spec = dataclasses.replace(spec, head=dataclasses.replace(spec.head, tap_layers=taps))
+    spec = dataclasses.replace(spec, head=None, tap_layers=taps)  # the drafter's own taps (DrafterParams.tap_layers)
     p = draft_for(spec.draft_model, 5, seed=1)
     assert np.asarray(p["fc"]["kernel"]).shape == (5 * spec.target.d_model, spec.target.d_model)
     params = own(spec, tp, {"dflash": {**p, "mask_token_id": np.int32(MASK)}})

@@ -262,7 +262,7 @@ def test_budget_auto_lookup_candidates():
 
     spec, tp, _ = make("eagle3", 6)
     params = _lookup_params(spec, tp)
-    best, cands = budget.auto_plan(spec, params, PROMPTS, chains=("chain:2", "chain:4"), trees=("lookup:3,2",),
+    best, cands = budget.auto_plan(params.target, params.drafter_params, PROMPTS, chains=("chain:2", "chain:4"), trees=("lookup:3,2",),
                                    max_new_tokens=16, method="lookup")
     assert [c.plan for c in cands] == [budget.AR, "chain:2", "chain:4", "lookup:3,2"]
     assert all(c.method == "lookup" for c in cands)
