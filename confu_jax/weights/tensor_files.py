@@ -24,24 +24,15 @@ _TAG_OF = {v: k for k, v in _ALL_TAGS.items()}
 
 def read_tensors(directory: str) -> dict:
     """name -> numpy array from model.safetensors, its sharded index, or pytorch_model.bin (+ index)."""
-    single = os.path.join(directory, "model.safetensors")
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if storage.isfile(single):
-        return _read_safetensors(single)
-    if storage.isfile(index):
-        out = {}
-        for shard in _shards(index):
-            out.update(_read_safetensors(os.path.join(directory, shard)))
-        return out
-    binary = os.path.join(directory, "pytorch_model.bin")
-    bindex = os.path.join(directory, "pytorch_model.bin.index.json")
-    if storage.isfile(binary):
-        return load_torch_pickle(binary)
-    if storage.isfile(bindex):
-        out = {}
-        for shard in _shards(bindex):
-            out.update(load_torch_pickle(os.path.join(directory, shard)))
-        return out
+    for name, reader in (("model.safetensors", _read_safetensors), ("pytorch_model.bin", load_torch_pickle)):
+        single, index = os.path.join(directory, name), os.path.join(directory, f"{name}.index.json")
+        if storage.isfile(single):
+            return reader(single)
+        if storage.isfile(index):  # sharded: every shard its index names
+            out = {}
+            for shard in _shards(index):
+                out.update(reader(os.path.join(directory, shard)))
+            return out
     raise CheckpointError(f"{directory}: expected model.safetensors, model.safetensors.index.json or "
                           f"pytorch_model.bin; found {sorted(storage.listdir(directory))[:12]}")
 
