@@ -22,15 +22,18 @@ Two parts:
    fusion's operands and outputs once (cache effects invisible). Read ratios as "where bytes go",
    not as a GPU prediction.
 
-2. ``--measure``: on this machine, SmolLM2 (fp32, batch 1, the embedded asset) — the measured stream
+2. ``--measure``: on this machine, a target at batch 1 — SmolLM2 (fp32, the embedded asset) by default,
+   or ``--measure_model random:<preset>`` (the preset's shapes with random weights made on the device,
+   ``--measure_dtype model`` for its own bf16: ``random:llama-3.1-8b`` on one GPU; a step's cost does
+   not depend on the values) — the measured stream
    bandwidth (best of 7 XLA sums over 1 GiB), the AR step's wall time, and the wall time of one
    speculative iteration (draft + verification + accept/commit) of EAGLE-3 and ConFu chain:3 with
    random heads of ``--draft_vocab`` rows (τ ≈ 1, so one iteration ≈ one emitted token: the cost of
    a pass, not a speed-up), each as a ratio to the AR step and to the floor. Per-step times are
    differences of two AOT-compiled runs (N tokens minus 1 token) over the extra steps; all programs
-   are timed round-robin, medians over ``--repeats`` rounds. Then one iteration alone, split into
-   draft / verify / accept+commit (differences of three programs on the same state), at T = 0 and
-   T = 0.7 (the sampled rule's extra cost). Run it on an idle machine.
+   are timed round-robin, medians over ``--repeats`` rounds. Then (``--measure_split``, default on)
+   one iteration alone, split into draft / verify / accept+commit (differences of three programs on
+   the same state), at T = 0 and T = 0.7 (the sampled rule's extra cost). Run it on an idle machine.
 
 3. ``--mesh tensor=8`` (any ``data=D,fsdp=F,tensor=T``): what each device holds when the decode loops
    run sharded (``confu_jax.decode.sharded``, the training table's rules): per model, the target's
@@ -58,7 +61,15 @@ flags.DEFINE_string("tokens", "1,30,60,120", "new tokens T per forward (1 = AR s
 flags.DEFINE_string("dtype", "float32", "parameter/compute dtype of the analysed programs: 'float32' "
                     "(default: XLA:CPU computes bf16 dots in f32, so a bf16 program's bytes measure CPU "
                     "conversions) or 'model' (each preset's own dtype)")
-flags.DEFINE_bool("measure", False, "also time SmolLM2 on this machine (AR step, EAGLE-3 / ConFu passes)")
+flags.DEFINE_bool("measure", False, "also time a target on this machine (AR step, EAGLE-3 / ConFu passes)")
+flags.DEFINE_string("measure_model", "smollm2-135m-instruct", "--measure: the target timed: a model source "
+                    "(the embedded asset, a .gguf, a checkpoint directory) or 'random:<preset>' — the preset's "
+                    "shapes filled with random weights on the device (a step's cost does not depend on the "
+                    "values; no download: e.g. random:llama-3.1-8b on one GPU)")
+flags.DEFINE_enum("measure_dtype", "float32", ["float32", "model"], "--measure with random:<preset>: float32 "
+                  "(as the CPU recipe) or the preset's own dtype (bfloat16 for the 8B presets)")
+flags.DEFINE_bool("measure_split", True, "--measure: also time one iteration split into draft / verify / "
+                  "accept+commit at T = 0 and 0.7 (twelve more programs to compile)")
 flags.DEFINE_integer("prompt_len", 300, "--measure: prompt tokens")
 flags.DEFINE_integer("new_tokens", 96, "--measure: tokens generated per timed run")
 flags.DEFINE_integer("repeats", 5, "--measure: timed rounds (every program once per round; medians)")
@@ -80,7 +91,29 @@ def _ints(s: str) -> list:
         raise app.UsageError(f"expected comma-separated integers, got {s!r}")
 
 
-def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab: int = 4096) -> dict:
+def measure_target(source: str):
+    """``(cfg, params)`` of the target ``--measure`` times: ``random:<preset>`` fills the preset's
+    shapes with random values on the default device (``--measure_dtype``), anything else loads."""
+    import jax
+
+    if source.startswith("random:"):
+        from confu_jax.models.llama import init_params
+        from confu_jax.models.presets import get_preset
+
+        try:
+            cfg = get_preset(source[len("random:"):])
+        except KeyError as e:
+            raise app.UsageError(f"--measure_model: {e}")
+        if FLAGS.measure_dtype == "float32":
+            cfg = cfg.replace(dtype="float32", param_dtype="float32")
+        return cfg, jax.jit(lambda r: init_params(cfg, r))(jax.random.PRNGKey(0))
+    from confu_jax.weights import load_model
+
+    return load_model(source)
+
+
+def measure(source: str, prompt_len: int, new_tokens: int, repeats: int, draft_vocab: int = 4096,
+            split: bool = True) -> dict:
     import jax
     import numpy as np
 
@@ -89,17 +122,20 @@ def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab:
     from confu_jax.decode.drafting import HeadDrafter
     from confu_jax.decode.loop import compile_speculative
     from confu_jax.decode.plans import parse_plan
-    from confu_jax.weights import load_model
 
-    cfg, params = load_model("smollm2-135m-instruct")
+    cfg, params = measure_target(source)
+    name = source.split(":", 1)[-1] if source.startswith("random:") else "SmolLM2" if source == "smollm2-135m-instruct" \
+        else source
     rng = np.random.default_rng(0)
-    prompt = [int(x) for x in rng.integers(100, cfg.vocab_size - 100, prompt_len)]
+    lo = min(100, cfg.vocab_size // 4)  # clear of the special ids at either end
+    prompt = [int(x) for x in rng.integers(lo, cfg.vocab_size - lo, prompt_len)]
     max_len = prompt_len + new_tokens + 16
     n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     bw = stream_bandwidth()
     floor_s = floor_bytes(cfg, n_bytes, prompt_len + new_tokens // 2, 1) / bw
-    res = {"bandwidth_gib_s": bw / 2 ** 30, "floor_ms": floor_s * 1e3, "prompt_len": prompt_len,
-           "new_tokens": new_tokens}
+    res = {"model": source, "dtype": str(jax.tree_util.tree_leaves(params)[0].dtype),
+           "device": jax.devices()[0].device_kind, "bandwidth_gib_s": bw / 2 ** 30, "floor_ms": floor_s * 1e3,
+           "prompt_len": prompt_len, "new_tokens": new_tokens}
 
     # Every program is compiled first, then all are timed round-robin (one call each per round,
     # medians over rounds), so a slow spell of the machine hits every figure alike.
@@ -130,7 +166,7 @@ def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab:
     ar_s = per_step("ar", new_tokens - 1)
     res["ar_step_ms"] = ar_s * 1e3
     res["ar_step_over_floor"] = ar_s / floor_s
-    print(f"SmolLM2 AR step: {ar_s * 1e3:.1f} ms = {ar_s / floor_s:.2f}x the floor "
+    print(f"{name} AR step: {ar_s * 1e3:.1f} ms = {ar_s / floor_s:.2f}x the floor "
           f"({floor_s * 1e3:.1f} ms at {bw / 2 ** 30:.1f} GiB/s)", flush=True)
     for method, head in heads.items():
         passes = int(np.asarray(outs[(method, new_tokens)].n_passes_b)[0]) - int(
@@ -138,9 +174,9 @@ def measure_smollm2(prompt_len: int, new_tokens: int, repeats: int, draft_vocab:
         it_s = per_step(method, passes)
         res[f"{method}_pass_ms"] = it_s * 1e3
         res[f"{method}_pass_over_ar"] = it_s / ar_s
-        print(f"SmolLM2 {method} chain:3 iteration (draft + verify + accept): {it_s * 1e3:.1f} ms = "
+        print(f"{name} {method} chain:3 iteration (draft + verify + accept): {it_s * 1e3:.1f} ms = "
               f"{it_s / ar_s:.2f}x an AR step", flush=True)
-    for method, head in heads.items():
+    for method, head in (heads.items() if split else ()):
         for temp in (0.0, 0.7):
             sp = split_iteration(head, plan, prompt, max_len, max(repeats, 15), temperature=temp)
             res[f"{method}_split_T{temp:g}"] = sp
@@ -243,8 +279,9 @@ def main(argv):
             results["sharded"][name] = sharded_report(name, mesh, FLAGS.mesh_plan, FLAGS.mesh_head_vocab,
                                                       FLAGS.mesh_lower)
     if FLAGS.measure:
-        results["measured_smollm2"] = measure_smollm2(FLAGS.prompt_len, FLAGS.new_tokens, FLAGS.repeats,
-                                                      FLAGS.draft_vocab)
+        key = "measured_smollm2" if FLAGS.measure_model == "smollm2-135m-instruct" else "measured"
+        results[key] = measure(FLAGS.measure_model, FLAGS.prompt_len, FLAGS.new_tokens, FLAGS.repeats,
+                               FLAGS.draft_vocab, FLAGS.measure_split)
     if worst is not None:
         results["max_bytes_over_floor_8b"] = worst
     if FLAGS.out:
