@@ -238,9 +238,14 @@ def global_batch(local_batch, mesh: Mesh):
             raise ValueError(
                 f"global batch of {rows} rows ({x.shape[0]} per process × {procs} processes) is not "
                 f"divisible by the batch mesh axes data×fsdp = {n} (mesh {dict(mesh.shape)})")
+        if compile_only:  # a topology's devices (confu_jax.topology): the batch's shape, to compile against
+            return jax.ShapeDtypeStruct((rows,) + x.shape[1:], x.dtype, sharding=batch_sharding(mesh, x.ndim))
         return jax.make_array_from_process_local_data(
             batch_sharding(mesh, x.ndim), x, (rows,) + x.shape[1:])
 
+    from confu_jax.topology import is_compile_only
+
+    compile_only = is_compile_only(next(iter(mesh.devices.flat)))
     return jax.tree_util.tree_map(one, local_batch)
 
 

@@ -80,6 +80,13 @@ flags.DEFINE_string("mesh", "", "also report per-device parameter bytes and lowe
 flags.DEFINE_string("mesh_plan", "dynamic:6,8,30", "--mesh: draft plan of the lowered speculative loop")
 flags.DEFINE_integer("mesh_head_vocab", 32000, "--mesh: draft vocabulary rows of the heads counted")
 flags.DEFINE_bool("mesh_lower", True, "--mesh: also lower the AR / speculative loops (and for TPU)")
+flags.DEFINE_string("topology", "", "compile the decode programs for this hardware with its own compiler, "
+                    "from any machine, instead of the CPU cost table: a TPU topology as JAX names it (v5e:2x2, "
+                    "v6e:2x2, v5p:2x2x2) or h100:N / h200:N. Per model: the AR loop and the speculative loop "
+                    "(EAGLE-3 head, --topology_plan), one device unsharded, or over --mesh's sizes of the "
+                    "topology's devices; per-device memory against the device's, and the custom calls in "
+                    "each program (no CPU one may reach a TPU or GPU program)")
+flags.DEFINE_string("topology_plan", "chain:3", "--topology: the speculative loop's draft plan")
 flags.DEFINE_string("out", "", "write the results JSON here too")
 FLAGS = flags.FLAGS
 
@@ -236,8 +243,74 @@ def sharded_report(name: str, mesh, plan_text: str, head_vocab: int, lower: bool
     return res
 
 
+def custom_calls(hlo_text: str) -> list:
+    """The distinct custom-call targets of a compiled program's HLO text."""
+    import re
+
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
+
+
+def topology_report(topology_name: str) -> dict:
+    """``--topology``: each model's AR and speculative loops compiled for that hardware (module docstring)."""
+    from confu_jax import topology as tp
+    from confu_jax.decode import tracing
+    from confu_jax.decode.drafting import HeadDrafter
+    from confu_jax.decode.plans import parse_plan
+    from confu_jax.decode.sharded import parse_mesh
+    from confu_jax.models.presets import get_preset
+    from confu_jax.models.spec import HeadConfig, ModelSpec
+
+    try:
+        topo = tp.get_topology(topology_name)
+    except ValueError as e:
+        raise app.UsageError(str(e))
+    mesh = None
+    if FLAGS.mesh:
+        try:
+            mesh = parse_mesh(FLAGS.mesh, devices=topo.devices)
+        except ValueError as e:
+            raise app.UsageError(str(e))
+    res = dict(topo.summary(), mesh=dict(mesh.shape) if mesh is not None else None, plan=FLAGS.topology_plan,
+               programs=[])
+    print(f"{'model':<14} {'dtype':<9} {'program':<12} {'per-device peak':>16} {'device':>10}  fits  custom calls")
+    for name in [m.strip() for m in FLAGS.models.split(",") if m.strip()]:
+        try:
+            cfg = get_preset(name)
+        except KeyError as e:
+            raise app.UsageError(str(e))
+        if FLAGS.dtype != "model":
+            cfg = cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
+        spec = ModelSpec(cfg, HeadConfig(variant="eagle3", draft_vocab_size=min(FLAGS.mesh_head_vocab, cfg.vocab_size)))
+        traced = tracing.trace_loops(spec, mesh, HeadDrafter(parse_plan(FLAGS.topology_plan)), unroll_layers=None,
+                                     device=None if mesh is not None else topo.devices[0])
+        for prog, tr in traced.items():
+            try:
+                compiled = tracing.compile_traced({prog: tr}, topo.platform)[prog]
+                row = dict(model=name, dtype=cfg.dtype, program=prog,
+                           **tp.memory_report(compiled, topo.device_memory_bytes),
+                           custom_calls=custom_calls(compiled.as_text()))
+            except Exception as e:  # noqa: BLE001 - XLA:TPU's "does not fit" is a row; anything else is not
+                oom = tp.out_of_memory(e, topo.device_memory_bytes)
+                if oom is None:
+                    raise
+                row = dict(model=name, dtype=cfg.dtype, program=prog, **oom, custom_calls=[])
+            res["programs"].append(row)
+            print(f"{name:<14} {cfg.dtype:<9} {prog:<12} {(row['per_device_peak_bytes'] or 0) / 2**30:>12.3f} GiB "
+                  f"{(row['device_memory_bytes'] or 0) / 2**30:>6.1f} GiB  {str(row['fits']):<5} "
+                  f"{', '.join(row['custom_calls']) or '-'}", flush=True)
+    return res
+
+
 def main(argv):
     del argv
+    if FLAGS.topology:
+        from confu_jax.topology import cpu_host
+
+        cpu_host()
+        results = {"topology": topology_report(FLAGS.topology), "dtype": FLAGS.dtype}
+        if FLAGS.out:
+            storage.write_text(FLAGS.out, json.dumps(results, indent=2))
+        return
     if FLAGS.mesh:
         from confu_jax.decode.sharded import fake_host_devices
 

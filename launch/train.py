@@ -53,6 +53,15 @@ _TIME_STEPS = flags.DEFINE_integer(
     "time_steps", 0, "With --compile_only: also run this many train steps (after one untimed) and report "
     "their median time, tokens/s, MFU and the device's peak memory; an abstract target "
     "(--config.model.source=abstract) is filled with random values on the devices first.")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", None, "With --compile_only: compile for this hardware instead of this host's devices, with "
+    "its own compiler, from any machine: a TPU topology as JAX names it (v5p:2x2x2, v5e:2x4, v6e:2x2, "
+    "v4:2x2x1) or h100:N / h200:N (N GPUs of one node). config.train.mesh lays the step over its devices; "
+    "the report says whether XLA's per-device peak fits the device's memory (docs/scale.md).")
+_OUT = flags.DEFINE_string(
+    "out", None, "With --compile_only: write the report (JSON: platform, device_kind, devices, "
+    "per_device_peak_bytes, device_memory_bytes, fits, ...) here and print one line on stdout instead "
+    "of the JSON. Local path or gs://.")
 _EVAL_ONLY = flags.DEFINE_bool(
     "eval_only", False, "Evaluate on the held-out batches without training: the workdir's latest "
     "checkpoint, else --config.train.checkpoint.init_from (a run, a release, an EAGLE-3 export); "
@@ -60,6 +69,14 @@ _EVAL_ONLY = flags.DEFINE_bool(
 _INIT_TIMEOUT = flags.DEFINE_integer(
     "distributed_timeout", 300, "Seconds to wait for all processes to join (and, on a TPU pod, for "
     "the coordinator's host name to resolve); past it the launch stops naming the coordinator.")
+
+
+def fit_line(program: str, r: dict) -> str:
+    """One stdout line for a compiled program: where, the per-device peak against the device, fits."""
+    gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+    fits = {True: "fits", False: "DOES NOT FIT", None: "fit unknown (device memory not in the table)"}[r["fits"]]
+    return (f"{program}: {r.get('topology') or r['platform']} ({r['devices']} x {r['device_kind']}, mesh "
+            f"{r['mesh']}): per-device peak {gib(r['per_device_peak_bytes'])} of {gib(r['device_memory_bytes'])}: {fits}")
 
 
 def main(argv):
@@ -76,8 +93,17 @@ def main(argv):
         raise app.UsageError(
             f"config {flags.FLAGS['config'].value!r} has no 'train' section; add "
             "confu_jax.train.config.default_train_config() as config.train")
-    if not _WORKDIR.value:
+    if not _WORKDIR.value and not _COMPILE_ONLY.value:
         raise app.UsageError("--workdir is required (checkpoints and metrics go there)")
+    if (_TOPOLOGY.value or _OUT.value) and not _COMPILE_ONLY.value:
+        raise app.UsageError("--topology and --out go with --compile_only (a topology's devices compile, "
+                             "they do not run)")
+    if _TOPOLOGY.value and _TIME_STEPS.value:
+        raise app.UsageError("--time_steps runs the step on attached devices; drop it with --topology")
+    if _TOPOLOGY.value:
+        from confu_jax.topology import cpu_host
+
+        cpu_host()  # this process computes nothing: keep JAX off any accelerator plugin
 
     # orbax logs every save phase at INFO; keep its warnings, drop its chatter.
     from confu_jax.runs.quiet_logs import quiet_orbax_logs
@@ -107,9 +133,17 @@ def main(argv):
     from confu_jax.train.task import resolve_run_config
     from confu_jax.user_errors import USER_ERRORS
 
+    topo = mesh = None
     try:  # the user's checkpoint, preset and batch, checked before anything is built: one line each
-        resolve_run_config(config)
-    except USER_ERRORS as e:  # CheckpointError, AssetNotFoundError, StorageError included
+        if _TOPOLOGY.value:
+            from confu_jax import sharding as shd
+            from confu_jax.topology import get_topology
+
+            topo = get_topology(_TOPOLOGY.value)
+            m = config.train.mesh
+            mesh = shd.make_mesh(m.data, m.fsdp, m.tensor, devices=topo.devices)
+        resolve_run_config(config, mesh)
+    except (RuntimeError, *USER_ERRORS) as e:  # CheckpointError, AssetNotFoundError, StorageError included
         sys.stderr.write(f"launch.train: {e}\n")
         sys.exit(2)
     from confu_jax.train.target_loading import is_abstract
@@ -120,14 +154,22 @@ def main(argv):
                          "it compiles the step (add --compile_only), it does not train or evaluate\n")
         sys.exit(2)
     if _COMPILE_ONLY.value:
-        report = compile_report(config, time_steps=_TIME_STEPS.value)
+        report = compile_report(config, mesh=mesh, time_steps=_TIME_STEPS.value, topology=topo)
         if jax.process_index() == 0:
-            logging.info("train step %s", describe_memory(report["memory_per_device"]))
+            if report.get("compile_error"):
+                logging.info("train step: the compiler refused it: %s", report["compile_error"])
+            else:
+                logging.info("train step %s", describe_memory(report["memory_per_device"]))
             if "timed" in report:
                 logging.info("train step timed: %s", json.dumps(report["timed"]))
-            storage.write_text(os.path.join(_WORKDIR.value, "train_step_memory.json"),
-                               json.dumps(report, indent=1, sort_keys=True))
-            print(json.dumps(report, indent=1, sort_keys=True))
+            text = json.dumps(report, indent=1, sort_keys=True)
+            if _WORKDIR.value:
+                storage.write_text(os.path.join(_WORKDIR.value, "train_step_memory.json"), text)
+            if _OUT.value:
+                storage.write_text(_OUT.value, text)
+                print(fit_line("train_step", report))
+            else:
+                print(text)
         return
     if _EVAL_ONLY.value:
         result = evaluate_only(config, storage.absolute(_WORKDIR.value))

@@ -173,7 +173,7 @@ def prepare_ar_inputs(cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens
                            temperature=temperature, top_p=top_p, seed=seed, eos_ids=eos_ids,
                            max_len=max_len, min_bucket=min_bucket)
     static = dict(cfg=cfg, max_new_tokens=req.max_new_tokens, max_len=req.max_len,
-                  unroll_layers=default_unroll_layers(unroll_layers), mesh=mesh)
+                  unroll_layers=default_unroll_layers(unroll_layers, mesh), mesh=mesh)
     args = req.device_args()
     return (args if mesh is None else place_request(args, mesh)), static
 

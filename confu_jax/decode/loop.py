@@ -276,7 +276,7 @@ def prepare_spec_inputs(target_cfg, drafter: Drafter, prompts, *, max_new_tokens
                            reserve=a, reserve_what=f"one verification of depth {a - 1}")
     static = dict(drafter=drafter, rule=drafter.rule(temperature <= 0.0),
                   max_new_tokens=req.max_new_tokens, max_len=req.max_len,
-                  unroll_layers=default_unroll_layers(unroll_layers), mesh=mesh)
+                  unroll_layers=default_unroll_layers(unroll_layers, mesh), mesh=mesh)
     args = req.device_args()
     return (args if mesh is None else place_request(args, mesh)), static
 

@@ -144,6 +144,12 @@ def validate_request(cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens:
                          float(top_p), eos_e, int(seed))
 
 
-def default_unroll_layers(unroll_layers: Optional[bool]) -> bool:
-    """Layer-unrolled target forward by default on CPU only (``confu_jax.models.unrolled``)."""
-    return jax.default_backend() == "cpu" if unroll_layers is None else bool(unroll_layers)
+def default_unroll_layers(unroll_layers: Optional[bool], mesh=None) -> bool:
+    """Layer-unrolled target forward by default when compiling for a CPU only
+    (``confu_jax.models.unrolled``): the platform of ``mesh``'s devices when there is one, else
+    ``devices.compile_platform()`` — never the host's backend, which differs when compiling for a topology."""
+    from confu_jax.devices import compile_platform, mesh_platform
+
+    if unroll_layers is not None:
+        return bool(unroll_layers)
+    return (mesh_platform(mesh) if mesh is not None else compile_platform()) == "cpu"

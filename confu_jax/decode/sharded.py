@@ -55,9 +55,10 @@ def fake_host_devices(mesh_text: str) -> None:
         os.environ["XLA_FLAGS"] = f"{env} --xla_force_host_platform_device_count={n}".strip()
 
 
-def parse_mesh(text: str, n_devices: Optional[int] = None) -> Mesh:
-    """``'data=2,tensor=4'`` -> a ``('data','fsdp','tensor')`` mesh; unnamed axes are 1, one size
-    may be -1 (the remaining devices). Empty text = one device (``make_mesh(1,1,1)`` on device 0)."""
+def parse_mesh(text: str, n_devices: Optional[int] = None, devices: Optional[Sequence] = None) -> Mesh:
+    """``'data=2,tensor=4'`` -> a ``('data','fsdp','tensor')`` mesh over ``devices`` (default: JAX's, or
+    a topology's compile-only ones); unnamed axes are 1, one size may be -1 (the remaining devices).
+    Empty text = one device (``make_mesh(1,1,1)`` on device 0)."""
     sizes = {"data": 1, "fsdp": 1, "tensor": 1}
     for part in (p.strip() for p in (text or "").split(",") if p.strip()):
         name, eq, value = part.partition("=")
@@ -69,7 +70,7 @@ def parse_mesh(text: str, n_devices: Optional[int] = None) -> Mesh:
             sizes[name] = int(value)
         except ValueError:
             raise ValueError(f"--mesh {text!r}: size {value!r} of axis {name!r} is not an integer")
-    devices = jax.devices()
+    devices = list(jax.devices() if devices is None else devices)
     if n_devices is None:
         n_devices = math.prod(s for s in sizes.values()) if -1 not in sizes.values() else len(devices)
     if n_devices > len(devices):
@@ -123,8 +124,14 @@ def request_shardings(args: Sequence, mesh: Mesh) -> tuple:
 
 
 def place_request(args: Sequence, mesh: Mesh) -> tuple:
-    """``requests.DecodeRequest.device_args()`` placed by :func:`request_shardings`."""
-    return tuple(jax.device_put(a, s) for a, s in zip(args, request_shardings(args, mesh)))
+    """``requests.DecodeRequest.device_args()`` placed by :func:`request_shardings`; on a mesh of
+    compile-only devices (``confu_jax.topology``) their shapes with those shardings, to lower against."""
+    from confu_jax.topology import is_compile_only
+
+    shardings = request_shardings(args, mesh)
+    if is_compile_only(next(iter(mesh.devices.flat))):
+        return tuple(jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=s) for a, s in zip(args, shardings))
+    return tuple(jax.device_put(a, s) for a, s in zip(args, shardings))
 
 
 # ----------------------------------------------------------------------------- inside the loops

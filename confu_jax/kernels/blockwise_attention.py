@@ -100,8 +100,14 @@ def _attend(q_bkgtd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cache_bhsd, v_cac
             vis = vis & (jnp.arange(s_len)[None, None, :] >= cache_start_bt[:, :, None])
         parts.append(cache_block_state(q_bkgtd, k_cache_bhsd, v_cache_bhsd, vis, scale))
     if k_prefix_phd is not None:
-        s = _scores(q_bkgtd, k_prefix_phd, "skd") * scale
-        parts.append(softmax_block_state(s, prefix_visible_bt[:, None, None, :, None], v_prefix_phd, "skd"))
+        # The shared prefix (ConFu's soft prompts) is broadcast over the batch so that its dots have the
+        # block's batch dims (b, k): XLA:GPU (jaxlib 0.10.2) found no Triton tiling for the batch-free
+        # form "bkqd,skd->bkqs" ("Couldn't find output tile sizes", every ConFu verification for an
+        # H100, Llama-3.1-8B included: tests/compile). A few KiB per row, the same sums.
+        b = q_bkgtd.shape[0]
+        k_pre, v_pre = (jnp.broadcast_to(x[None], (b,) + x.shape) for x in (k_prefix_phd, v_prefix_phd))
+        s = _scores(q_bkgtd, k_pre, "bskd") * scale
+        parts.append(softmax_block_state(s, prefix_visible_bt[:, None, None, :, None], v_pre, "bskd"))
     s = _scores(q_bkgtd, k_blk_bthd, "bskd") * scale
     parts.append(softmax_block_state(s, block_mask_btt[:, None, None], v_blk_bthd, "bskd"))
     return merge_block_states(parts)

@@ -99,9 +99,12 @@ def available() -> bool:
 
 
 def use_packed(cfg) -> bool:
-    """Whether the unrolled CPU decode path packs this target's kernels: CPU backend, float32 weights
-    and compute, handler available."""
-    return (jax.default_backend() == "cpu" and jnp.dtype(cfg.dtype) == jnp.float32
+    """Whether the unrolled CPU decode path packs this target's kernels: compiling for the CPU
+    (``devices.compile_platform``: not the host's backend, so a TPU or GPU program compiled here
+    never holds the CPU-only custom call), float32 weights and compute, handler available."""
+    from confu_jax.devices import compile_platform
+
+    return (compile_platform() == "cpu" and jnp.dtype(cfg.dtype) == jnp.float32
             and jnp.dtype(cfg.param_dtype) == jnp.float32 and available())
 
 

@@ -36,10 +36,13 @@ _PAD_SEGMENT = -1  # segment id of padding positions (real segment ids are >= 0)
 def resolve_flash_impl(impl: str, backend: Optional[str] = None) -> str:
     """Validate ``model.flash_impl`` against the backend it will run on: 'pallas' compiles for CUDA GPUs
     only and 'splash' for TPUs only; on another backend asking for one is an error (the '_interpret'
-    forms run anywhere, slowly: they are for tests). ``backend`` defaults to JAX's default backend."""
+    forms run anywhere, slowly: they are for tests). ``backend`` defaults to the platform compiled for (``devices.compile_platform``)."""
     if impl not in FLASH_IMPLS:
         raise ValueError(f"flash_impl must be one of {FLASH_IMPLS}, got {impl!r}")
-    backend = backend or jax.default_backend()
+    if not backend:
+        from confu_jax.devices import compile_platform
+
+        backend = compile_platform()
     need = _BACKEND_OF.get(impl)
     if need is not None and backend != need:
         raise ValueError(f"flash_impl={impl!r} needs a {need.upper()} backend; the backend is {backend!r}. Use "

@@ -562,11 +562,15 @@ def resolve_attention_impl(impl: str, backend: Optional[str] = None) -> str:
 
     'pallas' compiles only for CUDA GPUs (this kernel's Triton lowering); on CPU the kernel runs
     only interpreted, which is for tests, so asking for 'pallas' there is an error rather than a
-    silent 100x slowdown. ``backend`` defaults to ``jax.default_backend()``.
+    silent 100x slowdown. ``backend`` defaults to the platform compiled for
+    (``devices.compile_platform``), not the host's.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    backend = backend or jax.default_backend()
+    if not backend:
+        from confu_jax.devices import compile_platform
+
+        backend = compile_platform()
     if impl == "pallas" and backend != "gpu":
         raise ValueError(
             f"attention_impl='pallas' needs a CUDA GPU (the Triton-lowered tree-attention "

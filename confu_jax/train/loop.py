@@ -95,32 +95,75 @@ def describe_memory(report: Optional[dict]) -> str:
             "{temp:.2f}, outputs {outputs:.2f}, donated {aliased:.2f})").format(**gib)
 
 
-def compile_report(config, task: Optional[TrainTask] = None, mesh=None, time_steps: int = 0) -> dict:
+def compile_report(config, task: Optional[TrainTask] = None, mesh=None, time_steps: int = 0,
+                   topology=None) -> dict:
     """Compile the train step for ``config`` on this process's devices and report what one device
-    would hold, without training: how a batch size is planned for a device before a run (a CPU
-    compile of the GPU shapes answers "do 64 rows of 2048 tokens fit in 80 GB?"). Builds the task
-    and its first batch, so the data and the target must be reachable (or abstract).
+    would hold, without training: how a batch size is planned for a device before a run. Builds the
+    task and its first batch, so the data and the target must be reachable (or abstract).
+
+    ``topology`` (a ``confu_jax.topology.Topology``): compile for that hardware instead, on a mesh of
+    its compile-only devices (``config.train.mesh``'s sizes) with XLA:TPU or XLA:GPU, on any host:
+    the real compiler's answer to "does it fit?" (``fits``: XLA's per-device peak against the
+    device's memory). Without it, XLA of this host's backend answers for this host's devices.
 
     ``time_steps`` > 0: also run that many steps (after one untimed) and report their median time,
     tokens/s, MFU and the device's peak memory. An abstract target is filled with random values
     first, on the devices in its shardings (a step's cost does not depend on the values): how the
     8B training step is timed on one GPU with nothing downloaded."""
+    from confu_jax.devices import compiling_for, platform_name
+    from confu_jax.topology import memory_report, out_of_memory
+
+    if topology is not None:
+        if time_steps:
+            raise ValueError("time_steps runs the step: it needs the devices attached, not a topology")
+        if mesh is None:
+            m = config.train.mesh
+            mesh = shd.make_mesh(m.data, m.fsdp, m.tensor, devices=topology.devices)
     t0 = time.time()
-    run = setup_run(config, task, mesh)
-    first, _ = split_record_ids(next(run.task.train_iterator(jax.process_index(), jax.process_count())))
-    batch = shd.global_batch(first, run.mesh)
-    t1 = time.time()
-    step = run.compile_train_step(batch)
+    with compiling_for(topology.platform if topology is not None else None):
+        run = setup_run(config, task, mesh)
+        first, _ = split_record_ids(next(run.task.train_iterator(jax.process_index(), jax.process_count())))
+        batch = shd.global_batch(first, run.mesh)
+        t1 = time.time()
+        try:
+            step = run.compile_train_step(batch)
+        except Exception as e:  # noqa: BLE001 - the compiler's "does not fit" is an answer, not a failure
+            oom = out_of_memory(e, topology.device_memory_bytes) if topology is not None else None
+            if oom is None:
+                raise
+            device = next(iter(run.mesh.devices.flat))
+            return dict(oom, compile_s=round(time.time() - t1, 1), platform=platform_name(device.platform),
+                        device_kind=device.device_kind, topology=topology.name, devices=int(run.mesh.size),
+                        mesh=dict(run.mesh.shape), batch={k: list(v.shape) for k, v in batch.items()},
+                        memory_per_device=None)
     flops = step.matmul_flops()
+    device = next(iter(run.mesh.devices.flat))
+    kind = device.device_kind
+    dev_mem = topology.device_memory_bytes if topology is not None else _host_device_memory(device)
     report = {"memory_per_device": step.memory_report(), "compile_s": round(time.time() - t1, 1),
               "matmul_flops_per_step": flops,
               "setup_s": round(t1 - t0, 1), "backend": jax.default_backend(),
-              "devices": jax.device_count(), "mesh": dict(run.mesh.shape),
+              "platform": platform_name(device.platform), "device_kind": kind,
+              "topology": topology.name if topology is not None else None,
+              "devices": int(run.mesh.size), "mesh": dict(run.mesh.shape),
               "batch": {k: list(v.shape) for k, v in batch.items()},
               "trainable_params": param_count(run.abstract_state.params)}
+    report.update({k: v for k, v in memory_report(step.compiled, dev_mem).items()
+                   if k in ("per_device_peak_bytes", "device_memory_bytes", "fits")})
     if time_steps > 0:
         report["timed"] = _time_steps(run, step, batch, flops, int(time_steps))
     return report
+
+
+def _host_device_memory(device) -> Optional[int]:
+    """An attached device's memory: what it reports (``bytes_limit``), else the table's, else None (a CPU)."""
+    from confu_jax.devices import device_memory_bytes
+
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        limit = None
+    return int(limit) if limit else device_memory_bytes(device.device_kind)
 
 
 def random_like(abstract_tree, shardings, seed: int = 0):
@@ -173,7 +216,12 @@ def setup_run(config, task: Optional[TrainTask] = None, mesh=None) -> RunSetup:
     state_sh = shd.tree_shardings(abstract_state, mesh, task.param_rules, axis_units=task.axis_units)
     frozen_sh = shd.tree_shardings(task.frozen_abstract, mesh, task.param_rules,
                                    axis_units=task.axis_units)
-    frozen = task.load_frozen(frozen_sh)
+    from confu_jax.topology import is_compile_only
+
+    if is_compile_only(next(iter(mesh.devices.flat))):  # a topology's devices: shapes to compile against
+        frozen = shd.with_shardings(task.frozen_abstract, frozen_sh)
+    else:
+        frozen = task.load_frozen(frozen_sh)
     return RunSetup(config, task, mesh, tx, schedule, build, abstract_state, state_sh, frozen_sh,
                     frozen)
 

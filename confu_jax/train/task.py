@@ -83,10 +83,10 @@ def resolve_run_config(config, mesh=None, strict: bool = True) -> None:
         resolve_target(config)
     if "data" not in config or "global_batch_size" not in config.data or "train" not in config:
         return
-    dp = data_parallel_devices(config, mesh)
     g = int(config.data.global_batch_size)
-    if not strict and g > 0:
+    if not strict and g > 0:  # settled already (by the caller, on its mesh: a topology's, say)
         return
+    dp = data_parallel_devices(config, mesh)
     if g <= 0:
         with config.unlocked():
             config.data.global_batch_size = -(-DEFAULT_GLOBAL_BATCH // dp) * dp

@@ -1,4 +1,4 @@
-"""The suite's own layout (docs/install.md "Running the tests"): every test module sits in one of the three
+"""The suite's own layout (docs/install.md "Running the tests"): every test module sits in one of the four
 groups, shared code is imported from ``tests.helpers`` one way only, and no test module imports another
 (a module imported under two names loads twice, with two copies of its state)."""
 
@@ -6,7 +6,7 @@ import ast
 import pathlib
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]
-GROUPS = ("unit", "contract", "e2e")
+GROUPS = ("unit", "contract", "e2e", "compile")
 HELPERS = {p.stem for p in (TESTS / "helpers").glob("*.py") if p.stem != "__init__"}
 
 

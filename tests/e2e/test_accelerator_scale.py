@@ -32,6 +32,17 @@ def test_dry_run_writes_every_stage_and_resumes(tmp_path):
         t = rep["timed"]
         assert t["steps"] == 3 and t["step_s_median"] > 0 and t["tokens_per_s"] > 0 and t["mfu"] == "n/a"
         assert rep["batch"]["tokens"] == [1, 64] and rep["matmul_flops_per_step"] > 0
+    # (iii) and (v): passes measured on random weights made where they run (nothing to carry to a device)
+    for name in ("smollm2_command_buffers_on", "smollm2_command_buffers_off", "decode_8b"):
+        m = json.loads((out / f"{name}.json").read_text())["measured"]
+        assert m["model"] == "random:tiny" and m["ar_step_ms"] > 0 and m["eagle3_pass_over_ar"] > 0, name
+    assert "eagle3_split_T0" in json.loads((out / "smollm2_command_buffers_on.json").read_text())["measured"]
     p = subprocess.run(["bash", os.path.join(REPO, "experiments", "accelerator_scale.sh")], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "(i)" not in p.stdout and "(iv)" not in p.stdout and "done" in p.stdout
+    assert p.returncode == 0 and "kernel:" not in p.stdout and "train_" not in p.stdout and "done" in p.stdout
+    # a stage that outlives its time-out leaves <stage>.failed, the script goes on and exits non-zero
+    (out / "kernel.json").unlink()
+    p = subprocess.run(["bash", os.path.join(REPO, "experiments", "accelerator_scale.sh")], cwd=REPO,
+                       env=dict(env, STAGE_TIMEOUT_S="1"), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "kernel: FAILED (exit 124" in p.stdout and (out / "kernel.failed").exists()
+    assert "done: " in p.stdout and not (out / "kernel.json").exists()

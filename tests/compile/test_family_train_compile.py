@@ -1,0 +1,40 @@
+"""The compile lane, part 3: every family's train step (its record's tiny config) compiled for a TPU
+(v5e, fsdp over 4 chips) and an H100 by their own compilers from this CPU host
+(``train.loop.compile_report(topology=...)``, what ``launch.train --compile_only --topology`` runs), in
+bf16 as those chips train; the report says where it was compiled and that it fits."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("libtpu", reason="the TPU compiler (requirements-compilers.txt)")
+pytest.importorskip("jax_plugins.xla_cuda12", reason="the GPU compiler (requirements-compilers.txt)")
+
+from confu_jax import sharding as shd  # noqa: E402
+from confu_jax import topology as tp  # noqa: E402
+from confu_jax.decode import families  # noqa: E402
+from confu_jax.train.loop import compile_report  # noqa: E402
+from confu_jax.train.task import resolve_run_config  # noqa: E402
+from tests.helpers.train_resume import tiny_run_config  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CONFIGS = sorted({rec.tiny_config for rec in families.FAMILIES.values() if rec.tiny_config} | {"configs/tiny.py:confu"})
+TOPOLOGIES = {"tpu": ("v5e:2x2", (1, 4, 1)), "gpu": ("h100:1", (1, 1, 1))}
+
+
+@pytest.mark.parametrize("platform", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("config_file", CONFIGS)
+def test_every_family_train_step_compiles_for_tpu_and_h100(config_file, platform):
+    name, (data, fsdp, tensor) = TOPOLOGIES[platform]
+    topo = tp.get_topology(name)
+    config = tiny_run_config(config_file)
+    with config.unlocked():
+        config.model.dtype = "bfloat16"
+        config.train.mesh.data, config.train.mesh.fsdp, config.train.mesh.tensor = data, fsdp, tensor
+        config.data.global_batch_size = 4
+    mesh = shd.make_mesh(data, fsdp, tensor, devices=topo.devices[:data * fsdp * tensor])
+    resolve_run_config(config, mesh)
+    r = compile_report(config, mesh=mesh, topology=topo)
+    assert (r["platform"], r["device_kind"], r["devices"]) == (platform, topo.device_kind, data * fsdp * tensor)
+    assert r["fits"] is True and 0 < r["per_device_peak_bytes"] < topo.device_memory_bytes
+    assert r["matmul_flops_per_step"] > 0 and r["batch"]["tokens"][0] == 4
