@@ -114,6 +114,42 @@ class Topology:
                 "devices": len(self.devices), "device_memory_bytes": self.device_memory_bytes}
 
 
+def compilers_dir() -> str:
+    """Where ``requirements-compilers.txt`` is installed (``pip install --no-deps --target .xla-compilers -r
+    requirements-compilers.txt``, as README command 2 does): ``CONFU_JAX_COMPILERS``, else
+    ``.xla-compilers`` in the repository. Its own folder, not the environment: with the CUDA plugin
+    importable, every Pallas import on a machine without a GPU prints the plugin's absl lines
+    ("cudart_stub.cc ... Could not find cuda drivers"), which would follow every CLI's one-line error."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.environ.get("CONFU_JAX_COMPILERS") or os.path.join(here, ".xla-compilers")
+
+
+def use_compilers() -> bool:
+    """Put :func:`compilers_dir` on ``sys.path`` (after the environment's own packages) and register the
+    CUDA plugin with JAX if it was found after JAX looked for plugins. False where it is not there
+    (then the environment's own libtpu / plugin, if any, are used)."""
+    import sys
+
+    d = compilers_dir()
+    if not os.path.isdir(d):
+        return False
+    if d not in sys.path:
+        sys.path.append(d)
+        import importlib
+
+        importlib.invalidate_caches()
+    try:
+        from jax._src import xla_bridge as xb
+
+        if "cuda" not in xb._topology_factories:
+            import jax_plugins.xla_cuda12 as plugin
+
+            plugin.initialize()
+    except Exception:  # noqa: BLE001 - no CUDA plugin there: the TPU compiler may still be
+        pass
+    return True
+
+
 def _nvcc_dir() -> Optional[str]:
     """The ``nvidia-cuda-nvcc-cu12`` wheel's folder (bin/ptxas), if installed."""
     try:
@@ -152,7 +188,8 @@ def _refused(what: str, module: str, e: Exception) -> RuntimeError:
     if installed:
         return RuntimeError(f"topology {what!r} was refused by its compiler: {type(e).__name__}: {e}")
     return RuntimeError(f"compiling for {what} needs its compiler on this host ({module} is not installed); "
-                        "install it with: pip install -r requirements-compilers.txt (README \"Accelerator compilers\")")
+                        f"install it with: pip install --no-deps --target {compilers_dir()} -r requirements-compilers.txt "
+                        "(docs/install.md)")
 
 
 def get_topology(name: str) -> Topology:
@@ -160,6 +197,7 @@ def get_topology(name: str) -> Topology:
     ``v6e:2x2``, ``v4:2x2x1``) or ``h100:N`` / ``h200:N`` (N GPUs on one node)."""
     from jax.experimental import topologies
 
+    use_compilers()
     name = name.strip().lower()
     m = GPU_TOPOLOGY.match(name)
     if m:

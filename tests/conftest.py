@@ -6,9 +6,8 @@ from tests.helpers.xla_env import EIGHT_DEVICES
 # before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", EIGHT_DEVICES)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The tests run on the CPU. requirements-dev.txt installs the TPU and GPU compilers (the compile lane,
-# tests/compile): without this, JAX would try to start them as backends (a CUDA plugin with no GPU prints
-# an initialisation traceback). Compiling for a topology works with it set.
+# The tests run on the CPU: JAX starts no other backend even where an accelerator plugin is installed
+# (compiling for a topology, tests/compile, works with it set).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("libtpu", reason="the TPU compiler (requirements-compilers.txt)")
-pytest.importorskip("jax_plugins.xla_cuda12", reason="the GPU compiler (requirements-compilers.txt)")
+from confu_jax.topology import use_compilers  # noqa: E402
+
+use_compilers()  # .xla-compilers (README command 2) on the path
+pytest.importorskip("libtpu", reason="the TPU compiler (requirements-compilers.txt in .xla-compilers)")
+pytest.importorskip("jax_plugins.xla_cuda12", reason="the GPU compiler (requirements-compilers.txt in .xla-compilers)")
 
 from confu_jax import topology as tp  # noqa: E402
 from confu_jax.decode import families, tracing  # noqa: E402
