@@ -44,7 +44,6 @@ DEVICE_PEAKS = (
 # more). TPUs: HBM per chip (v5p 95 GiB, v5e 16 GiB, v6e 32 GiB). Not v4: libtpu's v4:2x2x1 has 8 devices
 # on 4 chips, and which share of a chip's 32 GiB one of them plans with was not established.
 DEVICE_MEMORY = (
-    ("H100 PCIe", 84942979072),
     ("H100", 84942979072),  # "NVIDIA H100 80GB HBM3" (SXM)
     ("H200", 151397597184),  # "NVIDIA H200 141GB HBM3e"
     ("A100-SXM4-80GB", 85899345920),

@@ -243,6 +243,18 @@ def sharded_report(name: str, mesh, plan_text: str, head_vocab: int, lower: bool
     return res
 
 
+def _presets():
+    """``(name, config)`` of each ``--models`` preset, in ``--dtype`` (or its own with 'model')."""
+    from confu_jax.models.presets import get_preset
+
+    for name in [m.strip() for m in FLAGS.models.split(",") if m.strip()]:
+        try:
+            cfg = get_preset(name)
+        except KeyError as e:
+            raise app.UsageError(str(e))
+        yield name, cfg if FLAGS.dtype == "model" else cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
+
+
 def custom_calls(hlo_text: str) -> list:
     """The distinct custom-call targets of a compiled program's HLO text."""
     import re
@@ -257,7 +269,6 @@ def topology_report(topology_name: str) -> dict:
     from confu_jax.decode.drafting import HeadDrafter
     from confu_jax.decode.plans import parse_plan
     from confu_jax.decode.sharded import parse_mesh
-    from confu_jax.models.presets import get_preset
     from confu_jax.models.spec import HeadConfig, ModelSpec
 
     try:
@@ -273,13 +284,7 @@ def topology_report(topology_name: str) -> dict:
     res = dict(topo.summary(), mesh=dict(mesh.shape) if mesh is not None else None, plan=FLAGS.topology_plan,
                programs=[])
     print(f"{'model':<14} {'dtype':<9} {'program':<12} {'per-device peak':>16} {'device':>10}  fits  custom calls")
-    for name in [m.strip() for m in FLAGS.models.split(",") if m.strip()]:
-        try:
-            cfg = get_preset(name)
-        except KeyError as e:
-            raise app.UsageError(str(e))
-        if FLAGS.dtype != "model":
-            cfg = cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
+    for name, cfg in _presets():
         spec = ModelSpec(cfg, HeadConfig(variant="eagle3", draft_vocab_size=min(FLAGS.mesh_head_vocab, cfg.vocab_size)))
         traced = tracing.trace_loops(spec, mesh, HeadDrafter(parse_plan(FLAGS.topology_plan)), unroll_layers=None,
                                      device=None if mesh is not None else topo.devices[0])
@@ -315,18 +320,11 @@ def main(argv):
         from confu_jax.decode.sharded import fake_host_devices
 
         fake_host_devices(FLAGS.mesh)
-    from confu_jax.models.presets import get_preset
 
     results = {"programs": {}, "dtype": FLAGS.dtype}
     worst = None
     print(f"{'model':<14} {'S':>5} {'T':>4} {'GB accessed':>12} {'GB floor':>9} {'bytes/floor':>11} {'GFLOP':>9}")
-    for name in [m.strip() for m in FLAGS.models.split(",") if m.strip()]:
-        try:
-            cfg = get_preset(name)
-        except KeyError as e:
-            raise app.UsageError(str(e))
-        if FLAGS.dtype != "model":
-            cfg = cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
+    for name, cfg in _presets():
         rows = []
         for s_len in _ints(FLAGS.caches):
             for t in _ints(FLAGS.tokens):

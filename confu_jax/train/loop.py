@@ -125,29 +125,22 @@ def compile_report(config, task: Optional[TrainTask] = None, mesh=None, time_ste
         first, _ = split_record_ids(next(run.task.train_iterator(jax.process_index(), jax.process_count())))
         batch = shd.global_batch(first, run.mesh)
         t1 = time.time()
+        device = next(iter(run.mesh.devices.flat))
+        dev_mem = topology.device_memory_bytes if topology is not None else _host_device_memory(device)
+        where = {"backend": jax.default_backend(), "platform": platform_name(device.platform),
+                 "device_kind": device.device_kind, "topology": topology.name if topology is not None else None,
+                 "devices": int(run.mesh.size), "mesh": dict(run.mesh.shape),
+                 "batch": {k: list(v.shape) for k, v in batch.items()}, "setup_s": round(t1 - t0, 1)}
         try:
             step = run.compile_train_step(batch)
         except Exception as e:  # noqa: BLE001 - the compiler's "does not fit" is an answer, not a failure
-            oom = out_of_memory(e, topology.device_memory_bytes) if topology is not None else None
+            oom = out_of_memory(e, dev_mem) if topology is not None else None
             if oom is None:
                 raise
-            device = next(iter(run.mesh.devices.flat))
-            return dict(oom, compile_s=round(time.time() - t1, 1), platform=platform_name(device.platform),
-                        device_kind=device.device_kind, topology=topology.name, devices=int(run.mesh.size),
-                        mesh=dict(run.mesh.shape), batch={k: list(v.shape) for k, v in batch.items()},
-                        memory_per_device=None)
+            return dict(where, **oom, compile_s=round(time.time() - t1, 1), memory_per_device=None)
     flops = step.matmul_flops()
-    device = next(iter(run.mesh.devices.flat))
-    kind = device.device_kind
-    dev_mem = topology.device_memory_bytes if topology is not None else _host_device_memory(device)
-    report = {"memory_per_device": step.memory_report(), "compile_s": round(time.time() - t1, 1),
-              "matmul_flops_per_step": flops,
-              "setup_s": round(t1 - t0, 1), "backend": jax.default_backend(),
-              "platform": platform_name(device.platform), "device_kind": kind,
-              "topology": topology.name if topology is not None else None,
-              "devices": int(run.mesh.size), "mesh": dict(run.mesh.shape),
-              "batch": {k: list(v.shape) for k, v in batch.items()},
-              "trainable_params": param_count(run.abstract_state.params)}
+    report = dict(where, memory_per_device=step.memory_report(), compile_s=round(time.time() - t1, 1),
+                  matmul_flops_per_step=flops, trainable_params=param_count(run.abstract_state.params))
     report.update({k: v for k, v in memory_report(step.compiled, dev_mem).items()
                    if k in ("per_device_peak_bytes", "device_memory_bytes", "fits")})
     if time_steps > 0:
