@@ -207,7 +207,7 @@ def test_the_layer_schedule_reaches_every_program_and_changes_no_token(tmp_path,
     asked = []
     for mod in (generate, loop):
         real = mod.default_unroll_layers
-        monkeypatch.setattr(mod, "default_unroll_layers", lambda u, real=real: asked.append(u) or real(u))
+        monkeypatch.setattr(mod, "default_unroll_layers", lambda u, mesh=None, real=real: asked.append(u) or real(u, mesh))
     rows = {}
     for unroll in (False, True):
         asked.clear()
