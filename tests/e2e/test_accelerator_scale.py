@@ -36,7 +36,6 @@ def test_dry_run_writes_every_stage_and_resumes(tmp_path):
     for name in ("smollm2_command_buffers_on", "smollm2_command_buffers_off", "decode_8b"):
         m = json.loads((out / f"{name}.json").read_text())["measured"]
         assert m["model"] == "random:tiny" and m["ar_step_ms"] > 0 and m["eagle3_pass_over_ar"] > 0, name
-    assert "eagle3_split_T0" in json.loads((out / "smollm2_command_buffers_on.json").read_text())["measured"]
     p = subprocess.run(["bash", os.path.join(REPO, "experiments", "accelerator_scale.sh")], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "kernel:" not in p.stdout and "train_" not in p.stdout and "done" in p.stdout
