@@ -141,7 +141,12 @@ def use_compilers() -> bool:
     try:
         from jax._src import xla_bridge as xb
 
-        if "cuda" not in xb._topology_factories:
+        if not xb._plugins_registered:
+            # JAX has not looked for plugins yet: let it, now that the folder is on the path (it
+            # registers each once; registering the plugin ourselves first made JAX's own later
+            # look fail with "PJRT_Api already exists" and a traceback on stderr)
+            xb._discover_and_register_pjrt_plugins()
+        elif "cuda" not in xb._topology_factories:
             import jax_plugins.xla_cuda12 as plugin
 
             plugin.initialize()
@@ -270,3 +275,55 @@ def memory_report(compiled, device_memory: Optional[int]) -> dict:
             "xla_peak_memory_bytes": xla_peak,
             "per_device_peak_bytes": peak, "device_memory_bytes": device_memory,
             "fits": None if device_memory is None else bool(peak <= device_memory)}
+
+
+def ptxas_path() -> Optional[str]:
+    """The ptxas XLA:GPU compiles with here: the nvcc wheel's (requirements-compilers.txt), else PATH's."""
+    import shutil
+
+    d = _nvcc_dir()
+    return os.path.join(d, "bin", "ptxas") if d else shutil.which("ptxas")
+
+
+def ptxas_usage(ptx_path: str, arch: str = "sm_90a") -> dict:
+    """``ptxas -v`` of one PTX file -> {entry function: {registers, spill_stores, spill_loads}} (bytes
+    for the spills): what each kernel of the file costs the SM's register file."""
+    import subprocess
+
+    exe = ptxas_path()
+    if not exe:
+        raise RuntimeError("no ptxas: install requirements-compilers.txt (the nvidia-cuda-nvcc-cu12 wheel)")
+    p = subprocess.run([exe, "-v", f"-arch={arch}", ptx_path, "-o", os.devnull], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"ptxas refused {ptx_path}: {p.stderr.strip()[-500:]}")
+    out, entry = {}, None
+    for line in p.stderr.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            entry = out.setdefault(m.group(1), {})
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and entry is not None:
+            entry.update(spill_stores=int(m.group(1)), spill_loads=int(m.group(2)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and entry is not None:
+            entry["registers"] = int(m.group(1))
+    return out
+
+
+def gpu_kernel_usage(lowered, name: str, arch: str = "sm_90a") -> dict:
+    """Compile ``lowered`` (a ``jax.stages.Lowered`` for a GPU topology) with XLA:GPU, dumping its PTX,
+    and return ``ptxas_usage`` of the kernels whose entry name contains ``name`` (a ``pallas_call``'s
+    ``name=``): {entry: {registers, spill_stores, spill_loads}}. Empty if no such kernel was emitted."""
+    import glob
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        lowered.compile(compiler_options={"xla_dump_to": d})
+        usage = {}
+        for path in sorted(glob.glob(os.path.join(d, "*.ptx"))):
+            with open(path) as f:
+                if name not in f.read():
+                    continue
+            usage.update({k: v for k, v in ptxas_usage(path, arch).items() if name in k})
+    return usage

@@ -87,6 +87,10 @@ flags.DEFINE_string("topology", "", "compile the decode programs for this hardwa
                     "topology's devices; per-device memory against the device's, and the custom calls in "
                     "each program (no CPU one may reach a TPU or GPU program)")
 flags.DEFINE_string("topology_plan", "chain:3", "--topology: the speculative loop's draft plan")
+flags.DEFINE_string("topology_heads", "eagle3", "--topology: the heads whose speculative loop is compiled "
+                    "(comma-separated: eagle3, confu; ConFu's adds its contemplate tokens and soft prompts)")
+flags.DEFINE_integer("topology_max_len", 128, "--topology: cache slots of the compiled loops (the decode "
+                     "memory table uses 4096; the default keeps the compile lane's programs small)")
 flags.DEFINE_string("out", "", "write the results JSON here too")
 FLAGS = flags.FLAGS
 
@@ -282,13 +286,22 @@ def topology_report(topology_name: str) -> dict:
         except ValueError as e:
             raise app.UsageError(str(e))
     res = dict(topo.summary(), mesh=dict(mesh.shape) if mesh is not None else None, plan=FLAGS.topology_plan,
-               programs=[])
+               max_len=FLAGS.topology_max_len, programs=[])
     print(f"{'model':<14} {'dtype':<9} {'program':<12} {'per-device peak':>16} {'device':>10}  fits  custom calls")
+    heads = [h.strip() for h in FLAGS.topology_heads.split(",") if h.strip()]
+    if not heads or set(heads) - {"eagle3", "confu"}:
+        raise app.UsageError(f"--topology_heads takes eagle3 and/or confu, got {FLAGS.topology_heads!r}")
     for name, cfg in _presets():
-        spec = ModelSpec(cfg, HeadConfig(variant="eagle3", draft_vocab_size=min(FLAGS.mesh_head_vocab, cfg.vocab_size)))
-        traced = tracing.trace_loops(spec, mesh, HeadDrafter(parse_plan(FLAGS.topology_plan)), unroll_layers=None,
-                                     device=None if mesh is not None else topo.devices[0])
-        for prog, tr in traced.items():
+        programs = {}
+        for head in heads:
+            spec = ModelSpec(cfg, HeadConfig(variant=head, draft_vocab_size=min(FLAGS.mesh_head_vocab, cfg.vocab_size)))
+            traced = tracing.trace_loops(spec, mesh, HeadDrafter(parse_plan(FLAGS.topology_plan)), unroll_layers=None,
+                                         device=None if mesh is not None else topo.devices[0],
+                                         max_len=FLAGS.topology_max_len)
+            if "ar" not in programs:
+                programs["ar"] = traced["ar"]
+            programs["speculative" if len(heads) == 1 else f"spec_{head}"] = traced["speculative"]
+        for prog, tr in programs.items():
             try:
                 compiled = tracing.compile_traced({prog: tr}, topo.platform)[prog]
                 row = dict(model=name, dtype=cfg.dtype, program=prog,

@@ -2,6 +2,7 @@
 
     python -m launch.kernel_bench                      # on an H100: Llama-3.1-8B heads, the grid below
     python -m launch.kernel_bench --seq_lens=4096 --tree_sizes=60 --k_splits=8 --block_m=64
+    python -m launch.kernel_bench --registers h100:1   # any host: ptxas' registers / spills per shipped plan
 
 One verification pass of the ConFu target: 2T queries per row (T tree nodes + T contemplate
 tokens) against a committed cache of S valid slots, s soft prompts (contemplate rows only) and the
@@ -54,6 +55,9 @@ flags.DEFINE_integer("num_stages", 0, "Triton pipeline stages (0 = default_tilin
 flags.DEFINE_float("peak_gbps", 0.0, "device peak HBM bandwidth in GB/s (0 = look up the device kind)")
 flags.DEFINE_bool("smoke", True, "on a non-GPU backend, run a tiny interpret-mode correctness check")
 flags.DEFINE_string("json_out", "", "also write the rows as JSON to this file")
+flags.DEFINE_string("registers", "", "instead of timing: compile the kernel at every shipped plan's shapes for "
+                    "this GPU (h100:1, h200:1) with XLA:GPU from any host (requirements-compilers.txt) and "
+                    "print ptxas' registers and spill bytes per thread; exit status 1 if any kernel spills")
 FLAGS = flags.FLAGS
 
 
@@ -61,9 +65,21 @@ def main(argv):
     del argv
     import jax
 
-    backend = jax.default_backend()
     tiling = dict(block_m=FLAGS.block_m, block_k=FLAGS.block_k, k_splits=FLAGS.k_splits,
                   num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
+    if FLAGS.registers:
+        from confu_jax.bench.kernel_cost import register_table
+        from confu_jax.topology import cpu_host
+
+        cpu_host()
+        rows = register_table(FLAGS.registers, **tiling)
+        if FLAGS.json_out:
+            storage.write_text(FLAGS.json_out, json.dumps(rows, indent=1))
+        spilled = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+        if spilled:
+            raise SystemExit(f"{len(spilled)} of {len(rows)} kernels spill registers")
+        return
+    backend = jax.default_backend()
     bytes_table(FLAGS.model, [int(s) for s in FLAGS.seq_lens], [int(t) for t in FLAGS.tree_sizes], FLAGS.batch,
                 FLAGS.soft_prompts, FLAGS.dtype, tiling)
     if backend != "gpu":

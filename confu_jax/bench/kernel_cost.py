@@ -252,3 +252,89 @@ def bytes_table(model: str, seq_lens, tree_sizes, batch: int, soft_prompts: int,
                 print(f"{s_len:>6} {t_nodes:>3} {t2:>4} {g * t2:>8} {kp.n_groups:>6} {kp.k_splits:>6} "
                       f"{r['min_mb']:8.2f} {r['kernel_mb']:9.2f} {r['ratio']:6.2f} {r['l2_mb']:7.2f}")
     return rows
+
+
+# The plans a user reaches (README, docs/decoding.md, the paper's budgets T = 30 / 60) and the presets
+# shipped: the verification blocks the kernel takes. EAGLE-3 verifies the tree's nodes (root
+# included); ConFu also a contemplate token after each, with the soft prompts.
+SHIPPED_PLANS = ("chain:3", "chain:4", "dynamic:6,8,30", "dynamic:6,10,60")
+SHIPPED_MODELS = ("smollm2-135m", "llama-3.2-3b", "llama-3.1-8b", "qwen3-8b")
+
+
+def shipped_kernel_calls(models=SHIPPED_MODELS, plans=SHIPPED_PLANS, soft_prompts: int = 16) -> list:
+    """One row per distinct kernel the shipped plans compile: {model, head, plan, queries, dtype,
+    soft_prompts, hq, hkv, d}. SmolLM2 in bfloat16 and float32 (its CPU recipe's dtype, which the GPU
+    campaign keeps). Calls that resolve to the same kernel (tiling, head_dim, dtype, soft prompts or not) are
+    listed once, under the first model and plan that reach it."""
+    from confu_jax.decode.plans import parse_plan
+    from confu_jax.kernels.tree_attention import kernel_plan
+    from confu_jax.models.presets import get_preset
+
+    rows, seen = [], set()
+    for model in models:
+        cfg = get_preset(model)
+        for dtype in ("bfloat16", "float32") if model.startswith("smollm2") else (cfg.dtype,):
+            for plan_text in plans:
+                plan = parse_plan(plan_text)
+                for head, t, p in (("eagle3", plan.n_nodes_total, 0),
+                                   ("confu", plan.n_nodes_total + plan.n_contemplates, soft_prompts)):
+                    kp = kernel_plan(1, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 4096, has_prefix=p > 0,
+                                     p_len=p)
+                    key = (kp.block_m, kp.n_sub, kp.block_k, kp.t_pad, kp.block_kt, kp.p_pad, cfg.head_dim, dtype)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    rows.append(dict(model=model, head=head, plan=plan_text, queries=t, dtype=dtype,
+                                     soft_prompts=p, hq=cfg.n_heads, hkv=cfg.n_kv_heads, d=cfg.head_dim))
+    return rows
+
+
+def kernel_registers(call: dict, topology: str = "h100:1", s_len: int = 4096, **tiling) -> dict:
+    """The kernel of one ``shipped_kernel_calls`` row compiled for ``topology``'s GPU by XLA:GPU (from
+    any host: ``confu_jax.topology``), with ptxas' registers and spill bytes per thread -> the row
+    plus {block_m, group_rows, num_warps, registers, spill_stores, spill_loads}."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from confu_jax import topology as tp
+    from confu_jax.kernels.tree_attention import default_tiling, kernel_plan, masked_attention_pallas
+
+    topo = tp.get_topology(topology)
+    if topo.platform != "gpu":
+        raise ValueError(f"the tree-attention kernel compiles for CUDA GPUs; {topology!r} is {topo.platform}")
+    sh = SingleDeviceSharding(topo.devices[0])
+    dt = jnp.dtype(call["dtype"])
+    t, hq, hkv, d, p = call["queries"], call["hq"], call["hkv"], call["d"], call["soft_prompts"]
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+    args = [sds((1, t, hq, d), dt), sds((1, t, hkv, d), dt), sds((1, t, hkv, d), dt), sds((1, t, t), jnp.bool_),
+            sds((1, hkv, s_len, d), dt), sds((1, hkv, s_len, d), dt), sds((1, t), jnp.int32)]
+    if p:
+        args += [sds((p, hkv, d), dt), sds((p, hkv, d), dt), sds((1, t), jnp.bool_)]
+    tiling = {k: v for k, v in tiling.items() if v}
+    lowered = jax.jit(lambda *a: masked_attention_pallas(*a, **tiling)).trace(*args).lower()
+    usage = tp.gpu_kernel_usage(lowered, "confu_tree_attention")
+    if len(usage) != 1:
+        raise RuntimeError(f"expected one confu_tree_attention kernel in the compiled program, found {sorted(usage)}")
+    (u,) = usage.values()
+    plan_tiling = {k: v for k, v in tiling.items() if k not in ("num_warps", "num_stages")}
+    kp = kernel_plan(1, t, hq, hkv, d, s_len, has_prefix=p > 0, p_len=p, **plan_tiling)
+    warps = tiling.get("num_warps") or default_tiling(kp.n_rows, s_len, d, hkv)["num_warps"]
+    return dict(call, block_m=kp.block_m, group_rows=kp.group_rows, row_groups=kp.n_groups, num_warps=warps, **u)
+
+
+def register_table(topology: str = "h100:1", **tiling) -> list:
+    """``kernel_registers`` of every shipped kernel call; prints one line each."""
+    rows = []
+    print(f"{'model':<14} {'head':<7} {'plan':<16} {'queries':>7} {'dtype':<9} {'block_m':>7} {'groups':>6} "
+          f"{'warps':>5} {'registers':>9} {'spill st/ld B':>13}")
+    for call in shipped_kernel_calls():
+        r = kernel_registers(call, topology, **tiling)
+        rows.append(r)
+        print(f"{r['model']:<14} {r['head']:<7} {r['plan']:<16} {r['queries']:>7} {r['dtype']:<9} {r['block_m']:>7} "
+              f"{r['row_groups']:>6} {r['num_warps']:>5} {r['registers']:>9} "
+              f"{str(r['spill_stores']) + '/' + str(r['spill_loads']):>13}", flush=True)
+    return rows

@@ -12,12 +12,15 @@ Grid ``(J, B * Hkv)``: ``J = k_splits + 1`` column programs per (batch row, KV h
 ``k_splits`` each owning a contiguous range of cache slots and the last one owning the soft prompts
 and the tree block. Inside a program the rows form ``n_groups`` row groups of ``n_sub`` sub-tiles of
 ``block_m`` (<= 128) rows; every K/V tile is **loaded once per row group** and applied to each
-sub-tile's online-softmax state ``(o, m, l)`` (float32). A group holds as many rows as
-:data:`ACC_BUDGET` (128 KiB of float32 accumulators, half an H100 SM's registers) allows: 256 rows
-at head_dim 128, so at T = 30 (240 rows) each K/V tile is read once per (row, KV head), and at
-T = 60 (480 rows) the program's second group reloads its key range right after the first finished
-with it — an L2 hit unless evicted; holding all 480 rows' accumulators (240 KiB) on one SM is not
-possible. ``launch.kernel_bench`` prints what this reads and writes (its bytes model counts the
+sub-tile's online-softmax state ``(o, m, l)`` (float32). By default a group is **one** sub-tile
+(:func:`default_tiling`): ptxas (sm_90a, ``launch.kernel_bench --registers``) found that Triton keeps
+every sub-tile's state and query tile live through the key loop, so two or more sub-tiles spilled
+at every shape tried (255 registers and 120–928 bytes of spill stores at 60–120 queries, Llama-3.1-8B
+and SmolLM2 heads, 4 to 16 warps), while one sub-tile of 128 rows at 8 warps needs 128–231 registers
+and spills nothing. So at T = 30 (240 rows for Llama-3.1-8B) the program's second group reloads its
+key range right after the first finished with it — an L2 hit unless evicted — the price of keeping
+the states in registers; ``group_rows`` still takes larger groups for experiments.
+``launch.kernel_bench`` prints what this reads and writes (its bytes model counts the
 cache once, the L2 reloads apart, the queries read by each program, the partials and the epilogue).
 Every program writes its normalised output (input dtype) with its log-sum-exp; a small jnp epilogue
 merges the J partials by softmax mass (flash-decoding's final reduction). Skipping:
@@ -107,9 +110,6 @@ def _num_sms(default: int = 132) -> int:
         return default
 
 
-# Float32 accumulator elements one row group keeps on chip (128 KiB: half an H100 SM's register
-# file). 240 query rows x head_dim 128 fit (8B at T = 30, ConFu's 2T); 480 rows need two groups.
-ACC_BUDGET = 32768
 # Longest block (queries per row) the kernel takes: verification (2T <= 120 at the paper's
 # budgets). Longer blocks are prefill and go to the blockwise XLA path (models/attention.py).
 MAX_QUERIES = 256
@@ -120,15 +120,18 @@ def default_tiling(n_rows: int, cache_len_max: int, head_dim: int, n_programs_pe
     """Tile sizes for an H100 (reasoned, not yet tuned on hardware; the benchmark sweeps them).
 
     ``n_rows`` = G x T query rows per KV head. ``block_m`` (<= 128) is the row sub-tile of one dot;
-    ``group_rows`` (a multiple of it) the rows whose states share each loaded K/V tile, as many as
-    :data:`ACC_BUDGET` allows. ``k_splits`` aims at ~2 waves of programs over the SMs
-    (``n_programs_per_split`` = B x Hkv), capped so the partials the splits write (each
-    ``m_pad x head_dim``) stay at most ~1/4 of the K/V they read.
+    ``group_rows`` (a multiple of it) the rows whose states share each loaded K/V tile: one sub-tile,
+    the most whose state stays in registers (module docstring; ``tests/compile`` checks ptxas' spill
+    count at the shipped plans). 8 warps for a 128-row tile (at 4 its state spills), else 4; key
+    tiles of 64 slots.
+    ``k_splits`` aims at ~2 waves of programs over the SMs (``n_programs_per_split`` = B x Hkv),
+    capped so the partials the splits write (each ``m_pad x head_dim``) stay at most ~1/4 of the K/V
+    they read.
     """
     block_m = min(128, max(_MIN_TILE, _next_pow2(n_rows)))
     m_pad = -(-n_rows // block_m) * block_m
-    group_rows = max(block_m, min(m_pad, (ACC_BUDGET // head_dim) // block_m * block_m))
-    block_k = 64 if head_dim >= 128 else 128
+    group_rows = block_m
+    block_k = 64  # 128 spilled in float32 at head_dim 64 (SmolLM2: 255 registers, 4-8 B of spill stores)
     if cache_len_max > 0:
         want = -(-2 * (n_sms or _num_sms()) // max(1, n_programs_per_split))
         cap = cache_len_max // (2 * max(m_pad, 256))
@@ -136,7 +139,7 @@ def default_tiling(n_rows: int, cache_len_max: int, head_dim: int, n_programs_pe
     else:
         k_splits = 0
     return dict(block_m=block_m, group_rows=group_rows, block_k=block_k, k_splits=k_splits,
-                num_warps=8 if group_rows * head_dim >= 128 * 128 else 4, num_stages=2)
+                num_warps=8 if block_m >= 128 else 4, num_stages=2)
 
 
 # ----------------------------------------------------------------------------- kernel

@@ -46,14 +46,14 @@ def test_harness_runs_on_cpu_with_interpreted_kernel(capsys):
 
 
 def test_bytes_model_counts_the_cache_once_and_the_reloads_apart():
-    """At 8B heads (G = 4, d = 128): 240 rows per KV head are one row group (cache read once, no
-    reloads); 480 rows are two (one L2 reload of the same slots). Everything else the kernel moves
-    is on top of the minimum, never below it."""
+    """At 8B heads (G = 4, d = 128): 120 rows per KV head are one row group (cache read once, no
+    reloads); 240 rows are two (one L2 reload of the same slots), 480 four. Everything else the
+    kernel moves is on top of the minimum, never below it."""
     from confu_jax.models.presets import get_preset
 
     cfg = get_preset("llama-3.1-8b")
     s, p = 4096, 16
-    for t2, groups in ((60, 1), (120, 2)):
+    for t2, groups in ((30, 1), (60, 2), (120, 4)):
         need = kb.bytes_moved(1, t2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, s, p, 2)
         got = kb.kernel_bytes(1, t2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, s, p, 2)
         assert got["plan"].n_groups == groups
@@ -64,7 +64,7 @@ def test_bytes_model_counts_the_cache_once_and_the_reloads_apart():
         assert need < got["total_hbm"] == sum(v for k, v in got.items() if k not in (
             "cache_l2", "total_hbm", "plan", "cache_tile_loads", "tree_tile_loads"))
     rows = kb.bytes_table("llama-3.1-8b", [1024], [30], 1, p, "", {})
-    assert [(r["queries"], r["row_groups"]) for r in rows] == [(30, 1), (60, 1)]
+    assert [(r["queries"], r["row_groups"]) for r in rows] == [(30, 1), (60, 2)]
 
 
 @pytest.mark.parametrize("tiling", [dict(block_k=16, k_splits=2, block_m=16, block_kt=16),

@@ -401,15 +401,18 @@ def test_each_cache_tile_is_loaded_once_per_row_group(group_rows, n_groups):
     assert (plan.n_groups, plan.n_sub) == (n_groups, 4 // n_groups)
 
 
-def test_paper_budgets_read_the_cache_once_per_row_group():
-    """Llama-3.1-8B heads (G = 4, head_dim 128): ConFu at T = 30 (2T = 60 queries, 240 rows per KV
-    head) is one row group — each K/V tile read once per (row, KV head); T = 60 (480 rows) is two."""
+def test_paper_budgets_take_one_128_row_sub_tile_per_row_group():
+    """Llama-3.1-8B heads (G = 4, head_dim 128): a row group is one sub-tile of at most 128 rows (two
+    sub-tiles' states spill: tests/compile/test_tree_kernel_registers.py), so ConFu at T = 15 (30
+    queries, 120 rows per KV head) reads each K/V tile once per (row, KV head), T = 30 (240 rows) in
+    two groups, T = 60 (480 rows) in four; 8 warps for the 128-row tile."""
     cfg = get_preset("llama-3.1-8b")
     g = cfg.n_heads // cfg.n_kv_heads
-    for t2, groups in ((30, 1), (60, 1), (120, 2)):
+    for t2, groups in ((30, 1), (60, 2), (120, 4)):
         plan = ta.kernel_plan(1, t2, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 4096, has_prefix=True, p_len=16)
         assert plan.n_rows == g * t2 and plan.n_groups == groups
-        assert plan.m_pad * cfg.head_dim <= groups * ta.ACC_BUDGET
+        assert (plan.n_sub, plan.group_rows, plan.block_m) == (1, 128, 128)
+        assert ta.default_tiling(plan.n_rows, 4096, cfg.head_dim)["num_warps"] == 8
 
 
 def test_prefill_blocks_take_the_xla_path():

@@ -1,0 +1,255 @@
+"""The 8B table from the real compilers: train steps and decode programs at Llama-3.1-8B / Qwen3-8B
+shapes compiled for TPU v5p / v5e / v6e and H100 / H200 by XLA:TPU (libtpu) and XLA:GPU (the CUDA
+plugin) on this CPU host, nothing downloaded (``--config.model.source=abstract``).
+
+    python experiments/compile_8b.py --out runs/compile_8b [--phases base,bisect,families,decode]
+    python experiments/compile_8b.py --out runs/compile_8b --table      # the markdown tables
+
+Phases, in the order they run (each point is its own process; a point already in
+``<out>/points.jsonl`` is not recompiled, so a killed run resumes; each compile takes minutes on 2
+cores, the whole grid hours):
+
+- ``base``: EAGLE-3 and ConFu train steps, rows of 4096, global batch 8, FSDP over the 8 chips of
+  v5p-8 (``v5p:2x2x2``), v5e-8 (``v5e:2x4``), v6e-8 (``v6e:2x4``) and 8×H100 (``h100:8``): per-chip peak
+  and ``fits`` (``launch.train --compile_only --topology``).
+- ``bisect``: for each base point, the largest global batch that fits (doubling from 8, then bisecting
+  in steps of the 8 data-parallel rows) at rows of 4096; where batch 8 does not fit, the largest row
+  length (bisected in steps of 256) at batch 8.
+- ``families``: the other families' train steps (their SmolLM2 config at the 8B preset's shapes) at the
+  base point.
+- ``decode``: the AR loop and EAGLE-3 / ConFu speculative loops (``chain:3`` and the tree plan
+  ``dynamic:6,8,30``), 4096 cache slots, bf16, on v5e-4 and v6e-4 (a 4-way tensor mesh), one H100 and
+  one H200 (unsharded) (``launch.decode_cost --topology``).
+
+What the figures are: XLA's own memory analysis of the program compiled for that chip (per-device
+peak = max(XLA's peak, arguments + outputs − donated + temporaries)), against the chip's HBM; a
+program XLA:TPU refuses at compile time for memory is ``fits: false`` with the bytes it named. No
+device executed anything: the step's time is not here (``experiments/accelerator_scale.sh`` on a
+lent GPU). XLA:GPU compiles without autotuning (no device to tune on): the figures are for its
+default tilings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_TOPOLOGIES = ("v5p:2x2x2", "v5e:2x4", "v6e:2x4", "h100:8")
+DECODE_TOPOLOGIES = {"v5e:2x2": "tensor=4", "v6e:2x2": "tensor=4", "h100:1": "", "h200:1": ""}
+MODELS = ("llama-3.1-8b", "qwen3-8b")
+HEADS = {"eagle3": "configs/eagle3.py", "confu": "configs/confu.py"}
+FAMILIES = {  # the other families' train steps: their SmolLM2 config, the 8B preset's shapes
+    "eagle31": "configs/smollm2_eagle31.py", "peagle": "configs/smollm2_peagle.py",
+    "dflash": "configs/smollm2_dflash.py", "dspark": "configs/smollm2_dspark.py",
+    "medusa": "configs/smollm2_medusa.py", "mlp_speculator": "configs/smollm2_mlp_speculator.py",
+    "mtp": "configs/smollm2_mtp.py",
+}
+PLANS = ("chain:3", "dynamic:6,8,30")
+GIB = 2**30
+
+
+def _key(p: dict) -> str:
+    return "|".join(str(p[k]) for k in ("kind", "family", "model", "topology", "rows", "batch", "plan"))
+
+
+def load(out: str) -> dict:
+    path = os.path.join(out, "points.jsonl")
+    if not os.path.exists(path):
+        return {}
+    pts = {}
+    for line in open(path):
+        if line.strip():
+            p = json.loads(line)
+            pts[_key(p)] = p
+    return pts
+
+
+def _append(out: str, p: dict) -> None:
+    with open(os.path.join(out, "points.jsonl"), "a") as f:
+        f.write(json.dumps(p) + "\n")
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+
+
+def train_point(out: str, done: dict, family: str, config: str, model: str, topology: str, rows: int,
+                batch: int) -> dict:
+    p = dict(kind="train", family=family, model=model, topology=topology, rows=rows, batch=batch, plan="-")
+    if _key(p) in done:
+        return done[_key(p)]
+    with tempfile.TemporaryDirectory() as tmp:
+        rep = os.path.join(tmp, "r.json")
+        args = [sys.executable, "-m", "launch.train", "--config", config, "--compile_only", "--topology", topology,
+                "--out", rep, "--config.model.source=abstract", f"--config.model.preset={model}",
+                "--config.model.dtype=bfloat16", f"--config.data.max_length={rows}",
+                f"--config.data.global_batch_size={batch}", "--config.train.mesh.data=1",
+                "--config.train.mesh.fsdp=8", "--config.train.mesh.tensor=1", "--config.train.progress_bar=False"]
+        t0 = time.time()
+        r = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=_env())
+        p["wall_s"] = round(time.time() - t0, 1)
+        if r.returncode != 0 or not os.path.exists(rep):
+            p["error"] = (r.stderr.strip().splitlines() or ["?"])[-1][:400]
+        else:
+            rr = json.loads(open(rep).read())
+            p.update({k: rr.get(k) for k in ("platform", "device_kind", "devices", "mesh", "per_device_peak_bytes",
+                                             "device_memory_bytes", "fits", "compile_s", "trainable_params")})
+    print(json.dumps(p), flush=True)
+    _append(out, p)
+    done[_key(p)] = p
+    return p
+
+
+def _fits(p: dict) -> bool:
+    return p.get("fits") is True
+
+
+def bisect_batch(out, done, family, config, model, topology, rows=4096, cap=512) -> None:
+    lo, hi = 8, None  # lo fits
+    b = 16
+    while b <= cap:
+        if _fits(train_point(out, done, family, config, model, topology, rows, b)):
+            lo, b = b, b * 2
+        else:
+            hi = b
+            break
+    if hi is None:
+        return
+    while hi - lo > 8:
+        mid = (lo + hi) // 2 // 8 * 8
+        if _fits(train_point(out, done, family, config, model, topology, rows, mid)):
+            lo = mid
+        else:
+            hi = mid
+
+
+def bisect_rows(out, done, family, config, model, topology, batch=8) -> None:
+    lo, hi = 0, 4096  # hi does not fit
+    for r in (2048, 1024, 512):
+        if _fits(train_point(out, done, family, config, model, topology, r, batch)):
+            lo = r
+            break
+        hi = r
+    if lo == 0:
+        return
+    while hi - lo > 256:
+        mid = (lo + hi) // 2 // 256 * 256
+        if _fits(train_point(out, done, family, config, model, topology, mid, batch)):
+            lo = mid
+        else:
+            hi = mid
+
+
+def decode_points(out: str, done: dict, model: str, topology: str, plan: str) -> None:
+    p = dict(kind="decode", family="eagle3,confu", model=model, topology=topology, rows=4096, batch=1, plan=plan)
+    if _key(p) in done:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        rep = os.path.join(tmp, "r.json")
+        args = [sys.executable, "-m", "launch.decode_cost", "--models", model, "--dtype", "model", "--topology",
+                topology, "--topology_plan", plan, "--topology_heads", "eagle3,confu", "--topology_max_len", "4096",
+                "--mesh_head_vocab", "32000", "--out", rep]
+        if DECODE_TOPOLOGIES[topology]:
+            args += ["--mesh", DECODE_TOPOLOGIES[topology]]
+        t0 = time.time()
+        r = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=_env())
+        p["wall_s"] = round(time.time() - t0, 1)
+        if r.returncode != 0 or not os.path.exists(rep):
+            p["error"] = (r.stderr.strip().splitlines() or ["?"])[-1][:400]
+        else:
+            t = json.loads(open(rep).read())["topology"]
+            p.update(device_kind=t["device_kind"], mesh=t["mesh"], programs=[
+                {k: q.get(k) for k in ("program", "per_device_peak_bytes", "device_memory_bytes", "fits",
+                                       "custom_calls")} for q in t["programs"]])
+    print(json.dumps(p), flush=True)
+    _append(out, p)
+    done[_key(p)] = p
+
+
+def _gib(b) -> str:
+    return "—" if b is None else f"{b / GIB:.1f}"
+
+
+def table(done: dict) -> str:
+    pts = list(done.values())
+    lines = ["| family | target | topology | rows × batch | per-chip peak GiB | HBM GiB | fits | largest batch at 4096 "
+             "(or rows at batch 8) |", "|---|---|---|---|---|---|---|---|"]
+    for p in pts:
+        if p["kind"] != "train" or (p["rows"], p["batch"]) != (4096, 8):
+            continue
+        same = [q for q in pts if q["kind"] == "train" and all(q[k] == p[k] for k in ("family", "model", "topology"))]
+        if _fits(p):
+            ok = [q["batch"] for q in same if q["rows"] == 4096 and _fits(q)]
+            bad = [q["batch"] for q in same if q["rows"] == 4096 and q.get("fits") is False]
+            big = max(ok)
+            largest = f"{big}" + (f" (not {min(b for b in bad if b > big)})" if any(b > big for b in bad) else
+                                  " (≥; cap)" if big >= 512 else " (bisection not run)" if big == 8 else " (≥, so far)")
+        else:
+            ok = [q["rows"] for q in same if q["batch"] == 8 and _fits(q)]
+            largest = f"rows {max(ok)} at batch 8" if ok else "—"
+        peak = "error: " + p["error"][:80] if "error" in p else _gib(p.get("per_device_peak_bytes"))
+        lines.append(f"| {p['family']} | {p['model']} | {p['topology']} | 4096 × 8 | {peak} | "
+                     f"{_gib(p.get('device_memory_bytes'))} | {p.get('fits')} | {largest} |")
+    lines += ["", "| target | device | mesh | plan | program | per-chip GiB | HBM GiB | fits |", "|---|---|---|---|---|---|---|---|"]
+    for p in pts:
+        if p["kind"] != "decode":
+            continue
+        if "error" in p:
+            lines.append(f"| {p['model']} | {p['topology']} | — | {p['plan']} | error: {p['error'][:80]} | | | |")
+            continue
+        for q in p["programs"]:
+            lines.append(f"| {p['model']} | {p['topology']} | {p['mesh'] or 'one device'} | {p['plan']} | {q['program']} "
+                         f"| {_gib(q['per_device_peak_bytes'])} | {_gib(q['device_memory_bytes'])} | {q['fits']} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/compile_8b")
+    ap.add_argument("--phases", default="base,decode,bisect,families")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--table", action="store_true", help="print the tables from what is done, compile nothing")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    done = load(a.out)
+    if a.table:
+        print(table(done))
+        return
+    models = [m for m in a.models.split(",") if m]
+    for phase in a.phases.split(","):
+        if phase == "base":
+            for model in models:
+                for topo in TRAIN_TOPOLOGIES:
+                    for fam, cfg in HEADS.items():
+                        train_point(a.out, done, fam, cfg, model, topo, 4096, 8)
+        elif phase == "decode":
+            for plan in PLANS:
+                for topo in DECODE_TOPOLOGIES:
+                    for model in models:
+                        decode_points(a.out, done, model, topo, plan)
+        elif phase == "bisect":
+            for model in models:
+                for topo in TRAIN_TOPOLOGIES:
+                    for fam, cfg in HEADS.items():
+                        if _fits(train_point(a.out, done, fam, cfg, model, topo, 4096, 8)):
+                            bisect_batch(a.out, done, fam, cfg, model, topo)
+                        else:
+                            bisect_rows(a.out, done, fam, cfg, model, topo)
+        elif phase == "families":
+            for model in models:
+                for topo in TRAIN_TOPOLOGIES:
+                    for fam, cfg in FAMILIES.items():
+                        train_point(a.out, done, fam, cfg, model, topo, 4096, 8)
+        else:
+            raise SystemExit(f"unknown phase {phase!r}: expected base, decode, bisect, families")
+    print(table(done))
+
+
+if __name__ == "__main__":
+    main()
