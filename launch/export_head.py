@@ -115,6 +115,6 @@ def _run_target(workdir: str):
 
 
 if __name__ == "__main__":
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
-    app.run(cli_main("launch.export_head", main))
+    run("launch.export_head", main)

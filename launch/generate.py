@@ -169,12 +169,17 @@ flags.DEFINE_string("mesh", "", "decode over a device mesh, e.g. tensor=8 (heads
                     "row, so data × fsdp must be 1. Empty = one device. On CPU the mesh's devices are faked "
                     "(--xla_force_host_platform_device_count), a layout check rather than a speed-up")
 flags.DEFINE_enum("attention_impl", "xla", list(ATTENTION_CHOICES), ATTENTION_HELP)
-config_flags.DEFINE_config_file(
-    "config", _DEFAULT_CONFIG,
-    "ml_collections config file with the decode settings (fields: decode.max_new_tokens, "
-    "decode.temperature, decode.top_p, decode.seed, decode.min_bucket, decode.max_len, chat.system); "
-    "override fields with --config.decode.top_p=0.9 etc.",
-    lock_config=True)
+try:  # with a default file, ml_collections applies the --config.X overrides here, at definition
+    config_flags.DEFINE_config_file(
+        "config", _DEFAULT_CONFIG,
+        "ml_collections config file with the decode settings (fields: decode.max_new_tokens, "
+        "decode.temperature, decode.top_p, decode.seed, decode.min_bucket, decode.max_len, chat.system); "
+        "override fields with --config.decode.top_p=0.9 etc.",
+        lock_config=True)
+except (AttributeError, KeyError, TypeError, ValueError) as _e:
+    from confu_jax.user_errors import config_override_error
+
+    config_override_error("launch.generate", _e)
 FLAGS = flags.FLAGS
 
 
@@ -250,6 +255,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
-    app.run(cli_main("launch.generate", main))
+    run("launch.generate", main)

@@ -69,6 +69,7 @@ from confu_jax.decode.self_distill import (drop_released, generate_dataset, keep
                                            read_records, regenerate_continuous)
 from confu_jax.data.distill_shards import (merge_shards, mark_done, process_slot, shard_of, shard_output,
                                            wait_for_shards)
+from confu_jax.runs.lock import output_lock
 
 log = logging.getLogger("generate_data")
 
@@ -221,27 +222,28 @@ def main(argv):
     convs = [c for c in every if shard_of(c["id"], num_shards) == shard_index]
     output = shard_output(f.output, shard_index, num_shards)
     log.info("shard %d of %d: %d conversations -> %s", shard_index, num_shards, len(convs), output)
-    cfg, params = _load_target(f.model, f.dtype or None, f.shard_target)
-    storage.makedirs(os.path.dirname(storage.absolute(output)))  # gs://: nothing to create
-    record_run(output, sys.argv, template_sha256)
-    if f.engine == "continuous":
-        stats = regenerate_continuous(convs, output, tokenizer, cfg, params, batch_size=f.batch_size,
-                                      max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,
-                                      temperature=f.temperature, top_p=f.top_p, steps_per_sync=f.steps_per_sync,
-                                      reuse_prefix=f.reuse_prefix, fill_rows=f.fill_rows)
-    else:
-        generate_fn = make_generate_fn(params, cfg, max_new_tokens=f.max_new_tokens, temperature=f.temperature,
-                                       top_p=f.top_p, eos_ids=tokenizer.eos_ids)
-        stats = generate_dataset(convs, output, tokenizer, generate_fn, batch_size=f.batch_size,
-                                 max_prompt_len=f.max_prompt_len)
-    summary = {"output": output, **stats, **({"already_released": n_released} if f.release else {})}
-    if num_shards > 1:
-        mark_done(output, assignment[shard_index], stats)
-        if shard_index == 0 and f.merge:
-            wait_for_shards(f.output, assignment)
-            summary["merged"] = merge_shards(f.output, num_shards, [c["id"] for c in every], read_records)
-            summary["merged"]["output"] = f.output
-            record_run(f.output, sys.argv, template_sha256)  # the merged file's provenance, for launch.release_data
+    with output_lock(output):  # one writer per output: a second resume would interleave the same ids
+        cfg, params = _load_target(f.model, f.dtype or None, f.shard_target)
+        storage.makedirs(os.path.dirname(storage.absolute(output)))  # gs://: nothing to create
+        record_run(output, sys.argv, template_sha256)
+        if f.engine == "continuous":
+            stats = regenerate_continuous(convs, output, tokenizer, cfg, params, batch_size=f.batch_size,
+                                          max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,
+                                          temperature=f.temperature, top_p=f.top_p, steps_per_sync=f.steps_per_sync,
+                                          reuse_prefix=f.reuse_prefix, fill_rows=f.fill_rows)
+        else:
+            generate_fn = make_generate_fn(params, cfg, max_new_tokens=f.max_new_tokens, temperature=f.temperature,
+                                           top_p=f.top_p, eos_ids=tokenizer.eos_ids)
+            stats = generate_dataset(convs, output, tokenizer, generate_fn, batch_size=f.batch_size,
+                                     max_prompt_len=f.max_prompt_len)
+        summary = {"output": output, **stats, **({"already_released": n_released} if f.release else {})}
+        if num_shards > 1:
+            mark_done(output, assignment[shard_index], stats)
+            if shard_index == 0 and f.merge:
+                wait_for_shards(f.output, assignment)
+                summary["merged"] = merge_shards(f.output, num_shards, [c["id"] for c in every], read_records)
+                summary["merged"]["output"] = f.output
+                record_run(f.output, sys.argv, template_sha256)  # the merged file's provenance, for launch.release_data
     print(json.dumps(summary))
 
 
@@ -268,6 +270,6 @@ if __name__ == "__main__":
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     FLAGS = _define_flags()
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
-    app.run(cli_main("launch.generate_data", main))
+    run("launch.generate_data", main)

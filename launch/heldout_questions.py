@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from confu_jax import storage
 
@@ -73,6 +73,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
-    app.run(cli_main("launch.heldout_questions", main))
+    run("launch.heldout_questions", main)

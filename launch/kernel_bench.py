@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 
 from confu_jax import storage
 from confu_jax.bench.kernel_cost import bytes_table, run, smoke
@@ -101,6 +101,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
-    app.run(cli_main("launch.kernel_bench", main))
+    run("launch.kernel_bench", main)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 
@@ -144,7 +144,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
     define_flags()
-    app.run(cli_main("launch.matmul_bench", main))
+    run("launch.matmul_bench", main)

@@ -43,6 +43,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
-    app.run(cli_main("launch.param_count", main))
+    run("launch.param_count", main)

@@ -56,6 +56,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
-    app.run(cli_main("launch.tau_compare", main))
+    run("launch.tau_compare", main)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 from absl import app, flags, logging
@@ -185,32 +184,7 @@ def main(argv):
         print(json.dumps(summary, indent=1, sort_keys=True))
 
 
-def parse_flags(argv):
-    """absl flag parsing, with config-override mistakes reported as one line naming the key.
-
-    ml_collections raises plain AttributeError/KeyError for a key the locked config lacks; left
-    alone that is a traceback from deep inside the flag parser.
-    """
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        sys.stderr.write(f"FATAL Flags parsing error: {e}\nPass --helpfull to see help on flags.\n")
-        sys.exit(1)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        msg = str(e.args[0] if e.args else e).replace("\\'", "'").replace("\\n", " ")
-        msg = msg.replace("\n", " ").strip("'\" ")
-        msg = re.sub(r"^'?([A-Za-z0-9_]+)'?\s*", r"'\1': ", msg, count=1)
-        words = re.findall(r"[A-Za-z0-9_]+", msg)
-        culprits = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.") and words
-                    and re.search(rf"\.{re.escape(words[0])}(\.|$)", a.split("=", 1)[0])]
-        where = f" in {', '.join(culprits)}" if culprits else ""
-        sys.stderr.write(f"launch.train: invalid config override{where}: {msg}\n"
-                         f"(the config is locked: only existing keys can be set; see the config "
-                         f"file given to --config)\n")
-        sys.exit(2)
-
-
 if __name__ == "__main__":
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
-    app.run(cli_main("launch.train", main), flags_parser=parse_flags)
+    run("launch.train", main)

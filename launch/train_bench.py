@@ -33,7 +33,7 @@ import json
 import resource
 import time
 
-from absl import app, flags
+from absl import flags
 
 from confu_jax import storage
 
@@ -235,6 +235,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
-    app.run(cli_main("launch.train_bench", main))
+    run("launch.train_bench", main)

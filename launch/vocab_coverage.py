@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 
 from confu_jax import storage
 
@@ -55,6 +55,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from confu_jax.user_errors import cli_main
+    from confu_jax.user_errors import run
 
-    app.run(cli_main("launch.vocab_coverage", main))
+    run("launch.vocab_coverage", main)

@@ -103,8 +103,10 @@ def check_settings(cfg: LlamaConfig, *, max_new_tokens: int, temperature: float,
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1; got temperature={temperature}, "
                          f"top_p={top_p}")
     if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings="
-                         f"{cfg.max_position_embeddings}")
+        raise ValueError(f"max_len={max_len} (KV-cache slots) exceeds the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings}: lower the cache or the budgets that size it "
+                         "(launch.generate: --config.decode.max_len, 0 = from the prompt and max_new_tokens; "
+                         "launch.generate_data: --max_prompt_len + --max_new_tokens)")
     eos = [int(e) for e in (cfg.eos_token_ids if eos_ids is None else eos_ids)]
     if any(e < 0 for e in eos):
         raise ValueError(f"eos_ids must be token ids >= 0, got {eos}")
@@ -119,7 +121,8 @@ def validate_request(cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens:
 
     ``prompts``: token-id lists (any lengths), or a [B, T] right-padded array with ``lengths``.
     ``eos_ids`` defaults to ``cfg.eos_token_ids`` (``()`` disables EOS stopping). ``max_len``
-    defaults to bucket + max_new_tokens + ``reserve``, where ``reserve`` is the number of cache
+    defaults to bucket + max_new_tokens + ``reserve`` (the longest prompt instead of its bucket where
+    the bucket would pass the model's context), where ``reserve`` is the number of cache
     slots a row needs beyond its prompt before it can emit (speculative decoding: one
     verification of depth D, D+1 slots; ``reserve_what`` names it in the error).
     """
@@ -133,10 +136,24 @@ def validate_request(cfg: LlamaConfig, prompts, *, lengths=None, max_new_tokens:
         b = int(np.nonzero(bad.any(axis=1))[0][0])
         raise ValueError(f"prompt {b} has token ids outside [0, {cfg.vocab_size}): "
                          f"{tokens_bt[b][bad[b]][:5].tolist()}")
-    max_len = int(max_len) if max_len else tokens_bt.shape[1] + int(max_new_tokens) + reserve
+    longest = int(lengths_b.max())
+    if not max_len:
+        # bucket + new tokens: one cache size (one program) per bucket. Near the model's context that
+        # rounding can refuse what fits (a 4.5k prompt in the 8k bucket of an 8k model): then the
+        # longest row's own need (commits past the cache's end are dropped, so the padded prefill
+        # may be wider than the cache).
+        max_len = tokens_bt.shape[1] + int(max_new_tokens) + reserve
+        if max_len > cfg.max_position_embeddings:
+            max_len = longest + int(max_new_tokens) + reserve
+            if max_len > cfg.max_position_embeddings:
+                raise ValueError(
+                    f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens}"
+                    f"{f' plus {reserve_what}' if reserve_what else ''} needs {max_len} cache slots; the "
+                    f"model's context is max_position_embeddings={cfg.max_position_embeddings}: lower "
+                    "max_new_tokens (--config.decode.max_new_tokens) or shorten the prompt")
+    max_len = int(max_len)
     eos_e = check_settings(cfg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            eos_ids=eos_ids, max_len=max_len)
-    longest = int(lengths_b.max())
     if longest + reserve > max_len:
         extra = f" plus {reserve_what}" if reserve_what else ""
         raise ValueError(f"KV cache of max_len={max_len} slots cannot hold a prompt of {longest} tokens{extra}")

@@ -46,17 +46,20 @@ def _cache_dir() -> pathlib.Path:
 
 
 def _compile() -> pathlib.Path:
-    """Build the handler once per (source, jaxlib, machine, compiler): written to a temporary name and
-    renamed, so concurrent test workers never load a half-written library."""
+    """Build the handler once per (source, jaxlib, instruction set, compiler): written to a temporary
+    name and renamed, so concurrent test workers never load a half-written library; its sha256 is
+    written beside it and checked before every load (a changed or truncated library is rebuilt,
+    never loaded)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not cxx:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
     include = jax.ffi.include_dir()
     flags = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w"]
     key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), jax.__version__.encode(), " ".join(flags).encode(),
-                                     cxx.encode(), os.uname().machine.encode(), _cpu_id()])).hexdigest()[:16]
+                                     cxx.encode(), os.uname().machine.encode(), isa_id(cxx)])).hexdigest()[:16]
     out = _cache_dir() / f"cpu_matmul_{key}.so"
-    if out.exists():
+    digest = out.with_suffix(".so.sha256")
+    if out.exists() and digest.exists() and digest.read_text().strip() == _sha256(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -64,7 +67,11 @@ def _compile() -> pathlib.Path:
     try:
         subprocess.run([cxx, *flags, f"-I{include}", str(_SOURCE), "-o", tmp], check=True, capture_output=True,
                        text=True, timeout=300)
+        fd, tmp_digest = tempfile.mkstemp(suffix=".sha256", dir=out.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(_sha256(pathlib.Path(tmp)) + "\n")
         os.replace(tmp, out)
+        os.replace(tmp_digest, digest)  # after the library: a digest never names a library not yet there
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"{cxx} failed on {_SOURCE.name}: {e.stderr.strip()[-2000:]}") from None
     finally:
@@ -73,14 +80,22 @@ def _compile() -> pathlib.Path:
     return out
 
 
-def _cpu_id() -> bytes:
-    """The host's CPU model and flags: ``-march=native`` builds differ between hosts sharing a home."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            lines = [ln for ln in f.read().split(b"\n") if ln.startswith((b"model name", b"flags"))]
-        return b"\n".join(sorted(set(lines)))
-    except OSError:
-        return b""
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def isa_id(cxx: str) -> bytes:
+    """What ``-march=native`` means on this host, as the compiler itself resolves it: its predefined
+    macros under ``-march=native`` (``__AVX512F__``, ``__ARM_FEATURE_SVE``, the target's name...). The
+    same on every OS and architecture the compiler runs on — ``/proc/cpuinfo``'s fields, the former key,
+    are Linux/x86 only (aarch64 has no ``model name``, macOS no file), so two ARM hosts sharing a home
+    could share a library one of them cannot execute (SIGILL, uncatchable)."""
+    p = subprocess.run([cxx, "-march=native", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
+                       timeout=120)
+    if p.returncode != 0:
+        raise RuntimeError(f"{cxx} -march=native -dM -E failed: {p.stderr.decode(errors='replace').strip()[-500:]}")
+    return b"\n".join(sorted(set(p.stdout.splitlines())))
 
 
 @functools.lru_cache(maxsize=None)

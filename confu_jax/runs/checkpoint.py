@@ -324,6 +324,8 @@ def init_params_from(directory: str, params, step: int = -1,
     (``runs.trainable_export``: the ConFu release, a GPU campaign's ConFu head), hash-checked when
     it is a release; ``step`` is then the export's own.
     """
+    if is_head_release(directory):  # a release is hash-checked on every path that reads it
+        verify_head_release(directory)
     if detect_format(directory) is not None:
         return _init_from_head(directory, params, draft_vocab_d2t, model_spec)
     if is_trainable_export(directory):
@@ -397,9 +399,7 @@ def _init_from_head(directory: str, params, draft_vocab_d2t, model_spec) -> tupl
 
 def _init_from_trainable_export(directory: str, params, draft_vocab_d2t) -> tuple[Any, InitReport]:
     """``init_params_from`` for a trainable-tree export (``runs.trainable_export``: a ConFu release or a
-    GPU campaign's ConFu head), hash-checked first when it is a release (``runs.head_release``)."""
-    if is_head_release(directory):
-        verify_head_release(directory)
+    GPU campaign's ConFu head); a release was hash-checked by ``init_params_from``."""
     head = load_trainable_export(directory)
     return _copy_host_leaves(directory, head.step, _flat(head.trainable), head.draft_vocab["d2t"], params,
                              draft_vocab_d2t)

@@ -43,7 +43,25 @@ def declared_format(path: str) -> Optional[str]:
 
 
 def is_head_release(directory: str) -> bool:
-    return declared_format(os.path.join(directory, MANIFEST)) == FORMAT
+    """Whether ``directory`` is a head release, so that its files must be hash-checked before use.
+
+    A ``manifest.json`` that does not parse (or is not a JSON object) raises ``HeadReleaseError``: a
+    damaged manifest must not turn the check off (a copy with a flipped weight byte and a broken
+    manifest would otherwise load unverified). A manifest listing ``files`` counts as a release
+    whatever its ``format`` says (a damaged format field is refused by the check, not skipped)."""
+    path = os.path.join(directory, MANIFEST)
+    if not storage.isfile(path):
+        return False
+    try:
+        with storage.open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HeadReleaseError(f"{path}: the manifest does not parse ({e}), so the folder's files cannot be "
+                               f"hash-checked and it is refused; restore it (git checkout -- {directory})") from e
+    if not isinstance(manifest, dict):
+        raise HeadReleaseError(f"{path}: expected a JSON object (a release manifest), found "
+                               f"{type(manifest).__name__}; the folder's files cannot be hash-checked")
+    return manifest.get("format") == FORMAT or isinstance(manifest.get("files"), list)
 
 
 def read_head_manifest(directory: str) -> dict:

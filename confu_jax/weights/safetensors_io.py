@@ -38,10 +38,19 @@ class SafetensorsFile:
         (n,) = struct.unpack("<Q", raw)
         if n > storage.getsize(path):
             raise CheckpointError(f"{path}: header length {n} exceeds the file size; not a safetensors file")
-        header = json.loads(storage.read_range(path, 8, n))
+        try:
+            header = json.loads(storage.read_range(path, 8, n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: the safetensors header does not parse ({e}); a damaged file") from None
         self.metadata = header.pop("__metadata__", {}) or {}
         self.header = header
         self.data_start = 8 + n  # byte offset of the tensors (their data_offsets count from here)
+        need = self.data_start + max((int(h["data_offsets"][1]) for h in header.values()), default=0)
+        size = storage.getsize(path)
+        if size < need:
+            # else a tensor past the end fails later as numpy's "mmap length is greater than file size"
+            raise CheckpointError(f"{path}: truncated: its header describes {need} bytes, the file has {size} "
+                                  "(an interrupted download or copy?)")
 
     def names(self) -> list:
         return list(self.header)

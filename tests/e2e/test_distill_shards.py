@@ -129,3 +129,31 @@ def test_two_processes_with_a_split_target_write_what_one_process_writes(tmp_pat
     manifest = releases.verify_release(str(release))
     assert manifest["conversations"] == len(want)
     assert sorted(rec["id"] for rec in releases.load_release(str(release))) == sorted(r["id"] for r in merged)
+
+
+def test_a_second_writer_of_one_output_stops_in_one_line_naming_the_first(tmp_path):
+    """Two resumes of one --output would both skip the ids already written and append the same
+    conversations (interleaved): while one holds ``<output>.lock``, the other stops before loading the
+    target, exit 2, naming the holder's pid; the lock goes with its holder (released on exit)."""
+    from confu_jax.runs.lock import output_lock
+
+    model = tmp_path / "model"
+    hf_llama(model, seed=9, vocab=300, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=96, max_pos=1024)
+    write_hf_tokenizer(model)
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"id": "q0", "conversations": [{"from": "human", "value": "Hi."},
+                                                              {"from": "gpt", "value": "old"}]}) + "\n")
+    out = tmp_path / "o.jsonl"
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("CONFU_JAX_TRACEBACK", None)
+    args = ["--model", str(model), "--input", str(data), "--output", str(out), "--max_new_tokens", "4"]
+    with output_lock(str(out)):
+        p = _cli(args, env)
+        rc, err = p.wait(300), p.stderr.read()
+    lines = [ln for ln in err.splitlines() if ln.startswith("launch.generate_data: ")]
+    assert rc == 2 and len(lines) == 1, err[-2000:]
+    assert f"being written by another process (pid {os.getpid()}" in lines[0]
+    assert not out.exists()
+    p = _cli(args, env)
+    assert p.wait(300) == 0, p.stderr.read()[-2000:]
+    assert [r["id"] for r in _records(out)] == ["q0"]

@@ -253,3 +253,28 @@ def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_pa
         decode_head("confu", spec.target, target, release)
     with pytest.raises(hr.HeadReleaseError, match="draft_vocab.npz: sha256 mismatch"):
         init_params_from(release, fresh)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_an_object", "format_field"])
+def test_a_damaged_manifest_never_turns_the_hash_check_off(damage, tmp_path):
+    """The shipped release with a flipped weight byte and a damaged manifest: refused on every path that
+    reads a release (``is_head_release`` raises or says yes, and the check then fails), init_from included."""
+    import shutil
+
+    from confu_jax.runs.checkpoint import init_params_from
+
+    copy = tmp_path / "smollm2_eagle3"
+    shutil.copytree(os.path.join(ROOT, "releases", "heads", "smollm2_eagle3"), copy)
+    with open(copy / "model.safetensors", "r+b") as f:
+        f.seek(-3, 2)
+        b = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([b[0] ^ 1]))
+    text = (copy / "manifest.json").read_text()
+    (copy / "manifest.json").write_text({"truncated": text[: len(text) // 2], "not_an_object": "[1, 2]",
+                                         "format_field": text.replace(hr.FORMAT, hr.FORMAT[:-1] + "x")}[damage])
+    says = "expected format" if damage == "format_field" else "manifest.json: .*(does not parse|JSON object)"
+    with pytest.raises(hr.HeadReleaseError, match=says):
+        hr.is_head_release(str(copy)) and hr.verify_head_release(str(copy))
+    with pytest.raises(hr.HeadReleaseError, match=says):
+        init_params_from(str(copy), params={})

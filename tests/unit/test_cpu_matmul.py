@@ -2,6 +2,8 @@
 independent of how many are multiplied together (the AR step and the verification pass agree bit
 for bit), and the packed decode layout equal to the stacked forward and to the unpacked one."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,3 +129,40 @@ def test_loop_packs_target_and_head_and_stays_lossless():
                                          max_new_tokens=12, eos_ids=())
     ar_out = generate_ar(tp, spec.target, prompts_for(96), max_new_tokens=12, eos_ids=())
     np.testing.assert_array_equal(np.asarray(spec_out.tokens_bn), np.asarray(ar_out.tokens_bn))
+
+
+def _cxx():
+    import shutil
+
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+@pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler")
+def test_the_library_key_follows_the_instruction_set_the_compiler_resolves(tmp_path, monkeypatch):
+    """The cache key holds ``-march=native`` as the compiler resolves it (any OS / architecture), so a
+    compiler that means another ISA by it (here: a wrapper that asks for baseline x86-64 / armv8-a, as
+    an older host would resolve) builds another library instead of loading this host's."""
+    real = _cxx()
+    base = "x86-64" if os.uname().machine in ("x86_64", "AMD64") else "armv8-a"
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nfor a; do shift; [ "$a" = -march=native ] && a=-march={base}; set -- "$@" "$a"; done\n'
+                       f'exec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    assert cpu_matmul.isa_id(real) != cpu_matmul.isa_id(str(wrapper))
+    monkeypatch.setenv("CONFU_JAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    here = cpu_matmul._compile()
+    monkeypatch.setenv("CXX", str(wrapper))
+    other = cpu_matmul._compile()
+    assert here != other and here.exists() and other.exists()
+
+
+@pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler")
+def test_a_changed_library_is_rebuilt_never_loaded(tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setenv("CONFU_JAX_KERNEL_CACHE", str(tmp_path))
+    lib = cpu_matmul._compile()
+    built = lib.read_bytes()
+    assert lib.with_suffix(".so.sha256").read_text().strip() == hashlib.sha256(built).hexdigest()
+    lib.write_bytes(built[: len(built) // 2])  # truncated, or replaced by another host's build
+    assert cpu_matmul._compile() == lib and lib.read_bytes() == built

@@ -51,3 +51,34 @@ def test_padded_array_input_is_checked_only_inside_each_row_length():
     assert req.tokens_bt.shape == (2, 4) and req.lengths_b.tolist() == [2, 3]
     with pytest.raises(ValueError, match="prompt 0 has token ids outside"):
         validate_request(CFG, arr, lengths=[3, 3])
+
+
+def test_the_default_cache_never_refuses_what_fits_the_context():
+    """A 4.5k prompt on an 8k model sits in the 8k bucket: bucket + new tokens passes the context, the
+    prompt's own need does not — the default cache is sized by the need; past the context the error
+    names the knobs."""
+    cfg = CFG.replace(max_position_embeddings=8192)
+    prompt = [[1 + i % (CFG.vocab_size - 1) for i in range(4500)]]
+    req = validate_request(cfg, prompt, max_new_tokens=256)
+    assert req.tokens_bt.shape[1] == 8192 and req.max_len == 4500 + 256
+    assert validate_request(cfg, [[1] * 100], max_new_tokens=256).max_len == 128 + 256  # one size per bucket
+    with pytest.raises(ValueError, match=r"needs 8300 cache slots.*max_position_embeddings=8192.*max_new_tokens"):
+        validate_request(cfg, [[1] * 8000], max_new_tokens=300)
+    with pytest.raises(ValueError, match=r"--config.decode.max_len"):
+        validate_request(cfg, prompt, max_new_tokens=16, max_len=9000)
+
+
+def test_a_cache_narrower_than_the_prompt_bucket_decodes_as_a_wide_one():
+    """Near the context the cache is narrower than the padded prefill (commits past its end drop): the
+    AR tokens equal those of a cache of bucket + new tokens on the same model."""
+    import jax
+
+    from confu_jax.decode.generate import generate_ar
+    from confu_jax.models.llama import init_params
+
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    prompt = [[1 + (7 * i) % (CFG.vocab_size - 1) for i in range(40)]]  # bucket 64
+    tight = CFG.replace(max_position_embeddings=48)
+    got = generate_ar(params, tight, prompt, max_new_tokens=8, eos_ids=())
+    want = generate_ar(params, CFG, prompt, max_new_tokens=8, eos_ids=(), max_len=64 + 8)
+    assert np.asarray(got.tokens_bn).tolist() == np.asarray(want.tokens_bn).tolist()

@@ -161,3 +161,16 @@ def test_missing_asset_says_what_to_run(monkeypatch):
 def test_unknown_source():
     with pytest.raises(assets.AssetNotFoundError, match=r"neither a known asset .* nor an existing path"):
         load_model("no-such-model")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header"])
+def test_a_damaged_safetensors_file_is_named(hf_dir, tmp_path, damage):
+    """An interrupted copy (the tensors cut short) or a damaged header: the error names the file and what
+    is wrong, not numpy's "mmap length is greater than file size"."""
+    _write(_copy(hf_dir[0], tmp_path), tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100] if damage == "truncated" else data[:8] + b"\xff" * 16 + data[24:])
+    says = "truncated: its header describes" if damage == "truncated" else "header does not parse"
+    with pytest.raises(CheckpointError, match=rf"{path}: .*{says}"):
+        load_model(str(tmp_path))
