@@ -88,3 +88,44 @@ def detect() -> Optional[Detected]:
             raise ClusterError(f"{env.__name__}: detected, but its process id / count could not be "
                                f"read: {one_line(e)}") from e
     return None
+
+
+# What launchers say about the job in the environment, read only to catch a launch JAX's detection
+# missed: (variable holding the process count, variable holding this process's rank, launcher).
+LAUNCHER_VARIABLES = (
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "Open MPI"),
+    ("PMI_SIZE", "PMI_RANK", "a PMI launcher (MPICH / Intel MPI hydra)"),
+    ("PMIX_SIZE", "PMIX_RANK", "a PMIx launcher"),
+    ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM (an srun step)"),  # a step only: salloc's shell
+)                                                                    # (SLURM_NTASKS alone) is one process
+
+
+def launcher_processes(environ=None) -> Optional[tuple]:
+    """(process count, this rank's variable, launcher) from the first launcher variable saying more than
+    one process, or None."""
+    env = os.environ if environ is None else environ
+    for size, rank, who in LAUNCHER_VARIABLES:
+        try:
+            n = int(env.get(size, "") or 0)
+        except ValueError:
+            continue
+        if n > 1:
+            return n, rank, who
+    return None
+
+
+def check_not_missed(num_processes: int, what: str, environ=None) -> None:
+    """Refuse a launch whose launcher started several processes while this one resolved to a single
+    process: each would work alone on the whole job (train the same steps; generate every conversation),
+    silently. Open MPI 5 is the case in point: JAX's Open MPI detection reads ``OMPI_MCA_orte_hnp_uri``,
+    which Open MPI 5 no longer sets, so under ``mpirun -n 4`` every rank resolves to one process."""
+    found = launcher_processes(environ)
+    if num_processes != 1 or found is None:
+        return
+    n, rank, who = found
+    raise ClusterError(
+        f"{who} started {n} processes, but this one resolved to a single process (JAX's cluster detection "
+        f"did not recognise the launch{'; Open MPI 5 no longer sets OMPI_MCA_orte_hnp_uri, which it reads' if who == 'Open MPI' else ''}): "
+        f"each would {what} alone. Name the launch: --coordinator_address <host of rank 0>:<port> "
+        f"--num_processes {n} --process_id ${rank} (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
+        "JAX_PROCESS_ID)")

@@ -9,9 +9,14 @@
 # MODEL / DATA as in launch/slurm_train.sbatch ('-' keeps the config's). The global batch defaults to
 # 16 rounded up to a multiple of the data-parallel chips (32 on a 32-chip slice).
 # Assumes the repository and its .venv (requirements.txt plus jax[tpu]) at $REMOTE_DIR on every
-# worker, and a run directory every worker can see (NFS / Filestore / gcsfuse mount). Spot /
-# preemptible slices: TPU maintenance events send SIGTERM; the run checkpoints at an agreed step
-# and a re-run of this script resumes it.
+# worker, and a run directory every worker can see (NFS / Filestore / gcsfuse mount).
+# Maintenance events and preemption: Cloud TPU sends the training process SIGTERM (and waits up to
+# 5 minutes for it to exit) only on a TPU created for it, with Autocheckpoint:
+#   gcloud alpha compute tpus tpu-vm create $TPU_NAME ... --autocheckpoint-enabled
+# (a queued resource takes the same flag). Then the run saves at an agreed step and a re-run of this
+# script resumes it. Without that flag no signal comes and the maintenance stops the VMs at once: the
+# run loses what it trained since its last save, which checkpoint.every (steps) and
+# checkpoint.every_seconds (default 1800 s) bound; a re-run resumes from that save.
 set -euo pipefail
 
 USAGE="usage: TPU_NAME=... ZONE=... launch/tpu_pod_train.sh CONFIG WORKDIR MODEL DATA [--config.x=y ...]"

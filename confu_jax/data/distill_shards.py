@@ -65,6 +65,8 @@ def process_slot(shard_index: Optional[int] = None, num_shards: Optional[int] = 
 
         found = cluster.detect()
         pair = (found.process_id, found.num_processes) if found is not None else (0, 1)
+        if found is None:
+            cluster.check_not_missed(1, "generate every conversation")
     if not (pair[1] >= 1 and 0 <= pair[0] < pair[1]):
         raise ValueError(f"shard {pair[0]} of {pair[1]}: expected 0 <= shard < shards")
     return pair

@@ -23,6 +23,7 @@ import base64
 import dataclasses
 import json
 import os
+import time
 from typing import Any, Optional, Sequence
 
 import jax
@@ -156,12 +157,17 @@ class Checkpointer:
     """Thin policy layer over ``ocp.CheckpointManager`` for training runs."""
 
     def __init__(self, directory: str, every: int = 500, keep: int = 3, async_save: bool = True,
-                 read_only: bool = False, milestones: Sequence[int] = ()):
+                 read_only: bool = False, milestones: Sequence[int] = (), every_seconds: float = 0):
         """``every``: save period in steps (<= 0: only forced saves); ``keep``: the newest
         checkpoints kept (<= 0: all); ``milestones``: steps that are always saved and never pruned
-        (the points of a scaling curve, evaluated long after the run moved on)."""
+        (the points of a scaling curve, evaluated long after the run moved on); ``every_seconds``
+        (> 0): also save once that long passed since this run's last save (or its start), as
+        process 0's clock says — every process asks at every step and gets process 0's answer, so
+        all save the same step (``save``)."""
         self.directory = epath.Path(storage.absolute(directory))  # epath's absolute() mangles gs://
         self.every = int(every) if every and every > 0 else 0
+        self.every_seconds = float(every_seconds) if every_seconds and every_seconds > 0 else 0.0
+        self._last_save = time.monotonic()
         self.milestones = frozenset(int(m) for m in milestones)
         if read_only:
             options = ocp.CheckpointManagerOptions(read_only=True, create=False,
@@ -202,15 +208,28 @@ class Checkpointer:
     # -- save
     def save(self, step: int, state, data_state: Any, extras: Optional[dict] = None,
              force: bool = False) -> bool:
-        """Save if ``step`` is a multiple of ``every``, a milestone, or ``force`` (preemption, end
-        of run)."""
+        """Save if ``step`` is a multiple of ``every``, a milestone, ``every_seconds`` passed since the
+        last save, or ``force`` (preemption, end of run). Called by every process at every step."""
         periodic = self.every > 0 and step % self.every == 0
-        if not (force or periodic or step in self.milestones):
+        if not (force or periodic or step in self.milestones or self._time_due()):
             return False
+        self._last_save = time.monotonic()
         items = {"state": ocp.args.PyTreeSave(state), "data": DataStateSave(data_state)}
         if extras:
             items["extras"] = ocp.args.PyTreeSave({k: np.asarray(v) for k, v in extras.items()})
         return self.manager.save(int(step), args=ocp.args.Composite(**items), force=True)
+
+    def _time_due(self) -> bool:
+        """``every_seconds`` passed since the last save, by process 0's clock (broadcast: hosts' clocks
+        and step times differ, and a save is a collective, so all must decide alike). Not orbax's
+        ``CheckpointManager.should_save`` with its time policy: that also polls JAX's preemption sync
+        point, which the train loop owns (one call per step)."""
+        if not self.every_seconds:
+            return False
+        due = time.monotonic() - self._last_save >= self.every_seconds
+        if jax.process_count() > 1:
+            due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
+        return due
 
     def wait(self):
         self.manager.wait_until_finished()

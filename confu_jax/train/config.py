@@ -50,6 +50,10 @@ def default_train_config() -> ml_collections.ConfigDict:
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 500  # steps; <= 0 saves only at the end and on preemption
+    # Also save when this many seconds passed since the last save (process 0's clock, agreed by every
+    # process): bounds what a preemption without a signal loses (a Cloud TPU maintenance event on a
+    # TPU not created for autocheckpointing, a SIGKILL). <= 0: step-based saves only.
+    c.checkpoint.every_seconds = 1800.0
     c.checkpoint.keep = 3
     c.checkpoint.async_save = True
     # Initialise the trainable params from another run's checkpoint (e.g. ConFu from EAGLE-3):

@@ -101,6 +101,7 @@ def resolve(coordinator_address: Optional[str] = None, num_processes: Optional[i
                     f"process_id; missing {missing} (flags --{' --'.join(missing)} or env JAX_*), "
                     f"and JAX detects no cluster (SLURM, TPU pod, MPI) to fill them in")
         else:
+            cluster.check_not_missed(1, "train the whole run")
             return DistributedSpec("single", local_device_ids=ids)
     else:
         nproc = found.num_processes if nproc is None else nproc

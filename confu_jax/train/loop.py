@@ -300,7 +300,7 @@ def evaluate(eval_step: CompiledStep, state, batches: Sequence) -> dict:
 # how it is laid out on devices (checkpoints restore into any mesh). Everything else changes what
 # is trained, so resuming a workdir with it changed is refused.
 RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.milestones", "train.tensorboard",
-                     "train.progress_bar", "train.profile_steps", "train.log_records", "train.checkpoint.every", "train.checkpoint.keep",
+                     "train.progress_bar", "train.profile_steps", "train.log_records", "train.checkpoint.every", "train.checkpoint.every_seconds", "train.checkpoint.keep",
                      "train.checkpoint.async_save", "train.checkpoint.init_from",
                      "train.checkpoint.init_from_step", "train.mesh.", "data.num_threads",
                      "data.prefetch_buffer_size", "data.num_workers", "objective.eval_batches", "objective.token_chunk", "objective.remat_mlp",
@@ -508,7 +508,8 @@ def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[Tr
     resolve_run_config(config, mesh)  # before the resume check: it compares resolved values
     milestones = parse_milestones(tc.get("milestones", ""))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint.every,
-                        keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save, milestones=milestones)
+                        keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save, milestones=milestones,
+                        every_seconds=tc.checkpoint.get("every_seconds", 0))
     if ckpt.latest_step() is not None:
         try:
             check_resume_config(workdir, config)
