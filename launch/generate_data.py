@@ -34,8 +34,12 @@ the launcher's environment (``JAX_PROCESS_ID`` / ``JAX_NUM_PROCESSES``, SLURM's 
 ``SLURM_NTASKS``, a Cloud TPU VM pod's worker id) — appends to its own
 ``<output>.shard-IIIII-of-NNNNN`` file (resumable like any output) and marks it done; process 0 then
 waits for every shard and merges them into ``--output`` in input order (``--nomerge``: leave that to a
-later run). ``--shard_target`` splits the target's weights over this process's devices (a tensor
-axis), for a target that does not fit one device; the processes never communicate.
+later run). **Every local device generates**: by default each of this process's devices holds a
+replica of the target and runs its own engine on its own share of the conversations (threads; XLA
+runs outside the GIL), each (process, device) pair one shard of the split above, so the merged
+output is what one device writes; ``--devices N`` uses the first N. ``--shard_target`` (automatic
+when the weights exceed half a device's memory) splits the target's weights over the devices
+instead (a tensor axis), one engine; the processes never communicate.
 
 Output ``{"id", "conversations": [{"role", "content"}]}`` per line, append-only, flushed and fsynced
 after every conversation (continuous) or batch (static), so a killed run loses at most the
@@ -57,10 +61,14 @@ generated twice; pack the output into it with ``launch.release_data``.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import logging
 import os
 import sys
+
+import numpy as np
 
 from confu_jax import storage
 from confu_jax.data.chat import parse_template_kwargs
@@ -122,7 +130,10 @@ def _define_flags(flag_values=None):
     flags.DEFINE_bool("merge", True, "with several shards: process 0 waits for every shard, then merges them "
                       "into --output in input order")
     flags.DEFINE_bool("shard_target", False, "split the target's weights over this process's devices (a tensor "
-                      "axis) instead of placing them on one device")
+                      "axis), one engine, instead of a replica and an engine on each device (the default; also "
+                      "split automatically when the weights exceed half a device's memory)")
+    flags.DEFINE_integer("devices", 0, "local devices that generate, each with its own replica of the target and "
+                         "its own share of the conversations (0 = all of this process's devices)")
     flags.DEFINE_integer("cpu_devices", 0, "expose N CPU devices in this process (tests of --shard_target on a "
                          "CPU machine); 0 = JAX's default")
     flags.DEFINE_string("chat_template_kwargs", "", "JSON object of extra chat-template variables for every "
@@ -216,53 +227,114 @@ def main(argv):
         every, n_dropped = drop_released(every, release)
         n_released += n_dropped
         log.info("%s: %d conversations already released, not generated again", release, n_dropped)
-    assignment = [[] for _ in range(num_shards)]
+    import jax
+
+    cfg, params, devices = _load_target(f.model, f.dtype or None, f.shard_target, f.devices)
+    # Every local device generates: a replica of the target on each (its own engine, its own slice of
+    # the conversations) unless the target is split over them (--shard_target, or too big for one).
+    # Each (process, device) pair is one shard of the split the shard machinery already keeps: its own
+    # output file, a done marker, process 0's merge in input order: the merged output is what one
+    # device writes.
+    n_local = len(devices)
+    total = num_shards * n_local
+    assignment = [[] for _ in range(total)]
     for c in every:
-        assignment[shard_of(c["id"], num_shards)].append(c["id"])
-    convs = [c for c in every if shard_of(c["id"], num_shards) == shard_index]
-    output = shard_output(f.output, shard_index, num_shards)
-    log.info("shard %d of %d: %d conversations -> %s", shard_index, num_shards, len(convs), output)
-    with output_lock(output):  # one writer per output: a second resume would interleave the same ids
-        cfg, params = _load_target(f.model, f.dtype or None, f.shard_target)
-        storage.makedirs(os.path.dirname(storage.absolute(output)))  # gs://: nothing to create
-        record_run(output, sys.argv, template_sha256)
-        if f.engine == "continuous":
-            stats = regenerate_continuous(convs, output, tokenizer, cfg, params, batch_size=f.batch_size,
-                                          max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,
-                                          temperature=f.temperature, top_p=f.top_p, steps_per_sync=f.steps_per_sync,
-                                          reuse_prefix=f.reuse_prefix, fill_rows=f.fill_rows)
+        assignment[shard_of(c["id"], total)].append(c["id"])
+    mine = [shard_index * n_local + j for j in range(n_local)]
+    outputs = [shard_output(f.output, k, total) for k in mine]
+    log.info("process %d of %d, %d device(s) (%s): %d conversations -> %s", shard_index, num_shards, n_local,
+             "target replicated on each" if n_local > 1 else "one engine", sum(len(assignment[k]) for k in mine),
+             ", ".join(outputs))
+    with contextlib.ExitStack() as locks:
+        for out in outputs:  # one writer per output: a second resume would interleave the same ids
+            locks.enter_context(output_lock(out))
+        storage.makedirs(os.path.dirname(storage.absolute(f.output)))  # gs://: nothing to create
+        for out in outputs:
+            record_run(out, sys.argv, template_sha256)
+
+        def work(j):
+            k = mine[j]
+            convs_k = [c for c in every if shard_of(c["id"], total) == k]
+            p = jax.device_put(params, devices[j]) if n_local > 1 else params
+            with jax.default_device(devices[j]) if n_local > 1 else contextlib.nullcontext():
+                return _generate(f, convs_k, outputs[j], tokenizer, cfg, p, progress=n_local == 1)
+
+        if n_local == 1:
+            per_device = [work(0)]
         else:
-            generate_fn = make_generate_fn(params, cfg, max_new_tokens=f.max_new_tokens, temperature=f.temperature,
-                                           top_p=f.top_p, eos_ids=tokenizer.eos_ids)
-            stats = generate_dataset(convs, output, tokenizer, generate_fn, batch_size=f.batch_size,
-                                     max_prompt_len=f.max_prompt_len)
-        summary = {"output": output, **stats, **({"already_released": n_released} if f.release else {})}
-        if num_shards > 1:
-            mark_done(output, assignment[shard_index], stats)
+            with concurrent.futures.ThreadPoolExecutor(n_local) as pool:  # XLA runs outside the GIL
+                per_device = list(pool.map(work, range(n_local)))
+        stats = {key: sum(d.get(key, 0) for d in per_device) for key in per_device[0]}
+        summary = {"output": outputs[0] if total == 1 else f.output, **stats,
+                   **({"already_released": n_released} if f.release else {})}
+        if n_local > 1:
+            summary["devices"] = [{"device": str(devices[j]), "conversations": len(assignment[mine[j]]),
+                                   "written": d["written"], "tokens_generated": d.get("tokens_generated", 0)}
+                                  for j, d in enumerate(per_device)]
+            for d in summary["devices"]:
+                log.info("%s: %d conversations, %d written, %d tokens", d["device"], d["conversations"],
+                         d["written"], d["tokens_generated"])
+        if total > 1:
+            for j, k in enumerate(mine):
+                mark_done(outputs[j], assignment[k], per_device[j])
             if shard_index == 0 and f.merge:
                 wait_for_shards(f.output, assignment)
-                summary["merged"] = merge_shards(f.output, num_shards, [c["id"] for c in every], read_records)
+                summary["merged"] = merge_shards(f.output, total, [c["id"] for c in every], read_records)
                 summary["merged"]["output"] = f.output
                 record_run(f.output, sys.argv, template_sha256)  # the merged file's provenance, for launch.release_data
     print(json.dumps(summary))
 
 
-def _load_target(model: str, dtype, shard: bool):
-    """(LlamaConfig, params): on one device, or with ``shard`` split over this process's devices along a
-    tensor axis (the training layout's rules; a Hugging Face checkpoint is read slice by slice)."""
-    from confu_jax.weights import load_model, load_model_sharded, read_architecture
+def _generate(f, convs, output, tokenizer, cfg, params, progress: bool = True) -> dict:
+    """One engine's regeneration of ``convs`` into ``output`` (resumable): the flags' engine and settings."""
+    if f.engine == "continuous":
+        return regenerate_continuous(convs, output, tokenizer, cfg, params, batch_size=f.batch_size,
+                                     max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,
+                                     temperature=f.temperature, top_p=f.top_p, steps_per_sync=f.steps_per_sync,
+                                     reuse_prefix=f.reuse_prefix, fill_rows=f.fill_rows, progress=progress)
+    generate_fn = make_generate_fn(params, cfg, max_new_tokens=f.max_new_tokens, temperature=f.temperature,
+                                   top_p=f.top_p, eos_ids=tokenizer.eos_ids)
+    return generate_dataset(convs, output, tokenizer, generate_fn, batch_size=f.batch_size,
+                            max_prompt_len=f.max_prompt_len, progress=progress)
 
-    if not shard:
-        return load_model(model, dtype)
+
+# A replica of the target on every device only where it leaves this share of the device's memory to
+# the caches and activations; else the target is split over the devices (tensor axis), one engine.
+REPLICA_SHARE = 0.5
+
+
+def _load_target(model: str, dtype, shard: bool, n_devices: int = 0):
+    """(LlamaConfig, params, devices the engines run on). By default one replica per local device
+    (``n_devices`` > 0: the first that many), loaded once on the host's default device and copied to
+    each engine's; with ``shard``, or when the weights would take more than ``REPLICA_SHARE`` of a
+    device's memory, split over this process's devices along a tensor axis (the training layout's
+    rules; a Hugging Face checkpoint is read slice by slice) and driven by one engine."""
     import jax
 
     from confu_jax import sharding as shd
+    from confu_jax.devices import device_memory_bytes
     from confu_jax.models.llama import param_shapes
+    from confu_jax.weights import load_model, load_model_sharded, read_architecture
 
+    local = jax.local_devices()
+    if n_devices < 0 or n_devices > len(local):
+        raise ValueError(f"--devices={n_devices}: this process has {len(local)} local device(s)")
+    local = local[:n_devices] if n_devices else local
     cfg = read_architecture(model, dtype)
-    mesh = shd.make_mesh(1, 1, jax.local_device_count(), devices=jax.local_devices())
+    weight_bytes = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+                       for s in jax.tree_util.tree_leaves(param_shapes(cfg)))
+    memory = device_memory_bytes(local[0].device_kind)
+    if not shard and len(local) > 1 and memory and weight_bytes > REPLICA_SHARE * memory:
+        log.info("the target's %.1f GiB exceed %.0f%% of a %s's memory: split over the %d devices, one engine",
+                 weight_bytes / 2**30, 100 * REPLICA_SHARE, local[0].device_kind, len(local))
+        shard = True
+    if not shard:
+        cfg, params = load_model(model, dtype)
+        return cfg, params, local
+    mesh = shd.make_mesh(1, 1, len(local), devices=local)
     shardings = shd.tree_shardings(param_shapes(cfg), mesh, shd.PARAM_RULES, axis_units=shd.llama_axis_units(cfg.head_dim))
-    return load_model_sharded(model, shardings, dtype)
+    cfg, params = load_model_sharded(model, shardings, dtype)
+    return cfg, params, [local[0]]
 
 
 if __name__ == "__main__":

@@ -157,3 +157,36 @@ def test_a_second_writer_of_one_output_stops_in_one_line_naming_the_first(tmp_pa
     p = _cli(args, env)
     assert p.wait(300) == 0, p.stderr.read()[-2000:]
     assert [r["id"] for r in _records(out)] == ["q0"]
+
+
+@pytest.mark.slow
+def test_every_local_device_generates_and_the_output_is_what_one_device_writes(tmp_path):
+    """4 CPU devices in one process: a replica of the target and an engine on each, each device its share
+    of the conversations (the summary's per-device counts, all non-zero); merged in input order, the
+    records equal a one-device run's (greedy)."""
+    model = tmp_path / "model"
+    hf_llama(model, seed=9, vocab=300, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=96, max_pos=512)
+    write_hf_tokenizer(model)
+    data = tmp_path / "in.jsonl"
+    topics = ["cats", "rain", "tea", "maps", "jazz", "snow", "bees", "salt", "wind", "moss", "clay", "ink"]
+    with open(data, "w") as f:
+        for i, t in enumerate(topics):
+            turns = [{"from": "human", "value": f"Tell me about {t}."}, {"from": "gpt", "value": "old"}]
+            f.write(json.dumps({"id": f"q{i}", "conversations": turns}) + "\n")
+    common = ["--model", str(model), "--input", str(data), "--max_new_tokens", "8", "--batch_size", "2",
+              "--max_prompt_len", "64"]
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    one, four = tmp_path / "one.jsonl", tmp_path / "four.jsonl"
+    p = _cli(common + ["--output", str(one), "--devices", "1", "--cpu_devices", "4"], env)
+    assert p.wait(600) == 0, p.stderr.read()[-3000:]
+    p = _cli(common + ["--output", str(four), "--cpu_devices", "4"], env)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    per = summary["devices"]
+    assert len(per) == 4 and len({d["device"] for d in per}) == 4
+    assert all(d["conversations"] > 0 and d["tokens_generated"] > 0 for d in per), per
+    assert sum(d["conversations"] for d in per) == len(topics)
+    assert summary["merged"]["merged"] == summary["written"] == len(_records(one))
+    assert _records(four) == _records(one)
