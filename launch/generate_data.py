@@ -44,7 +44,9 @@ instead (a tensor axis), one engine; the processes never communicate.
 Output ``{"id", "conversations": [{"role", "content"}]}`` per line, append-only, flushed and fsynced
 after every conversation (continuous) or batch (static), so a killed run loses at most the
 conversations in flight. ``--output``, ``--input``, ``--model`` and ``--release`` may be ``gs://`` URLs:
-the output object grows by composed appends, shards and markers live beside it (docs/scale.md).
+the output object grows by composed appends, at most one every 5 s (GCS takes about one mutation a
+second per object; a kill there loses the records of those seconds too), shards and markers live
+beside it (docs/scale.md).
 Rerunning with the same ``--output`` resumes: ids already in the file are skipped, and a torn last
 line (killed mid-write) is cut off first. Input ids must be unique (duplicates after the first are
 skipped, with a count).

@@ -98,6 +98,49 @@ def read_done_ids(path: str) -> set[str]:
     return {str(rec["id"]) for rec in records}
 
 
+# On an object store, appends to one output object at most this often: Google Cloud Storage takes
+# about one mutation per second per object (more are rejected with 429 / slowed down), and every
+# append is a compose of the object. Records wait in memory meanwhile (a kill loses at most them).
+REMOTE_APPEND_INTERVAL_S = 5.0
+
+
+class RecordAppender:
+    """Appends records to ``path``: at once locally (an fsynced append per call, a kill loses nothing
+    written), buffered on an object store (one compose at most every ``REMOTE_APPEND_INTERVAL_S``,
+    and at ``close``). Use as a context manager; ``add`` returns the count of records taken."""
+
+    def __init__(self, path: str, min_interval_s: Optional[float] = None):
+        import time
+
+        self.path, self._clock = path, time.monotonic
+        self.interval = (REMOTE_APPEND_INTERVAL_S if storage.is_remote(path) else 0.0) if min_interval_s is None \
+            else float(min_interval_s)
+        self._buffer: list = []
+        self._last = -float("inf")
+        self.writes = 0
+
+    def add(self, records: Iterable[dict]) -> int:
+        lines = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in records]
+        self._buffer.extend(lines)
+        if self._buffer and self._clock() - self._last >= self.interval:
+            self.flush()
+        return len(lines)
+
+    def flush(self) -> None:
+        if self._buffer:
+            storage.append_text(self.path, "".join(self._buffer))
+            self._buffer, self._last, self.writes = [], self._clock(), self.writes + 1
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def append_records(path: str, records: Iterable[dict]) -> int:
     """Append one JSON line per record and make it durable before returning (``storage.append_text``:
     an fsynced append locally, a compose onto the object on ``gs://``)."""
@@ -277,14 +320,15 @@ def generate_dataset(
     todo, stats = pending_conversations(conversations, output)
     bar = progress_lib.bar(stats["already_done"] + len(todo), initial=stats["already_done"], unit="conv",
                            enabled=progress, desc="regenerating")
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start : start + batch_size]
-        records = regenerate_batch(batch, tokenizer, generate_fn, batch_size=batch_size,
-                                   max_prompt_len=max_prompt_len)
-        kept = [stamp_template(r, tokenizer) for r in records if r is not None]
-        stats["written"] += append_records(output, kept)
-        stats["no_answer"] += len(records) - len(kept)
-        bar.update(len(batch))
+    with RecordAppender(output) as out:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            records = regenerate_batch(batch, tokenizer, generate_fn, batch_size=batch_size,
+                                       max_prompt_len=max_prompt_len)
+            kept = [stamp_template(r, tokenizer) for r in records if r is not None]
+            stats["written"] += out.add(kept)
+            stats["no_answer"] += len(records) - len(kept)
+            bar.update(len(batch))
     bar.close()
     return stats
 
@@ -386,7 +430,7 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
                 ready.append(stamp_template(rec, tokenizer))
             bar.update(1)
         if ready:
-            stats["written"] += append_records(output, ready)
+            stats["written"] += out.add(ready)
 
     def more():
         """Next turns of running conversations, then new conversations while fewer than 2x the
@@ -405,23 +449,27 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
             out.append((conv.id, ids, turn_seed(conv.id, conv.turn), conv.id))
         return out
 
-    for fin in engine.run([], more=more):
-        conv = active[fin.request_id]
-        conv.add_answer(fin.tokens, fin.reason == StopReason.EOS, tokenizer)
-        ids = conv.next_prompt(tokenizer, max_prompt_len)
-        if ids is None:
-            finish(conv)
-        else:
-            follow_ups.append((conv.id, ids, turn_seed(conv.id, conv.turn), conv.id))  # same session: same slot
-        dt = time.perf_counter() - t0
-        if dt > 0:
-            tok_s = (getattr(engine, 'tokens_generated', 0) - tok0) / dt
-            bar.set_postfix(tok_s=f"{tok_s:.1f}", refresh=False)
-            if bar.disable and progress and time.perf_counter() - last_log[0] > 60:  # no bar (not a terminal)
-                last_log[0] = time.perf_counter()
-                # a disabled tqdm bar counts nothing (bar.n stays 0): count from the run's stats
-                done = stats["already_done"] + stats["written"] + stats["no_answer"]
-                log.info("regenerating: %d/%d conversations done, %.1f tokens/s", done, bar.total, tok_s)
+    out = RecordAppender(output)
+    try:
+        for fin in engine.run([], more=more):
+            conv = active[fin.request_id]
+            conv.add_answer(fin.tokens, fin.reason == StopReason.EOS, tokenizer)
+            ids = conv.next_prompt(tokenizer, max_prompt_len)
+            if ids is None:
+                finish(conv)
+            else:
+                follow_ups.append((conv.id, ids, turn_seed(conv.id, conv.turn), conv.id))  # same session: same slot
+            dt = time.perf_counter() - t0
+            if dt > 0:
+                tok_s = (getattr(engine, 'tokens_generated', 0) - tok0) / dt
+                bar.set_postfix(tok_s=f"{tok_s:.1f}", refresh=False)
+                if bar.disable and progress and time.perf_counter() - last_log[0] > 60:  # no bar (not a terminal)
+                    last_log[0] = time.perf_counter()
+                    # a disabled tqdm bar counts nothing (bar.n stays 0): count from the run's stats
+                    done = stats["already_done"] + stats["written"] + stats["no_answer"]
+                    log.info("regenerating: %d/%d conversations done, %.1f tokens/s", done, bar.total, tok_s)
+    finally:
+        out.close()  # what is buffered (an object store's output) is written even when the run stops
     bar.close()
     return stats
 

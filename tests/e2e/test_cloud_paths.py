@@ -341,6 +341,55 @@ def test_self_distillation_appends_to_a_gs_object_and_is_released_there(bucket):
     assert list(load_release(release)) == records
 
 
+def test_self_distillation_writes_a_gs_object_at_most_once_per_interval(bucket, monkeypatch):
+    """GCS takes about one mutation a second per object: the continuous engine finishing a conversation
+    every 0.1 s (a fake clock) appends to the output object once per ``REMOTE_APPEND_INTERVAL_S`` (5 s),
+    not once per conversation; every record is there, in input order, after the run (the buffer is
+    written at the end), and a local output is still appended at once."""
+    import time
+
+    from confu_jax.decode import self_distill as sd
+    from confu_jax.decode.continuous import Finished
+    from confu_jax.decode.stopping import StopReason
+    from tests.helpers.fake_chat import END, FakeChatTokenizer
+
+    class Instant:
+        batch, tokens_generated = 2, 0
+
+        def run(self, requests, more=None):
+            queue = list(requests)
+            while True:
+                queue += more() if more else []
+                if not queue:
+                    return
+                self.tokens_generated += 2
+                yield Finished(queue.pop(0)[0], [7, END], StopReason.EOS)
+
+    now = [0.0]
+
+    def clock():
+        now[0] += 0.05  # two readings per conversation: 0.1 s each
+        return now[0]
+
+    monkeypatch.setattr(time, "monotonic", clock)
+    writes = []
+    real = storage.append_text
+    monkeypatch.setattr(storage, "append_text", lambda path, text: (writes.append(path), real(path, text)))
+    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"},
+                                          {"role": "assistant", "content": "old"}]} for i in range(200)]
+    out = f"{bucket['root']}/distill_rate/out.jsonl"
+    stats = sd.generate_dataset_continuous(convs, out, FakeChatTokenizer(), Instant(), max_prompt_len=200,
+                                           progress=False)
+    assert stats["written"] == 200 and [r["id"] for r in sd.read_records(out)] == [c["id"] for c in convs]
+    assert 2 <= len(writes) <= 200 * 0.1 / sd.REMOTE_APPEND_INTERVAL_S + 2, len(writes)
+    local = []
+    monkeypatch.setattr(storage, "append_text", lambda path, text: (local.append(path), real(path, text)))
+    with sd.RecordAppender(os.path.join(bucket["local"], "local.jsonl")) as a:
+        for c in convs[:5]:
+            a.add([{"id": c["id"]}])
+    assert len(local) == 5
+
+
 def test_distill_shards_are_marked_and_merged_in_the_bucket(bucket):
     """The multi-process parts of generate_data on gs://: each shard appended to its own object, its
     ``.done`` marker, the wait for every marker and the merge in input order."""
