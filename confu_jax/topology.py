@@ -138,19 +138,19 @@ def use_compilers() -> bool:
         import importlib
 
         importlib.invalidate_caches()
+    # JAX looks for plugins (jax_plugins.*) once, when its backends start: let it look now that the
+    # folder is on the path (a no-op if it already looked). If it looked before, the CUDA plugin was
+    # not found then, and registering it is ours; if it found it, registering again is refused
+    # (ALREADY_EXISTS), which is fine. Registering before JAX's own look made that look fail with
+    # a traceback on stderr.
+    import jax.extend.backend
+
+    jax.extend.backend.backends()
     try:
-        from jax._src import xla_bridge as xb
+        import jax_plugins.xla_cuda12 as plugin
 
-        if not xb._plugins_registered:
-            # JAX has not looked for plugins yet: let it, now that the folder is on the path (it
-            # registers each once; registering the plugin ourselves first made JAX's own later
-            # look fail with "PJRT_Api already exists" and a traceback on stderr)
-            xb._discover_and_register_pjrt_plugins()
-        elif "cuda" not in xb._topology_factories:
-            import jax_plugins.xla_cuda12 as plugin
-
-            plugin.initialize()
-    except Exception:  # noqa: BLE001 - no CUDA plugin there: the TPU compiler may still be
+        plugin.initialize()
+    except Exception:  # noqa: BLE001 - registered already, or no CUDA plugin there (the TPU compiler may be)
         pass
     return True
 

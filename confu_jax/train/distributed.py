@@ -195,6 +195,4 @@ def initialize(spec: DistributedSpec, initialization_timeout: int = 300,
 
 
 def is_initialized() -> bool:
-    from jax._src import distributed as _dist  # no public query exists in jax 0.10
-
-    return _dist.global_state.client is not None
+    return jax.distributed.is_initialized()
