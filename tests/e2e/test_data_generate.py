@@ -8,6 +8,7 @@ import pytest
 
 from confu_jax.decode import self_distill as sd
 from tests.helpers.fake_chat import END, FakeChatTokenizer
+from tests.helpers.xla_env import SINGLE_DEVICE
 
 
 def _conv(i, turns):
@@ -179,7 +180,10 @@ def test_cli_on_smollm2_writes_the_targets_greedy_answers(tmp_path):
     cmd = [sys.executable, "-m", "launch.generate_data", f"--output={out}", f"--input={fixture}",
            "--max_records=2", "--max_new_tokens=12", "--batch_size=2"]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    # one device: the suite's 8 fake CPU devices would each hold a SmolLM2 replica and an engine
+    # (every-device generation: tests/e2e/test_distill_shards.py)
+    env = dict(os.environ, XLA_FLAGS=SINGLE_DEVICE)
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["written"] == 2
     records = [json.loads(line) for line in out.read_text().splitlines()]
