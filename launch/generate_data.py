@@ -258,16 +258,20 @@ def main(argv):
             k = mine[j]
             convs_k = [c for c in every if shard_of(c["id"], total) == k]
             p = jax.device_put(params, devices[j]) if n_local > 1 else params
+            # one progress bar per device (a terminal), or a line a minute each naming its device (a log)
+            label = f"regenerating on {devices[j]}" if n_local > 1 else "regenerating"
             with jax.default_device(devices[j]) if n_local > 1 else contextlib.nullcontext():
-                return _generate(f, convs_k, outputs[j], tokenizer, cfg, p, progress=n_local == 1)
+                return _generate(f, convs_k, outputs[j], tokenizer, cfg, p, desc=label,
+                                 position=j if n_local > 1 else None)
 
         if n_local == 1:
             per_device = [work(0)]
         else:
             with concurrent.futures.ThreadPoolExecutor(n_local) as pool:  # XLA runs outside the GIL
                 per_device = list(pool.map(work, range(n_local)))
-        stats = {key: sum(d.get(key, 0) for d in per_device) for key in per_device[0]}
-        summary = {"output": outputs[0] if total == 1 else f.output, **stats,
+        # counts add up; "seconds" is the slowest engine's (they ran at once)
+        stats = {key: (max if key == "seconds" else sum)(d.get(key, 0) for d in per_device) for key in per_device[0]}
+        summary = {"output": outputs[0] if len(outputs) == 1 else outputs, **stats,
                    **({"already_released": n_released} if f.release else {})}
         if n_local > 1:
             summary["devices"] = [{"device": str(devices[j]), "conversations": len(assignment[mine[j]]),
@@ -287,17 +291,18 @@ def main(argv):
     print(json.dumps(summary))
 
 
-def _generate(f, convs, output, tokenizer, cfg, params, progress: bool = True) -> dict:
-    """One engine's regeneration of ``convs`` into ``output`` (resumable): the flags' engine and settings."""
+def _generate(f, convs, output, tokenizer, cfg, params, **bar) -> dict:
+    """One engine's regeneration of ``convs`` into ``output`` (resumable): the flags' engine and settings;
+    ``bar``: the progress bar's ``desc`` / ``position``."""
     if f.engine == "continuous":
         return regenerate_continuous(convs, output, tokenizer, cfg, params, batch_size=f.batch_size,
                                      max_new_tokens=f.max_new_tokens, max_prompt_len=f.max_prompt_len,
                                      temperature=f.temperature, top_p=f.top_p, steps_per_sync=f.steps_per_sync,
-                                     reuse_prefix=f.reuse_prefix, fill_rows=f.fill_rows, progress=progress)
+                                     reuse_prefix=f.reuse_prefix, fill_rows=f.fill_rows, **bar)
     generate_fn = make_generate_fn(params, cfg, max_new_tokens=f.max_new_tokens, temperature=f.temperature,
                                    top_p=f.top_p, eos_ids=tokenizer.eos_ids)
     return generate_dataset(convs, output, tokenizer, generate_fn, batch_size=f.batch_size,
-                            max_prompt_len=f.max_prompt_len, progress=progress)
+                            max_prompt_len=f.max_prompt_len, **bar)
 
 
 # A replica of the target on every device only where it leaves this share of the device's memory to

@@ -313,13 +313,16 @@ def generate_dataset(
     batch_size: int,
     max_prompt_len: int,
     progress: bool = True,
+    desc: str = "regenerating",
+    position: Optional[int] = None,
 ) -> dict:
-    """Regenerate what ``output`` lacks, batch by batch; returns counts for the run."""
+    """Regenerate what ``output`` lacks, batch by batch; returns counts for the run. ``desc`` /
+    ``position``: the progress bar's label and row (one per device when several engines run)."""
     from confu_jax import progress as progress_lib
 
     todo, stats = pending_conversations(conversations, output)
     bar = progress_lib.bar(stats["already_done"] + len(todo), initial=stats["already_done"], unit="conv",
-                           enabled=progress, desc="regenerating")
+                           enabled=progress, desc=desc, position=position)
     with RecordAppender(output) as out:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
@@ -382,7 +385,8 @@ def turn_seed(conv_id: str, turn: int) -> int:
 
 
 def generate_dataset_continuous(conversations: Sequence[dict], output: str, tokenizer, engine, *,
-                                max_prompt_len: int, progress: bool = True) -> dict:
+                                max_prompt_len: int, progress: bool = True, desc: str = "regenerating",
+                                position: Optional[int] = None) -> dict:
     """Regenerate what ``output`` lacks with a continuous-batching ``engine``
     (``confu_jax.decode.continuous.ContinuousGenerator`` or anything with its ``run``).
 
@@ -406,7 +410,7 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
 
     todo, stats = pending_conversations(conversations, output)
     bar = progress_lib.bar(stats["already_done"] + len(todo), initial=stats["already_done"], unit="conv",
-                           enabled=progress, desc="regenerating")
+                           enabled=progress, desc=desc, position=position)
     pending = iter(todo)
     active: dict[str, Conversation] = {}
     follow_ups: list[tuple] = []
@@ -467,7 +471,8 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
                     last_log[0] = time.perf_counter()
                     # a disabled tqdm bar counts nothing (bar.n stays 0): count from the run's stats
                     done = stats["already_done"] + stats["written"] + stats["no_answer"]
-                    log.info("regenerating: %d/%d conversations done, %.1f tokens/s", done, bar.total, tok_s)
+                    log.info(desc.replace("%", "%%") + ": %d/%d conversations done, %.1f tokens/s", done,
+                             bar.total, tok_s)
     finally:
         out.close()  # what is buffered (an object store's output) is written even when the run stops
     bar.close()
@@ -477,7 +482,8 @@ def generate_dataset_continuous(conversations: Sequence[dict], output: str, toke
 def regenerate_continuous(conversations: Sequence[dict], output: str, tokenizer, cfg, params, *,
                           batch_size: int, max_new_tokens: int, max_prompt_len: int,
                           temperature: float = 0.0, top_p: float = 1.0, steps_per_sync: int = 16,
-                          reuse_prefix: bool = True, fill_rows: int = 1, progress: bool = True) -> dict:
+                          reuse_prefix: bool = True, fill_rows: int = 1, progress: bool = True,
+                          desc: str = "regenerating", position: Optional[int] = None) -> dict:
     """Build the continuous-batching engine for ``params`` and regenerate what ``output`` lacks.
 
     The CLI's default path, and what ``launch.quickstart`` calls to self-distil its training data.
@@ -495,7 +501,8 @@ def regenerate_continuous(conversations: Sequence[dict], output: str, tokenizer,
                                  eos_ids=tokenizer.eos_ids, steps_per_sync=steps_per_sync,
                                  reuse_prefix=reuse_prefix, max_fill_rows=fill_rows)
     stats = generate_dataset_continuous(conversations, output, tokenizer, engine,
-                                        max_prompt_len=max_prompt_len, progress=progress)
+                                        max_prompt_len=max_prompt_len, progress=progress, desc=desc,
+                                        position=position)
     stats["tokens_generated"] = engine.tokens_generated
     stats["seconds"] = round(time.perf_counter() - t0, 1)
     return stats
