@@ -349,21 +349,7 @@ def test_self_distillation_writes_a_gs_object_at_most_once_per_interval(bucket, 
     import time
 
     from confu_jax.decode import self_distill as sd
-    from confu_jax.decode.continuous import Finished
-    from confu_jax.decode.stopping import StopReason
-    from tests.helpers.fake_chat import END, FakeChatTokenizer
-
-    class Instant:
-        batch, tokens_generated = 2, 0
-
-        def run(self, requests, more=None):
-            queue = list(requests)
-            while True:
-                queue += more() if more else []
-                if not queue:
-                    return
-                self.tokens_generated += 2
-                yield Finished(queue.pop(0)[0], [7, END], StopReason.EOS)
+    from tests.helpers.fake_chat import FakeChatTokenizer, InstantEngine as Instant
 
     now = [0.0]
 

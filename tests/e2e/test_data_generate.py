@@ -293,22 +293,7 @@ def test_continuous_progress_log_counts_finished_conversations(tmp_path, monkeyp
     import logging
     import time
 
-    from confu_jax.decode.continuous import Finished
-    from confu_jax.decode.stopping import StopReason
-
-    class Instant:
-        """An engine that answers every request at once with [7, END]."""
-        batch, tokens_generated = 2, 0
-
-        def run(self, requests, more=None):
-            queue = list(requests)
-            while True:
-                queue += more() if more else []
-                if not queue:
-                    return
-                rid = queue.pop(0)[0]
-                self.tokens_generated += 2
-                yield Finished(rid, [7, END], StopReason.EOS)
+    from tests.helpers.fake_chat import InstantEngine as Instant
 
     clock = iter(range(0, 10_000, 61))  # every reading a minute after the last: a log line each time
     monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
