@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_TOPOLOGIES = ("v5p:2x2x2", "v5e:2x4", "v6e:2x4", "h100:8")
@@ -80,31 +81,41 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
 
 
+def _report(args: list, p: dict) -> Optional[dict]:
+    """Run a CLI that writes its report to ``--out``: the report, or None with ``p["error"]`` its last
+    stderr line; ``p["wall_s"]`` the run's seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rep = os.path.join(tmp, "r.json")
+        t0 = time.time()
+        r = subprocess.run([*args, "--out", rep], cwd=REPO, capture_output=True, text=True, env=_env())
+        p["wall_s"] = round(time.time() - t0, 1)
+        if r.returncode != 0 or not os.path.exists(rep):
+            p["error"] = (r.stderr.strip().splitlines() or ["?"])[-1][:400]
+            return None
+        return json.loads(open(rep).read())
+
+
+def _record(out: str, done: dict, p: dict) -> dict:
+    print(json.dumps(p), flush=True)
+    _append(out, p)
+    done[_key(p)] = p
+    return p
+
+
 def train_point(out: str, done: dict, family: str, config: str, model: str, topology: str, rows: int,
                 batch: int) -> dict:
     p = dict(kind="train", family=family, model=model, topology=topology, rows=rows, batch=batch, plan="-")
     if _key(p) in done:
         return done[_key(p)]
-    with tempfile.TemporaryDirectory() as tmp:
-        rep = os.path.join(tmp, "r.json")
-        args = [sys.executable, "-m", "launch.train", "--config", config, "--compile_only", "--topology", topology,
-                "--out", rep, "--config.model.source=abstract", f"--config.model.preset={model}",
-                "--config.model.dtype=bfloat16", f"--config.data.max_length={rows}",
-                f"--config.data.global_batch_size={batch}", "--config.train.mesh.data=1",
-                "--config.train.mesh.fsdp=8", "--config.train.mesh.tensor=1", "--config.train.progress_bar=False"]
-        t0 = time.time()
-        r = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=_env())
-        p["wall_s"] = round(time.time() - t0, 1)
-        if r.returncode != 0 or not os.path.exists(rep):
-            p["error"] = (r.stderr.strip().splitlines() or ["?"])[-1][:400]
-        else:
-            rr = json.loads(open(rep).read())
-            p.update({k: rr.get(k) for k in ("platform", "device_kind", "devices", "mesh", "per_device_peak_bytes",
-                                             "device_memory_bytes", "fits", "compile_s", "trainable_params")})
-    print(json.dumps(p), flush=True)
-    _append(out, p)
-    done[_key(p)] = p
-    return p
+    rr = _report([sys.executable, "-m", "launch.train", "--config", config, "--compile_only", "--topology", topology,
+                  "--config.model.source=abstract", f"--config.model.preset={model}", "--config.model.dtype=bfloat16",
+                  f"--config.data.max_length={rows}", f"--config.data.global_batch_size={batch}",
+                  "--config.train.mesh.data=1", "--config.train.mesh.fsdp=8", "--config.train.mesh.tensor=1",
+                  "--config.train.progress_bar=False"], p)
+    if rr is not None:
+        p.update({k: rr.get(k) for k in ("platform", "device_kind", "devices", "mesh", "per_device_peak_bytes",
+                                         "device_memory_bytes", "fits", "compile_s", "trainable_params")})
+    return _record(out, done, p)
 
 
 def _fits(p: dict) -> bool:
@@ -151,26 +162,18 @@ def decode_points(out: str, done: dict, model: str, topology: str, plan: str) ->
     p = dict(kind="decode", family="eagle3,confu", model=model, topology=topology, rows=4096, batch=1, plan=plan)
     if _key(p) in done:
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        rep = os.path.join(tmp, "r.json")
-        args = [sys.executable, "-m", "launch.decode_cost", "--models", model, "--dtype", "model", "--topology",
-                topology, "--topology_plan", plan, "--topology_heads", "eagle3,confu", "--topology_max_len", "4096",
-                "--mesh_head_vocab", "32000", "--out", rep]
-        if DECODE_TOPOLOGIES[topology]:
-            args += ["--mesh", DECODE_TOPOLOGIES[topology]]
-        t0 = time.time()
-        r = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=_env())
-        p["wall_s"] = round(time.time() - t0, 1)
-        if r.returncode != 0 or not os.path.exists(rep):
-            p["error"] = (r.stderr.strip().splitlines() or ["?"])[-1][:400]
-        else:
-            t = json.loads(open(rep).read())["topology"]
-            p.update(device_kind=t["device_kind"], mesh=t["mesh"], programs=[
-                {k: q.get(k) for k in ("program", "per_device_peak_bytes", "device_memory_bytes", "fits",
-                                       "custom_calls")} for q in t["programs"]])
-    print(json.dumps(p), flush=True)
-    _append(out, p)
-    done[_key(p)] = p
+    args = [sys.executable, "-m", "launch.decode_cost", "--models", model, "--dtype", "model", "--topology",
+            topology, "--topology_plan", plan, "--topology_heads", "eagle3,confu", "--topology_max_len", "4096",
+            "--mesh_head_vocab", "32000"]
+    if DECODE_TOPOLOGIES[topology]:
+        args += ["--mesh", DECODE_TOPOLOGIES[topology]]
+    rr = _report(args, p)
+    if rr is not None:
+        t = rr["topology"]
+        p.update(device_kind=t["device_kind"], mesh=t["mesh"], programs=[
+            {k: q.get(k) for k in ("program", "per_device_peak_bytes", "device_memory_bytes", "fits",
+                                   "custom_calls")} for q in t["programs"]])
+    _record(out, done, p)
 
 
 def _gib(b) -> str:
