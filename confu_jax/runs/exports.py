@@ -92,8 +92,9 @@ def read_eagle_source(source: str, step: Optional[int] = None, target: Optional[
         if not (storage.isfile(os.path.join(source, "config.json"))
                 or storage.isfile(os.path.join(source, "export.json"))):
             raise ValueError(f"{source}: not a launch.train workdir (config.json + checkpoints/), a release "
-                             "(manifest.json), nor an EAGLE-3 head in the official or speculators layout "
-                             "(config.json with architectures ['LlamaForCausalLMEagle3'] / speculators_model_type)")
+                             "(manifest.json), nor an EAGLE-3 head in the official, speculators or tpu-inference "
+                             "layout (config.json with architectures ['LlamaForCausalLMEagle3'] / "
+                             "['Eagle3LlamaForCausalLM'] / speculators_model_type)")
         head = load_trained_head(source, step)
         spec = head.spec
         if spec.head.has_future:
@@ -180,4 +181,6 @@ HEAD_FORMATS = (
                  help="official EAGLE-3 layout (SGLang, SpecForge)"),
     ExportFormat(name="speculators", write=_write_head("speculators"), reads_target=False,
                  options=("verifier", "embed_from", "target_model"), help="vLLM's speculators format"),
+    ExportFormat(name="tpu_inference", write=_write_head("tpu_inference"), reads_target=False,
+                 options=("target_model",), help="tpu-inference's JAX EAGLE-3 (vLLM on TPU; Llama targets)"),
 )

@@ -6,7 +6,7 @@ here should serve in SGLang and vLLM. The draft layer is the same computation ev
 (docs/DESIGN.md §4 "Draft head"); the formats differ in tensor names, where the config lives, the
 draft's own RoPE and norm settings, and how ``d2t`` is stored. Layout and conventions: DESIGN.md §10.
 
-Two formats (``FORMATS``):
+Three formats (``FORMATS``):
 
 * ``eagle3`` -- the official SafeAILab layout, which SGLang loads and SpecForge's
   ``export --to sglang`` writes: ``config.json`` (a Llama config of the one draft layer plus
@@ -24,6 +24,13 @@ Two formats (``FORMATS``):
   ``norm_before_fc``, ``fc_norm``, ``norm_output`` (all implemented: ``models.spec.HeadConfig``);
   tensors ``layers.0.*`` instead of ``midlayer.*``, optionally ``embed_tokens.weight`` (must equal
   the target's), ``input_norm.weight`` (norm_before_fc), ``fc_norm.{i}.weight`` (fc_norm).
+* ``tpu_inference`` -- what tpu-inference (vLLM on TPU, JAX) loads into its own JAX model: the
+  official tensors and config under ``architectures: ["Eagle3LlamaForCausalLM"]`` (the name its
+  model registry maps to ``EagleLlama3ForCausalLM``; the official ``LlamaForCausalLMEagle3`` falls
+  back to vLLM's PyTorch model through torchax) plus ``norm_before_residual``. Its model implements
+  no other norm flag, and its targets tap fixed layers (Llama: entering 2, L//2, L-3; its Qwen
+  models capture nothing for EAGLE-3), so the exporter refuses heads it would run wrongly
+  (``tpu_inference_refusal``).
 
 ``pytorch_model.bin`` is a pickle, and unpickling runs code: it is read only through torch's
 ``weights_only`` loader, which refuses any pickle that names code; a refused file raises
@@ -53,8 +60,9 @@ from confu_jax.weights.hf import rope_from_config
 from confu_jax.weights.safetensors_io import FLOAT_DTYPES
 from confu_jax.weights.tensor_files import read_tensors, save_safetensors
 
-FORMATS = ("eagle3", "speculators")
+FORMATS = ("eagle3", "speculators", "tpu_inference")
 OFFICIAL_ARCH = "LlamaForCausalLMEagle3"
+TPU_INFERENCE_ARCH = "Eagle3LlamaForCausalLM"  # tpu-inference 0.32's model registry key for its JAX EAGLE-3
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 # torch name (after the layer prefix) -> (our param path under 'draft', transpose?)
@@ -75,7 +83,7 @@ _GLOBAL = {
     "norm.weight": ("final_norm/scale", False),
     "lm_head.weight": ("lm_head/kernel", True),
 }
-_LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
+_LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0.", "tpu_inference": "midlayer."}
 
 _STORE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
                  "float16": np.dtype(np.float16)}
@@ -111,12 +119,15 @@ class ImportedHead:
 
 
 def detect_format(directory: str) -> Optional[str]:
-    """'speculators' | 'eagle3' for a directory holding such a head, else None (e.g. a train workdir)."""
+    """'speculators' | 'tpu_inference' | 'eagle3' for a directory holding such a head, else None (e.g. a
+    train workdir)."""
     c = read_config_json(directory)
     if c is None:
         return None
     if "speculators_model_type" in c:
         return "speculators"
+    if TPU_INFERENCE_ARCH in (c.get("architectures") or []):
+        return "tpu_inference"
     if OFFICIAL_ARCH in (c.get("architectures") or []) or "draft_vocab_size" in c:
         return "eagle3"
     return None
@@ -134,7 +145,8 @@ def load_head(directory: str, param_dtype: str = "float32") -> ImportedHead:
             "SGLang, SpecForge)")
     where = os.path.join(directory, "config.json")
     c = read_config_json(directory)
-    parsed = parse_speculators_config(c, where) if fmt == "speculators" else _parse_official(c, where)
+    parsed = (parse_speculators_config(c, where) if fmt == "speculators"
+              else _parse_official(c, where, TPU_INFERENCE_ARCH if fmt == "tpu_inference" else OFFICIAL_ARCH))
     tensors = read_tensors(directory)
     return assemble_head(directory, fmt, parsed, tensors, param_dtype)
 
@@ -184,10 +196,10 @@ def _check_target_hidden(c: dict, d: int, where: str) -> None:
                               "(the draft runs at the target's width and reads its embeddings)")
 
 
-def _parse_official(c: dict, where: str) -> dict:
+def _parse_official(c: dict, where: str, arch: str = OFFICIAL_ARCH) -> dict:
     archs = c.get("architectures") or []
-    if archs and OFFICIAL_ARCH not in archs:
-        raise CheckpointError(f"{where}: architectures {archs}; expected [{OFFICIAL_ARCH!r}]")
+    if archs and arch not in archs:
+        raise CheckpointError(f"{where}: architectures {archs}; expected [{arch!r}]")
     lc = _layer_config(c, where)
     _check_target_hidden(c, lc["hidden_size"], where)
     lc["draft_vocab_size"] = int(c.get("draft_vocab_size") or lc["vocab_size"])
@@ -386,6 +398,8 @@ def export_head(out_dir: str, fmt: str, spec: ModelSpec, draft_params: dict, d2t
     if fmt == "eagle3" and any(flags.values()):
         raise ValueError(f"export_head: the official format has no norm-placement flags, this head sets "
                          f"{[k for k, v in flags.items() if v]}; export to 'speculators'")
+    if fmt == "tpu_inference" and (why := tpu_inference_refusal(spec)):
+        raise ValueError(f"export_head: {why}")
     if embed is not None and fmt != "speculators":
         raise ValueError("export_head: only the speculators format stores an embedding")
     leaves = {}
@@ -421,6 +435,11 @@ def export_head(out_dir: str, fmt: str, spec: ModelSpec, draft_params: dict, d2t
                                  "SGLang's eagle_config ids (layer outputs) cannot express; export to 'speculators'")
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in spec.taps],
                                       "use_aux_hidden_state": True}
+    elif fmt == "tpu_inference":
+        # its Eagle3LlamaDecoderLayer reads norm_before_residual from this config; RoPE from the draft's own
+        # rope_theta (written always: its default when absent is 500000, not EAGLE-3's 10000)
+        config = {"architectures": [TPU_INFERENCE_ARCH], **layer, "draft_vocab_size": h.draft_vocab_size,
+                  "target_hidden_size": t.d_model, "norm_before_residual": flags["norm_before_residual"]}
     else:
         config = {
             "architectures": ["Eagle3DraftModel"],
@@ -448,6 +467,29 @@ def export_head(out_dir: str, fmt: str, spec: ModelSpec, draft_params: dict, d2t
         json.dump(config, f, indent=2)
     save_safetensors(tensors, os.path.join(out_dir, "model.safetensors"))
     return out_dir
+
+
+def tpu_inference_refusal(spec: ModelSpec) -> Optional[str]:
+    """Why tpu-inference 0.32's JAX EAGLE-3 would run this head wrongly, or None when it runs it as we do.
+
+    Read from its code (``models/jax/llama_eagle3.py``, ``models/jax/llama3.py``, ``qwen3.py``): the
+    draft layer implements ``norm_before_residual`` and nothing else of speculators' flags; the target
+    model hands the draft the hidden states entering layers (2, L//2, L-3) whatever the draft's
+    config says, and only its Llama model captures them for EAGLE-3."""
+    h, t = spec.head, spec.target
+    unsupported = [k for k in NORM_FLAGS if k != "norm_before_residual" and getattr(h, k)]
+    if unsupported:
+        return (f"tpu-inference's EAGLE-3 layer implements norm_before_residual only; this head sets {unsupported} "
+                "(EAGLE 3.1 sets fc_norm + norm_output): serve it in vLLM or SGLang (--format speculators)")
+    if model_type_of(t) != "llama":
+        return (f"tpu-inference captures EAGLE-3's hidden states in its Llama model only; this head drafts for a "
+                f"{model_type_of(t)} target, whose JAX model there hands the draft nothing (--format speculators "
+                "serves it in vLLM)")
+    if tuple(spec.taps) != tuple(t.default_taps):
+        return (f"tpu-inference taps the hidden states entering layers {list(t.default_taps)} of this "
+                f"{t.n_layers}-layer target whatever the head's config says; this head was trained on "
+                f"{list(spec.taps)} (--format speculators serves its own taps in vLLM)")
+    return None
 
 
 def _layer_config_out(spec: ModelSpec, dtype_name: str) -> dict:

@@ -591,7 +591,7 @@ def test_confu_training_starts_from_an_imported_head(tmp_path):
     assert all("moe" in p or "soft_prompt" in p for p in report["kept_init"])
 
 
-@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators", "tpu_inference"])
 def test_a_whole_vocabulary_head_writes_no_maps_and_reads_back_the_identity(tmp_path, fmt):
     """vLLM's Eagle3LlamaForCausalLM has a draft_id_to_target_id parameter only when draft_vocab_size differs from
     the target's vocabulary, and refuses a d2t tensor otherwise (as it did our P-EAGLE export): a head over the
@@ -614,3 +614,32 @@ def test_a_whole_vocabulary_head_writes_no_maps_and_reads_back_the_identity(tmp_
     out = export_head(str(tmp_path / "reduced"), fmt, ModelSpec(cfg, reduced.head),
                       jax.device_get(init_draft_params(ModelSpec(cfg, reduced.head), jax.random.PRNGKey(4))), d2t, t2d)
     np.testing.assert_array_equal(np.asarray(read_tensors(out)["d2t"]), d2t - np.arange(DRAFT_VOCAB))
+
+
+def test_tpu_inference_layout_round_trips_and_refuses_what_it_would_run_wrongly(tmp_path):
+    """``--format tpu_inference``: the official tensors under the architecture tpu-inference's registry maps to its
+    JAX model, with the one norm flag that model reads; heads it would run wrongly are refused, each naming why
+    (its loader and forward on a real export: tests/e2e/test_tpu_inference.py)."""
+    cfg, tp = _target()
+    spec, draft = _our_head(cfg, norm_before_residual=True)
+    d2t, t2d = _draft_vocab(cfg.vocab_size, DRAFT_VOCAB, seed=6)
+    out = export_head(str(tmp_path / "tpu"), "tpu_inference", spec, draft, d2t, t2d)
+    with open(os.path.join(out, "config.json")) as f:
+        c = json.load(f)
+    assert c["architectures"] == ["Eagle3LlamaForCausalLM"] and c["norm_before_residual"] is True
+    assert c["rope_theta"] == 10000.0 and c["draft_vocab_size"] == DRAFT_VOCAB  # its default theta would be 500000
+    assert any(k.startswith("midlayer.") for k in read_tensors(out))
+    imp = load_head(out)
+    assert imp.fmt == "tpu_inference"
+    spec2, tr2, vocab2 = bind_to_target(imp, cfg, tp)
+    assert spec2.head.norm_before_residual and spec2.taps == cfg.default_taps
+    jax.tree_util.tree_map(np.testing.assert_array_equal, tr2["draft"], draft)
+    np.testing.assert_array_equal(vocab2["d2t"], d2t)
+    for kw, why in (({"fc_norm": True, "norm_output": True}, r"norm_before_residual only.*fc_norm"),
+                    ({"tap_layers": (2, 3, 5)}, r"entering layers \[2, 4, 5\].*trained on \[2, 3, 5\]")):
+        s_bad, d_bad = _our_head(cfg, **kw)
+        with pytest.raises(ValueError, match=why):
+            export_head(str(tmp_path / "bad"), "tpu_inference", s_bad, d_bad, d2t, t2d)
+    qwen3 = ModelSpec(cfg.replace(qk_norm=True), spec.head)
+    with pytest.raises(ValueError, match=r"Llama model only.*qwen3 target"):
+        export_head(str(tmp_path / "bad"), "tpu_inference", qwen3, draft, d2t, t2d)
