@@ -118,8 +118,10 @@ def sd2_loss(spec, drafter_cfg, early_exit: bool, max_offset: int, trainable, fr
 
 def build_task(config) -> TrainTask:
     """The TrainTask of an SD² config (``configs/smollm2_sd2.py``; see the module docstring)."""
-    from confu_jax.train.synthetic_data import synthetic_data
+    from confu_jax.runs.draft_models import parse_self_source
+    from confu_jax.train.synthetic_data import abstract_data, synthetic_data
     from confu_jax.train.real_data import real_data
+    from confu_jax.train.target_loading import is_abstract
 
     if config.data.get("pack", False):
         raise ValueError("config.data.pack: SD² training reads padded rows only (turn data.pack off)")
@@ -130,6 +132,11 @@ def build_task(config) -> TrainTask:
     if k < 1:
         raise ValueError(f"config.sd2.max_offset must be >= 1, got {k}")
     spec, target_host = load_target(config, model_spec_from_config(config))
+    abstract = is_abstract(config.model.source)  # shapes only (launch.train --compile_only): the early exit's
+    if abstract and parse_self_source(str(sd2.drafter), spec.target) is None:  # weights are the target's
+        raise ValueError(f"config.sd2.drafter={sd2.drafter!r} with config.model.source='abstract': an external "
+                         "draft model's tokenizer is checked against the target's, which an abstract target lacks; "
+                         "compile with sd2.drafter='self:N', or give a real target")
     drafter = load_drafter(str(sd2.drafter), spec.target, target_source=strip_asset(str(config.model.source)))
     early_exit = drafter.params is None
     dcfg = drafter.cfg
@@ -140,8 +147,10 @@ def build_task(config) -> TrainTask:
                          "baseline fine-tunes the drafter (train_drafter=True)")
     frozen_host = {"target": target_host, "drafter": {} if early_exit else drafter.params}
     synthetic = config.model.source == "random"
-    _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
+    _, train_iterator, eval_batches = (abstract_data(config, spec) if abstract
+                                       else synthetic_data(config, spec, target_host) if synthetic
                                        else real_data(config, spec))
+
     def init_params(rng):
         del rng  # deterministic: W_hml = stacked identities, W_s = 0, delta = 0
         draft = {"steering": steer_lib.init_steering(spec.target.d_model, len(spec.taps), dcfg)} if steer else {}
@@ -166,13 +175,14 @@ def build_task(config) -> TrainTask:
     return TrainTask(
         init_params=init_params,
         frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen_host),
-        load_frozen=lambda shardings: shd.put_tree(frozen_host, shardings),
+        load_frozen=(lambda shardings: shd.with_shardings(frozen_host, shardings)) if abstract
+        else (lambda shardings: shd.put_tree(frozen_host, shardings)),
         loss_fn=loss_fn,
         train_iterator=train_iterator,
-        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
+        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 and eval_batches else None,
         eval_fn=eval_fn,
         axis_units=shd.llama_axis_units(spec.target.head_dim),
-        target_fingerprint=target_fingerprint(target_host),
+        target_fingerprint=None if abstract else target_fingerprint(target_host),
         target_source=str(config.model.source),
         description=((f"SD² steering + {'fine-tuned' if train_drafter else 'frozen'} drafter" if steer
                       else "distilled drafter (no steering)") + f" {drafter.source} on "

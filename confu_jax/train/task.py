@@ -134,14 +134,18 @@ def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None,
     family's ``ModelSpec`` (default ``model_spec_from_config``; DFlash sizes its draft model there).
     A Hugging Face target is loaded straight into its shardings when the run starts, unless
     ``init_reads_target`` (the family initialises from the target's weights: Medusa's LM head, MTP's
-    layer): then ``build`` gets the host weights."""
+    layer): then ``build`` gets the host weights. An abstract target (``model.source='abstract'``:
+    shapes only, ``launch.train --compile_only``'s "does it fit?") gets shape-only batches, and a
+    family that initialises from the target's weights initialises from zeros of their shapes inside the
+    traced init (what the step compiles to depends on the shapes alone; nothing is allocated on a host)."""
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.heads import target_fingerprint
-    from confu_jax.train.synthetic_data import synthetic_data
+    from confu_jax.train.synthetic_data import abstract_data, synthetic_data
     from confu_jax.train.real_data import real_data
-    from confu_jax.train.target_loading import load_target, load_target_sharded, sharded_source
+    from confu_jax.train.target_loading import is_abstract, load_target, load_target_sharded, sharded_source
 
     synthetic = config.model.source == "random"
+    abstract = is_abstract(config.model.source)
     if config.data.get("pack", False) and (synthetic or not pack_ok):
         why = "the self-distilled random data are padded rows" if pack_ok else f"{what} training reads padded rows only"
         raise ValueError(f"config.data.pack: {why} (turn data.pack off)")
@@ -155,9 +159,14 @@ def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None,
         target_host = param_shapes(spec.target)
     else:
         spec, target_host = load_target(config, (spec_fn or model_spec_from_config)(config))
-    _, train_iterator, eval_batches = (synthetic_data(config, spec, target_host) if synthetic
+    _, train_iterator, eval_batches = (abstract_data(config, spec) if abstract
+                                       else synthetic_data(config, spec, target_host) if synthetic
                                        else real_data(config, spec))
     init_params, loss_fn, description = build(spec, target_host)
+    if abstract and init_reads_target:
+        def init_params(rng):  # noqa: F811 -- the family's init, on zeros of the target's shapes
+            zeros = jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), target_host)
+            return build(spec, zeros)[0](rng)
 
     def eval_fn(trainable, frozen, batch, rng):
         return loss_fn(trainable, frozen, batch, rng)[1]
@@ -167,14 +176,15 @@ def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None,
     return TrainTask(
         init_params=init_params,
         frozen_abstract=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen_host),
-        load_frozen=(lambda shardings: {"target": load_target_sharded(config, spec, shardings["target"])}) if sharded
+        load_frozen=(lambda shardings: shd.with_shardings(frozen_host, shardings)) if abstract
+        else (lambda shardings: {"target": load_target_sharded(config, spec, shardings["target"])}) if sharded
         else (lambda shardings: shd.put_tree(frozen_host, shardings)),
         loss_fn=loss_fn,
         train_iterator=train_iterator,
-        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 else None,
+        eval_batches=eval_batches if int(config.objective.eval_batches) > 0 and eval_batches else None,
         eval_fn=eval_fn,
         axis_units=shd.llama_axis_units(spec.target.head_dim),
-        target_fingerprint=(lambda frozen: target_fingerprint(frozen["target"])) if sharded
+        target_fingerprint=None if abstract else (lambda frozen: target_fingerprint(frozen["target"])) if sharded
         else target_fingerprint(target_host),
         target_source=str(config.model.source),
         description=f"{description} ({data})",
