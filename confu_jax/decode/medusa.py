@@ -7,7 +7,7 @@ head k's guesses. Heads never see the tokens they are stacked on: every node at 
 same distribution, whatever its parent — no draft KV cache, no recurrence, one batched matmul per
 ResBlock layer per round.
 
-**State** (``MedusaState``): ``hidden_bd`` = h[p]. ``init`` takes it from the prefill (the last
+**State** (``hidden_state.LastHiddenState``): ``hidden_bd`` = h[p]. ``init`` takes it from the prefill (the last
 prompt token, ``PrefillView.last_hidden_bd``); ``update`` from the verification pass at the last
 accepted node (``VerifyOutput.hidden_btd[ver.last_node_b]``, whose logits gave the bonus), so the
 heads cost nothing on the target side: the hidden state is computed by every verification anyway.
@@ -33,15 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal,
-                                     last_accepted_hidden)
+from confu_jax.decode.drafter import DraftInput, Proposal, full_proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DrafterFamily, Method, SourceKind,
-                                     own_weights_loader, resolve_source)
-from confu_jax.decode.loaded import LoadedDrafter, own_weights
+                                     own_weights_loader)
+from confu_jax.decode.hidden_state import LastHiddenDrafter, LastHiddenState, load_own_tree, own_tree
+from confu_jax.decode.loaded import LoadedDrafter
 from confu_jax.runs import medusa as runs_medusa
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.medusa import config_of, medusa_logits
@@ -51,17 +50,9 @@ MEDUSA_FORMS = ("chain:K, sampled_chain:K, dynamic:D,K,N, tree:k1,...,kD (top-k_
                 "ddtree:N[,D] (DDTree: the N best nodes over the heads' top-k, at most D deep)")
 
 
-@flax.struct.dataclass
-class MedusaState:
-    hidden_bd: jax.Array  # [B, d] the target's final-normed hidden state at p (the last accepted position)
-
-
 def medusa_params(dp) -> dict:
-    heads = (dp.weights or {}).get("medusa")
-    if heads is None:
-        raise ValueError("a Medusa drafter needs drafter_params.weights['medusa'] (models.medusa.init_medusa, a trained "
-                         "configs/*_medusa.py workdir, or an imported FasterDecoding head: decode.families.decode_head)")
-    return heads
+    return own_tree(dp, "medusa", "a Medusa drafter", "models.medusa.init_medusa, a trained configs/*_medusa.py "
+                    "workdir, or an imported FasterDecoding head")
 
 
 def parse_medusa_plan(text: str) -> DraftPlan:
@@ -70,18 +61,14 @@ def parse_medusa_plan(text: str) -> DraftPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter(PlanDrafter):
-    """Medusa-1 heads drafting the trees of ``plan`` (module docstring)."""
+class MedusaDrafter(LastHiddenDrafter):
+    """Medusa-1 heads drafting the trees of ``plan`` (module docstring); its state is h[p]
+    (``LastHiddenDrafter``)."""
 
     plan: DraftPlan
     what = "Medusa heads"
 
-    def init(self, target, dp, view: PrefillView) -> MedusaState:
-        if view.last_hidden_bd is None:
-            raise ValueError("MedusaDrafter.init needs PrefillView.last_hidden_bd (the target's last hidden state)")
-        return MedusaState(hidden_bd=view.last_hidden_bd.astype(jnp.float32))
-
-    def propose(self, target, dp, st: MedusaState, inp: DraftInput) -> Proposal:
+    def propose(self, target, dp, st: LastHiddenState, inp: DraftInput) -> Proposal:
         heads = medusa_params(dp)
         c = config_of(heads)
         depth = self.max_depth
@@ -92,10 +79,6 @@ class MedusaDrafter(PlanDrafter):
         logits_kbv = to_target_vocab(medusa_logits(sub, st.hidden_bd), target.config.vocab_size)
         tree, q = self.draft_positional(jnp.swapaxes(jax.nn.log_softmax(logits_kbv, axis=-1), 0, 1), inp)
         return full_proposal(tree, q, st)
-
-    def update(self, target, dp, st: MedusaState, v: VerifiedPass) -> MedusaState:
-        """h[p'] at the new last accepted position p' = the last accepted node of the pass."""
-        return st.replace(hidden_bd=last_accepted_hidden(v, st.hidden_bd, "MedusaDrafter"))
 
 
 # ----------------------------------------------------------------------------- the family: loading
@@ -112,29 +95,29 @@ def load_medusa(target_cfg, target_params: dict, source=None, seed: int = 0,
     from confu_jax.runs.medusa import is_medusa_workdir, load_medusa_run
     from confu_jax.weights.medusa_format import is_medusa_dir, load_medusa_dir
 
-    if source is None:
+    def untrained():
         w, axis = lm_head_matrix(target_cfg, target_params)
         heads = jax.device_get(init_medusa(jax.random.PRNGKey(seed), num_heads, 1, jnp.asarray(w), axis))
-        return own_weights(target_cfg, target_params, {"medusa": heads}, False,
-                           f"Medusa reference initialisation ({num_heads} heads, seed {seed})")
+        return heads, f"Medusa reference initialisation ({num_heads} heads, seed {seed})"
 
     def run(path):
         r = load_medusa_run(path, target_cfg, target_params, target_source=target_source)
         return r.heads, r.source
 
-    heads, desc = resolve_source(source, (
-        SourceKind("a Medusa launch.train workdir (config.json with a 'medusa' section + checkpoints/)",
-                   is_medusa_workdir, run),
-        SourceKind("a FasterDecoding Medusa directory (medusa_lm_head.safetensors/.pt)", is_medusa_dir,
-                   lambda p: (load_medusa_dir(p).heads, f"{p} (FasterDecoding Medusa format)"))))
-    c = config_of(heads)
-    if c.d_model != target_cfg.d_model:
-        raise ValueError(f"{source}: Medusa heads of width {c.d_model} cannot read a target of width "
-                         f"{target_cfg.d_model}")
-    if c.vocab_size < target_cfg.vocab_size:
-        raise ValueError(f"{source}: Medusa heads over {c.vocab_size} tokens; the target has {target_cfg.vocab_size}")
-    return own_weights(target_cfg, target_params, {"medusa": heads}, True, desc)
+    def check(heads):
+        c = config_of(heads)
+        if c.d_model != target_cfg.d_model:
+            raise ValueError(f"{source}: Medusa heads of width {c.d_model} cannot read a target of width "
+                             f"{target_cfg.d_model}")
+        if c.vocab_size < target_cfg.vocab_size:
+            raise ValueError(f"{source}: Medusa heads over {c.vocab_size} tokens; the target has "
+                             f"{target_cfg.vocab_size}")
 
+    kinds = (SourceKind("a Medusa launch.train workdir (config.json with a 'medusa' section + checkpoints/)",
+                        is_medusa_workdir, run),
+             SourceKind("a FasterDecoding Medusa directory (medusa_lm_head.safetensors/.pt)", is_medusa_dir,
+                        lambda p: (load_medusa_dir(p).heads, f"{p} (FasterDecoding Medusa format)")))
+    return load_own_tree(target_cfg, target_params, "medusa", source, untrained=untrained, kinds=kinds, check=check)
 
 FAMILIES = (DrafterFamily(
     "medusa", lambda text: MedusaDrafter(parse_medusa_plan(text)), own_weights_loader(load_medusa),

@@ -17,7 +17,7 @@ and gathers each node's parent state with ``Frontier.parent_slot_bk`` — as ``H
 draft's per-node hidden state — so stage k runs once per expanded node at depth k (the reference's
 ``generate_suffixes`` expands its state the same way, ``b k d`` → ``b kk' d``).
 
-**State** (``MLPSpeculatorState``): ``hidden_bd`` = h[p], from the prefill
+**State** (``hidden_state.LastHiddenState``): ``hidden_bd`` = h[p], from the prefill
 (``PrefillView.last_hidden_bd``) and then from each verification at the last accepted node
 (``VerifyOutput.hidden_btd[ver.last_node_b]``), exactly Medusa's: the per-node states live only
 inside one ``propose``, recomputed from the path.
@@ -42,16 +42,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
 from confu_jax.decode import tree as tree_lib
-from confu_jax.decode.drafter import (DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal,
-                                     last_accepted_hidden)
+from confu_jax.decode.drafter import DraftInput, Proposal, full_proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DEFAULT_CHAINS, DrafterFamily, Method, SourceKind,
-                                     own_weights_loader, resolve_source)
-from confu_jax.decode.loaded import LoadedDrafter, own_weights
+                                     own_weights_loader)
+from confu_jax.decode.hidden_state import LastHiddenDrafter, LastHiddenState, load_own_tree, own_tree
+from confu_jax.decode.loaded import LoadedDrafter
 from confu_jax.runs import mlp_speculator as runs_mlp_speculator
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.mlp_speculator import config_of, input_state, stage_logits, stage_state
@@ -61,18 +60,9 @@ MLP_SPECULATOR_FORMS = ("chain:K, sampled_chain:K, dynamic:D,K,N or tree:k1,...,
                         "every node, the reference's top_k_tokens_per_head)")
 
 
-@flax.struct.dataclass
-class MLPSpeculatorState:
-    hidden_bd: jax.Array  # [B, d] the target's final-normed hidden state at p (the last accepted position)
-
-
 def mlp_speculator_params(dp) -> dict:
-    sp = (dp.weights or {}).get("mlp_speculator")
-    if sp is None:
-        raise ValueError("an MLP speculator drafter needs drafter_params.weights['mlp_speculator'] (models.mlp_speculator."
-                         "init_mlp_speculator, a trained configs/*_mlp_speculator.py workdir, or an imported "
-                         "fms / vLLM mlp_speculator directory: decode.families.decode_head)")
-    return sp
+    return own_tree(dp, "mlp_speculator", "an MLP speculator drafter", "models.mlp_speculator.init_mlp_speculator, "
+                    "a trained configs/*_mlp_speculator.py workdir, or an imported fms / vLLM mlp_speculator directory")
 
 
 def parse_mlp_speculator_plan(text: str) -> DraftPlan:
@@ -81,19 +71,14 @@ def parse_mlp_speculator_plan(text: str) -> DraftPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class MLPSpeculatorDrafter(PlanDrafter):
-    """An MLP speculator drafting the trees of ``plan`` (module docstring)."""
+class MLPSpeculatorDrafter(LastHiddenDrafter):
+    """An MLP speculator drafting the trees of ``plan`` (module docstring); its state is h[p]
+    (``LastHiddenDrafter``)."""
 
     plan: DraftPlan
     what = "an MLP speculator"
 
-    def init(self, target, dp, view: PrefillView) -> MLPSpeculatorState:
-        if view.last_hidden_bd is None:
-            raise ValueError("MLPSpeculatorDrafter.init needs PrefillView.last_hidden_bd (the target's last hidden "
-                             "state)")
-        return MLPSpeculatorState(hidden_bd=view.last_hidden_bd.astype(jnp.float32))
-
-    def propose(self, target, dp, st: MLPSpeculatorState, inp: DraftInput) -> Proposal:
+    def propose(self, target, dp, st: LastHiddenState, inp: DraftInput) -> Proposal:
         sp = mlp_speculator_params(dp)
         c = config_of(sp)
         depth = self.max_depth
@@ -114,10 +99,6 @@ class MLPSpeculatorDrafter(PlanDrafter):
         tree, q, _ = self.draft(expand_fn, s0, inp)
         return full_proposal(tree, q, st)
 
-    def update(self, target, dp, st: MLPSpeculatorState, v: VerifiedPass) -> MLPSpeculatorState:
-        """h[p'] at the new last accepted position p' = the last accepted node of the pass."""
-        return st.replace(hidden_bd=last_accepted_hidden(v, st.hidden_bd, "MLPSpeculatorDrafter"))
-
 
 # ----------------------------------------------------------------------------- the family: loading
 
@@ -133,31 +114,31 @@ def load_mlp_speculator(target_cfg, target_params: dict, source=None, seed: int 
     from confu_jax.runs.mlp_speculator import is_mlp_speculator_workdir, load_mlp_speculator_run
     from confu_jax.weights.mlp_speculator_format import is_mlp_speculator_dir, load_mlp_speculator_dir
 
-    if source is None:
+    def untrained():
         c = make_config(n_predict, target_cfg.d_model, target_cfg.vocab_size)
         params = jax.device_get(init_mlp_speculator(jax.random.PRNGKey(seed), c))
-        return own_weights(target_cfg, target_params, {"mlp_speculator": params}, False,
-                           f"MLP speculator reference initialisation ({n_predict} stages, seed {seed})")
+        return params, f"MLP speculator reference initialisation ({n_predict} stages, seed {seed})"
 
     def run(path):
         r = load_mlp_speculator_run(path, target_cfg, target_params, target_source=target_source)
         return r.params, r.source
 
-    params, desc = resolve_source(source, (
-        SourceKind("an MLP speculator launch.train workdir (config.json with an 'mlp_speculator' section + "
-                   "checkpoints/)", is_mlp_speculator_workdir, run),
-        SourceKind("a published MLP speculator directory (config.json with model_type 'mlp_speculator' + "
-                   "model.safetensors)", is_mlp_speculator_dir,
-                   lambda p: (load_mlp_speculator_dir(p).params, f"{p} (fms / vLLM mlp_speculator format)"))))
-    c = config_of(params)
-    if c.emb_dim != target_cfg.d_model:
-        raise ValueError(f"{source}: an MLP speculator of emb_dim {c.emb_dim} cannot read a target of width "
-                         f"{target_cfg.d_model}")
-    if c.vocab_size < target_cfg.vocab_size:
-        raise ValueError(f"{source}: MLP speculator over {c.vocab_size} tokens; the target has "
-                         f"{target_cfg.vocab_size}")
-    return own_weights(target_cfg, target_params, {"mlp_speculator": params}, True, desc)
+    def check(params):
+        c = config_of(params)
+        if c.emb_dim != target_cfg.d_model:
+            raise ValueError(f"{source}: an MLP speculator of emb_dim {c.emb_dim} cannot read a target of width "
+                             f"{target_cfg.d_model}")
+        if c.vocab_size < target_cfg.vocab_size:
+            raise ValueError(f"{source}: MLP speculator over {c.vocab_size} tokens; the target has "
+                             f"{target_cfg.vocab_size}")
 
+    kinds = (SourceKind("an MLP speculator launch.train workdir (config.json with an 'mlp_speculator' section + "
+                        "checkpoints/)", is_mlp_speculator_workdir, run),
+             SourceKind("a published MLP speculator directory (config.json with model_type 'mlp_speculator' + "
+                        "model.safetensors)", is_mlp_speculator_dir,
+                        lambda p: (load_mlp_speculator_dir(p).params, f"{p} (fms / vLLM mlp_speculator format)")))
+    return load_own_tree(target_cfg, target_params, "mlp_speculator", source, untrained=untrained, kinds=kinds,
+                         check=check)
 
 FAMILIES = (DrafterFamily(
     "mlp_speculator", lambda text: MLPSpeculatorDrafter(parse_mlp_speculator_plan(text)),

@@ -39,8 +39,9 @@ import jax.numpy as jnp
 
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass, full_proposal
 from confu_jax.decode.drafting import commit_prompt, draft_cached_tree, prompt_buffer, refill_entries
-from confu_jax.decode.family import DrafterFamily, Method, SourceKind, own_weights_loader, resolve_source
-from confu_jax.decode.loaded import LoadedDrafter, own_weights
+from confu_jax.decode.family import DrafterFamily, Method, SourceKind, own_weights_loader
+from confu_jax.decode.hidden_state import load_own_tree, own_tree
+from confu_jax.decode.loaded import LoadedDrafter
 from confu_jax.runs import mtp as runs_mtp
 from confu_jax.decode.plans import DraftPlan, parse_plan
 from confu_jax.models.draft_decode import DraftBlockOutput
@@ -63,11 +64,8 @@ class MTPState:
 
 
 def mtp_params(dp) -> dict:
-    m = (dp.weights or {}).get("mtp")
-    if m is None:
-        raise ValueError("an MTP drafter needs drafter_params.weights['mtp'] (models.mtp.init_mtp, a trained configs/*_mtp.py "
-                         "workdir, or an imported DeepSeek-layout MTP directory: decode.families.decode_head)")
-    return m
+    return own_tree(dp, "mtp", "an MTP drafter", "models.mtp.init_mtp, a trained configs/*_mtp.py workdir, or an "
+                    "imported DeepSeek-layout MTP directory")
 
 
 def parse_mtp_plan(text: str) -> DraftPlan:
@@ -135,11 +133,9 @@ def load_mtp(target_cfg, target_params: dict, source=None, seed: int = 0,
     from confu_jax.runs.mtp import is_mtp_workdir, load_mtp_run
     from confu_jax.weights.mtp_format import check_shared, is_mtp_dir, load_mtp_dir
 
-    if source is None:
+    def untrained():
         params = jax.device_get(init_mtp(jax.random.PRNGKey(seed), target_cfg, target_params))
-        check_mtp_params(params, target_cfg)
-        return own_weights(target_cfg, target_params, {"mtp": params}, False,
-                           f"MTP module initialisation (the target's last layer, seed {seed})")
+        return params, f"MTP module initialisation (the target's last layer, seed {seed})"
 
     def run(path):
         r = load_mtp_run(path, target_cfg, target_params, target_source=target_source)
@@ -154,14 +150,12 @@ def load_mtp(target_cfg, target_params: dict, source=None, seed: int = 0,
         check_shared(imp, target_cfg, target_params)
         return imp.params, f"{path} (DeepSeek-layout MTP, layer {imp.layer_index})"
 
-    params, desc = resolve_source(source, (
-        SourceKind("an MTP launch.train workdir (config.json with an 'mtp' section + checkpoints/)",
-                   is_mtp_workdir, run),
-        SourceKind("a DeepSeek-layout MTP directory (config.json with num_nextn_predict_layers + "
-                   "model.safetensors)", is_mtp_dir, published)))
-    check_mtp_params(params, target_cfg)
-    return own_weights(target_cfg, target_params, {"mtp": params}, True, desc)
-
+    kinds = (SourceKind("an MTP launch.train workdir (config.json with an 'mtp' section + checkpoints/)",
+                        is_mtp_workdir, run),
+             SourceKind("a DeepSeek-layout MTP directory (config.json with num_nextn_predict_layers + "
+                        "model.safetensors)", is_mtp_dir, published))
+    return load_own_tree(target_cfg, target_params, "mtp", source, untrained=untrained, kinds=kinds,
+                         check=lambda params: check_mtp_params(params, target_cfg), check_untrained=True)
 
 FAMILIES = (DrafterFamily(
     "mtp", lambda text: MTPDrafter(parse_mtp_plan(text)), own_weights_loader(load_mtp),

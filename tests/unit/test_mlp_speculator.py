@@ -33,7 +33,8 @@ from confu_jax.decode import loop
 from confu_jax.decode.drafter import DraftInput
 from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
-from confu_jax.decode.mlp_speculator import MLPSpeculatorDrafter, MLPSpeculatorState, parse_mlp_speculator_plan
+from confu_jax.decode.hidden_state import LastHiddenState
+from confu_jax.decode.mlp_speculator import MLPSpeculatorDrafter, parse_mlp_speculator_plan
 from confu_jax.models import mlp_speculator as ms
 from confu_jax.decode.families import get_method
 from confu_jax.train.metric_writers import read_csv
@@ -275,7 +276,7 @@ def _propose(spec, tp, p, plan, h_bd, root_b):
     inp = DraftInput(jnp.asarray(root_b, jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool),
                      jax.random.PRNGKey(0), jnp.float32(0.0), jnp.float32(1.0))
     return jit_propose(parse_drafter("mlp_speculator", plan), params.target, params.drafter_params,
-                       MLPSpeculatorState(jnp.asarray(h_bd)), inp)
+                       LastHiddenState(jnp.asarray(h_bd)), inp)
 
 
 @pytest.mark.parametrize("scale_input", [False, True])
