@@ -107,12 +107,6 @@ class Drafter(abc.ABC):
         """The lossless acceptance rule (``decode.verify``) for this drafter's trees."""
         return verify_lib.GREEDY if greedy else verify_lib.SAMPLED_TREE
 
-    def packable_draft(self) -> tuple:
-        """Names of the modules in ``dp.weights`` that are ``models.llama.PackableDense`` and whose
-        kernels nothing else reads, which the CPU decode path packs for the few-row matmul where it
-        packed the target (``kernels.cpu_matmul``); () keeps the drafter's weights as they are."""
-        return ()
-
     def prepare_params(self, target, dp):
         """``dp`` (a ``DrafterParams``) as the loop body reads it, computed once per generation outside
         the ``while_loop`` (after the loop laid out the target, e.g. split into per-layer buffers on

@@ -24,6 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from confu_jax.decode import cpu_packing
 from confu_jax.decode import tree as tree_lib
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
 from confu_jax.decode.family import DrafterFamily, Method, source_path
@@ -297,9 +298,6 @@ class HeadDrafter(PlanDrafter):
     costs one AR step. P = 0 (the default) always verifies the full chain.
     """
 
-    def packable_draft(self) -> tuple:
-        return draft_lib.DENSE_NAMES
-
     plan: DraftPlan
     min_prob: float = 0.0
     what = "an EAGLE-3 / ConFu head"
@@ -458,6 +456,9 @@ def load_head_weights(method, target_cfg, target_params, source, *, seed=0, step
         return _imported_head(method, path, target_cfg, target_params)
     return _trained_head(method, path, target_cfg, target_params, step, target_source)
 
+
+# on the CPU's unrolled path the head's dense projections are packed like the target's (decode.cpu_packing)
+cpu_packing.register(HeadDrafter, lambda d: draft_lib.DENSE_NAMES)
 
 FAMILIES = (DrafterFamily(
     "head", parse_head, load_head_weights,

@@ -18,6 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from confu_jax.decode import cpu_packing
 from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
 from confu_jax.decode.drafting import HeadDrafter, load_head_weights, parse_head
 from confu_jax.decode.family import DrafterFamily, Method
@@ -47,9 +48,6 @@ class Hybrid(Drafter):
     @property
     def max_depth(self) -> int:
         return self.head.max_depth
-
-    def packable_draft(self) -> tuple:
-        return self.head.packable_draft()
 
     @property
     def n_nodes(self) -> int:
@@ -94,6 +92,8 @@ def parse_hybrid(text: str) -> Hybrid:
         raise ValueError(f"hybrid decoding drafts chains (chain:K or chain:K@P); got {text!r}")
     return Hybrid(head=head, lookup=PromptLookup(k=head.plan.k))
 
+
+cpu_packing.register(Hybrid, lambda d: cpu_packing.packable_draft(d.head))  # its head's, packed as the head's
 
 FAMILIES = (DrafterFamily(
     "hybrid", parse_hybrid, load_head_weights,

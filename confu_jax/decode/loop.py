@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 
 from confu_jax import sharding as shd
 
+from confu_jax.decode import cpu_packing
 from confu_jax.decode import verify as verify_lib
 from confu_jax.decode.drafter import DraftInput, Drafter, PrefillView, Proposal, VerifiedPass
 from confu_jax.decode.requests import default_unroll_layers, validate_request
@@ -314,13 +315,14 @@ def _placed(target: Target, dp: DrafterParams, static: dict) -> tuple:
     """(target, dp) as the compiled program takes them: on a mesh, placed by the training table; on the
     unrolled (CPU) path, the target's split weights made once per target
     (``models.unrolled.prepared_layers``), and where those are packed for the few-row matmul, the
-    drafter's packable projections too (``Drafter.packable_draft``)."""
+    drafter's packable projections too (``cpu_packing.packable_draft``: a backend policy the families register
+    with, not part of the ``Drafter`` contract)."""
     if static["mesh"] is not None:
         return place_params(target, dp, static["mesh"])
     if not static["unroll_layers"]:
         return target, dp
     target = target.replace(params=prepared_layers(target.params, target.config))
-    names = static["drafter"].packable_draft()
+    names = cpu_packing.packable_draft(static["drafter"])
     if names and is_packed_split(target.params):  # the target went packed: the draft head's projections too
         return target, dp.replace(weights=prepared_dense(dp.weights, names))
     return target, dp

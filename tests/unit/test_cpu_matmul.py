@@ -114,6 +114,22 @@ def test_off_switch_keeps_xla_dots(monkeypatch):
         assert cpu_matmul.available()
 
 
+def test_packing_is_a_backend_policy_the_families_register_with():
+    """Which drafter weights the CPU path packs is decode.cpu_packing's table, not a method of the Drafter
+    contract: the EAGLE-3 / ConFu head registers its dense projections, the hybrid its head's, every other
+    family nothing."""
+    from confu_jax.decode import cpu_packing, families
+    from confu_jax.decode.drafter import Drafter
+    from confu_jax.models.draft import DENSE_NAMES
+
+    assert not hasattr(Drafter, "packable_draft")
+    parse = {name: rec.parse for name, rec in families.FAMILIES.items()}
+    assert cpu_packing.packable_draft(parse["head"]("chain:3")) == DENSE_NAMES
+    assert cpu_packing.packable_draft(parse["hybrid"]("chain:3")) == DENSE_NAMES
+    for name in ("medusa", "mlp_speculator", "mtp", "lookup"):
+        assert cpu_packing.packable_draft(parse[name]("chain:3")) == (), name
+
+
 @pytest.mark.slow
 def test_loop_packs_target_and_head_and_stays_lossless():
     """The loop's CPU entry lays out the target and the EAGLE-3 head packed (once per target), and
