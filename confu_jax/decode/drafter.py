@@ -69,8 +69,10 @@ class Proposal(NamedTuple):
     tree: DraftTree  # [B,T] nodes, node 0 = the root
     q_btv: Optional[jax.Array]  # [B,T,V] draft distributions (sampled chains only), else None
     n_nodes_b: jax.Array  # [B] int32 leading nodes worth verifying (1 = nothing drafted: an AR step)
-    con_src_bc: Optional[jax.Array]  # [B,3d] ConFu: what every contemplate's [con] reads (h_cat[p])
-    con_nodes_bm: Optional[jax.Array]  # [B,M] ConFu sparse contemplates: the nodes that get one
+    # the family's own inputs to the target's verification pass, which the loop passes through without reading
+    # them: None, or a NamedTuple of ``models.target.verify`` keyword arguments with ``truncated(width)`` (the
+    # inputs for the tree's first ``width`` nodes, or an error); ConFu's: ``drafting.ContemplateInputs``
+    verify_inputs: Any
     state: Any  # the drafter's state after drafting (e.g. its KV cache after ingestion)
 
 
@@ -80,7 +82,7 @@ class VerifiedPass(NamedTuple):
     tree: DraftTree  # the verified tree, truncated to T' nodes
     verification: Any  # decode.verify.Verification: path, n_accepted (root incl.), bonus, emitted
     target: Any  # models.target.VerifyOutput: logits, h_cat [B,T',3d], ConFu futures, node K/V
-    con_nodes_bm: Optional[jax.Array]
+    verify_inputs: Any  # the proposal's (``Proposal.verify_inputs``), as verified
     active_b: jax.Array  # [B] bool rows that were still decoding (only they may change)
     anchor_b: jax.Array  # [B] int32 p before the pass; the new p is p + n_accepted
 
@@ -183,7 +185,7 @@ class PlanDrafter(Drafter):
 def full_proposal(tree: DraftTree, q, state) -> Proposal:
     """A proposal that asks to verify every node of ``tree`` (no contemplates)."""
     b, t = tree.tokens_bt.shape
-    return Proposal(tree, q, jnp.full((b,), t, jnp.int32), None, None, state)
+    return Proposal(tree, q, jnp.full((b,), t, jnp.int32), None, state)
 
 
 def last_accepted_hidden(v: VerifiedPass, hidden_bd: jax.Array, who: str) -> jax.Array:

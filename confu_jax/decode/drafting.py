@@ -251,6 +251,23 @@ def draft_tree(target: Target, dp: DrafterParams, plan: DraftPlan, hs: HeadDraft
     return tree, q, draft_cache, con_nodes
 
 
+class ContemplateInputs(NamedTuple):
+    """ConFu's inputs to the target's verification pass (``models.target.verify`` keywords), carried through
+    the generic loop as ``Proposal.verify_inputs``: what every contemplate's [con] reads, and with sparse
+    contemplates the nodes that get one."""
+
+    con_src_bc: jax.Array  # [B,3d] h_cat[p]
+    con_nodes_bm: Optional[jax.Array]  # [B,M] node indices, or None: a contemplate after every node
+
+    def truncated(self, width: int) -> "ContemplateInputs":
+        """The same inputs for the tree's first ``width`` nodes: dense contemplates follow the nodes; sparse
+        ones index the full tree."""
+        del width
+        if self.con_nodes_bm is not None:
+            raise ValueError("truncate_proposal: sparse contemplates need the full tree width")
+        return self
+
+
 def contemplate_nodes(has_future: bool, plan: DraftPlan, tree: tree_lib.DraftTree,
                       score_bt: Optional[jax.Array]) -> Optional[jax.Array]:
     """Sparse contemplates: the M nodes that get one -> [B,M] node indices in topological order,
@@ -343,8 +360,9 @@ class HeadDrafter(PlanDrafter):
             tree, q, draft_cache, con_nodes = draft_tree(target, dp, self.plan, hs, inp)
             n = jnp.full(inp.root_b.shape, t, jnp.int32)
         rows = jnp.arange(inp.root_b.shape[0])
-        con_src = hs.ingest_h_cat_bac[rows, hs.ingest_count_b - 1] if dp.has_future else None  # h_cat[p]
-        return Proposal(tree, q, n, con_src, con_nodes, hs.replace(draft_cache=draft_cache))
+        inputs = (ContemplateInputs(hs.ingest_h_cat_bac[rows, hs.ingest_count_b - 1], con_nodes)  # h_cat[p]
+                  if dp.has_future else None)
+        return Proposal(tree, q, n, inputs, hs.replace(draft_cache=draft_cache))
 
     def update(self, target: Target, dp: DrafterParams, hs: HeadDraftState, v: VerifiedPass) -> HeadDraftState:
         """Refill the ingestion buffer with the accepted path (emitted tokens, the nodes' h_cat); for
@@ -356,9 +374,10 @@ class HeadDrafter(PlanDrafter):
                                               hs.ingest_count_b)
         future_new, future_anchor = hs.future_bd, hs.future_anchor_b
         if dp.has_future:
-            c = _future_source(tree, ver.last_node_b, v.con_nodes_bm)
+            con_nodes = v.verify_inputs.con_nodes_bm
+            c = _future_source(tree, ver.last_node_b, con_nodes)
             future_new = vo.future_btd[rows, c]
-            node = ver.last_node_b if v.con_nodes_bm is None else v.con_nodes_bm[rows, c]
+            node = ver.last_node_b if con_nodes is None else con_nodes[rows, c]
             future_anchor = v.anchor_b + 1 + tree.depth_bt[rows, node]  # that node's position
         return hs.replace(
             ingest_tokens_ba=tokens,

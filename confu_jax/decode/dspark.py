@@ -124,7 +124,7 @@ class DSparkDrafter(DFlashDrafter):
             conf = D.confidence(p, h, D.prev_embedding(p, tree.tokens_bt[:, :depth]))  # slot k: node k+1's
             survive = (jnp.cumprod(conf, axis=1) >= self.min_survival) & tree.valid_bt[:, 1:]
             n = 1 + jnp.sum(jnp.cumprod(survive.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-        return Proposal(tree, q, n, None, None, st)
+        return Proposal(tree, q, n, None, st)
 
 
 # ----------------------------------------------------------------------------- the family: loading

@@ -71,7 +71,7 @@ class Hybrid(Drafter):
             return jnp.where(use.reshape((-1,) + (1,) * (x_head.ndim - 1)), x_lookup, x_head)
 
         tree = jax.tree_util.tree_map(pick, lp.tree, hp.tree)
-        return Proposal(tree, None, jnp.where(use, lp.n_nodes_b, hp.n_nodes_b), hp.con_src_bc, hp.con_nodes_bm,
+        return Proposal(tree, None, jnp.where(use, lp.n_nodes_b, hp.n_nodes_b), hp.verify_inputs,
                         HybridState(head=hp.state, lookup=lp.state))
 
     def update(self, target, dp, st: HybridState, v: VerifiedPass) -> HybridState:

@@ -164,7 +164,7 @@ class PromptLookup(Drafter):
         tokens, _ = lookup_continuations(st.history_bn, inp.anchor_b + 2, k=self.k, branches=self.branches,
                                          min_match=self.min_match, max_match=self.max_match)
         tree, n_nodes_b = lookup_tree(inp.root_b, tokens)
-        return Proposal(tree, None, n_nodes_b, None, None, st)
+        return Proposal(tree, None, n_nodes_b, None, st)
 
     def update(self, target, dp, st: LookupState, v: VerifiedPass) -> LookupState:
         """Append the emitted tokens (accepted drafts, then the bonus) after the old root x[p+1]."""

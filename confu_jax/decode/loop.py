@@ -56,11 +56,12 @@ from confu_jax.models.unrolled import SplitParams, is_packed_split, prepared_den
 def _verify(target: Target, dp: DrafterParams, rule: verify_lib.AcceptanceRule, s: SpecState, prop: Proposal, key,
             temperature, top_p):
     """Target pass over the proposed tree and the acceptance rule -> (target outputs, Verification).
-    What verification reads of the drafter: its head (whether ConFu's contemplates run) and their extras."""
+    What verification reads of the drafter: its head (whether ConFu's contemplates run), their extras, and
+    the proposal's own verification inputs (``Proposal.verify_inputs``, passed through as keywords)."""
     tree = prop.tree
+    inputs = {} if prop.verify_inputs is None else prop.verify_inputs._asdict()
     vo = target_lib.verify(dp.spec(target.config), target.params, dp.verify_extras, s.cache, tree.tokens_bt,
-                           tree.ancestor_btt,
-                           con_src_bc=prop.con_src_bc, depth_bt=tree.depth_bt, con_nodes_bm=prop.con_nodes_bm)
+                           tree.ancestor_btt, depth_bt=tree.depth_bt, **inputs)
     return vo, rule.accept(tree, vo.logits_btv, prop.q_btv, key, temperature, top_p)
 
 
@@ -93,9 +94,8 @@ def truncate_proposal(prop: Proposal, width: int) -> Proposal:
                        depth_bt=tr.depth_bt[:, :width], valid_bt=tr.valid_bt[:, :width],
                        ancestor_btt=tr.ancestor_btt[:, :width, :width], path_btd=tr.path_btd[:, :width])
     q = None if prop.q_btv is None else prop.q_btv[:, :width]
-    if prop.con_nodes_bm is not None:
-        raise ValueError("truncate_proposal: sparse contemplates need the full tree width")
-    return prop._replace(tree=tree, q_btv=q)
+    inputs = None if prop.verify_inputs is None else prop.verify_inputs.truncated(width)
+    return prop._replace(tree=tree, q_btv=q, verify_inputs=inputs)
 
 
 def _finish(target: Target, dp: DrafterParams, drafter: Drafter, rule: verify_lib.AcceptanceRule, s: SpecState,
@@ -118,7 +118,7 @@ def _finish(target: Target, dp: DrafterParams, drafter: Drafter, rule: verify_li
     done_b, reason_b = update_stop(active, hit_eos, n_gen, cache.length_b + a, s.done_b, s.reason_b,
                                    max_new_tokens=max_new_tokens, max_len=max_len)
     dstate = drafter.update(target, dp, prop.state,
-                            VerifiedPass(prop.tree, ver, vo, prop.con_nodes_bm, active, anchor_b))
+                            VerifiedPass(prop.tree, ver, vo, prop.verify_inputs, active, anchor_b))
     return s.replace(
         tokens_bn=tokens_bn,
         n_generated_b=n_gen,

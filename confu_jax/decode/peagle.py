@@ -90,7 +90,7 @@ class PEagleDrafter(HeadDrafter):
         tree, q = self.draft_positional(jax.nn.log_softmax(logits, axis=-1), inp,
                                         d2t_v=dp.draft_vocab["d2t"], target_vocab=target.config.vocab_size)
         n = jnp.full(inp.root_b.shape, self.n_nodes, jnp.int32)
-        return Proposal(tree, q, n, None, None, hs.replace(draft_cache=cache))
+        return Proposal(tree, q, n, None, hs.replace(draft_cache=cache))
 
 
 # ----------------------------------------------------------------------------- the family: loading
