@@ -6,7 +6,7 @@ Three trees are kept apart on purpose (docs/DESIGN.md §2): the frozen target (`
 trained, never donated), the drafter's weights (``DrafterParams.weights``: for a head exactly the
 ``draft`` tree ``models.params.init_trainable`` builds and training checkpoints, ``{family: tree}``
 for the other families) with ConFu's target-side verification extras beside them
-(``DrafterParams.confu``), and the draft vocabulary maps (not trainable). Each carries its own
+(``DrafterParams.verify_params``), and the draft vocabulary maps (not trainable). Each carries its own
 architecture as static fields — a jit argument's structure, not a traced leaf — so a program is
 traced once per (target, drafter architecture) and never from a second description of either.
 The draft reads the target's token embeddings from ``Target`` (``embed_vd``), not a second copy.
@@ -47,13 +47,14 @@ class DrafterParams:
     the target layers a headless drafter reads when they are not the target's defaults (DFlash,
     DSpark). ``weights``: the drafter's tree — a head's (fc, attention, MLP, norms, LM head), or
     ``{family: tree}`` for the other families (what each family's loader builds and its ``init``
-    reads); ``{}`` for model-free drafters. ``confu``: ConFu's verification extras (soft prompts,
-    MoE_con: what the target's contemplates read), None for every other drafter. ``draft_vocab``: a
+    reads); ``{}`` for model-free drafters. ``verify_params``: what the target's verification pass reads of
+    the drafter besides its tokens (ConFu: the soft prompts and MoE_con its contemplates read), None for a
+    drafter whose verification reads nothing. ``draft_vocab``: a
     head's d2t / t2d maps ({} where the drafter drafts in the target's vocabulary)."""
 
     weights: dict
     draft_vocab: dict
-    confu: Optional[dict] = None
+    verify_params: Optional[dict] = None
     head: Optional[HeadConfig] = flax.struct.field(pytree_node=False, default=None)
     draft_model: Optional[LlamaConfig] = flax.struct.field(pytree_node=False, default=None)
     tap_layers: Optional[tuple] = flax.struct.field(pytree_node=False, default=None)
@@ -67,7 +68,7 @@ class DrafterParams:
             raise ValueError(f"a head's drafter params need trainable['draft'] and draft_vocab['d2t'/'t2d']; got "
                              f"trainable keys {sorted(trainable)} and draft_vocab keys {sorted(draft_vocab)}")
         return cls(weights=trainable["draft"], draft_vocab=draft_vocab,
-                   confu=trainable.get("confu", {}) if head.has_future else None, head=head)
+                   verify_params=trainable.get("confu", {}) if head.has_future else None, head=head)
 
     def spec(self, target: LlamaConfig) -> ModelSpec:
         """The static description the model functions (``models.target``, ``models.draft``) read, for
@@ -82,16 +83,16 @@ class DrafterParams:
     @property
     def verify_extras(self) -> dict:
         """What the target's verification pass reads of the drafter: ConFu's extras, {} for the rest."""
-        return {} if self.confu is None else self.confu
+        return {} if self.verify_params is None else self.verify_params
 
     def check(self) -> "DrafterParams":
         """Raise where ConFu's extras and the head disagree (a ConFu head without them, or extras for a
         drafter that runs no contemplates); return self."""
-        if self.has_future and self.confu is None:
-            raise ValueError(f"a {self.head.variant} head's contemplates need drafter_params.confu (its soft prompts "
+        if self.has_future and self.verify_params is None:
+            raise ValueError(f"a {self.head.variant} head's contemplates need drafter_params.verify_params (its soft prompts "
                              "and MoE_con, what decode.families.decode_head loads); got none")
-        if not self.has_future and self.confu:
-            raise ValueError(f"drafter_params.confu is set, but this drafter runs no contemplates "
+        if not self.has_future and self.verify_params:
+            raise ValueError(f"drafter_params.verify_params is set, but this drafter runs no contemplates "
                              f"({self.head.variant if self.head else 'no head'}): ConFu's extras belong to a ConFu "
                              "head")
         return self

@@ -56,8 +56,8 @@ def _loaded(family: str, target):
     rec = families.FAMILIES[family]
     head = families.decode_head(method, cfg, tp, None, seed=1)
     dp = head.drafter_params
-    assert (dp.confu is not None) == head.spec.has_future, family  # ConFu's extras: its one optional field
-    dp = dp.replace(weights=_moved(dp.weights, 1), confu=_moved(dp.confu, 2))
+    assert (dp.verify_params is not None) == head.spec.has_future, family  # ConFu's extras: its one optional field
+    dp = dp.replace(weights=_moved(dp.weights, 1), verify_params=_moved(dp.verify_params, 2))
     limit = rec.max_depth(head.drafter_params) if rec.max_depth else None
     plans = []
     default = rec.default_plan(head.drafter_params)

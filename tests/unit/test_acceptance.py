@@ -78,7 +78,7 @@ def test_decode_tau_metric_equals_the_loops_tau_on_its_own_greedy_text(vocab, se
     # training metric computed on it must equal tokens per pass of the loop, for every chain depth.
     spec, tp, params = make("eagle3", vocab, seed=seed)
     prompt = [t % vocab for t in [2, 0, 3, 1, 1, 2, 0, 3]]
-    trainable = {"draft": params.drafter_params.weights, "confu": params.drafter_params.confu}
+    trainable = {"draft": params.drafter_params.weights, "confu": params.drafter_params.verify_params}
     n_new, r_steps = 40, 3
     for depth in (1, 2, 3):
         res = loop.generate_speculative(params.target, HeadDrafter(plans.parse_plan(f"chain:{depth}")),

@@ -50,7 +50,7 @@ def _training_form(target, dp, x, anchor, lag, j, *, spec, steps, zero_future):
         return jax.nn.log_softmax(out.logits_rbnv[:, 0, j], axis=-1)
     anchors = jnp.reshape(anchor, (1, 1))
     f_bkd = target_lib.contemplate_queries(
-        spec, target.params, dp.confu, to_cache_layout(real.k_new_lbthd), to_cache_layout(real.v_new_lbthd),
+        spec, target.params, dp.verify_params, to_cache_layout(real.k_new_lbthd), to_cache_layout(real.v_new_lbthd),
         anchors, jax.lax.dynamic_slice_in_dim(h_cat, anchor - lag, 1, axis=1))
     if zero_future:
         f_bkd = jnp.zeros_like(f_bkd)

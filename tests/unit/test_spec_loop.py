@@ -164,17 +164,17 @@ def test_the_loop_takes_one_form_and_names_a_missing_or_stray_confu_field_or_a_b
     for variant in ("eagle3", "confu"):
         spec, _, params = make(variant, 6)
         target, dp = params.target, params.drafter_params
-        assert (dp.confu is None) == (variant == "eagle3") and dp.head == spec.head
+        assert (dp.verify_params is None) == (variant == "eagle3") and dp.head == spec.head
         assert dp.spec(target.config) == spec and params.spec == spec
         # the architecture is static: in the tree's structure, not among its leaves
         assert jax.tree_util.tree_structure(dp) != jax.tree_util.tree_structure(dp.replace(head=None))
         drafter = HeadDrafter(plans.parse_plan("chain:2"))
         if variant == "confu":
-            with pytest.raises(ValueError, match="contemplates need drafter_params.confu"):
-                loop.generate_speculative(target, drafter, dp.replace(confu=None), PROMPTS[:1], max_new_tokens=2)
+            with pytest.raises(ValueError, match="contemplates need drafter_params.verify_params"):
+                loop.generate_speculative(target, drafter, dp.replace(verify_params=None), PROMPTS[:1], max_new_tokens=2)
         else:
             with pytest.raises(ValueError, match="runs no contemplates"):
-                loop.generate_speculative(target, drafter, dp.replace(confu={"soft_prompts": dp.weights["fc"]}),
+                loop.generate_speculative(target, drafter, dp.replace(verify_params={"soft_prompts": dp.weights["fc"]}),
                                           PROMPTS[:1], max_new_tokens=2)
     with pytest.raises(TypeError, match=r"expected \(Target, DrafterParams\).*got \(Target, dict\)"):
         loop.generate_speculative(target, drafter, {"draft": dp.weights}, PROMPTS[:1], max_new_tokens=2)
