@@ -15,7 +15,9 @@ if [ -x "$VENV/bin/python" ] && JAX_PLATFORMS=cpu "$VENV/bin/python" -c "$check"
     echo "tpu-inference already in $VENV"; exit 0
 fi
 PY=""
-for candidate in "${CONFU_JAX_PYTHON312:-}" python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do
+PYENV_ROOT_DIR="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
+for candidate in "${CONFU_JAX_PYTHON312:-}" python3.12 "$PYENV_ROOT_DIR"/versions/3.12*/bin/python3.12 \
+                 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do
     [ -n "$candidate" ] || continue
     if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
         PY="$candidate"; break
