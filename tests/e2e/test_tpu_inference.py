@@ -22,6 +22,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.helpers.engine_venv import engine_python
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HELPER = ROOT / "tests" / "helpers" / "tpu_inference_eagle3.py"
 RELEASED_E3 = ROOT / "releases" / "heads" / "smollm2_eagle3"
@@ -32,11 +34,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
 def tpu_inference_python() -> pathlib.Path:
-    path = pathlib.Path(os.environ.get("CONFU_JAX_TPU_INFERENCE_VENV", ROOT / ".venv-tpu-inference")) / "bin" / "python"
-    if not path.exists():
-        pytest.fail(f"tpu-inference is not installed at {path.parent.parent}: run `bash launch/tpu_inference_venv.sh` "
-                    "(README command 2 and .ci/run do), or deselect these tests with -m 'not engine'")
-    return path
+    return engine_python("CONFU_JAX_TPU_INFERENCE_VENV", ".venv-tpu-inference", "tpu-inference",
+                         "launch/tpu_inference_venv.sh")
 
 
 @pytest.fixture(scope="module")

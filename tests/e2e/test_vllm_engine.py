@@ -26,6 +26,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.helpers.engine_venv import engine_python
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "experiments" / "vllm_cpu.py"
 RELEASED_E3 = ROOT / "releases" / "heads" / "smollm2_eagle3"
@@ -36,11 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
 def vllm_python() -> pathlib.Path:
-    path = pathlib.Path(os.environ.get("CONFU_JAX_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
-    if not path.exists():
-        pytest.fail(f"vLLM's CPU build is not installed at {path.parent.parent}: run `bash launch/vllm_cpu_venv.sh` "
-                    "(README command 2 and .ci/run do), or deselect these tests with -m 'not engine'")
-    return path
+    return engine_python("CONFU_JAX_VLLM_VENV", ".venv-vllm", "vLLM's CPU build", "launch/vllm_cpu_venv.sh")
 
 
 def run_vllm(out_dir: pathlib.Path, name: str, model: pathlib.Path, prompts: pathlib.Path, *extra: str) -> dict:
