@@ -49,7 +49,7 @@ from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.runs.draft_models import load_drafter, sd2_trainable_shapes
 from confu_jax.runs.heads import target_fingerprint
-from confu_jax.train.task import TrainTask
+from confu_jax.train.task import TrainTask, task_data
 from confu_jax.assets import strip_asset
 from confu_jax.train.target_loading import load_target, target_name
 
@@ -119,8 +119,6 @@ def sd2_loss(spec, drafter_cfg, early_exit: bool, max_offset: int, trainable, fr
 def build_task(config) -> TrainTask:
     """The TrainTask of an SD² config (``configs/smollm2_sd2.py``; see the module docstring)."""
     from confu_jax.runs.draft_models import parse_self_source
-    from confu_jax.train.synthetic_data import abstract_data, synthetic_data
-    from confu_jax.train.real_data import real_data
     from confu_jax.train.target_loading import is_abstract
 
     if config.data.get("pack", False):
@@ -147,9 +145,7 @@ def build_task(config) -> TrainTask:
                          "baseline fine-tunes the drafter (train_drafter=True)")
     frozen_host = {"target": target_host, "drafter": {} if early_exit else drafter.params}
     synthetic = config.model.source == "random"
-    _, train_iterator, eval_batches = (abstract_data(config, spec) if abstract
-                                       else synthetic_data(config, spec, target_host) if synthetic
-                                       else real_data(config, spec))
+    _, train_iterator, eval_batches = task_data(config, spec, target_host)
 
     def init_params(rng):
         del rng  # deterministic: W_hml = stacked identities, W_s = 0, delta = 0

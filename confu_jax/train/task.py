@@ -121,6 +121,21 @@ def load_task(config) -> TrainTask:
     return task
 
 
+def task_data(config, spec, target_host):
+    """(draft vocab, train_iterator, eval_batches) of a run whose data the target alone decides: shape-only
+    batches for an abstract target (``model.source='abstract'``), self-distilled random prompts for
+    ``'random'``, else ``config.data``'s conversations."""
+    from confu_jax.train.real_data import real_data
+    from confu_jax.train.synthetic_data import abstract_data, synthetic_data
+    from confu_jax.train.target_loading import is_abstract
+
+    if is_abstract(config.model.source):
+        return abstract_data(config, spec)
+    if config.model.source == "random":
+        return synthetic_data(config, spec, target_host)
+    return real_data(config, spec)
+
+
 def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None,
                        init_reads_target: bool = False) -> TrainTask:
     """The task of a drafter family trained on a frozen target alone (Medusa, the MLP speculator, the
@@ -140,8 +155,6 @@ def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None,
     traced init (what the step compiles to depends on the shapes alone; nothing is allocated on a host)."""
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.runs.heads import target_fingerprint
-    from confu_jax.train.synthetic_data import abstract_data, synthetic_data
-    from confu_jax.train.real_data import real_data
     from confu_jax.train.target_loading import is_abstract, load_target, load_target_sharded, sharded_source
 
     synthetic = config.model.source == "random"
@@ -159,9 +172,7 @@ def frozen_target_task(config, *, pack_ok: bool, what: str, build, spec_fn=None,
         target_host = param_shapes(spec.target)
     else:
         spec, target_host = load_target(config, (spec_fn or model_spec_from_config)(config))
-    _, train_iterator, eval_batches = (abstract_data(config, spec) if abstract
-                                       else synthetic_data(config, spec, target_host) if synthetic
-                                       else real_data(config, spec))
+    _, train_iterator, eval_batches = task_data(config, spec, target_host)
     init_params, loss_fn, description = build(spec, target_host)
     if abstract and init_reads_target:
         def init_params(rng):  # noqa: F811 -- the family's init, on zeros of the target's shapes
