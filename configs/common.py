@@ -125,7 +125,7 @@ def _add_training(config: ml_collections.ConfigDict, preset: str, source: str) -
     from confu_jax.train.synthetic_data import default_synthetic_config
 
     config.train = default_train_config()
-    config.train.task = "confu_jax.train.confu_task:build_task"
+    config.train.task = "head"  # confu_jax.train.tasks.TASKS
     config.data = default_data_config()
     config.data.draft_vocab_size = config.draft.get_ref("draft_vocab_size")  # one setting, two readers
     config.objective = default_objective_config()

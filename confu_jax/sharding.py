@@ -275,16 +275,20 @@ def with_shardings(abstract_tree, shardings):
 # ----------------------------------------------------------------------------- activations
 
 _ACTIVATION_MESH: list = []
+_TRAIN_ROWS: list = []
 
 
 @contextlib.contextmanager
-def activation_mesh(mesh: Mesh):
-    """Make :func:`constrain` active while tracing (the step compiler enters this)."""
+def activation_mesh(mesh: Mesh, train: bool = False):
+    """Make :func:`constrain` active while tracing (the step compiler and the sharded decode loop enter
+    this); ``train`` (the train step) also makes :func:`constrain_train_rows` active."""
     _ACTIVATION_MESH.append(mesh)
+    _TRAIN_ROWS.append(bool(train))
     try:
         yield mesh
     finally:
         _ACTIVATION_MESH.pop()
+        _TRAIN_ROWS.pop()
 
 
 def active_mesh() -> Optional[Mesh]:
@@ -292,8 +296,12 @@ def active_mesh() -> Optional[Mesh]:
     return _ACTIVATION_MESH[-1] if _ACTIVATION_MESH else None
 
 
+FREE = P.UNCONSTRAINED  # a dim :func:`constrain` leaves to XLA's propagation
+
+
 def constrain(x, logical: Sequence[Optional[str]]):
-    """Pin an activation's layout by logical axes, e.g. ``constrain(h_btd, ('batch', None, None))``.
+    """Pin an activation's layout by logical axes, e.g. ``constrain(h_btd, ('batch', None, None))``
+    (None: replicated; :data:`FREE`: left to XLA, e.g. a vocabulary a tensor-parallel LM head shards).
 
     A no-op outside :func:`activation_mesh`, so model code can call it unconditionally. Besides
     steering XLA's propagation, it sidesteps a miscompile observed with jax/jaxlib 0.10.2 on a CPU
@@ -305,5 +313,15 @@ def constrain(x, logical: Sequence[Optional[str]]):
     if not _ACTIVATION_MESH:
         return x
     mesh = _ACTIVATION_MESH[-1]
-    spec, _ = spec_for(x.shape, tuple(logical), mesh)
+    logical = tuple(logical)
+    spec, _ = spec_for(x.shape, tuple(None if n is FREE else n for n in logical), mesh)
+    spec = P(*(FREE if n is FREE else e for n, e in zip(logical, tuple(spec) + (None,) * (len(logical) - len(spec)))))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def constrain_train_rows(x):
+    """Pin the batch dim of a [B, ...] activation to batch-sharded rows, the rest left to XLA — in the train
+    step only (a no-op elsewhere: the decode loops keep the layouts they were measured with)."""
+    if not (_TRAIN_ROWS and _TRAIN_ROWS[-1]):
+        return x
+    return constrain(x, ("batch",) + (FREE,) * (x.ndim - 1))

@@ -261,6 +261,24 @@ def out_of_memory(e: Exception, device_memory: Optional[int]) -> Optional[dict]:
             "compile_error": text.strip().splitlines()[0][:500]}
 
 
+TRITON_GEMM_OFF = "--xla_gpu_enable_triton_gemm=false"
+
+
+def untuned_tiling(e: Exception) -> Optional[ValueError]:
+    """XLA:GPU with no device to autotune on compiles each GEMM fusion with its default Triton tiling, and
+    for some shapes that default has no valid tiling ("Couldn't find output tile sizes that satisfy hlo:
+    %dot = f32[8192,1024] ... split-k 16": P-EAGLE's 8B step at 16 rows of 4096 on ``h100:8``). A device
+    would autotune past it, so it is a limit of compiling without one: the error that says what to do
+    (compile those GEMMs through cuBLAS instead), or None for any other error."""
+    text = str(e)
+    if "Couldn't find output tile sizes" not in text:
+        return None
+    dot = re.search(r"%[\w.]+ = \w+\[[\d,]*\]", text)
+    return ValueError(f"XLA:GPU compiling without a device (no autotuning) found no valid default Triton tiling "
+                      f"for {dot.group(0) if dot else 'a GEMM'}; compile again with XLA_FLAGS={TRITON_GEMM_OFF} "
+                      f"(those GEMMs through cuBLAS: the memory figure is then cuBLAS's)")
+
+
 def memory_report(compiled, device_memory: Optional[int]) -> dict:
     """What one device holds for a compiled program (XLA's buffer assignment) and whether it fits."""
     m = compiled.memory_analysis()

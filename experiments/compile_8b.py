@@ -5,7 +5,7 @@ plugin) on this CPU host, nothing downloaded (``--config.model.source=abstract``
     python experiments/compile_8b.py --out runs/compile_8b [--phases base,bisect,families,decode]
     python experiments/compile_8b.py --out runs/compile_8b --table      # the markdown tables
 
-Phases, in the order they run by default — ``base,families:gpu,bisect:gpu,decode,bisect:tpu,families:tpu``,
+Phases, in the order they run by default — ``base,families:gpu,bisect:gpu,decode,families:tpu,bisect:tpu``,
 the cheap answers first: XLA:GPU compiles an 8B step in ~25 s on 2 cores, XLA:TPU in 2-9 min (each
 point is its own process; a point already in ``<out>/points.jsonl`` is not recompiled, so a killed
 run resumes; the whole grid takes hours):
@@ -13,9 +13,11 @@ run resumes; the whole grid takes hours):
 - ``base``: EAGLE-3 and ConFu train steps, rows of 4096, global batch 8, FSDP over the 8 chips of
   v5p-8 (``v5p:2x2x2``), v5e-8 (``v5e:2x4``), v6e-8 (``v6e:2x4``) and 8×H100 (``h100:8``): per-chip peak
   and ``fits`` (``launch.train --compile_only --topology``).
-- ``bisect``: for each base point, the largest global batch that fits (doubling from 8, then bisecting
-  in steps of the 8 data-parallel rows) at rows of 4096; where batch 8 does not fit, the largest row
-  length (bisected in steps of 256) at batch 8.
+- ``bisect``: for each family's base point, the largest global batch that fits at rows of 4096 (in
+  steps of the 8 data-parallel rows), or where batch 8 does not fit, the largest row length (steps of
+  256) at batch 8. The search draws the line through the two measured peaks nearest the chip's memory
+  and compiles the size it predicts and the next one (2-4 compiles where doubling and halving take
+  6-9), falling back to the midpoint when one bound keeps moving.
 - ``families``: the other families' train steps (their SmolLM2 config at the 8B preset's shapes) at the
   base point.
 - ``decode``: the AR loop and EAGLE-3 / ConFu speculative loops (``chain:3`` and the tree plan
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,7 +53,7 @@ FAMILIES = {  # the other families' train steps: their SmolLM2 config, the 8B pr
     "eagle31": "configs/smollm2_eagle31.py", "peagle": "configs/smollm2_peagle.py",
     "dflash": "configs/smollm2_dflash.py", "dspark": "configs/smollm2_dspark.py",
     "medusa": "configs/smollm2_medusa.py", "mlp_speculator": "configs/smollm2_mlp_speculator.py",
-    "mtp": "configs/smollm2_mtp.py",
+    "mtp": "configs/smollm2_mtp.py", "jetspec": "configs/smollm2_jetspec.py",
 }
 PLANS = ("chain:3", "dynamic:6,8,30")
 GIB = 2**30
@@ -77,20 +80,40 @@ def _append(out: str, p: dict) -> None:
         f.write(json.dumps(p) + "\n")
 
 
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+TRITON_GEMM_OFF = "--xla_gpu_enable_triton_gemm=false"  # confu_jax.topology.TRITON_GEMM_OFF
+
+
+def _env(xla_flags: str = "") -> dict:
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    if xla_flags:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+    return env
+
+
+def _error_line(stderr: str) -> str:
+    """The line that says what went wrong: the CLI's one-line error or the exception's, not the
+    traceback's last frame."""
+    lines = stderr.strip().splitlines() or ["?"]
+    said = [ln for ln in lines if re.match(r"^(launch\.\w+: |[\w.]*(Error|Exception): )", ln)]
+    return (said or lines)[-1][:400]
 
 
 def _report(args: list, p: dict) -> Optional[dict]:
-    """Run a CLI that writes its report to ``--out``: the report, or None with ``p["error"]`` its last
-    stderr line; ``p["wall_s"]`` the run's seconds."""
+    """Run a CLI that writes its report to ``--out``: the report, or None with ``p["error"]`` what went
+    wrong; ``p["wall_s"]`` the run's seconds. Where XLA:GPU, compiling without a device, finds no valid
+    default Triton tiling for a GEMM (``topology.untuned_tiling``), the point is compiled again with
+    those GEMMs through cuBLAS, and ``p["xla_flags"]`` says so."""
     with tempfile.TemporaryDirectory() as tmp:
         rep = os.path.join(tmp, "r.json")
         t0 = time.time()
         r = subprocess.run([*args, "--out", rep], cwd=REPO, capture_output=True, text=True, env=_env())
+        if r.returncode != 0 and "no valid default Triton tiling" in r.stderr:
+            p["xla_flags"] = TRITON_GEMM_OFF
+            r = subprocess.run([*args, "--out", rep], cwd=REPO, capture_output=True, text=True,
+                               env=_env(TRITON_GEMM_OFF))
         p["wall_s"] = round(time.time() - t0, 1)
         if r.returncode != 0 or not os.path.exists(rep):
-            p["error"] = (r.stderr.strip().splitlines() or ["?"])[-1][:400]
+            p["error"] = _error_line(r.stderr)
             return None
         return json.loads(open(rep).read())
 
@@ -122,40 +145,71 @@ def _fits(p: dict) -> bool:
     return p.get("fits") is True
 
 
+def _next_probe(pts: dict, lo: int, hi: Optional[int], step: int, cap: int) -> int:
+    """The next size to compile between ``lo`` (fits) and ``hi`` (does not; None: not found yet): the
+    straight line through the two measured peaks nearest the chip's memory, rounded down to ``step``
+    and kept strictly inside (lo, hi) — a step's memory grows nearly linearly in its rows, so this
+    lands in 2-4 compiles where doubling and halving take 6-9 (XLA:TPU: minutes each). Falls back to
+    the midpoint when the line says nothing new."""
+    meas = sorted((n, p["per_device_peak_bytes"]) for n, p in pts.items() if p.get("per_device_peak_bytes"))
+    top = hi - step if hi is not None else cap
+    mem = pts[lo].get("device_memory_bytes")
+    guess = None
+    if mem and len(meas) >= 2:
+        (n0, b0), (n1, b1) = sorted(meas, key=lambda nb: abs(nb[1] - mem))[:2]
+        if b1 != b0 and n1 != n0:
+            slope = (b1 - b0) / (n1 - n0)
+            if slope > 0:
+                guess = int((n0 + (mem - b0) / slope) // step * step)
+    if guess is None:
+        guess = lo * 2 if hi is None else (lo + hi) // 2 // step * step
+    return max(lo + step, min(top, guess))
+
+
+def _search(probe, known: dict, step: int, cap: int) -> None:
+    """Largest n in multiples of ``step`` with ``probe(n)`` fitting, from ``known`` (size → point, at
+    least one fitting; points already compiled are reused): alternates the line's guess with the
+    midpoint when one bound keeps moving (so a bend in the memory curve cannot make it crawl)."""
+    pts = dict(known)
+    lo = max(n for n, p in pts.items() if _fits(p))
+    over = [n for n, p in pts.items() if p.get("fits") is False and n > lo]
+    hi = min(over) if over else None
+    last_moved, runs = None, 0
+    while (hi is None or hi - lo > step) and lo < cap:
+        n = _next_probe(pts, lo, hi, step, cap)
+        if runs >= 2 and hi is not None:
+            n = max(lo + step, min(hi - step, (lo + hi) // 2 // step * step))
+        pts[n] = probe(n)
+        moved = "lo" if _fits(pts[n]) else "hi"
+        if moved == "lo":
+            lo = n
+        else:
+            hi = n
+        runs = runs + 1 if moved == last_moved else 1
+        last_moved = moved
+
+
+def _known(done: dict, family, model, topology, rows=None, batch=None) -> dict:
+    """The points already compiled along one axis (batch at fixed rows, or rows at fixed batch)."""
+    return {(p["batch"] if rows is not None else p["rows"]): p for p in done.values()
+            if p["kind"] == "train" and (p["family"], p["model"], p["topology"]) == (family, model, topology)
+            and (p["rows"] == rows if rows is not None else p["batch"] == batch)}
+
+
 def bisect_batch(out, done, family, config, model, topology, rows=4096, cap=512) -> None:
-    lo, hi = 8, None  # lo fits
-    b = 16
-    while b <= cap:
-        if _fits(train_point(out, done, family, config, model, topology, rows, b)):
-            lo, b = b, b * 2
-        else:
-            hi = b
-            break
-    if hi is None:
-        return
-    while hi - lo > 8:
-        mid = (lo + hi) // 2 // 8 * 8
-        if _fits(train_point(out, done, family, config, model, topology, rows, mid)):
-            lo = mid
-        else:
-            hi = mid
+    _search(lambda b: train_point(out, done, family, config, model, topology, rows, b),
+            _known(done, family, model, topology, rows=rows), 8, cap)
 
 
 def bisect_rows(out, done, family, config, model, topology, batch=8) -> None:
-    lo, hi = 0, 4096  # hi does not fit
-    for r in (2048, 1024, 512):
+    """Where batch 8 at 4096 does not fit: halve the rows until one fits, then search up in steps of 256."""
+    for r in (2048, 1024, 512, 256):
         if _fits(train_point(out, done, family, config, model, topology, r, batch)):
-            lo = r
             break
-        hi = r
-    if lo == 0:
+    else:
         return
-    while hi - lo > 256:
-        mid = (lo + hi) // 2 // 256 * 256
-        if _fits(train_point(out, done, family, config, model, topology, mid, batch)):
-            lo = mid
-        else:
-            hi = mid
+    _search(lambda r: train_point(out, done, family, config, model, topology, r, batch),
+            _known(done, family, model, topology, batch=batch), 256, 4096 - 256)
 
 
 def decode_points(out: str, done: dict, model: str, topology: str, plan: str) -> None:
@@ -198,8 +252,14 @@ def table(done: dict) -> str:
             ok = [q["rows"] for q in same if q["batch"] == 8 and _fits(q)]
             largest = f"rows {max(ok)} at batch 8" if ok else "—"
         peak = "error: " + p["error"][:80] if "error" in p else _gib(p.get("per_device_peak_bytes"))
+        if p.get("xla_flags"):
+            peak += " (cuBLAS GEMMs†)"
+        if any(q.get("xla_flags") for q in same if q is not p):
+            largest += " †"
         lines.append(f"| {p['family']} | {p['model']} | {p['topology']} | 4096 × 8 | {peak} | "
                      f"{_gib(p.get('device_memory_bytes'))} | {p.get('fits')} | {largest} |")
+    lines += ["", f"† some of the search's points compiled with XLA_FLAGS={TRITON_GEMM_OFF}: XLA:GPU without a "
+              "device found no valid default Triton tiling for one of their GEMMs (topology.untuned_tiling)."]
     lines += ["", "| target | device | mesh | plan | program | per-chip GiB | HBM GiB | fits |", "|---|---|---|---|---|---|---|---|"]
     for p in pts:
         if p["kind"] != "decode":
@@ -216,7 +276,7 @@ def table(done: dict) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/compile_8b")
-    ap.add_argument("--phases", default="base,families:gpu,bisect:gpu,decode,bisect:tpu,families:tpu",
+    ap.add_argument("--phases", default="base,families:gpu,bisect:gpu,decode,families:tpu,bisect:tpu",
                     help="in order; bisect / families take :gpu or :tpu (XLA:GPU compiles an 8B step in ~25 s "
                          "here, XLA:TPU in 2-9 min, so the cheap answers come first)")
     ap.add_argument("--models", default=",".join(MODELS))
@@ -244,7 +304,7 @@ def main():
         elif phase == "bisect":
             for model in models:
                 for topo in topologies:
-                    for fam, cfg in HEADS.items():
+                    for fam, cfg in {**HEADS, **FAMILIES}.items():
                         if _fits(train_point(a.out, done, fam, cfg, model, topo, 4096, 8)):
                             bisect_batch(a.out, done, fam, cfg, model, topo)
                         else:

@@ -310,6 +310,9 @@ def topology_report(topology_name: str) -> dict:
             except Exception as e:  # noqa: BLE001 - XLA:TPU's "does not fit" is a row; anything else is not
                 oom = tp.out_of_memory(e, topo.device_memory_bytes)
                 if oom is None:
+                    hint = tp.untuned_tiling(e)
+                    if hint is not None:
+                        raise hint from e
                     raise
                 row = dict(model=name, dtype=cfg.dtype, program=prog, **oom, custom_calls=[])
             res["programs"].append(row)

@@ -141,7 +141,7 @@ def main(argv):
             topo = get_topology(_TOPOLOGY.value)
             m = config.train.mesh
             mesh = shd.make_mesh(m.data, m.fsdp, m.tensor, devices=topo.devices)
-        resolve_run_config(config, mesh)
+        config = resolve_run_config(config, mesh)
     except (RuntimeError, *USER_ERRORS) as e:  # CheckpointError, AssetNotFoundError, StorageError included
         sys.stderr.write(f"launch.train: {e}\n")
         sys.exit(2)

@@ -29,6 +29,7 @@ def forward_cost(cfg, s_len: int, t: int, batch: int = 1) -> dict:
 
     from confu_jax.models.llama import param_shapes
     from confu_jax.models.unrolled import SplitParams, apply_target
+    from confu_jax.kernels.attention_reference import AttendTo
 
     ps = param_shapes(cfg)
     layer = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), ps["layers"])
@@ -38,7 +39,7 @@ def forward_cost(cfg, s_len: int, t: int, batch: int = 1) -> dict:
 
     def fwd(sp, k, v, lens, toks):
         pos = lens[:, None] + jnp.arange(toks.shape[1])[None]
-        out = apply_target(sp, cfg, toks, pos, cache_k_lbhsd=k, cache_v_lbhsd=v, cache_len_bt=lens)
+        out = apply_target(sp, cfg, toks, pos, attend=AttendTo(k_cache=k, v_cache=v, cache_len=lens))
         return out.logits_btv, out.k_new_lbthd, out.v_new_lbthd
 
     t0 = time.perf_counter()

@@ -7,6 +7,8 @@ peaks come from ``confu_jax.devices`` (the table the training log's MFU uses too
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import numpy as np
@@ -94,13 +96,14 @@ def make_case(cfg, b: int, t_nodes: int, s_len: int, p: int, dtype, seed: int = 
     mask[t_nodes:, :t_nodes] = anc
     mask[t_nodes:, t_nodes:] = np.eye(t_nodes, dtype=bool)
     pvis = np.arange(t2) >= t_nodes
+    from confu_jax.kernels.attention_reference import AttendTo
+
     rnd = lambda k, shape: jax.random.normal(k, shape, dtype)  # noqa: E731
     return (rnd(ks[0], (b, t2, hq, d)), rnd(ks[1], (b, t2, hkv, d)), rnd(ks[2], (b, t2, hkv, d)),
-            jnp.asarray(np.broadcast_to(mask, (b, t2, t2))),
-            rnd(ks[3], (b, hkv, s_len, d)), rnd(ks[4], (b, hkv, s_len, d)),
-            jnp.full((b,), s_len, jnp.int32),
-            rnd(ks[5], (p, hkv, d)), rnd(ks[6], (p, hkv, d)),
-            jnp.asarray(np.broadcast_to(pvis, (b, t2))))
+            AttendTo(mask=jnp.asarray(np.broadcast_to(mask, (b, t2, t2))), k_cache=rnd(ks[3], (b, hkv, s_len, d)),
+                     v_cache=rnd(ks[4], (b, hkv, s_len, d)), cache_len=jnp.full((b,), s_len, jnp.int32),
+                     k_prefix=rnd(ks[5], (p, hkv, d)), v_prefix=rnd(ks[6], (p, hkv, d)),
+                     prefix_visible=jnp.asarray(np.broadcast_to(pvis, (b, t2)))))
 
 
 def time_fn(fn, args, warmup: int, iters: int, repeats: int):
@@ -310,10 +313,14 @@ def kernel_registers(call: dict, topology: str = "h100:1", s_len: int = 4096, **
     def sds(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
-    args = [sds((1, t, hq, d), dt), sds((1, t, hkv, d), dt), sds((1, t, hkv, d), dt), sds((1, t, t), jnp.bool_),
-            sds((1, hkv, s_len, d), dt), sds((1, hkv, s_len, d), dt), sds((1, t), jnp.int32)]
+    from confu_jax.kernels.attention_reference import AttendTo
+
+    to = AttendTo(mask=sds((1, t, t), jnp.bool_), k_cache=sds((1, hkv, s_len, d), dt), v_cache=sds((1, hkv, s_len, d), dt),
+                  cache_len=sds((1, t), jnp.int32))
     if p:
-        args += [sds((p, hkv, d), dt), sds((p, hkv, d), dt), sds((1, t), jnp.bool_)]
+        to = dataclasses.replace(to, k_prefix=sds((p, hkv, d), dt), v_prefix=sds((p, hkv, d), dt),
+                                 prefix_visible=sds((1, t), jnp.bool_))
+    args = [sds((1, t, hq, d), dt), sds((1, t, hkv, d), dt), sds((1, t, hkv, d), dt), to]
     tiling = {k: v for k, v in tiling.items() if v}
     lowered = jax.jit(lambda *a: masked_attention_pallas(*a, **tiling)).trace(*args).lower()
     usage = tp.gpu_kernel_usage(lowered, "confu_tree_attention")

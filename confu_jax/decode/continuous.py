@@ -53,6 +53,7 @@ from confu_jax.decode.stopping import PAD_OUT, StopReason, emit, is_eos, update_
 from confu_jax.models.kv_cache import KVCache, init_cache
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.unrolled import SplitParams, apply_target, split_layers, target_logits
+from confu_jax.kernels.attention_reference import AttendTo
 
 
 class Slots(NamedTuple):
@@ -121,7 +122,7 @@ def _fill_forward(params, cache: KVCache, rows_k, starts_k, tokens_kw, n_new_k, 
                 return tuple(x[rows_k] for x in kv)
             return kv[:, rows_k]
 
-        kw = dict(cache_k_lbhsd=take(cache.k_lbhsd), cache_v_lbhsd=take(cache.v_lbhsd), cache_len_bt=starts_k)
+        kw = dict(attend=AttendTo(k_cache=take(cache.k_lbhsd), v_cache=take(cache.v_lbhsd), cache_len=starts_k))
     out = apply_target(params, cfg, tokens_kw, positions_kw, return_logits=False, **kw)
     last_k1d = out.hidden_btd[jnp.arange(k), n_new_k - 1][:, None]
     logits_kv = target_logits(params, cfg, last_k1d)[:, 0]

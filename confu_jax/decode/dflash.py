@@ -51,14 +51,15 @@ from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Met
 from confu_jax.decode.loaded import LoadedDrafter, own_weights
 from confu_jax.runs import dflash as runs_dflash
 from confu_jax.decode.plans import DraftPlan, parse_plan
-from confu_jax.models.dflash import (block_hidden, block_logits, check_dflash_params, context_features, context_kv,
-                                     embed_block, model_params)
+from confu_jax.models.dflash import (block_hidden, block_logits, block_self_mask, check_dflash_params,
+                                     context_features, context_kv, embed_block, model_params)
 from confu_jax.models.kv_cache import KVCache, commit, init_cache
 from confu_jax.models.vocab_map import to_target_vocab
 
 DFLASH_FORMS = ("chain:K (a block of K+1: the root and K masks), sampled_chain:K, dynamic:D,K,N, tree:k1,...,kD "
-                "(top-k_i of block position i) or ddtree:N[,D] (DDTree: the N best nodes over the block's "
-                "per-position top-k, at most D deep)")
+                "(top-k_i of block position i), ddtree:N[,D] (DDTree: the N best nodes over the block's "
+                "per-position top-k, at most D deep) or accum_logp:N,W[,D] (JetSpec's tree: the best node's W "
+                "children at a time, N nodes)")
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -86,7 +87,8 @@ def draft_spec(dp):
 
 
 def parse_dflash_plan(text: str) -> DraftPlan:
-    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N``, ``tree:k1,...,kD`` or ``ddtree:N[,D]`` (no ``+cM``)."""
+    """``chain:K``, ``sampled_chain:K``, ``dynamic:D,K,N``, ``tree:k1,...,kD``, ``ddtree:N[,D]`` or
+    ``accum_logp:N,W[,D]`` (no ``+cM``)."""
     return parse_plan(text, what="DFlash", forms=DFLASH_FORMS, block=True)
 
 
@@ -103,6 +105,7 @@ class DFlashDrafter(PlanDrafter):
     plan: DraftPlan
     what = "a DFlash draft"
     params_key = "dflash"  # where its tree lives in DrafterParams.weights (a subclass built on the backbone: its own)
+    causal = False  # the block attends bidirectionally (JetSpec's causal head: decode.jetspec)
 
     def backbone(self, p: dict) -> dict:
         """The DFlash float tree of this drafter's tree (``models.dflash.model_params``)."""
@@ -126,7 +129,7 @@ class DFlashDrafter(PlanDrafter):
         pos = inp.anchor_b[:, None] + 1 + jnp.arange(depth + 1, dtype=jnp.int32)[None]
         cache = st.draft_cache
         h = block_hidden(model_params(p), dcfg, embed_block(target.params, blk), pos,
-                         jnp.ones((b, depth + 1, depth + 1), bool), cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
+                         block_self_mask(b, depth + 1, self.causal), cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
         logits = to_target_vocab(block_logits(target.config, target.params, h[:, 1:]), target.config.vocab_size)
         tree, q = self.draft_positional(jax.nn.log_softmax(logits, axis=-1), inp)
         return full_proposal(tree, q, st)
@@ -147,7 +150,7 @@ class DFlashDrafter(PlanDrafter):
 
 
 def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
-                target_source: str = "the loaded target", num_layers: int = 3) -> LoadedDrafter:
+                target_source: str = "the loaded target", num_layers: int = 3, causal: bool = False) -> LoadedDrafter:
     """What DFlash decodes with: the draft of a ``launch.train`` DFlash workdir (``runs.dflash``, target
     checked), of a published z-lab DFlash directory (config.json with ``DFlashDraftModel`` /
     ``dflash_config`` + model.safetensors: ``weights.dflash_format``; its width must be the target's and
@@ -155,8 +158,17 @@ def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
     (``num_layers`` layers of the target's shape over the reference's default layers, the last token id
     as the mask; ``trained`` False). A trained draft keeps its block size (``block_depth``: plans
     deeper than the block are refused). The drafter params carry the draft's layer config (``DrafterParams.draft_model``)
-    and its taps."""
+    and its taps. ``causal``: load a JetSpec head instead (``decode.jetspec``: a run or directory with
+    ``causal_head``, kept under ``weights['jetspec']``); each refuses the other's, naming the method."""
     import numpy as np
+
+    name, key = ("JetSpec", "jetspec") if causal else ("DFlash", "dflash")
+
+    def same_kind(found: bool, where: str) -> None:
+        if found != causal:
+            other = "jetspec" if found else "dflash"
+            raise ValueError(f"{source}: {where} is a {'JetSpec (causal_head)' if found else 'DFlash (bidirectional)'} "
+                             f"draft; decode it with --method {other}")
 
     from confu_jax.models.dflash import default_taps, draft_config, init_dflash
     from confu_jax.runs.dflash import is_dflash_workdir, load_dflash_run
@@ -164,10 +176,12 @@ def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
 
     def run(path):
         r = load_dflash_run(path, target_cfg, target_params, target_source=target_source)
+        same_kind(r.causal_head, "the run")
         return r.params, r.draft, r.taps, r.mask_token_id, r.block_size, r.source
 
     def published(path):
         imp = load_dflash_dir(path)
+        same_kind(imp.causal_head, "the directory")
         if imp.draft.d_model != target_cfg.d_model:
             raise ValueError(f"{source}: a DFlash draft of width {imp.draft.d_model} cannot read a target of width "
                              f"{target_cfg.d_model} (its block input is the target's embedding)")
@@ -180,30 +194,30 @@ def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
         dcfg = imp.draft.replace(vocab_size=target_cfg.vocab_size, dtype=target_cfg.dtype,
                                  param_dtype=target_cfg.param_dtype)
         return (imp.params, dcfg, imp.taps, imp.mask_token_id, imp.block_size,
-                f"{path} (z-lab DFlash format, block {imp.block_size})")
+                f"{path} ({'JetSpec' if causal else 'z-lab DFlash'} format, block {imp.block_size})")
 
     if source is None:
         dcfg, taps = draft_config(target_cfg, num_layers), default_taps(target_cfg.n_layers)
         params = jax.device_get(init_dflash(jax.random.PRNGKey(seed), dcfg, len(taps)))
         mask, block, trained = target_cfg.vocab_size - 1, None, False
-        desc = f"DFlash initialisation ({num_layers} layers, seed {seed})"
+        desc = f"{name} initialisation ({num_layers} layers, seed {seed})"
     else:
         params, dcfg, taps, mask, block, desc = resolve_source(source, (
-            SourceKind("a DFlash launch.train workdir (config.json with a 'dflash' section + checkpoints/)",
+            SourceKind(f"a {name} launch.train workdir (config.json with a 'dflash' section + checkpoints/)",
                        is_dflash_workdir, run),
-            SourceKind("a published DFlash directory (config.json with architectures ['DFlashDraftModel'] + "
+            SourceKind(f"a published {name} directory (config.json with architectures ['DFlashDraftModel'] + "
                        "model.safetensors)", is_dflash_dir, published)))
         trained = True
     check_dflash_params(params, dcfg, len(taps))
     scalars = {"mask_token_id": np.int32(mask), **({} if block is None else {"block_size": np.int32(block)})}
-    return own_weights(target_cfg, target_params, {"dflash": {**params, **scalars}}, trained,
+    return own_weights(target_cfg, target_params, {key: {**params, **scalars}}, trained,
                        desc, draft_model=dcfg, tap_layers=tuple(taps))
 
 
-def block_depth(dp):
-    """The deepest plan a loaded DFlash draft runs: its trained block holds the root and block_size - 1
-    masks (None for an initialisation, which was trained on nothing)."""
-    block = dp.weights["dflash"].get("block_size")
+def block_depth(dp, key: str = "dflash"):
+    """The deepest plan a loaded DFlash (or JetSpec, ``key``) draft runs: its trained block holds the root and
+    block_size - 1 masks (None for an initialisation, which was trained on nothing)."""
+    block = dp.weights[key].get("block_size")
     return None if block is None else int(block) - 1
 
 
@@ -213,5 +227,4 @@ FAMILIES = (DrafterFamily(
                     "conditioned on the target's taps as extra K/V (trained with configs/*_dflash.py, or a z-lab "
                     "DFlash directory)", own_weights=True),),
     trees=DEFAULT_CARTESIAN_TREES + ("ddtree:8,3",), max_depth=block_depth,
-    export_formats=(runs_dflash.EXPORT_FORMAT,), train_task="confu_jax.train.dflash_task:build_task",
-    configs=("configs/smollm2_dflash.py",), tiny_config="configs/tiny_dflash.py"),)
+    export_formats=(runs_dflash.EXPORT_FORMAT,)),)

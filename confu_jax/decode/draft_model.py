@@ -68,6 +68,7 @@ from confu_jax.models.kv_cache import KVCache, commit, init_cache
 from confu_jax.models.llama import LlamaConfig, LlamaOutput
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.models.unrolled import SplitParams, apply_target, split_layers, target_logits
+from confu_jax.kernels.attention_reference import AttendTo
 
 # ----------------------------------------------------------------------------- state
 
@@ -115,12 +116,12 @@ def draft_weights(target, dp):
 def forward(cfg: LlamaConfig, weights, tokens_bt, positions_bt, *, cache: Optional[KVCache] = None,
             cache_len_bt=None, block_mask_btt=None, mlp_bias_lbtf=None) -> LlamaOutput:
     """The draft model over a block (no logits; ``logits`` on the rows that need them)."""
-    kw = {}
+    attend = AttendTo(mask=block_mask_btt)
     if cache is not None:
-        kw = dict(cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd,
-                  cache_len_bt=cache.length_b if cache_len_bt is None else cache_len_bt)
-    return apply_target(weights, cfg, tokens_bt, positions_bt, block_mask_btt=block_mask_btt,
-                        return_logits=False, mlp_bias_lbtf=mlp_bias_lbtf, **kw)
+        attend = AttendTo(mask=block_mask_btt, k_cache=cache.k_lbhsd, v_cache=cache.v_lbhsd,
+                          cache_len=cache.length_b if cache_len_bt is None else cache_len_bt)
+    return apply_target(weights, cfg, tokens_bt, positions_bt, attend=attend, return_logits=False,
+                        mlp_bias_lbtf=mlp_bias_lbtf)
 
 
 def logits(cfg: LlamaConfig, weights, hidden_xd, vocab: int) -> jax.Array:
@@ -331,7 +332,5 @@ FAMILIES = (
                                   "KV cache"),)),
     DrafterFamily("sd2", _parse_sd2, _draft_model_loader(True), source_flag="draft_model",
                   methods=(Method("sd2", (), "SD²: a draft model steered by the target's hidden states (trained "
-                                  "with configs/*_sd2.py)"),),
-                  train_task="confu_jax.train.sd2_task:build_task", configs=("configs/smollm2_sd2.py",),
-                  tiny_config="configs/tiny_sd2.py"),
+                                  "with configs/*_sd2.py)"),)),
 )

@@ -485,6 +485,4 @@ FAMILIES = (DrafterFamily(
              Method("confu", ("confu", "confu_nomoe", "confu_nomoe_norep"), "speculative decoding with a ConFu head"),
              Method("confu_nomoe", ("confu_nomoe", "confu_nomoe_norep"), "ConFu -MoE ablation"),
              Method("confu_nomoe_norep", ("confu_nomoe_norep",), "ConFu -MoE & replicate ablation")),
-    reads_step=True, export_formats=HEAD_FORMATS, train_task="confu_jax.train.confu_task:build_task",
-    configs=("configs/smollm2_eagle3.py", "configs/smollm2_confu.py"), tiny_config="configs/tiny.py:eagle3",
-    packs_rows=True),)
+    reads_step=True, export_formats=HEAD_FORMATS),)

@@ -39,7 +39,7 @@ from confu_jax.decode.drafter import DraftInput, Proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
 from confu_jax.decode.loaded import LoadedDrafter, own_weights
-from confu_jax.decode.plans import Chain, parse_plan
+from confu_jax.decode.plans import Chain, FanoutTree, parse_plan
 from confu_jax.models import dspark as D
 from confu_jax.models.dflash import block_hidden, block_logits, embed_block
 from confu_jax.models.vocab_map import to_target_vocab
@@ -55,6 +55,9 @@ def parse_dspark(text: str) -> "DSparkDrafter":
     """A DSpark plan, optionally ``@P`` (confidence-scheduled length, chains only)."""
     body, at, prob = text.partition("@")
     plan = parse_plan(body, what="DSpark", forms=DSPARK_FORMS, block=True)
+    if isinstance(plan, FanoutTree):
+        raise ValueError(f"bad DSpark plan {text!r}: accum_logp offers every parent the same top-W, but DSpark's "
+                         f"Markov head drafts each node's children from that node; expected {DSPARK_FORMS}")
     if not at:
         return DSparkDrafter(plan)
     try:
@@ -189,5 +192,4 @@ FAMILIES = (DrafterFamily(
     methods=(Method("dspark", (), "DSpark: DFlash's block backbone with a Markov logit bias (drafts sampled left to "
                     "right) and a confidence head setting the verification length (chain:K@P); trained with configs/*_dspark.py",
                     own_weights=True),),
-    trees=DEFAULT_CARTESIAN_TREES + ("ddtree:8,3",), max_depth=block_depth, export_formats=(runs_dspark.EXPORT_FORMAT,), train_task="confu_jax.train.dspark_task:build_task",
-    configs=("configs/smollm2_dspark.py",), tiny_config="configs/tiny_dspark.py"),)
+    trees=DEFAULT_CARTESIAN_TREES + ("ddtree:8,3",), max_depth=block_depth, export_formats=(runs_dspark.EXPORT_FORMAT,)),)

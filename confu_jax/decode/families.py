@@ -1,12 +1,13 @@
 """The registry of drafter families: the list of the modules that declare them.
 
 Each family's own module declares its records (``FAMILIES``: a ``decode.family.DrafterFamily`` each,
-with the methods it decodes, its plan reader, its loader, budget candidates, export formats,
-training task and configs); everything the CLIs, the benchmark and budget ``auto`` ask about a family
+with the methods it decodes, its plan reader, its loader, budget candidates and export formats;
+``confu_jax.catalog`` adds each one's training task and configs); everything the CLIs, the benchmark and budget ``auto`` ask about a family
 or a method by name is read from here, so no other module switches on a family's name.
 
 Adding a family: its own modules (drafter + record, model, training task, run loader, published
-format), then its drafter module in ``_MODULES`` (docs/families.md "Adding a family");
+format), then its drafter module in ``_MODULES`` and, if it trains, its entry in ``confu_jax.catalog``
+(docs/families.md "Adding a family");
 ``tests/contract/test_families.py`` checks every record's contract.
 """
 
@@ -15,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from confu_jax.decode import (dflash, draft_model, drafting, dspark, hybrid, lookup, medusa, mlp_speculator, mtp,
-                              peagle)
+from confu_jax.decode import (dflash, draft_model, drafting, dspark, hybrid, jetspec, lookup, medusa, mlp_speculator,
+                              mtp, peagle)
 from confu_jax.decode.drafter import Drafter
 from confu_jax.decode import loaded as heads
 from confu_jax.decode.family import DrafterFamily, Method
 
-_MODULES = (drafting, lookup, hybrid, draft_model, medusa, mlp_speculator, mtp, dflash, peagle, dspark)
+_MODULES = (drafting, lookup, hybrid, draft_model, medusa, mlp_speculator, mtp, dflash, peagle, dspark, jetspec)
 
 FAMILIES: dict = {f.name: f for module in _MODULES for f in module.FAMILIES}
 

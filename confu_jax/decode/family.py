@@ -3,8 +3,8 @@
 family's loader reads its weights through.
 
 Each family's own module declares its records (``FAMILIES = (DrafterFamily(...),)``: the drafter, its
-plan reader, its loader, its export formats, its training task and configs, its methods); the
-registry (``decode.families``) is the list of those modules. Nothing else switches on a family's name.
+plan reader, its loader, its export formats, its methods); the registry (``decode.families``) is the
+list of those modules, and ``confu_jax.catalog`` pairs each record with its training. Nothing else switches on a family's name.
 """
 
 from __future__ import annotations
@@ -59,11 +59,9 @@ class DrafterFamily:
     ``source`` is None); ``max_depth(drafter_params)`` -> the deepest plan the loaded weights draft (None: any);
     ``reads_step``: a source may name one checkpoint step (``WORKDIR@STEP``); ``source_flag``: the
     ``launch.generate`` flag that names a source; ``chains`` / ``trees``: budget ``auto``'s candidates;
-    ``export_formats``: its ``runs.exports.ExportFormat`` records (``launch.export_head --format``); ``train_task``: the ``config.train.task`` entry
-    point; ``configs``: the shipped configs; ``tiny_config``: the shipped config that trains on a random
-    tiny target in seconds (``path.py`` or ``path.py:parameter``: the contract tests' kill-and-resume and
-    export round trip); ``packs_rows``: its training runs on packed rows where a caller packs;
-    ``methods``: the ``--method`` names that draft with it."""
+    ``export_formats``: its ``runs.exports.ExportFormat`` records (``launch.export_head --format``);
+    ``methods``: the ``--method`` names that draft with it. How the family trains (its task, configs) is
+    not here — decoding never reaches into training — but in its ``confu_jax.catalog`` entry."""
 
     name: str
     parse: Callable[[str], Any]
@@ -75,10 +73,6 @@ class DrafterFamily:
     reads_step: bool = False
     source_flag: str = "draft_ckpt"
     export_formats: tuple = ()
-    train_task: Optional[str] = None
-    configs: tuple = ()
-    tiny_config: Optional[str] = None
-    packs_rows: bool = False
 
     def default_plan(self, drafter_params=None) -> str:
         """The plan a CLI drafts with when none is given: chain:4, or as deep as ``drafter_params`` allow."""

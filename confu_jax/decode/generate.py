@@ -33,6 +33,7 @@ from confu_jax.decode.stopping import PAD_OUT, emit, is_eos, update_stop
 from confu_jax.models.kv_cache import KVCache, commit, init_cache
 from confu_jax.models.llama import LlamaConfig
 from confu_jax.models.unrolled import SplitParams, apply_target, prepared_layers, split_layers, target_logits
+from confu_jax.kernels.attention_reference import AttendTo
 
 
 class GenerateResult(NamedTuple):
@@ -73,8 +74,7 @@ def prefill(params, cfg: LlamaConfig, cache: KVCache, tokens_bt: jax.Array, leng
     positions_bt = cache.length_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cache_kw = {}
     if attend_cache:
-        cache_kw = dict(cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd,
-                        cache_len_bt=cache.length_b)
+        cache_kw = dict(attend=AttendTo(k_cache=cache.k_lbhsd, v_cache=cache.v_lbhsd, cache_len=cache.length_b))
     out = apply_target(params, cfg, tokens_bt, positions_bt, return_logits=False, **cache_kw)
     last_b1d = out.hidden_btd[jnp.arange(b), lengths_b - 1][:, None, :]
     logits_bv = target_logits(params, cfg, last_b1d)[:, 0]
@@ -89,8 +89,7 @@ def decode_step(params, cfg: LlamaConfig, cache: KVCache, tokens_b: jax.Array, a
     but leave their cache untouched.
     """
     out = apply_target(params, cfg, tokens_b[:, None], cache.length_b[:, None],
-                       cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd,
-                       cache_len_bt=cache.length_b)
+                       attend=AttendTo(k_cache=cache.k_lbhsd, v_cache=cache.v_lbhsd, cache_len=cache.length_b))
     cache = commit(cache, out.k_new_lbthd, out.v_new_lbthd, active_b.astype(jnp.int32))
     return out.logits_btv[:, 0], cache
 

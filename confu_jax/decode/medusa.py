@@ -47,7 +47,8 @@ from confu_jax.models.medusa import config_of, medusa_logits
 from confu_jax.models.vocab_map import to_target_vocab
 
 MEDUSA_FORMS = ("chain:K, sampled_chain:K, dynamic:D,K,N, tree:k1,...,kD (top-k_i of head i, Cartesian) or "
-                "ddtree:N[,D] (DDTree: the N best nodes over the heads' top-k, at most D deep)")
+                "ddtree:N[,D] (DDTree: the N best nodes over the heads' top-k, at most D deep) or accum_logp:N,W[,D] "
+                "(JetSpec's tree: the best node's W children at a time, N nodes)")
 
 
 def medusa_params(dp) -> dict:
@@ -124,6 +125,4 @@ FAMILIES = (DrafterFamily(
     methods=(Method("medusa", (), "Medusa-1 heads on the target's last hidden state (trained with "
                     "configs/*_medusa.py, or a FasterDecoding medusa_lm_head directory)", own_weights=True),),
     chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES + ("ddtree:8,3",),
-    max_depth=lambda dp: config_of(dp.weights["medusa"]).num_heads, export_formats=(runs_medusa.EXPORT_FORMAT,),
-    train_task="confu_jax.train.medusa_task:build_task", configs=("configs/smollm2_medusa.py",),
-    tiny_config="configs/tiny_medusa.py"),)
+    max_depth=lambda dp: config_of(dp.weights["medusa"]).num_heads, export_formats=(runs_medusa.EXPORT_FORMAT,)),)

@@ -148,5 +148,4 @@ FAMILIES = (DrafterFamily(
                     "mlp_speculator directory)", own_weights=True),),
     chains=DEFAULT_CHAINS[:3], trees=DEFAULT_CARTESIAN_TREES,
     max_depth=lambda dp: config_of(dp.weights["mlp_speculator"]).n_predict,
-    export_formats=(runs_mlp_speculator.EXPORT_FORMAT,), train_task="confu_jax.train.mlp_speculator_task:build_task",
-    configs=("configs/smollm2_mlp_speculator.py",), tiny_config="configs/tiny_mlp_speculator.py"),)
+    export_formats=(runs_mlp_speculator.EXPORT_FORMAT,)),)

@@ -162,5 +162,4 @@ FAMILIES = (DrafterFamily(
     methods=(Method("mtp", (), "DeepSeek-V3's MTP module: one Llama layer on the target's last hidden state and the "
                     "next token, the target's embedding and LM head, drafting recursively (trained with "
                     "configs/*_mtp.py, or a DeepSeek-layout MTP directory)", own_weights=True),),
-    export_formats=(runs_mtp.EXPORT_FORMAT,), train_task="confu_jax.train.mtp_task:build_task", configs=("configs/smollm2_mtp.py",),
-    tiny_config="configs/tiny_mtp.py", packs_rows=True),)
+    export_formats=(runs_mtp.EXPORT_FORMAT,)),)

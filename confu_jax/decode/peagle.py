@@ -43,7 +43,8 @@ from confu_jax.models import draft as draft_lib
 from confu_jax.runs import peagle as runs_peagle
 
 PEAGLE_FORMS = ("chain:K, sampled_chain:K, dynamic:D,K,N, tree:k1,...,kD (top-k_i of slot i, Cartesian) or "
-                "ddtree:N[,D] (DDTree: the N best nodes over the slots' top-k, at most D deep)")
+                "ddtree:N[,D] (DDTree: the N best nodes over the slots' top-k, at most D deep) or accum_logp:N,W[,D] "
+                "(JetSpec's tree: the best node's W children at a time, N nodes)")
 
 
 def parse_peagle_plan(text: str) -> DraftPlan:
@@ -128,5 +129,4 @@ FAMILIES = (DrafterFamily(
     methods=(Method("peagle", ("peagle",), "P-EAGLE: an EAGLE-3 head drafting every depth in one pass (parallel "
                     "drafting; a launch.train workdir or speculators' peagle layout, random without)"),),
     chains=DEFAULT_CHAINS, trees=("tree:2,2", "tree:3,2,1", "tree:4,3,2", "ddtree:8,3", "ddtree:16,6"),
-    reads_step=True, export_formats=(runs_peagle.EXPORT_FORMAT,), train_task="confu_jax.train.peagle_task:build_task",
-    configs=("configs/smollm2_peagle.py",), tiny_config="configs/tiny_peagle.py"),)
+    reads_step=True, export_formats=(runs_peagle.EXPORT_FORMAT,)),)

@@ -1,7 +1,7 @@
 """Draft plans: the shape of the tree a drafter proposes each iteration, as types.
 
 A plan is a small frozen value — ``Chain``, ``SampledChain``, ``StaticTree``, ``DynamicTree`` or, for
-block drafters, ``BlockTree`` —
+block drafters, ``BlockTree`` and ``FanoutTree`` —
 and a static argument of the speculative program (changing it recompiles). Each type knows its
 depth, node count, draft scratch size and text form, how its tree grows from a drafter's
 ``expand_fn`` (``grow``), and the lossless acceptance rule it needs at a temperature (``rule``), so
@@ -10,7 +10,8 @@ nothing in ``decode/`` switches on a plan's name. ``parse_plan`` reads the CLI/c
 
 **Block drafters** (DFlash's block, Medusa's heads) draft every depth's distribution at once, from
 the root alone: ``grow_positional(logp_bdv, ...)`` grows any plan from those per-depth
-distributions, and ``ddtree:N[,D]`` (``BlockTree``, DDTree's best-first tree) is grown only so.
+distributions, and ``ddtree:N[,D]`` (``BlockTree``, DDTree's best-first tree) and ``accum_logp:N,W[,D]``
+(``FanoutTree``, JetSpec's expand-the-best-node tree) are grown only so.
 
 ``contemplates`` (ConFu only; 0 = after every node) makes contemplates sparse: only M of the T nodes
 get a contemplate token in the verification pass (T + M queries instead of 2T) — the M nodes the
@@ -306,6 +307,37 @@ class BlockTree(DraftPlan):
         return tree, None, score, state0
 
 
+@dataclasses.dataclass(frozen=True)
+class FanoutTree(BlockTree):
+    """``accum_logp:N,W[,D]`` (JetSpec's default tree, ``decode.tree.draft_fanout_tree``): from the root,
+    repeatedly expand the unexpanded node of best path log-probability with **all** its W children (the
+    next block position's top-W tokens), until the tree holds N drafted nodes (the reference's ``budget``
+    counts the root too: N + 1), at most D deep (D defaults to N). A block drafter's tree (``grow_positional``: every position's distribution from the root alone),
+    verified like ``ddtree:`` (its tokens are a deterministic function of the block)."""
+
+    fanout: int = 1
+
+    def __post_init__(self):
+        if self.fanout < 1:
+            raise ValueError(f"an accum_logp plan needs fanout W >= 1; got {self.fanout}")
+        super().__post_init__()
+
+    @property
+    def body_text(self) -> str:
+        n = self.n_nodes - 1
+        return f"accum_logp:{n},{self.fanout}" + ("" if self.depth == n else f",{self.depth}")
+
+    def grow_positional(self, logp_bdv, state, inp, *, d2t_v=None, target_vocab=None):
+        tree, score = tree_lib.draft_fanout_tree(logp_bdv[:, :self.depth], inp.root_b, n_nodes=self.n_nodes,
+                                                 fanout=self.fanout, d2t_v=d2t_v)
+        return tree, None, score, state
+
+    def grow_conditional(self, children_fn, state0, inp, *, d2t_v=None, target_vocab=None):
+        raise ValueError(f"plan {self.text!r} (JetSpec's accum_logp) offers every depth's same top-W to every parent: "
+                         "it needs a drafter whose positions are drafted from the root alone (DFlash, JetSpec, Medusa); "
+                         "for one that conditions on the parent use ddtree:N[,D]")
+
+
 def cartesian_paths(top_ks) -> tuple:
     """Medusa-1's Cartesian tree: every path (r_1..r_d), d ≤ D, r_i < top_ks[i-1]."""
     paths = []
@@ -317,7 +349,8 @@ def cartesian_paths(top_ks) -> tuple:
 def parse_plan(text: str, *, what: str = "", forms: str = PLAN_FORMS, block: bool = False) -> DraftPlan:
     """``chain:K`` | ``sampled_chain:K`` | ``dynamic:DEPTH,TOPK,NODES`` (NODES excludes the root,
     as EAGLE-2's total_tokens) | ``tree:k1,...,kD``, each optionally followed by ``+cM`` (M sparse
-    contemplates) -> a plan; with ``block`` (a block drafter's reader) also ``ddtree:N[,D]``. ``what``
+    contemplates) -> a plan; with ``block`` (a block drafter's reader) also ``ddtree:N[,D]`` and
+    ``accum_logp:N,W[,D]``. ``what``
     (a family without contemplates, e.g. "Medusa") refuses ``+cM`` naming it; ``forms`` is what
     errors list as accepted."""
     body, plus, con = text.partition("+")
@@ -350,6 +383,11 @@ def parse_plan(text: str, *, what: str = "", forms: str = PLAN_FORMS, block: boo
             if len(d) > 1:
                 raise ValueError("ddtree takes N or N,D")
             return BlockTree(n + 1, d[0] if d else n, contemplates=m)
+        if kind == "accum_logp" and block:
+            n, w, *d = (int(x) for x in arg.split(","))
+            if len(d) > 1:
+                raise ValueError("accum_logp takes N,W or N,W,D")
+            return FanoutTree(n + 1, d[0] if d else n, contemplates=m, fanout=w)
     except ValueError as e:
         raise ValueError(f"{label}: {e}; expected {forms}") from None
     raise ValueError(f"{label}: expected {forms}")

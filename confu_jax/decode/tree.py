@@ -488,6 +488,66 @@ def draft_block_tree(logp_bdv: jax.Array, root_token_b: jax.Array, *, n_nodes: i
     return draft_best_first_tree(children, root_token_b, n_nodes=n_nodes, depth=depth, d2t_v=d2t_v)
 
 
+def draft_fanout_tree(logp_bdv: jax.Array, root_token_b: jax.Array, *, n_nodes: int, fanout: int,
+                      d2t_v: Optional[jax.Array] = None) -> Tuple[DraftTree, jax.Array]:
+    """JetSpec's ``accum_logp`` tree over a block draft; returns ``(tree, cum_logp_bt)``.
+
+    Reference: hao-ai-lab/JetSpec ``jetspec/tree/baselines/accum_logp.py`` ``_build_from_topk`` at commit
+    2c7b3fa (its default tree algorithm). ``logp_bdv`` [B,D,V] as :func:`draft_block_tree`'s. Every depth
+    offers the same ``fanout`` candidates (position d's top-``fanout`` tokens, whatever the parent). A
+    max-heap of nodes by cumulative log-probability starts with the root; each step pops the best node
+    not yet expanded and, if its depth is below D, appends **all** its children at once — rank 0..fanout-1
+    of the next position, in rank order, as many as the budget of ``n_nodes`` nodes (root included) still
+    holds. Unlike DDTree's best-first nodes, a popped node's whole fan joins the tree. Ties pop the node
+    inserted first (the reference's insertion counter); nodes come out in insertion order, which is
+    topological with siblings in rank order.
+
+    Static shapes: ``n_nodes - 1`` expansion steps, each an argmax over the [B, n_nodes] nodes not yet
+    expanded and above depth D (a node at depth D would be popped and dropped by the reference, which adds
+    nothing and changes no later pop), then a scatter of ``fanout`` children at the row's node count
+    (past the budget: dropped). A row with nothing left to expand adds nothing."""
+    logp_bdv = jnp.asarray(logp_bdv, jnp.float32)
+    root_token_b = jnp.asarray(root_token_b, jnp.int32)
+    if logp_bdv.ndim != 3 or logp_bdv.shape[0] != root_token_b.shape[0]:
+        raise ValueError(f"draft_fanout_tree: logp_bdv must be [B,D,V] with B = {root_token_b.shape[0]} roots; "
+                         f"got {logp_bdv.shape}")
+    if n_nodes < 2 or fanout < 1:
+        raise ValueError(f"draft_fanout_tree: n_nodes={n_nodes} must be >= 2 and fanout={fanout} >= 1")
+    b, depth, v = logp_bdv.shape
+    k = min(int(fanout), v)
+    top_val, top_idx = stable_top_k(logp_bdv, k)  # [B,D,k]
+    top_tok = _map_tokens(top_idx, d2t_v)
+    rows = jnp.arange(b)
+    nodes = dict(token=jnp.zeros((b, n_nodes), jnp.int32).at[:, 0].set(root_token_b),
+                 parent=jnp.full((b, n_nodes), -1, jnp.int32), depth=jnp.zeros((b, n_nodes), jnp.int32),
+                 cum=jnp.full((b, n_nodes), -jnp.inf, jnp.float32).at[:, 0].set(0.0),
+                 open=jnp.zeros((b, n_nodes), bool).at[:, 0].set(True), count=jnp.ones((b,), jnp.int32))
+    ranks = jnp.arange(k)
+
+    def expand(_, nodes):
+        score = jnp.where(nodes["open"] & (nodes["depth"] < depth), nodes["cum"], -jnp.inf)
+        j = jnp.argmax(score, axis=1)  # first maximum: the node inserted first
+        live = jnp.isfinite(score[rows, j])
+        d = nodes["depth"][rows, j]
+        dd = jnp.minimum(d, depth - 1)
+        slot = nodes["count"][:, None] + ranks[None]  # [B,k]
+        slot = jnp.where(live[:, None] & (slot < n_nodes), slot, n_nodes)  # n_nodes: dropped
+        put = lambda x, val: x.at[rows[:, None], slot].set(val, mode="drop")  # noqa: E731
+        nodes = dict(token=put(nodes["token"], top_tok[rows, dd]),
+                     parent=put(nodes["parent"], jnp.broadcast_to(j[:, None], (b, k))),
+                     depth=put(nodes["depth"], jnp.broadcast_to((d + 1)[:, None], (b, k))),
+                     cum=put(nodes["cum"], nodes["cum"][rows, j][:, None] + top_val[rows, dd]),
+                     open=put(nodes["open"].at[rows, j].set(jnp.where(live, False, nodes["open"][rows, j])),
+                              jnp.ones((b, k), bool)),
+                     count=jnp.where(live, jnp.minimum(nodes["count"] + k, n_nodes), nodes["count"]))
+        return nodes
+
+    nodes = jax.lax.fori_loop(0, n_nodes - 1, expand, nodes)
+    valid = jnp.arange(n_nodes)[None] < nodes["count"][:, None]
+    tree = build_tree(nodes["token"], nodes["parent"], depth, valid)
+    return tree, jnp.where(valid, nodes["cum"], -jnp.inf)
+
+
 def draft_best_first_tree(children_fn, root_token_b: jax.Array, *, n_nodes: int, depth: int,
                           d2t_v: Optional[jax.Array] = None, state0=None) -> Tuple[DraftTree, jax.Array]:
     """DDTree's best-first tree for a draft whose next-token distribution may depend on the node it

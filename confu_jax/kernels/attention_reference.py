@@ -15,7 +15,8 @@ whole regions, and keeps the training form at N+K instead of 2N tokens.
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,29 +24,57 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
-def masked_attention_reference(
-    q_bthd: jax.Array,
-    k_blk_bthd: jax.Array,
-    v_blk_bthd: jax.Array,
-    block_mask_btt: jax.Array,
-    k_cache_bhsd: Optional[jax.Array] = None,
-    v_cache_bhsd: Optional[jax.Array] = None,
-    cache_len_bt: Optional[jax.Array] = None,
-    k_prefix_phd: Optional[jax.Array] = None,
-    v_prefix_phd: Optional[jax.Array] = None,
-    prefix_visible_bt: Optional[jax.Array] = None,
-    cache_start_bt: Optional[jax.Array] = None,
-) -> jax.Array:
-    """Softmax attention over [cache | prefix | block] keys; GQA by head grouping.
+@dataclasses.dataclass(frozen=True)
+class AttendTo:
+    """What a block of queries attends to, beside its own keys: one struct for every attention path
+    (the reference, the blockwise XLA form, the Pallas kernel, their dispatch) and every forward that
+    calls them (``models.llama.Llama``, its unrolled mirror, the draft models).
 
-    Shapes: q [B,T,Hq,D]; block K/V [B,T,Hkv,D]; block_mask [B,T,T] (True = visible);
-    cache K/V [B,Hkv,S,D] (head-major, ``models.kv_cache``); cache_len [B,T] or [B] (number of
-    visible cache slots); cache_start [B,T] or [B] (optional: the first visible slot, 0 if None —
-    packed training rows, where a contemplate query sees only its own segment's slots);
-    prefix K/V [P,Hkv,D] (shared over the batch); prefix_visible [B,T].
+    Per layer (the kernels): ``mask`` [B,T,T] over the block's own keys (True = visible); ``k_cache`` /
+    ``v_cache`` [B,Hkv,S,D] (head-major, ``models.kv_cache``) with ``cache_len`` [B,T] or [B] visible
+    slots and ``cache_start`` [B,T] or [B] (optional: the first visible slot, 0 if None — packed training
+    rows, where a contemplate query sees only its own segment's slots); ``k_prefix`` / ``v_prefix``
+    [P,Hkv,D] (ConFu's soft prompts, shared over the batch) seen by queries with ``prefix_visible`` [B,T].
+    In a model's forward the cache and prefix carry a leading layer axis ([L,B,Hkv,S,D], or the cache
+    as a list of per-layer buffers; [L,P,Hkv,D]), sliced per layer by the forward, and ``mask`` may be
+    None (causal) or a ``kernels.flash_attention.CausalSegments``. A pytree: it crosses ``jit`` and
+    ``scan`` as its arrays."""
+
+    mask: Any = None
+    k_cache: Any = None
+    v_cache: Any = None
+    cache_len: Optional[jax.Array] = None
+    cache_start: Optional[jax.Array] = None
+    k_prefix: Any = None
+    v_prefix: Any = None
+    prefix_visible: Optional[jax.Array] = None
+
+    @property
+    def has_cache(self) -> bool:
+        """A cache with slots (a per-layer one: [B,Hkv,S,D] with S > 0)."""
+        return self.k_cache is not None and self.k_cache.shape[2] > 0
+
+    @property
+    def has_prefix(self) -> bool:
+        """A prefix with entries (a per-layer one: [P,Hkv,D] with P > 0)."""
+        return self.k_prefix is not None and self.k_prefix.shape[0] > 0
+
+
+jax.tree_util.register_dataclass(AttendTo, data_fields=[f.name for f in dataclasses.fields(AttendTo)],
+                                 meta_fields=[])
+
+
+def masked_attention_reference(q_bthd: jax.Array, k_blk_bthd: jax.Array, v_blk_bthd: jax.Array,
+                               to: AttendTo) -> jax.Array:
+    """Softmax attention over [cache | prefix | block] keys (``to``, per layer); GQA by head grouping.
+
+    Shapes: q [B,T,Hq,D]; block K/V [B,T,Hkv,D]; the rest as :class:`AttendTo` says.
     Scores and softmax are computed in float32; the output has q's dtype.
     A query that sees no key at all returns zeros (never NaN).
     """
+    block_mask_btt, k_cache_bhsd, v_cache_bhsd, cache_len_bt = to.mask, to.k_cache, to.v_cache, to.cache_len
+    k_prefix_phd, v_prefix_phd, prefix_visible_bt, cache_start_bt = to.k_prefix, to.v_prefix, to.prefix_visible, \
+        to.cache_start
     b, t, hq, d = q_bthd.shape
     hkv = k_blk_bthd.shape[2]
     if hq % hkv:

@@ -24,7 +24,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from confu_jax.kernels.attention_reference import NEG_INF
+from confu_jax.kernels.attention_reference import NEG_INF, AttendTo
 
 Q_CHUNK = 512  # queries per chunk when a block is longer than this (prefill)
 
@@ -113,22 +113,12 @@ def _attend(q_bkgtd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cache_bhsd, v_cac
     return merge_block_states(parts)
 
 
-def masked_attention_blockwise(
-    q_bthd: jax.Array,
-    k_blk_bthd: jax.Array,
-    v_blk_bthd: jax.Array,
-    block_mask_btt: jax.Array,
-    k_cache_bhsd: Optional[jax.Array] = None,
-    v_cache_bhsd: Optional[jax.Array] = None,
-    cache_len_bt: Optional[jax.Array] = None,
-    k_prefix_phd: Optional[jax.Array] = None,
-    v_prefix_phd: Optional[jax.Array] = None,
-    prefix_visible_bt: Optional[jax.Array] = None,
-    cache_start_bt: Optional[jax.Array] = None,
-    *,
-    q_chunk: int = Q_CHUNK,
-) -> jax.Array:
+def masked_attention_blockwise(q_bthd: jax.Array, k_blk_bthd: jax.Array, v_blk_bthd: jax.Array, to: AttendTo,
+                               *, q_chunk: int = Q_CHUNK) -> jax.Array:
     """``masked_attention_reference``'s contract (same shapes and arguments), block by block."""
+    block_mask_btt, k_cache_bhsd, v_cache_bhsd, cache_len_bt = to.mask, to.k_cache, to.v_cache, to.cache_len
+    k_prefix_phd, v_prefix_phd, prefix_visible_bt, cache_start_bt = to.k_prefix, to.v_prefix, to.prefix_visible, \
+        to.cache_start
     b, t, hq, d = q_bthd.shape
     hkv = k_blk_bthd.shape[2]
     if hq % hkv:

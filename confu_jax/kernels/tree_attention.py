@@ -77,7 +77,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from confu_jax.kernels.attention_reference import NEG_INF, masked_attention_reference
+from confu_jax.kernels.attention_reference import NEG_INF, AttendTo, masked_attention_reference
 
 __all__ = [
     "masked_attention_pallas",
@@ -359,13 +359,7 @@ def masked_attention_pallas(
     q_bthd: jax.Array,
     k_blk_bthd: jax.Array,
     v_blk_bthd: jax.Array,
-    block_mask_btt: jax.Array,
-    k_cache_bhsd: Optional[jax.Array] = None,
-    v_cache_bhsd: Optional[jax.Array] = None,
-    cache_len_bt: Optional[jax.Array] = None,
-    k_prefix_phd: Optional[jax.Array] = None,
-    v_prefix_phd: Optional[jax.Array] = None,
-    prefix_visible_bt: Optional[jax.Array] = None,
+    to: AttendTo,
     *,
     interpret: bool = False,
     block_m: Optional[int] = None,
@@ -384,7 +378,13 @@ def masked_attention_pallas(
     ``block_kt`` is the key tile over the 2T tree tokens (default 64, capped at padded 2T).
     ``count_tiles=True`` (interpret mode, for tests of ``launch.kernel_bench``'s bytes model) also
     returns an int32 [B, Hkv, J, 2] array: the cache and tree K/V tiles each program loaded.
+    ``to.cache_start`` (packed training rows) is not supported: the dispatch refuses it.
     """
+    if to.cache_start is not None:
+        raise ValueError("the Pallas kernel has no cache_start (a lower bound on visible cache slots, used by "
+                         "packed training rows)")
+    block_mask_btt, k_cache_bhsd, v_cache_bhsd, cache_len_bt = to.mask, to.k_cache, to.v_cache, to.cache_len
+    k_prefix_phd, v_prefix_phd, prefix_visible_bt = to.k_prefix, to.v_prefix, to.prefix_visible
     b, t, hq, d = q_bthd.shape
     hkv = k_blk_bthd.shape[2]
     _check_block_shapes(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt)
@@ -521,9 +521,7 @@ def _merge_splits(o_part, lse_part):
 # ----------------------------------------------------------------------------- dense baseline
 
 
-def dense_masked_attention(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cache_bhsd=None,
-                           v_cache_bhsd=None, cache_len_bt=None, k_prefix_phd=None,
-                           v_prefix_phd=None, prefix_visible_bt=None) -> jax.Array:
+def dense_masked_attention(q_bthd, k_blk_bthd, v_blk_bthd, to: AttendTo) -> jax.Array:
     """The naive baseline: ``jax.nn.dot_product_attention`` over [cache | prefix | tree] keys
     concatenated, with one dense [B, 2T, S+P+2T] boolean mask.
 
@@ -532,6 +530,8 @@ def dense_masked_attention(q_bthd, k_blk_bthd, v_blk_bthd, block_mask_btt, k_cac
     check of the semantics. Unlike the reference, a query that sees no key at all gets JAX's
     behaviour (a uniform average), so compare only rows that see at least one key.
     """
+    block_mask_btt, k_cache_bhsd, v_cache_bhsd, cache_len_bt = to.mask, to.k_cache, to.v_cache, to.cache_len
+    k_prefix_phd, v_prefix_phd, prefix_visible_bt = to.k_prefix, to.v_prefix, to.prefix_visible
     b, t, _, _ = q_bthd.shape
     ks, vs, masks = [], [], []
     if k_cache_bhsd is not None and k_cache_bhsd.shape[2] > 0:

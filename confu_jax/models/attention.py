@@ -14,42 +14,41 @@ XLA's online softmax, or a fused kernel on an accelerator (``LlamaConfig.flash_i
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.kernels.blockwise_attention import masked_attention_blockwise
 from confu_jax.kernels.flash_attention import CausalSegments, flash_attention
 from confu_jax.kernels.fused_attention import fused_causal_attention
 from confu_jax.kernels.tree_attention import ATTENTION_IMPLS
 
 
-def masked_attention(*args, impl: str = "xla", flash_impl: str = "xla", **kwargs) -> jax.Array:
+def masked_attention(q_bthd: jax.Array, k_bthd: jax.Array, v_bthd: jax.Array, to: AttendTo, *, impl: str = "xla",
+                     flash_impl: str = "xla") -> jax.Array:
     """Dispatch on ``impl``: 'xla' (blockwise jnp, the default) or 'pallas' / 'pallas_interpret' (the kernel).
 
-    A block mask given by its structure (``CausalSegments``: a training row attending to itself) runs
-    in flash form when there is no cache or prefix to attend (``kernels.flash_attention``: no [T, T]
-    mask or scores) — XLA's form, or with ``flash_impl`` a fused kernel (``kernels.fused_attention``); with
-    them it is expanded to its entries."""
-    if isinstance(args[3], CausalSegments):
-        q, k, v, mask = args[:4]
-        empty = all(kwargs.get(name) is None or kwargs[name].shape[0 if name == "k_prefix_phd" else 2] == 0
-                    for name in ("k_cache_bhsd", "k_prefix_phd"))
-        if empty and len(args) == 4:
+    A block mask given by its structure (``to.mask`` a ``CausalSegments``: a training row attending to
+    itself) runs in flash form when there is no cache or prefix to attend (``kernels.flash_attention``:
+    no [T, T] mask or scores) — XLA's form, or with ``flash_impl`` a fused kernel
+    (``kernels.fused_attention``); with them it is expanded to its entries."""
+    if isinstance(to.mask, CausalSegments):
+        seg = to.mask.segment_ids_bt
+        if not to.has_cache and not to.has_prefix:
             if flash_impl == "xla":
-                return flash_attention(q, k, v, segment_ids_bt=mask.segment_ids_bt)
-            return fused_causal_attention(q, k, v, segment_ids_bt=mask.segment_ids_bt, impl=flash_impl)
-        args = args[:3] + (mask.dense(q.shape[0], q.shape[1]),) + args[4:]
+                return flash_attention(q_bthd, k_bthd, v_bthd, segment_ids_bt=seg)
+            return fused_causal_attention(q_bthd, k_bthd, v_bthd, segment_ids_bt=seg, impl=flash_impl)
+        to = dataclasses.replace(to, mask=to.mask.dense(q_bthd.shape[0], q_bthd.shape[1]))
     if impl == "xla":
-        return masked_attention_blockwise(*args, **kwargs)
+        return masked_attention_blockwise(q_bthd, k_bthd, v_bthd, to)
     if impl in ("pallas", "pallas_interpret"):
         from confu_jax.kernels import tree_attention
 
-        if kwargs.pop("cache_start_bt", None) is not None:  # only packed training rows set it
+        if to.cache_start is not None:  # only packed training rows set it
             raise ValueError(f"attention_impl={impl!r}: the Pallas kernel has no cache_start_bt (a lower bound "
                              "on visible cache slots, used by packed training rows); train with 'xla'")
-
-        if args[0].shape[1] > tree_attention.MAX_QUERIES:  # prefill: the chunked XLA path
-            return masked_attention_blockwise(*args, **kwargs)
-        return tree_attention.masked_attention_pallas(
-            *args, interpret=(impl == "pallas_interpret"), **kwargs
-        )
+        if q_bthd.shape[1] > tree_attention.MAX_QUERIES:  # prefill: the chunked XLA path
+            return masked_attention_blockwise(q_bthd, k_bthd, v_bthd, to)
+        return tree_attention.masked_attention_pallas(q_bthd, k_bthd, v_bthd, to, interpret=(impl == "pallas_interpret"))
     raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

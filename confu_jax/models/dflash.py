@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.models.attention import masked_attention
 from confu_jax.models.llama import LlamaConfig, apply_rope, linear, rms_norm, rope_cos_sin
 from confu_jax.models.unrolled import shared_params, target_logits
@@ -220,8 +221,8 @@ def block_hidden(p: dict, dcfg: LlamaConfig, noise_btd: jax.Array, positions_bt:
         q = linear(h, lp["q_proj"]["kernel"], cd).reshape(b, t, dcfg.n_heads, dcfg.head_dim)
         q = apply_rope(rms_norm(q, lp["q_norm"]["scale"], dcfg.rms_eps), cos, sin)
         k, v = _kv(lp, dcfg, h, cos, sin)
-        attn = masked_attention(q, k, v, block_mask_btt, ctx_k_lbhsd[i], ctx_v_lbhsd[i], ctx_len_bt,
-                                cache_start_bt=ctx_start_bt)
+        attn = masked_attention(q, k, v, AttendTo(mask=block_mask_btt, k_cache=ctx_k_lbhsd[i], v_cache=ctx_v_lbhsd[i],
+                                                  cache_len=ctx_len_bt, cache_start=ctx_start_bt))
         x = x + linear(attn.reshape(b, t, -1), lp["o_proj"]["kernel"], cd)
         h = rms_norm(x, lp["mlp_norm"]["scale"], dcfg.rms_eps)
         gate, up = linear(h, lp["gate_proj"]["kernel"], cd), linear(h, lp["up_proj"]["kernel"], cd)
@@ -243,12 +244,23 @@ def sequence_context(p: dict, dcfg: LlamaConfig, taps_bsc: jax.Array, positions_
     return jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
 
 
+def block_self_mask(b: int, block_size: int, causal: bool = False) -> jax.Array:
+    """[B, bs, bs]: which block positions a block position sees — all of them (DFlash: bidirectional) or,
+    for a causal head (JetSpec's ``causal_head``), itself and those before it (the reference's
+    ``_build_dflash_causal_attention_mask``: key j visible iff j <= the query's position; the context is
+    before the block, so it stays whole)."""
+    m = jnp.tril(jnp.ones((block_size, block_size), bool)) if causal else jnp.ones((block_size, block_size), bool)
+    return jnp.broadcast_to(m, (b, block_size, block_size))
+
+
 def draft_blocks(p: dict, dcfg: LlamaConfig, target_cfg: LlamaConfig, target_params, taps_bsc, tokens_bs,
-                 anchors_bn: jax.Array, mask_token_id: int, block_size: int, positions_bs=None, segment_start_bs=None):
+                 anchors_bn: jax.Array, mask_token_id: int, block_size: int, positions_bs=None, segment_start_bs=None,
+                 causal: bool = False):
     """N blocks per row, block i = [x[a_i], M, ..., M] at positions a_i..a_i+bs-1 (``positions_bs`` of the
     anchor + offset), each seeing the context strictly before its anchor (within the anchor's
     conversation, ``segment_start_bs``) and itself bidirectionally (SpecForge's
-    ``create_dflash_block_mask``) -> final-normed hidden [B,N,bs,d]."""
+    ``create_dflash_block_mask``), or with ``causal`` (JetSpec's causal head) its positions up to each
+    query's own (:func:`block_self_mask`) -> final-normed hidden [B,N,bs,d]."""
     b, n = anchors_bn.shape
     k_ctx, v_ctx = sequence_context(p, dcfg, taps_bsc, positions_bs)
     rows = jnp.arange(b)[:, None]
@@ -257,7 +269,10 @@ def draft_blocks(p: dict, dcfg: LlamaConfig, target_cfg: LlamaConfig, target_par
     pos0 = anchors_bn if positions_bs is None else positions_bs[rows, anchors_bn]
     pos = (pos0[..., None] + jnp.arange(block_size, dtype=jnp.int32)).reshape(b, n * block_size)
     blk_id = jnp.arange(n * block_size) // block_size
-    mask = jnp.broadcast_to(blk_id[:, None] == blk_id[None, :], (b, n * block_size, n * block_size))
+    same = blk_id[:, None] == blk_id[None, :]
+    if causal:
+        same = same & (jnp.arange(n * block_size)[:, None] >= jnp.arange(n * block_size)[None, :])
+    mask = jnp.broadcast_to(same, (b, n * block_size, n * block_size))
     ctx_len = jnp.repeat(anchors_bn, block_size, axis=1)
     ctx_start = None if segment_start_bs is None else jnp.repeat(segment_start_bs[rows, anchors_bn], block_size, axis=1)
     h = block_hidden(p, dcfg, embed_block(target_params, blk.reshape(b, -1)), pos, mask, k_ctx, v_ctx, ctx_len,

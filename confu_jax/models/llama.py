@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from confu_jax import sharding as shd
 from confu_jax.kernels import cpu_matmul
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.models.attention import masked_attention
 from confu_jax.models.kv_cache import stacked
 
@@ -119,26 +121,30 @@ def apply_rope(x_bthd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax
     return out.astype(x_bthd.dtype)
 
 
-def layer_context(cfg: LlamaConfig, bt: tuple, positions_bt, block_mask_btt, cache_len_bt, has_cache: bool,
-                  prefix_visible_bt, has_prefix: bool, tap_layers: Sequence[int], cache_start_bt=None):
-    """What every layer of one forward shares (RoPE, masks, visible lengths, tap indices), with the
+def layer_context(cfg: LlamaConfig, bt: tuple, positions_bt, attend: Optional[AttendTo], tap_layers: Sequence[int]):
+    """What every layer of one forward shares (RoPE, the mask and visible lengths of ``attend`` —
+    a model-level ``AttendTo`` whose cache and prefix each layer slices — and tap indices), with the
     argument checks; used by the scanned (``Llama``) and unrolled (``models.unrolled``) forwards.
-    Returns (ctx dict, validated tap layer tuple)."""
+    Returns (ctx dict, validated tap layer tuple); ``ctx["attend"]`` has the mask filled in (causal
+    when None) and no cache or prefix arrays (the layers get theirs)."""
     b, t = bt
-    if block_mask_btt is None:
-        block_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    attend = attend if attend is not None else AttendTo()
+    mask = attend.mask
+    if mask is None:
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     cos, sin = rope_cos_sin(positions_bt, cfg)
-    ctx = {"cos": cos, "sin": sin, "block_mask": block_mask_btt}
-    if has_cache:
-        if cache_len_bt is None:
-            raise ValueError("cache_len_bt is required when a cache is given")
-        ctx["cache_len"] = jnp.asarray(cache_len_bt, jnp.int32)
-        if cache_start_bt is not None:  # packed rows: first visible slot (the query's segment start)
-            ctx["cache_start"] = jnp.asarray(cache_start_bt, jnp.int32)
-    if has_prefix:
-        if prefix_visible_bt is None:
-            raise ValueError("prefix_visible_bt is required when prefix K/V are given")
-        ctx["prefix_visible"] = prefix_visible_bt
+    shared = AttendTo(mask=mask)
+    if attend.k_cache is not None:
+        if attend.cache_len is None:
+            raise ValueError("AttendTo.cache_len is required when a cache is given")
+        shared = dataclasses.replace(shared, cache_len=jnp.asarray(attend.cache_len, jnp.int32))
+        if attend.cache_start is not None:  # packed rows: first visible slot (the query's segment start)
+            shared = dataclasses.replace(shared, cache_start=jnp.asarray(attend.cache_start, jnp.int32))
+    if attend.k_prefix is not None:
+        if attend.prefix_visible is None:
+            raise ValueError("AttendTo.prefix_visible is required when prefix K/V are given")
+        shared = dataclasses.replace(shared, prefix_visible=attend.prefix_visible)
+    ctx = {"cos": cos, "sin": sin, "attend": shared}
     tap_layers = tuple(int(i) for i in tap_layers)
     for li in tap_layers:
         if not 0 <= li < cfg.n_layers:
@@ -213,6 +219,15 @@ def _dense(features, cfg, name, use_bias=False, **kw):
     )
 
 
+def _rows(x):
+    """Pin the batch dim of a [B, ...] activation of the target to batch-sharded rows, the other dims left
+    to XLA, in the train step (``sharding.constrain_train_rows``; a no-op elsewhere). Without it XLA's
+    propagation may gather the whole global batch onto every device where an FSDP-sharded table meets it
+    (the embedding gather, the LM head): measured on 8×H100 at Llama-3.1-8B, MTP's step held
+    f32[32768, 128256] logits of all 8 rows on every chip."""
+    return shd.constrain_train_rows(x)
+
+
 # Shared-parameter key of the LM head packed for the CPU decode path (models.unrolled.split_layers).
 PACKED_LM_HEAD = "packed_lm_head"
 
@@ -245,21 +260,9 @@ class DecoderLayer(nn.Module):
             k = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="k_norm")(k)
         q = apply_rope(q, ctx["cos"], ctx["sin"])
         k = apply_rope(k, ctx["cos"], ctx["sin"])
-        attn = masked_attention(
-            q,
-            k,
-            v,
-            ctx["block_mask"],
-            k_cache_bhsd=xs.get("k_cache"),
-            v_cache_bhsd=xs.get("v_cache"),
-            cache_len_bt=ctx.get("cache_len"),
-            cache_start_bt=ctx.get("cache_start"),
-            k_prefix_phd=xs.get("k_prefix"),
-            v_prefix_phd=xs.get("v_prefix"),
-            prefix_visible_bt=ctx.get("prefix_visible"),
-            impl=cfg.attention_impl,
-            flash_impl=cfg.flash_impl,
-        )
+        to = dataclasses.replace(ctx["attend"], k_cache=xs.get("k_cache"), v_cache=xs.get("v_cache"),
+                                 k_prefix=xs.get("k_prefix"), v_prefix=xs.get("v_prefix"))
+        attn = masked_attention(q, k, v, to, impl=cfg.attention_impl, flash_impl=cfg.flash_impl)
         x_btd = x_btd + _dense(cfg.d_model, cfg, "o_proj")(attn.reshape(b, t, -1))
         h = RMSNorm(cfg.rms_eps, jnp.dtype(cfg.param_dtype), name="mlp_norm")(x_btd)
         gate = _dense(cfg.ffn_dim, cfg, "gate_proj")(h)
@@ -300,20 +303,21 @@ class Llama(nn.Module):
         )(cfg)
 
     def embed_tokens(self, tokens_bt):
-        return self.embed(tokens_bt)
+        return _rows(self.embed(tokens_bt))
 
     def logits(self, hidden_btd):
         """Float32 logits from the LM head read in its own dtype (tied: the embedding matrix
         transposed). Tied and untied heads give the same precision: operands in the compute dtype,
         float32 accumulation (``preferred_element_type``), never an upcast copy of the weights."""
+        hidden_btd = _rows(hidden_btd)
         packed = None if self.is_initializing() else self.variables.get("params", {}).get(PACKED_LM_HEAD)
         if packed is not None:  # the CPU decode path's packed copy (models.unrolled.split_layers)
             return cpu_matmul.packed_matmul(hidden_btd, packed, self.cfg.vocab_size)
         if self.cfg.tie_embeddings:
             w = self.embed.embedding
-            return jnp.einsum("btd,vd->btv", hidden_btd.astype(jnp.dtype(self.cfg.dtype)),
-                              w.astype(jnp.dtype(self.cfg.dtype)), preferred_element_type=jnp.float32)
-        return self.lm_head(hidden_btd).astype(jnp.float32)
+            return _rows(jnp.einsum("btd,vd->btv", hidden_btd.astype(jnp.dtype(self.cfg.dtype)),
+                                    w.astype(jnp.dtype(self.cfg.dtype)), preferred_element_type=jnp.float32))
+        return _rows(self.lm_head(hidden_btd).astype(jnp.float32))
 
     def __call__(
         self,
@@ -321,25 +325,19 @@ class Llama(nn.Module):
         positions_bt: jax.Array,
         *,
         embeds_btd: Optional[jax.Array] = None,
-        block_mask_btt: Optional[jax.Array] = None,
-        cache_k_lbhsd: Optional[jax.Array] = None,
-        cache_v_lbhsd: Optional[jax.Array] = None,
-        cache_len_bt: Optional[jax.Array] = None,
-        prefix_k_lphd: Optional[jax.Array] = None,
-        prefix_v_lphd: Optional[jax.Array] = None,
-        prefix_visible_bt: Optional[jax.Array] = None,
+        attend: Optional[AttendTo] = None,
         tap_layers: Sequence[int] = (),
         return_logits: bool = True,
-        cache_start_bt: Optional[jax.Array] = None,
         tap_rows: Optional[int] = None,
         mlp_bias_lbtf: Optional[jax.Array] = None,
     ) -> LlamaOutput:
         """Forward over a block of T tokens.
 
         ``embeds_btd`` (if given) replaces the token embeddings (ConFu contemplate tokens);
-        ``block_mask_btt`` defaults to causal; cache / prefix arguments as in
-        ``confu_jax.models.attention``. ``cache_len_bt`` may be [B] or [B,T]; ``cache_start_bt`` (same
-        shapes, optional) is the first visible cache slot (packed training rows: the segment start).
+        ``attend`` (``kernels.attention_reference.AttendTo``, model level): the block mask (None: causal),
+        the cache [L,B,Hkv,S,D] (or per-layer buffers) with its visible lengths [B] or [B,T] and optional
+        first visible slot (packed training rows: the segment start), the prefix [L,P,Hkv,D] and which
+        queries see it; None: a causal block alone.
         ``tap_rows`` (static): keep taps for the first rows only (ConFu verification: the nodes, not
         their contemplates, whose taps nothing reads); ``taps_btc`` is then [B, tap_rows, C].
         ``mlp_bias_lbtf`` [L,B,T or 1,F] (optional): added to every layer's up projection before the
@@ -348,17 +346,15 @@ class Llama(nn.Module):
         """
         cfg = self.cfg
         x = self.embed_tokens(tokens_bt) if embeds_btd is None else embeds_btd.astype(jnp.dtype(cfg.dtype))
-        ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, block_mask_btt, cache_len_bt,
-                                        cache_k_lbhsd is not None, prefix_visible_bt,
-                                        prefix_k_lphd is not None, tap_layers, cache_start_bt)
+        ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, attend, tap_layers)
         xs = {"layer": jnp.arange(cfg.n_layers)}
         if mlp_bias_lbtf is not None:
             xs["mlp_bias"] = check_mlp_bias(cfg, mlp_bias_lbtf, x.shape[:2])
-        if cache_k_lbhsd is not None:
+        if attend is not None and attend.k_cache is not None:
             # the scan slices a stacked cache; per-layer buffers (kv_cache.init_cache) are stacked here
-            xs["k_cache"], xs["v_cache"] = stacked(cache_k_lbhsd), stacked(cache_v_lbhsd)
-        if prefix_k_lphd is not None:
-            xs["k_prefix"], xs["v_prefix"] = prefix_k_lphd, prefix_v_lphd
+            xs["k_cache"], xs["v_cache"] = stacked(attend.k_cache), stacked(attend.v_cache)
+        if attend is not None and attend.k_prefix is not None:
+            xs["k_prefix"], xs["v_prefix"] = attend.k_prefix, attend.v_prefix
         tap_shape = x.shape if tap_rows is None else (x.shape[0], int(tap_rows)) + x.shape[2:]
         taps0 = tuple(jnp.zeros(tap_shape, x.dtype) for _ in tap_layers)
         (x, taps), (k_new, v_new) = self.layers((x, taps0), xs, ctx)

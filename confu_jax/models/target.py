@@ -25,11 +25,13 @@ Three forms of the contemplate query, one per use:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.kernels.flash_attention import CausalSegments
 from confu_jax.models.kv_cache import KVCache, commit
 from confu_jax.models.llama import Llama, LlamaConfig, LlamaOutput, rms_norm
@@ -141,14 +143,6 @@ def lm_head_matrix(cfg: LlamaConfig, target_params) -> tuple[jax.Array, int]:
     return shared["lm_head"]["kernel"], 1
 
 
-def segment_causal_mask(segment_ids_bn: jax.Array) -> jax.Array:
-    """[B,N,N] bool: causal and within one segment (packed rows: several conversations per row).
-
-    Block-diagonal causal: query n sees key m iff m <= n and both carry the same segment id, so no
-    attention crosses a document boundary (padding, segment 0, sees only padding)."""
-    return CausalSegments(segment_ids_bn).dense(*segment_ids_bn.shape)
-
-
 def real_forward(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array,
                  positions_bt: Optional[jax.Array] = None, *, return_logits: bool = True,
                  segment_ids_bt: Optional[jax.Array] = None) -> LlamaOutput:
@@ -164,7 +158,7 @@ def real_forward(spec: ModelSpec, target_params: dict, tokens_bt: jax.Array,
     if positions_bt is None:
         positions_bt = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
     # the mask by its structure, not its [B, N, N] entries: attention runs in flash form (kernels.flash_attention)
-    return _forward(spec, target_params, tokens_bt, positions_bt, block_mask_btt=CausalSegments(segment_ids_bt),
+    return _forward(spec, target_params, tokens_bt, positions_bt, attend=AttendTo(mask=CausalSegments(segment_ids_bt)),
                     tap_layers=spec.taps, return_logits=return_logits)
 
 
@@ -198,14 +192,11 @@ def contemplate_queries(spec: ModelSpec, target_params: dict, confu_params: dict
         None,
         pos_bk + 1,
         embeds_btd=emb_bkd,
-        block_mask_btt=eye,
-        cache_k_lbhsd=jax.lax.stop_gradient(k_lbhsd),
-        cache_v_lbhsd=jax.lax.stop_gradient(v_lbhsd),
-        cache_len_bt=anchors_bk + 1,
-        **({} if segment_start_bk is None else {"cache_start_bt": segment_start_bk.astype(jnp.int32)}),
-        prefix_k_lphd=confu_params["soft_prompt_k_lphd"],
-        prefix_v_lphd=confu_params["soft_prompt_v_lphd"],
-        prefix_visible_bt=jnp.ones((b, k), bool),
+        attend=AttendTo(mask=eye, k_cache=jax.lax.stop_gradient(k_lbhsd), v_cache=jax.lax.stop_gradient(v_lbhsd),
+                        cache_len=anchors_bk + 1,
+                        cache_start=None if segment_start_bk is None else segment_start_bk.astype(jnp.int32),
+                        k_prefix=confu_params["soft_prompt_k_lphd"], v_prefix=confu_params["soft_prompt_v_lphd"],
+                        prefix_visible=jnp.ones((b, k), bool)),
         return_logits=False,
         remat_layers=True,  # training differentiates through every layer to the soft prompts
         **({"tap_layers": spec.taps} if spec.head.future_taps else {}),
@@ -231,8 +222,8 @@ def prefill(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVC
         spec, target_params,
         tokens_bt,
         positions,
-        **(dict(cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd, cache_len_bt=cache.length_b)
-           if attend_cache else {}),
+        attend=AttendTo(k_cache=cache.k_lbhsd, v_cache=cache.v_lbhsd, cache_len=cache.length_b) if attend_cache
+        else None,
         tap_layers=spec.taps,
         return_logits=False,
     )
@@ -267,11 +258,11 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
     if depth_bt is None:
         depth_bt = depth_from_ancestors(anc_btt)
     tp = jax.lax.stop_gradient(target_params)
-    common = dict(cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd, cache_len_bt=cache.length_b,
-                  tap_layers=spec.taps, return_logits=False)
+    cached = AttendTo(k_cache=cache.k_lbhsd, v_cache=cache.v_lbhsd, cache_len=cache.length_b)
+    common = dict(tap_layers=spec.taps, return_logits=False)
     if not spec.has_future:
         positions = cache.length_b[:, None] + depth_bt.astype(jnp.int32)
-        out = _forward(spec, tp, tokens_bt, positions, block_mask_btt=anc_btt, **common)
+        out = _forward(spec, tp, tokens_bt, positions, attend=dataclasses.replace(cached, mask=anc_btt), **common)
         return VerifyOutput(lm_logits(spec, tp, out.hidden_btd), out.taps_btc, None,
                             out.k_new_lbthd, out.v_new_lbthd, out.hidden_btd)
     _require_future(spec, confu_params, "verify")
@@ -283,10 +274,11 @@ def verify(spec: ModelSpec, target_params: dict, confu_params: dict, cache: KVCa
     con_emb = con_embedding(spec, confu_params, con_src_bc)[:, None].astype(node_emb.dtype)
     embeds = jnp.concatenate([node_emb, jnp.broadcast_to(con_emb, (b, m, node_emb.shape[-1]))], axis=1)
     out = _forward(
-        spec, tp, None, positions, embeds_btd=embeds, block_mask_btt=mask,
-        prefix_k_lphd=confu_params["soft_prompt_k_lphd"], prefix_v_lphd=confu_params["soft_prompt_v_lphd"],
+        spec, tp, None, positions, embeds_btd=embeds,
+        attend=dataclasses.replace(cached, mask=mask, k_prefix=confu_params["soft_prompt_k_lphd"],
+                                   v_prefix=confu_params["soft_prompt_v_lphd"], prefix_visible=prefix_visible),
         # the nodes' taps only (tap_rows=t), unless f is the contemplates' taps (future_taps)
-        prefix_visible_bt=prefix_visible, tap_rows=None if spec.head.future_taps else t, **common)
+        tap_rows=None if spec.head.future_taps else t, **common)
     return VerifyOutput(
         lm_logits(spec, tp, out.hidden_btd[:, :t]),
         out.taps_btc[:, :t],

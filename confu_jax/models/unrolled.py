@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from confu_jax import sharding as shd
 from confu_jax.kernels import cpu_matmul
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.models.llama import PACKED_LM_HEAD, DecoderLayer, Llama, LlamaConfig, LlamaOutput, check_mlp_bias, layer_context
 
 
@@ -73,16 +74,9 @@ def apply_unrolled(
     positions_bt: jax.Array,
     *,
     embeds_btd: Optional[jax.Array] = None,
-    block_mask_btt: Optional[jax.Array] = None,
-    cache_k_lbhsd: Optional[jax.Array] = None,
-    cache_v_lbhsd: Optional[jax.Array] = None,
-    cache_len_bt: Optional[jax.Array] = None,
-    prefix_k_lphd: Optional[jax.Array] = None,
-    prefix_v_lphd: Optional[jax.Array] = None,
-    prefix_visible_bt: Optional[jax.Array] = None,
+    attend: Optional[AttendTo] = None,
     tap_layers: Sequence[int] = (),
     return_logits: bool = True,
-    cache_start_bt: Optional[jax.Array] = None,
     tap_rows: Optional[int] = None,
     mlp_bias_lbtf: Optional[jax.Array] = None,
 ) -> LlamaOutput:
@@ -93,9 +87,7 @@ def apply_unrolled(
         x = model.apply(shared, tokens_bt, method=Llama.embed_tokens)
     else:
         x = embeds_btd.astype(jnp.dtype(cfg.dtype))
-    ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, block_mask_btt, cache_len_bt,
-                                    cache_k_lbhsd is not None, prefix_visible_bt,
-                                    prefix_k_lphd is not None, tap_layers, cache_start_bt)
+    ctx, tap_layers = layer_context(cfg, x.shape[:2], positions_bt, attend, tap_layers)
     if mlp_bias_lbtf is not None:
         check_mlp_bias(cfg, mlp_bias_lbtf, x.shape[:2])
     tap_shape = x.shape if tap_rows is None else (x.shape[0], int(tap_rows)) + x.shape[2:]
@@ -106,10 +98,10 @@ def apply_unrolled(
         xs = {"layer": jnp.int32(i)}
         if mlp_bias_lbtf is not None:
             xs["mlp_bias"] = mlp_bias_lbtf[i]
-        if cache_k_lbhsd is not None:
-            xs["k_cache"], xs["v_cache"] = cache_k_lbhsd[i], cache_v_lbhsd[i]
-        if prefix_k_lphd is not None:
-            xs["k_prefix"], xs["v_prefix"] = prefix_k_lphd[i], prefix_v_lphd[i]
+        if attend is not None and attend.k_cache is not None:
+            xs["k_cache"], xs["v_cache"] = attend.k_cache[i], attend.v_cache[i]
+        if attend is not None and attend.k_prefix is not None:
+            xs["k_prefix"], xs["v_prefix"] = attend.k_prefix[i], attend.v_prefix[i]
         carry, (k, v) = layer.apply({"params": lp}, carry, xs, ctx)
         ks.append(k)
         vs.append(v)

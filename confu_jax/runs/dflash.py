@@ -30,6 +30,7 @@ class DFlashRun(NamedTuple):
     block_size: int
     step: int
     source: str
+    causal_head: bool = False  # dflash.causal_head: a JetSpec run (the block attends causally)
 
 
 def is_dflash_workdir(path: str) -> bool:
@@ -60,12 +61,15 @@ def load_dflash_run(workdir: str, target_cfg: LlamaConfig, target_params, *, ste
     dc = config["dflash"]
     return DFlashRun(jax.tree_util.tree_map(np.asarray, params["draft"]["dflash"]),
                      draft_config(target_cfg, int(dc["num_layers"])), run_taps(config, target_cfg),
-                     int(dc["mask_token_id"]), int(dc["block_size"]), step, f"{workdir} (step {step})")
+                     int(dc["mask_token_id"]), int(dc["block_size"]), step, f"{workdir} (step {step})",
+                     bool(dc.get("causal_head", False)))
 
 
 def export_dflash_run(workdir: str, out: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
-                      dtype: str = "float32", target_source: str = "the loaded target") -> DFlashRun:
-    """Write a run's draft in the published DFlash layout (``weights.dflash_format``)."""
+                      dtype: str = "float32", target_source: str = "the loaded target",
+                      causal_head: bool = False) -> DFlashRun:
+    """Write a run's draft in the published DFlash layout (``weights.dflash_format``); ``causal_head``: the
+    run must be a JetSpec run (``dflash.causal_head``), written with the flag — and a DFlash export refuses one."""
     from confu_jax.weights.dflash_format import save_dflash_dir
     from confu_jax.weights.head_dirs import store_dtype
 
@@ -75,8 +79,12 @@ def export_dflash_run(workdir: str, out: str, target_cfg: LlamaConfig, target_pa
         raise ValueError(f"{workdir}: not a DFlash launch.train workdir (config.json with a 'dflash' section + "
                          "checkpoints/)")
     run = load_dflash_run(workdir, target_cfg, target_params, step=step, target_source=target_source)
+    if run.causal_head != causal_head:
+        raise ValueError(f"{workdir}: a {'JetSpec' if run.causal_head else 'DFlash'} run (dflash.causal_head = "
+                         f"{run.causal_head}); export it with --format {'jetspec' if run.causal_head else 'dflash'}")
     save_dflash_dir(out, run.params, run.draft, taps=run.taps, mask_token_id=run.mask_token_id,
-                    block_size=run.block_size, num_target_layers=target_cfg.n_layers, dtype=store)
+                    block_size=run.block_size, num_target_layers=target_cfg.n_layers, dtype=store,
+                    causal_head=run.causal_head)
     return run
 
 
@@ -93,3 +101,18 @@ def _write_dflash(workdir, out, *, step=None, dtype=None, target, target_source,
 
 EXPORT_FORMAT = ExportFormat(name="dflash", write=_write_dflash, reads_target=True,
                              help="z-lab's DFlashDraftModel model.safetensors + config.json (a DFlash run)")
+
+
+def _write_jetspec(workdir, out, *, step=None, dtype=None, target, target_source, warn=None) -> str:
+    dtype = dtype or target_dtype(target_source)
+    run = export_dflash_run(workdir, out, *target, step=step, dtype=dtype_text(dtype), target_source=target_source,
+                            causal_head=True)
+    return (f"exported {workdir} (step {run.step}, JetSpec: {run.draft.n_layers} causal layers over target layers "
+            f"{[t - 1 for t in run.taps]}, block {run.block_size}, mask {run.mask_token_id}) to {out} in the "
+            f"jetspec format (DFlashDraftModel with dflash_config.causal_head; model.safetensors + config.json, "
+            f"{dtype_text(dtype)})")
+
+
+EXPORT_FORMAT_JETSPEC = ExportFormat(
+    name="jetspec", write=_write_jetspec, reads_target=True,
+    help="JetSpec's DFlashDraftModel (dflash_config.causal_head) model.safetensors + config.json (a JetSpec run)")

@@ -13,9 +13,10 @@ import ml_collections
 
 def default_train_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    # "module:function" building a confu_jax.train.task.TrainTask from the full config: the model,
-    # the objective and the data. The loop knows nothing else about what it trains.
-    c.task = "confu_jax.train.confu_task:build_task"
+    # what builds a confu_jax.train.task.TrainTask from the full config (the model, the objective and
+    # the data): a family's name in confu_jax.train.tasks.TASKS, or "package.module:function" for a
+    # task outside the package. The loop knows nothing else about what it trains.
+    c.task = "head"
     c.seed = 0
     c.steps = 1000
 

@@ -56,14 +56,28 @@ def default_dflash_config() -> ml_collections.ConfigDict:
     c.num_anchors = 512  # blocks per row
     c.loss_decay_gamma = 7.0  # w_k = exp(-(k-1)/γ); 0: unweighted
     c.init_std = 0.02
+    c.causal_head = False  # JetSpec's causal head: each block position sees the block up to itself
     return c
 
 
 def apply_dflash_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Turn a ``configs.common.base_config`` into a DFlash config (the head sections stay, unread;
     ``draft.tap_layers`` None = the reference's default 3 target layers of whatever target the run loads)."""
-    config.train.task = "confu_jax.train.dflash_task:build_task"
+    config.train.task = "dflash"  # train.tasks.TASKS
     config.dflash = default_dflash_config()
+    return config
+
+
+def apply_jetspec_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A JetSpec config from a base or DFlash config (hao-ai-lab/JetSpec @2c7b3fa; arXiv 2606.18394): DFlash's
+    draft and objective with the causal head (``dflash.causal_head``: block position k attends the context and block positions
+    0..k, the reference's ``_build_dflash_causal_attention_mask``). JetSpec's trainer is not published
+    (its head is "vendored from PTD/causal_parallel_drafting"); the objective here is DFlash's
+    (SpecForge's recipe) under that mask."""
+    if "dflash" not in config:
+        apply_dflash_defaults(config)
+    config.train.task = "jetspec"  # train.tasks.TASKS
+    config.dflash.causal_head = True
     return config
 
 
@@ -86,7 +100,7 @@ def block_accept_length(hit_bnk: jax.Array, valid_bnk: jax.Array, block_valid_bn
 
 
 def dflash_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,
-                gamma: float):
+                gamma: float, causal: bool = False):
     """(loss, metrics) of one batch (module docstring)."""
     tokens, mask = batch_arrays(batch)
     b, n = tokens.shape
@@ -101,7 +115,7 @@ def dflash_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anch
         cand = cand & same_segment_ahead(layout.segment_ids_bn, 1)
     anchors, block_valid = sample_anchors(rng, cand, num_anchors)  # [B,N]
     h = draft_blocks(p, spec.draft_model, spec.target, target_params, taps, tokens, anchors, mask_token_id,
-                     block_size, layout.positions_bn, layout.segment_start_bn)  # [B,N,bs,d]
+                     block_size, layout.positions_bn, layout.segment_start_bn, causal=causal)  # [B,N,bs,d]
     k = jnp.arange(block_size)
     idx = anchors[..., None] + k  # [B,N,bs]
     inside = idx < n
@@ -137,6 +151,7 @@ def build_task(config) -> TrainTask:
     dc = config.dflash
     bs, anchors, gamma = int(dc.block_size), int(dc.num_anchors), float(dc.loss_decay_gamma or 0.0)
     mask_id = int(dc.mask_token_id)
+    causal = bool(dc.get("causal_head", False))
     if bs < 2 or anchors < 1 or int(dc.num_layers) < 1:
         raise ValueError(f"config.dflash: need block_size >= 2, num_anchors >= 1, num_layers >= 1; got {bs}, "
                          f"{anchors}, {dc.num_layers}")
@@ -154,9 +169,10 @@ def build_task(config) -> TrainTask:
 
         def loss_fn(trainable, frozen, batch, rng):
             return dflash_loss(spec, trainable["draft"]["dflash"], frozen["target"], batch, rng, block_size=bs,
-                               num_anchors=anchors, mask_token_id=mask_id, gamma=gamma)
+                               num_anchors=anchors, mask_token_id=mask_id, gamma=gamma, causal=causal)
 
-        return init_params, loss_fn, (f"DFlash: {dc.num_layers} {target_name(config)!r}-shaped layers over "
+        return init_params, loss_fn, (f"{'JetSpec (causal head)' if causal else 'DFlash'}: {dc.num_layers} "
+                                      f"{target_name(config)!r}-shaped layers over "
                                       f"taps {spec.taps}, blocks of {bs} (mask {mask_id}), {anchors} anchors "
                                       f"a row, decay γ={gamma}")
 

@@ -64,7 +64,7 @@ def default_dspark_config() -> ml_collections.ConfigDict:
 
 def apply_dspark_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Turn a ``configs.common.base_config`` into a DSpark config (the head sections stay, unread)."""
-    config.train.task = "confu_jax.train.dspark_task:build_task"
+    config.train.task = "dspark"  # train.tasks.TASKS
     config.dspark = default_dspark_config()
     return config
 

@@ -41,7 +41,8 @@ from confu_jax.train.optim import make_optimizer
 from confu_jax.train.state import param_count, state_builder
 from confu_jax.train.step import CompiledStep, make_eval_step, make_train_step
 from confu_jax.train.throughput import Meter, device_peak_flops, parse_profile_steps
-from confu_jax.train.task import TrainTask, load_task, resolve_run_config
+from confu_jax.train.task import TrainTask, resolve_run_config
+from confu_jax.train.tasks import load_task
 from confu_jax.weights.eagle3_formats import detect_format
 
 Hook = Callable[[int, Any, dict], None]  # (step, state, device metrics) after each step
@@ -111,7 +112,7 @@ def compile_report(config, task: Optional[TrainTask] = None, mesh=None, time_ste
     first, on the devices in its shardings (a step's cost does not depend on the values): how the
     8B training step is timed on one GPU with nothing downloaded."""
     from confu_jax.devices import compiling_for, platform_name
-    from confu_jax.topology import memory_report, out_of_memory
+    from confu_jax.topology import memory_report, out_of_memory, untuned_tiling
 
     if topology is not None:
         if time_steps:
@@ -136,6 +137,9 @@ def compile_report(config, task: Optional[TrainTask] = None, mesh=None, time_ste
         except Exception as e:  # noqa: BLE001 - the compiler's "does not fit" is an answer, not a failure
             oom = out_of_memory(e, dev_mem) if topology is not None else None
             if oom is None:
+                hint = untuned_tiling(e) if topology is not None else None
+                if hint is not None:
+                    raise hint from e
                 raise
             return dict(where, **oom, compile_s=round(time.time() - t1, 1), memory_per_device=None)
     flops = step.matmul_flops()
@@ -201,7 +205,7 @@ def _time_steps(run: RunSetup, step: CompiledStep, batch, flops: float, n: int) 
 def setup_run(config, task: Optional[TrainTask] = None, mesh=None) -> RunSetup:
     tc = config.train
     mesh = mesh if mesh is not None else shd.make_mesh(tc.mesh.data, tc.mesh.fsdp, tc.mesh.tensor)
-    resolve_run_config(config, mesh)
+    config = resolve_run_config(config, mesh)
     task = task if task is not None else load_task(config)
     tx, schedule = make_optimizer(tc.optim, tc.steps)
     build = state_builder(task.init_params, tx, int(tc.seed))
@@ -414,6 +418,7 @@ def evaluate_only(config, workdir: str, task: Optional[TrainTask] = None, mesh=N
     export) in a fresh workdir. Returns ``{'step', 'source', 'eval': {metric: mean}}`` and writes it
     to ``<workdir>/eval_only.json``. The metrics are those training writes to eval.csv at the same
     parameters (plus, at any step, what the objective only computes in evaluation)."""
+    config = resolve_run_config(config, mesh)  # before the resume check: it compares resolved values
     tc = config.train
     pidx, pcount = jax.process_index(), jax.process_count()
     main = pidx == 0
@@ -502,10 +507,10 @@ def train(config, workdir: str, hooks: Sequence[Hook] = (), task: Optional[Train
 
 def _train_locked(config, workdir: str, hooks: Sequence[Hook], task: Optional[TrainTask],
                   mesh) -> TrainResult:
+    config = resolve_run_config(config, mesh)  # before the resume check: it compares resolved values
     tc = config.train
     pidx, pcount = jax.process_index(), jax.process_count()
     main = pidx == 0
-    resolve_run_config(config, mesh)  # before the resume check: it compares resolved values
     milestones = parse_milestones(tc.get("milestones", ""))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=tc.checkpoint.every,
                         keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save, milestones=milestones,

@@ -52,7 +52,7 @@ def default_medusa_config() -> ml_collections.ConfigDict:
 
 def apply_medusa_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Turn a ``configs.common.base_config`` into a Medusa config (the head sections stay, unread)."""
-    config.train.task = "confu_jax.train.medusa_task:build_task"
+    config.train.task = "medusa"  # train.tasks.TASKS
     config.medusa = default_medusa_config()
     return config
 

@@ -57,7 +57,7 @@ def default_mlp_speculator_config() -> ml_collections.ConfigDict:
 
 def apply_mlp_speculator_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Turn a ``configs.common.base_config`` into an MLP speculator config (the head sections stay, unread)."""
-    config.train.task = "confu_jax.train.mlp_speculator_task:build_task"
+    config.train.task = "mlp_speculator"  # train.tasks.TASKS
     config.mlp_speculator = default_mlp_speculator_config()
     return config
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from confu_jax.models.mtp import init_mtp, mtp_logits, mtp_sequence
-from confu_jax.models.target import real_forward, segment_causal_mask
+from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.train.acceptance import heads_acceptance_length, masked_head_terms
 from confu_jax.train.rows import batch_arrays, row_layout, same_segment_ahead, shift_ahead
@@ -57,7 +57,7 @@ def default_mtp_config() -> ml_collections.ConfigDict:
 
 def apply_mtp_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Turn a ``configs.common.base_config`` into an MTP config (the head sections stay, unread)."""
-    config.train.task = "confu_jax.train.mtp_task:build_task"
+    config.train.task = "mtp"  # train.tasks.TASKS
     config.mtp = default_mtp_config()
     return config
 
@@ -73,7 +73,6 @@ def mtp_loss(spec, mtp, target_params, batch, *, num_depths: int, loss_weight: f
     tgt = real_forward(spec, target_params, tokens, layout.positions_bn, return_logits=False,
                        segment_ids_bt=layout.segment_ids_bn)
     h = jax.lax.stop_gradient(tgt.hidden_btd)
-    block_mask = None if layout.segment_ids_bn is None else segment_causal_mask(layout.segment_ids_bn)
     vocab = spec.target.vocab_size
 
     @jax.checkpoint  # the [B, N, V] logits of one depth are recomputed in the backward pass
@@ -85,7 +84,7 @@ def mtp_loss(spec, mtp, target_params, batch, *, num_depths: int, loss_weight: f
     metrics, hits = {}, []
     for k in range(1, num_depths + 1):
         # depth k at i reads x[i+k] (teacher forcing) and h^{k-1}[i]; predicts x[i+k+1]
-        h = mtp_sequence(mtp, spec.target, target_params, shift_ahead(tokens, k, 0), h, layout.positions_bn, block_mask)
+        h = mtp_sequence(mtp, spec.target, target_params, shift_ahead(tokens, k, 0), h, layout.positions_bn, layout.segment_ids_bn)
         labels = shift_ahead(tokens, k + 1, 0)
         valid = shift_ahead(mask, k + 1, False)
         if layout.segment_ids_bn is not None:

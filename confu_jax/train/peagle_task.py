@@ -62,7 +62,7 @@ def default_peagle_config() -> ml_collections.ConfigDict:
 def apply_peagle_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A head config (``configs.common.base_config(..., 'peagle')``) turned into a P-EAGLE run: this task,
     ``config.peagle``, and no TTT (P-EAGLE trains without it)."""
-    config.train.task = "confu_jax.train.peagle_task:build_task"
+    config.train.task = "peagle"  # train.tasks.TASKS
     config.peagle = default_peagle_config()
     return config
 

@@ -68,7 +68,7 @@ def default_sd2_config() -> ml_collections.ConfigDict:
 
 def apply_sd2_defaults(config: ml_collections.ConfigDict, drafter: str = "self:8") -> ml_collections.ConfigDict:
     """Turn a ``configs.common.base_config`` into an SD² config (the head sections stay, unread)."""
-    config.train.task = "confu_jax.train.sd2_task:build_task"
+    config.train.task = "sd2"  # train.tasks.TASKS
     config.sd2 = default_sd2_config()
     config.sd2.drafter = drafter
     return config

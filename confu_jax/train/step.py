@@ -86,7 +86,7 @@ class CompiledStep:
         multiplied out, which XLA's cost analysis does not do); traced again, not run."""
         from confu_jax.train.throughput import matmul_flops
 
-        with activation_mesh(self._mesh):
+        with activation_mesh(self._mesh, train=True):
             return matmul_flops(self._fn, *self._abstract_args)
 
     def __call__(self, state, batch):
@@ -120,7 +120,7 @@ def _compile(fn, mesh: Mesh, state, state_shardings, frozen, frozen_shardings, b
         donate_argnums=(0,) if donate else (),
     )
     args = (_abstract(state, state_shardings), _abstract(frozen, frozen_shardings), _abstract(batch, batch_shardings))
-    with activation_mesh(mesh):  # confu_jax.sharding.constrain() is live while tracing
+    with activation_mesh(mesh, train=True):  # confu_jax.sharding.constrain() is live while tracing
         lowered = jitted.lower(*args)
     return CompiledStep(jitted, lowered, lowered.compile(), frozen, fn, args, mesh)
 

@@ -139,7 +139,7 @@ def write_store(config, out_dir: str, *, top_k: int, dtype: str, batch_size: int
     from confu_jax.train.target_loading import load_target
     from confu_jax.train.task import resolve_run_config
 
-    resolve_run_config(config)  # a config without a preset is sized by its checkpoint; the batch by the devices
+    config = resolve_run_config(config)  # a config without a preset is sized by its checkpoint; the batch by the devices
     spec, target_host = load_target(config, model_spec_from_config(config))
     if config.model.source == "random":
         raise ValueError("target features need conversations and a tokenizer: config.model.source='random' "

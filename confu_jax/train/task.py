@@ -1,18 +1,20 @@
 """What the training loop needs to know about *what* it trains, as one object.
 
 The loop (mesh, optimizer, sharded step, checkpoints, multi-host, logging) is generic; a task
-supplies the model, the objective and the data. ``config.train.task`` names a
-``"module:function"`` that builds a :class:`TrainTask` from the full config, so the ConFu
-objective, the EAGLE-3 baseline and the small test task plug in without touching the loop.
+supplies the model, the objective and the data. ``config.train.task`` names the function that
+builds a :class:`TrainTask` from the full config (a family's name in ``train.tasks.TASKS``, or
+``"package.module:function"`` for a task outside the package), so every family's objective and the
+small test task plug in without touching the loop.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import importlib
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import ml_collections
 
 from confu_jax import sharding as shd
 from confu_jax.train.streams import DataIterator
@@ -70,13 +72,25 @@ def data_parallel_devices(config, mesh=None) -> int:
     return max(data * fsdp, 1)
 
 
-def resolve_run_config(config, mesh=None, strict: bool = True) -> None:
-    """Settle, in place, what a config leaves to the run: the target's architecture, dtypes and draft
-    vocabulary from its checkpoint (``target_loading.resolve_target``) and ``data.global_batch_size``
-    0 -> 16 rounded up to a multiple of the data-parallel devices. An explicit batch that does not
-    divide over them is refused (``strict``), naming both numbers. ``mesh``: the run's mesh when the
-    caller has one (else ``config.train.mesh``'s). Idempotent; runs before the resume check, so a
-    resumed run compares resolved values with its saved config.json."""
+def resolve_run_config(config, mesh=None, strict: bool = True) -> ml_collections.FrozenConfigDict:
+    """The run's config with what a config leaves to the run settled, as a frozen value: the target's
+    architecture, dtypes and draft vocabulary from its checkpoint (``target_loading.resolve_target``)
+    and ``data.global_batch_size`` 0 -> 16 rounded up to a multiple of the data-parallel devices. An
+    explicit batch that does not divide over them is refused (``strict``), naming both numbers.
+    ``mesh``: the run's mesh when the caller has one (else ``config.train.mesh``'s).
+
+    Resolved once: the caller's config is not changed, and a frozen config (one this returned) comes
+    back as is, so the launcher, the loop, the task and the resume check all read the same value and
+    none can change it. Runs before the resume check, which compares resolved values with the saved
+    config.json."""
+    if isinstance(config, ml_collections.FrozenConfigDict):
+        return config
+    config = copy.deepcopy(config)
+    _resolve_in_place(config, mesh, strict)
+    return ml_collections.FrozenConfigDict(config)
+
+
+def _resolve_in_place(config, mesh, strict: bool) -> None:
     if "model" in config and "source" in config.model:
         from confu_jax.train.target_loading import resolve_target
 
@@ -97,28 +111,6 @@ def resolve_run_config(config, mesh=None, strict: bool = True) -> None:
     g = int(config.data.global_batch_size)
     if g % jax.process_count():
         raise ValueError(f"data.global_batch_size={g} does not divide over {jax.process_count()} processes")
-
-
-def load_task(config) -> TrainTask:
-    """Build the task named by ``config.train.task`` ('package.module:function'), after sizing the
-    config from its checkpoint (``target_loading.resolve_target``: fills ``config.model.arch``) and
-    its default batch; the run's own mesh checks the batch (``setup_run``)."""
-    resolve_run_config(config, strict=False)
-    spec = config.train.task
-    if ":" not in spec:
-        raise ValueError(f"config.train.task={spec!r}: expected 'package.module:function'")
-    mod_name, fn_name = spec.split(":", 1)
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ImportError(f"config.train.task={spec!r}: cannot import module {mod_name!r}: {e}") from e
-    fn = getattr(mod, fn_name, None)
-    if fn is None:
-        raise AttributeError(f"config.train.task={spec!r}: module {mod_name!r} has no {fn_name!r}")
-    task = fn(config)
-    if not isinstance(task, TrainTask):
-        raise TypeError(f"config.train.task={spec!r} returned {type(task).__name__}, expected TrainTask")
-    return task
 
 
 def task_data(config, spec, target_host):

@@ -9,7 +9,7 @@ serve them (``"method": "dflash"``), and SpecForge writes the same layout
     config.json        model_type "qwen3", architectures ["DFlashDraftModel"], the draft's Qwen3 layer
                        config (hidden_size = the target's, num_hidden_layers, heads, head_dim,
                        intermediate_size, rms_norm_eps, rope_theta / rope_scaling), block_size,
-                       num_target_layers, dflash_config {mask_token_id, target_layer_ids}
+                       num_target_layers, dflash_config {mask_token_id, target_layer_ids[, causal_head]}
     model.safetensors  fc.weight [d, m*d], hidden_norm.weight, norm.weight,
                        layers.{i}.{input_layernorm, post_attention_layernorm}.weight,
                        layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
@@ -19,6 +19,10 @@ The embedding and LM head are the target's (the reference calls ``target.model.e
 ``target.lm_head``); the file holds none. ``target_layer_ids`` are HF ``hidden_states`` indices minus one
 (outputs of those layers): this project's taps ``l + 1`` (``models.dflash.taps_for_layer_ids``).
 Without ``target_layer_ids`` the reference's ``build_target_layer_ids(num_target_layers, num_hidden_layers)``.
+
+JetSpec's heads (hao-ai-lab/JetSpec ``jetspec/models/draft_head.py`` @2c7b3fa, e.g. ``JetSpec/jetspec-qwen3-8b``)
+are this layout with ``dflash_config.causal_head: true`` (its ``DFlashDraftModel`` reads the flag, default
+false: the block attends causally inside): ``causal_head`` on import and export.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class ImportedDFlash(NamedTuple):
     taps: tuple  # this project's taps (target_layer_ids + 1)
     num_target_layers: int
     source: str
+    causal_head: bool = False  # dflash_config.causal_head: a JetSpec head (the block attends causally)
 
 
 def is_dflash_dir(path: str) -> bool:
@@ -82,18 +87,20 @@ def load_dflash_dir(directory: str) -> ImportedDFlash:
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
     return ImportedDFlash(params, draft, int(c.get("block_size") or 16), int(dc["mask_token_id"]),
-                          taps_for_layer_ids(ids), n_target, directory)
+                          taps_for_layer_ids(ids), n_target, directory, bool(dc.get("causal_head", False)))
 
 
 def save_dflash_dir(directory: str, params: dict, draft: LlamaConfig, *, taps, mask_token_id: int, block_size: int,
-                    num_target_layers: int, dtype=np.float32) -> None:
-    """Write ``model.safetensors`` + ``config.json`` (``dtype``: float32, float16 or bfloat16)."""
+                    num_target_layers: int, dtype=np.float32, causal_head: bool = False) -> None:
+    """Write ``model.safetensors`` + ``config.json`` (``dtype``: float32, float16 or bfloat16; ``causal_head``:
+    a JetSpec head, written as ``dflash_config.causal_head: true``)."""
     ids = [int(t) - 1 for t in taps]
     cfg = {k: v for k, v in hf_config_dict(draft).items() if k not in ("dtype",)}
     cfg.update({"architectures": [ARCHITECTURE], "model_type": "qwen3",
                 "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": int(block_size),
                 "num_target_layers": int(num_target_layers),
-                "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": ids},
+                "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": ids,
+                                  **({"causal_head": True} if causal_head else {})},
                 "layer_types": ["full_attention"] * draft.n_layers, "use_sliding_window": False,
                 "sliding_window": None, "torch_dtype": dtype_name(dtype)})
     os.makedirs(directory, exist_ok=True)

@@ -27,11 +27,12 @@ CAMPAIGN_FAMILIES = ("medusa", "mlp_speculator", "mtp", "dflash")
 
 
 def family_record(method: str):
-    """The package's ``DrafterFamily`` of a run's method (eagle3 / confu: the heads'); imported late, as
-    the package's dependencies are installed by the campaign's setup stage."""
-    from confu_jax.decode.families import family_of
+    """The package's catalog entry (``confu_jax.catalog.Entry``: configs, ``packs_rows``) of a run's method
+    (eagle3 / confu: the heads'); imported late, as the package's dependencies are installed by the
+    campaign's setup stage."""
+    from confu_jax.catalog import entry_of
 
-    return family_of(method)
+    return entry_of(method)
 
 
 # Device limits (/work/.library/device/README.md): what travels and what comes back per call.

@@ -25,7 +25,7 @@ class TrainStages:
         train_files = self.training_releases()
         o = {
             "data.train_files": ",".join(train_files), "data.max_length": s.train_len,
-            # the families whose training reads padded rows (``DrafterFamily.packs_rows`` false: Medusa, the
+            # the families whose training reads padded rows (``catalog.Entry.packs_rows`` false: Medusa, the
             # MLP speculator, DFlash) carry fewer answer tokens at the same rows x length (the campaign's
             # token-steps); their metrics.csv says how many they saw
             "data.global_batch_size": self.train_batch(run), "data.pack": family_record(run).packs_rows,

@@ -101,8 +101,8 @@ def test_the_same_program_compiled_for_this_cpu_keeps_its_custom_call():
     assert cpu_matmul.TARGET in _custom_calls(traced["ar"].lower().compile())
 
 
-def _cli(*args, timeout=600):
-    env = dict(os.environ, PYTHONPATH=REPO)
+def _cli(*args, timeout=600, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=REPO, **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -134,6 +134,27 @@ def test_launch_train_answers_will_it_fit_for_a_tpu_pod_and_an_h100_node(tmp_pat
     r = json.loads(out.read_text())
     assert r["fits"] is False and r["per_device_peak_bytes"] > 16 * GIB and "DOES NOT FIT" in p.stdout
     assert "RESOURCE_EXHAUSTED" in r["compile_error"]
+
+
+@pytest.mark.slow
+def test_an_untuned_gemm_tiling_is_one_line_that_says_how_to_compile_it(tmp_path):
+    """XLA:GPU without a device (no autotuning) finds no valid default Triton tiling for a GEMM of
+    P-EAGLE's 8B step at 16 rows of 4096 on 8 H100s: one line naming the GEMM and the XLA flag, and the
+    same command with that flag compiles (its GEMMs through cuBLAS) and fits."""
+    args = ("launch.train", "--config", "configs/smollm2_peagle.py", "--compile_only", "--topology=h100:8",
+            "--config.model.source=abstract", "--config.model.preset=llama-3.1-8b", "--config.model.dtype=bfloat16",
+            "--config.data.max_length=4096", "--config.data.global_batch_size=16", "--config.train.mesh.data=1",
+            "--config.train.mesh.fsdp=8", f"--out={tmp_path / 'r.json'}")
+    p = _cli(*args)
+    if p.returncode == 0:
+        pytest.skip("this XLA:GPU finds a default tiling for P-EAGLE's GEMMs: nothing to say")
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and err[-1].startswith("launch.train: XLA:GPU compiling without a device"), p.stderr[-2000:]
+    assert f"XLA_FLAGS={tp.TRITON_GEMM_OFF}" in err[-1] and "f32[8192,1024]" in err[-1], err[-1]
+    p = _cli(*args, env_extra={"XLA_FLAGS": tp.TRITON_GEMM_OFF})
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["fits"] is True and 16 * GIB < r["per_device_peak_bytes"] < r["device_memory_bytes"], r
 
 
 @pytest.mark.slow

@@ -11,11 +11,10 @@ import runpy
 import jax
 import pytest
 
-from confu_jax.decode import families
-from confu_jax.train.task import load_task
+from confu_jax import catalog
+from confu_jax.train.tasks import load_task
 
-CONFIGS = sorted({c for rec in families.FAMILIES.values() if rec.train_task for c in rec.configs
-                  if "smollm2_" in c})
+CONFIGS = sorted({c for e in catalog.training() for c in e.configs if "smollm2_" in c})
 ROWS, BATCH = 256, 4
 
 

@@ -1,12 +1,11 @@
 """The drafter-family registry's contract (``decode.families``), checked for every record: the methods
 and the records name each other, every plan a record offers reads back to the same drafter, its
-training entry point and configs agree, its export formats are the CLI's, and what it loads with no
+catalog entry's training task and configs agree, its export formats are the CLI's, and what it loads with no
 source drafts its default plan. The plan types (``decode.plans``) and acceptance rules are values.
 Per-family decoding (greedy = AR, chi-square, sharded, export, resume) lives in each family's tests."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import runpy
 import subprocess
@@ -15,6 +14,7 @@ import sys
 import jax
 import pytest
 
+from confu_jax import catalog
 from confu_jax.decode import families, plans
 from confu_jax.decode import verify as verify_lib
 from confu_jax.models.presets import get_preset
@@ -49,19 +49,41 @@ def test_every_offered_plan_reads_back_to_the_same_drafter(family):
     assert rec.chains, "budget auto needs chains to calibrate"
 
 
-@pytest.mark.parametrize("family", [f for f in RECORDS if families.FAMILIES[f].train_task])
-def test_training_entry_point_and_configs_agree(family):
-    rec = families.FAMILIES[family]
-    module, _, fn = rec.train_task.partition(":")
-    assert callable(getattr(importlib.import_module(module), fn))
-    assert rec.configs
-    for path in rec.configs:
+def test_the_catalog_pairs_every_record_with_its_training():
+    assert set(catalog.CATALOG) == set(families.FAMILIES)
+    for name, e in catalog.CATALOG.items():
+        assert e.drafter is families.FAMILIES[name]
+        assert e.trains == bool(e.configs) == bool(e.tiny_config), name  # a family trains with configs or not at all
+    assert catalog.entry_of("eagle3") is catalog.entry_of("confu") is catalog.CATALOG["head"]
+    with pytest.raises(ValueError, match="expected one of"):
+        catalog.entry("bogus")
+
+
+@pytest.mark.parametrize("family", [e.name for e in catalog.training()])
+def test_training_task_and_configs_agree(family):
+    from confu_jax.train.tasks import TASKS, resolve
+
+    e = catalog.entry(family)
+    assert TASKS[family] is e.build_task  # config.train.task is the family's name
+    for path in e.configs:
         config = runpy.run_path(os.path.join(REPO, path))["get_config"]()
-        assert config.train.task == rec.train_task, path
+        assert resolve(config.train.task) is e.build_task, path
     from tests.helpers.train_resume import tiny_run_config
 
-    tiny = tiny_run_config(rec.tiny_config)  # the tiny config trains this family, on the tiny target
-    assert tiny.train.task == rec.train_task and tiny.model.preset == "tiny", rec.tiny_config
+    tiny = tiny_run_config(e.tiny_config)  # the tiny config trains this family, on the tiny target
+    assert resolve(tiny.train.task) is e.build_task and tiny.model.preset == "tiny", e.tiny_config
+
+
+def test_a_task_is_named_by_its_family_or_by_an_importable_function():
+    from confu_jax.train.tasks import resolve
+
+    from tests.helpers import toy_task
+
+    assert resolve("tests.helpers.toy_task:build_task") is toy_task.build_task  # a task outside the package
+    with pytest.raises(ValueError, match=r"expected one of \['dflash'.*'package.module:function'"):
+        resolve("medusa_task")
+    with pytest.raises(AttributeError, match="has no 'nope'"):
+        resolve("tests.helpers.toy_task:nope")
 
 
 def test_export_formats_are_the_clis_and_belong_to_one_family_each():

@@ -94,8 +94,14 @@ def test_greedy_equals_ar_for_every_family_and_plan_shape(family, target):
         assert np.array_equal(np.asarray(out.stop_reason_b), np.asarray(ar_eos.stop_reason_b)), (family, text)
 
 
+# JetSpec's sharded check lives in tests/unit/test_jetspec.py: run here, before SD²'s in the same process,
+# jaxlib 0.10.2 on CPU crashed (SIGSEGV in compilation_cache.put_executable_and_time) serialising SD²'s 8-device
+# program, reproducibly under xdist; each passes alone. Its code path is DFlash's, checked here.
+SHARDED = [f for f in RECORDS if f != "jetspec"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", RECORDS)
+@pytest.mark.parametrize("family", SHARDED)
 def test_sharded_equals_single_device_for_every_family(family, target):
     rec, tgt, dp, plans = _loaded(family, target)
     tree = next((p for p in plans if not p.startswith("chain:")), plans[0])  # a tree where the family has one

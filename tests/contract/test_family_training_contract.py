@@ -1,5 +1,5 @@
 """The training contract, checked for every record of the drafter-family registry that trains
-(``decode.families.FAMILIES``, ``train_task`` set): its ``tiny_config`` trains on the random tiny target;
+(``confu_jax.catalog``: the entries with a training task): its ``tiny_config`` trains on the random tiny target;
 a run killed after step 7 and started again logs the uninterrupted run's losses exactly; every export
 format the record lists, written by ``launch.export_head`` from the resumed run, loads back through the
 record's loader to the run's own drafter weights. A family added to the registry is checked here without
@@ -16,11 +16,12 @@ import jax
 import numpy as np
 import pytest
 
+from confu_jax import catalog
 from confu_jax.decode import families
 from confu_jax.decode.families import METHODS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRAINED = sorted(f for f, rec in families.FAMILIES.items() if rec.train_task)
+TRAINED = sorted(e.name for e in catalog.training())
 
 
 @pytest.mark.slow
@@ -35,8 +36,9 @@ def test_training_resumes_after_a_kill_and_every_export_loads_back(family, tmp_p
     from confu_jax.train.target_loading import load_target
 
     rec = families.FAMILIES[family]
-    workdir, env = assert_killed_run_resumes(tmp_path, rec.tiny_config)
-    config = tiny_run_config(rec.tiny_config)
+    tiny = catalog.entry(family).tiny_config
+    workdir, env = assert_killed_run_resumes(tmp_path, tiny)
+    config = tiny_run_config(tiny)
     variant = config.confu.variant
     method = next(n for n, m in METHODS.items() if m.family == family and (not m.variants or m.variants[0] == variant))
     spec, tp = load_target(config, model_spec_from_config(config))

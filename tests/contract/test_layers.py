@@ -79,12 +79,34 @@ def test_no_import_cycle_between_subpackages():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("low,high", [("models", "decode"), ("models", "train"), ("models", "bench"),
-                                      ("kernels", "models"), ("decode", "train"), ("decode", "bench"),
+                                      ("kernels", "models"), ("decode", "train"), ("train", "decode"), ("decode", "bench"),
                                       ("runs", "train"), ("runs", "decode"), ("weights", "train"),
-                                      ("data", "train")])
+                                      ("data", "train"), ("decode", "catalog"), ("train", "catalog"),
+                                      ("runs", "catalog"), ("models", "catalog")])
 def test_lower_layer_never_imports_a_higher_one(low, high):
     bad = [(s, d) for s, d, _ in _imports() if _unit(s) == low and _unit(d) == high]
     assert not bad, f"{low} imports {high}: {bad}"
+
+
+def test_no_module_path_in_a_string():
+    """Every edge between the package's modules is an import this file sees: no ``'confu_jax.x.y:fn'``
+    (or ``'confu_jax.x.y'``) string constant names a module to import at run time."""
+    import re
+
+    pat = re.compile(r"^(confu_jax(?:\.\w+)+)(:\w+)?$")
+
+    def names_a_module(text):  # format tags such as 'confu_jax.data_release' name no module
+        m = pat.match(text)
+        if not m:
+            return False
+        rel = PKG.parent / m.group(1).replace(".", "/")
+        return bool(m.group(2)) or rel.with_suffix(".py").exists() or (rel / "__init__.py").exists()
+
+    bad = [(str(path.relative_to(PKG.parent)), node.value) for path in sorted(PKG.rglob("*.py"))
+           for node in ast.walk(ast.parse(path.read_text(), str(path)))
+           if isinstance(node, ast.Constant) and isinstance(node.value, str) and names_a_module(node.value)]
+    assert not bad, bad
+    assert names_a_module("confu_jax.train.medusa_task:build_task") and names_a_module("confu_jax.train.loop")
 
 
 def test_no_private_names_imported_across_modules():
@@ -108,7 +130,7 @@ def test_no_import_cycle_between_modules_of_a_layer(unit):
 
 
 def test_every_subpackage_is_checked():
-    assert set(SUBPACKAGES) >= {"bench", "data", "decode", "kernels", "models", "runs", "train", "weights"}
+    assert set(SUBPACKAGES) >= {"bench", "catalog", "data", "decode", "kernels", "models", "runs", "train", "weights"}
 
 
 def test_the_scan_detects_a_cycle():

@@ -32,7 +32,7 @@ def test_objective_sections_of_every_config():
     from configs.smollm2_confu import get_config
 
     c = get_config()
-    assert c.train.task == "confu_jax.train.confu_task:build_task"
+    assert c.train.task == "head"
     train, ev = objective_from_config(c), objective_from_config(c, evaluation=True)
     assert (train.k_train, train.replication, train.max_lag, train.ttt_steps) == (256, 3, 7, 7)
     assert (ev.k_train, ev.replication) == (ALL_POSITIONS, 0)

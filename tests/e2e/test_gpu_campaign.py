@@ -425,7 +425,7 @@ def test_gpu15_scale_trains_on_the_repository_releases(tmp_path, monkeypatch):
     assert overrides["draft.draft_vocab_size"] == "4096" and s.e3_init == "releases/heads/smollm2_eagle3"
     # the second H200 loan: 64 rows x 2048 ran out of memory; workers off, as the run that trained
     assert overrides["data.global_batch_size"] == "32" and overrides["data.num_workers"] == "0"
-    # rows are packed where the family's training is (the registry's DrafterFamily.packs_rows)
+    # rows are packed where the family's training is (the catalog's Entry.packs_rows)
     packs = {run: dict(o[len("--config."):].split("=", 1) for o in c.train_overrides(run))["data.pack"]
              for run in ("eagle3", "confu", "mtp", "medusa", "mlp_speculator", "dflash")}
     assert packs == {"eagle3": "True", "confu": "True", "mtp": "True", "medusa": "False", "mlp_speculator": "False",

@@ -3,6 +3,8 @@ consistent; the device peak table (``confu_jax.devices``) is the one the trainin
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from confu_jax.bench import kernel_cost as kb
@@ -82,9 +84,9 @@ def test_bytes_model_counts_the_tiles_the_kernel_loads(tiling):
 
     c = CASES[5]  # 20 queries x G 3 = 60 rows per KV head, cache of 48 slots, 4 soft prompts
     for lens in ((48, 17), (0, 30)):
-        args = list(make_inputs(c))
-        args[6] = jnp.asarray(lens, jnp.int32)
-        _, tiles = ta.masked_attention_pallas(*args, interpret=True, count_tiles=True, **tiling)
+        q, kb_, vb, to = make_inputs(c)
+        to = dataclasses.replace(to, cache_len=jnp.asarray(lens, jnp.int32))
+        _, tiles = ta.masked_attention_pallas(q, kb_, vb, to, interpret=True, count_tiles=True, **tiling)
         tiles = np.asarray(tiles)  # [B, Hkv, J, 2]
         for b, n in enumerate(lens):
             model = kb.kernel_bytes(1, c.t, c.hq, c.hkv, c.d, n, c.p, 4, s_capacity=c.s, **tiling)

@@ -80,11 +80,12 @@ def test_global_batch_defaults_to_a_multiple_of_the_data_parallel_devices(qwen_d
     config = eagle3_config.get_config()
     config.model.source = qwen_dir
     assert config.data.global_batch_size == 0
-    resolve_run_config(config, _mesh(data=32, fsdp=1, tensor=1))  # a 32-chip pod
-    assert config.data.global_batch_size == 32
-    config.data.global_batch_size = 0
-    resolve_run_config(config, _mesh(data=2, fsdp=2, tensor=2))  # 4 data-parallel devices
-    assert config.data.global_batch_size == 16
+    resolved = resolve_run_config(config, _mesh(data=32, fsdp=1, tensor=1))  # a 32-chip pod
+    assert resolved.data.global_batch_size == 32 and config.data.global_batch_size == 0  # the caller's is kept
+    assert resolve_run_config(resolved, _mesh(data=2, fsdp=2, tensor=2)) is resolved  # resolved once
+    with pytest.raises(AttributeError, match="immutable"):
+        resolved.data.global_batch_size = 8
+    assert resolve_run_config(config, _mesh(data=2, fsdp=2, tensor=2)).data.global_batch_size == 16  # 4 dp devices
     config.data.global_batch_size = 24
     with pytest.raises(ValueError, match=r"data.global_batch_size=24 does not divide over the 32 data-parallel "
                                          r"devices.*multiple of 32"):

@@ -8,6 +8,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from confu_jax.kernels.attention_reference import AttendTo
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -80,7 +82,8 @@ def make_inputs(c: Case, seed: int = 0):
     lens = jnp.asarray(c.lens, jnp.int32) if c.s else None
     kp, vp = (normal(c.p, c.hkv, c.d), normal(c.p, c.hkv, c.d)) if c.p else (None, None)
     pvis = jnp.asarray(np.broadcast_to(np.arange(c.t) % 2 == 1, (c.b, c.t))) if c.p else None
-    return (q, kb, vb, jnp.asarray(mask), kc, vc, lens, kp, vp, pvis)
+    return (q, kb, vb, AttendTo(mask=jnp.asarray(mask), k_cache=kc, v_cache=vc, cache_len=lens, k_prefix=kp, v_prefix=vp,
+                                prefix_visible=pvis))
 
 
 # Tests compile many small programs and run them once: skip LLVM's optimisation passes.

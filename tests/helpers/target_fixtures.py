@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from confu_jax.models.llama import Llama
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.models.target import con_embedding, embed_tokens, real_forward
 
 ATOL = 2e-5
@@ -30,7 +31,7 @@ def plain_with_contemplate(spec, tp, confu, seqs, lens, con_src):
         con = con_embedding(spec, confu, con_src)  # [R, d]
         is_con = jnp.arange(width)[None, :] == lens[:, None]
         emb = jnp.where(is_con[..., None], con[:, None].astype(emb.dtype), emb)
-        kw = dict(prefix_k_lphd=confu["soft_prompt_k_lphd"], prefix_v_lphd=confu["soft_prompt_v_lphd"],
-                  prefix_visible_bt=is_con)
+        kw = dict(attend=AttendTo(k_prefix=confu["soft_prompt_k_lphd"], v_prefix=confu["soft_prompt_v_lphd"],
+                                  prefix_visible=is_con))
     pos = jnp.broadcast_to(jnp.arange(width), (r, width))
     return Llama(spec.target).apply({"params": tp}, None, pos, embeds_btd=emb, tap_layers=spec.taps, **kw)

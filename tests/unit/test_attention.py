@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.kernels.attention_reference import masked_attention_reference
+from confu_jax.kernels.attention_reference import AttendTo, masked_attention_reference
 from confu_jax.kernels.blockwise_attention import masked_attention_blockwise
 from tests.helpers.attention_cases import CASES, make_inputs
 
@@ -52,15 +52,14 @@ def test_causal_prefill_chunked_equals_reference():
     b, t, hq, hkv, d = 2, 64, 6, 2, 16
     q, k, v = (jnp.asarray(rng.standard_normal((b, t, h, d), np.float32)) for h in (hq, hkv, hkv))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    args = (q, k, v, mask, None, None, None, None, None, None)
+    args = (q, k, v, AttendTo(mask=mask))
     np.testing.assert_allclose(np.asarray(_blk(args, 16)), np.asarray(_ref(args)), atol=2e-6, rtol=2e-5)
 
 
 def test_rows_that_see_nothing_are_zero():
     c = dataclasses.replace(CASES[0], lens=(0, 9))
-    args = list(make_inputs(c))
-    args[3] = args[3].at[0, 2].set(False)
-    out = np.asarray(_blk(tuple(args), 512))
+    q, kb, vb, to = make_inputs(c)
+    out = np.asarray(_blk((q, kb, vb, dataclasses.replace(to, mask=to.mask.at[0, 2].set(False))), 512))
     np.testing.assert_array_equal(out[0, 2], 0.0)
     assert np.isfinite(out).all() and np.abs(out[0, 3]).max() > 0
 
@@ -71,13 +70,14 @@ def test_gradients_match_reference():
     args = make_inputs(CASES[0])
     w = jax.random.normal(jax.random.PRNGKey(0), args[0].shape)
 
+    to = args[3]
+
     def loss(fn, q, kb, vb, kp, vp):
-        a = (q, kb, vb, args[3], args[4], args[5], args[6], kp, vp, args[9])
-        return jnp.sum(fn(*a) * w)
+        return jnp.sum(fn(q, kb, vb, dataclasses.replace(to, k_prefix=kp, v_prefix=vp)) * w)
 
     diff = (0, 1, 2, 3, 4)
-    g_ref = jax.grad(lambda *x: loss(masked_attention_reference, *x), diff)(*args[:3], args[7], args[8])
-    g_blk = jax.grad(lambda *x: loss(masked_attention_blockwise, *x), diff)(*args[:3], args[7], args[8])
+    g_ref = jax.grad(lambda *x: loss(masked_attention_reference, *x), diff)(*args[:3], to.k_prefix, to.v_prefix)
+    g_blk = jax.grad(lambda *x: loss(masked_attention_blockwise, *x), diff)(*args[:3], to.k_prefix, to.v_prefix)
     for a, b in zip(g_ref, g_blk):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-4)
 
@@ -88,8 +88,10 @@ def test_no_concatenated_scores_in_the_decode_program():
     b, hq, hkv, d, s, p = 1, 6, 2, 16, 1024, 3
     rng = np.random.default_rng(0)
     n = lambda *sh: jnp.asarray(rng.standard_normal(sh, np.float32))  # noqa: E731
-    args = (n(b, 1, hq, d), n(b, 1, hkv, d), n(b, 1, hkv, d), jnp.ones((b, 1, 1), bool), n(b, hkv, s, d),
-            n(b, hkv, s, d), jnp.full((b,), 700, jnp.int32), n(p, hkv, d), n(p, hkv, d), jnp.ones((b, 1), bool))
+    args = (n(b, 1, hq, d), n(b, 1, hkv, d), n(b, 1, hkv, d),
+            AttendTo(mask=jnp.ones((b, 1, 1), bool), k_cache=n(b, hkv, s, d), v_cache=n(b, hkv, s, d),
+                     cache_len=jnp.full((b,), 700, jnp.int32), k_prefix=n(p, hkv, d), v_prefix=n(p, hkv, d),
+                     prefix_visible=jnp.ones((b, 1), bool)))
     hlo = jax.jit(masked_attention_blockwise).lower(*args).compile().as_text()
     assert " concatenate(" not in hlo
     assert f"{s + p + 1}]" not in hlo and f"{s + p + 1}," not in hlo

@@ -132,3 +132,44 @@ def test_plan_text_and_the_families_that_read_it():
             parse_drafter(method, "ddtree:8,3")
     with pytest.raises(ValueError, match="conditions on the tokens it drafted"):
         p.grow(lambda s, fr: (None, s), None, None)
+
+
+@pytest.mark.parametrize("b,depth,v,n_nodes,fanout", [(3, 4, 9, 12, 3), (2, 3, 6, 20, 4), (2, 1, 6, 6, 2),
+                                                      (1, 5, 5, 9, 1), (2, 2, 7, 31, 5), (1, 3, 4, 40, 4)])
+def test_fanout_tree_equals_jetspec_accum_logp(b, depth, v, n_nodes, fanout):
+    """``accum_logp:N,W[,D]`` node for node against JetSpec's own construction (its heap loop,
+    transcribed in tests/helpers/jetspec_reference.py): tokens, parents, depths and cumulative
+    log-probabilities in its insertion order, over random block drafts (budget cut inside a fan, a
+    depth limit that saturates the tree before the budget, fanout 1 = a chain)."""
+    from confu_jax.decode.tree import draft_fanout_tree
+    from tests.helpers import jetspec_reference as ref
+
+    rng = np.random.default_rng(100 * n_nodes + fanout)
+    logits = 2.0 * rng.standard_normal((b, depth, v)).astype(np.float32)
+    roots = jnp.arange(b, dtype=jnp.int32) + 1
+    tree, cum = jax.jit(lambda lg, r: draft_fanout_tree(jax.nn.log_softmax(lg, -1), r, n_nodes=n_nodes,
+                                                         fanout=fanout))(jnp.asarray(logits), roots)
+    tok, par, dep, valid = (np.asarray(x) for x in (tree.tokens_bt, tree.parents_bt, tree.depth_bt, tree.valid_bt))
+    for i in range(b):
+        toks, lps = ref.per_depth_topk(logits[i], fanout)
+        want_tok, want_par, want_dep, want_cum = ref.build_from_topk(int(roots[i]), toks, lps, n_nodes)
+        n = len(want_tok)
+        assert valid[i].sum() == n and valid[i, :n].all(), (i, valid[i], n)
+        assert tok[i, :n].tolist() == want_tok and par[i, :n].tolist() == want_par and dep[i, :n].tolist() == want_dep
+        np.testing.assert_allclose(np.asarray(cum)[i, :n], want_cum, rtol=1e-5, atol=1e-5)
+
+
+def test_fanout_plan_text_and_who_grows_it():
+    p = plans.parse_plan("accum_logp:30,4,8", block=True)
+    assert isinstance(p, plans.FanoutTree) and (p.n_nodes_total, p.fanout, p.max_depth, p.text) == (31, 4, 8,
+                                                                                                  "accum_logp:30,4,8")
+    assert plans.parse_plan("accum_logp:6,2", block=True).text == "accum_logp:6,2"
+    for bad, why in (("accum_logp:6", "expected"), ("accum_logp:3,0", "fanout W >= 1"),
+                     ("accum_logp:3,2,5", "a depth past N = 3"), ("accum_logp:4,2,1,1", "N,W or N,W,D")):
+        with pytest.raises(ValueError, match=why):
+            plans.parse_plan(bad, block=True)
+    assert parse_drafter("dflash", "accum_logp:8,2,3").describe() == "accum_logp:8,2,3"
+    with pytest.raises(ValueError, match="accum_logp"):
+        parse_drafter("eagle3", "accum_logp:8,2,3")
+    with pytest.raises(ValueError, match="from the root alone"):
+        p.grow_conditional(None, None, None)

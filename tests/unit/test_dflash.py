@@ -30,117 +30,16 @@ from confu_jax.decode.families import parse_drafter
 from confu_jax.decode.generate import generate_ar
 from confu_jax.models import dflash as D
 from confu_jax.decode.families import get_method
+from tests.helpers.dflash_reference import MASK, draft_for, first_block, setup, torch_reference  # noqa: F401
 from tests.helpers.family_checks import assert_sampling_is_lossless
-from tests.helpers.loop_fixtures import generated_rows, jit_propose, make, own
+from tests.helpers.loop_fixtures import generated_rows, own
 from tests.helpers.jitting import jit_static
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 0, 4, 5]]
-MASK = 3  # the mask token of the tests' drafts
 # the draft's pieces under jit (tests/helpers/jitting.py: called eagerly, every primitive compiles on its own)
-(block_hidden, block_logits, context_features, context_kv, draft_blocks, embed_block, sequence_context,
- init_dflash) = (jit_static(f) for f in (D.block_hidden, D.block_logits, D.context_features, D.context_kv,
-                                          D.draft_blocks, D.embed_block, D.sequence_context, D.init_dflash))
-
-
-def draft_for(dcfg, n_taps, seed=0, std=0.3):
-    """A DFlash draft with every term acting: kernels large, norm scales perturbed."""
-    p = jax.tree_util.tree_map(np.array, init_dflash(jax.random.PRNGKey(seed), dcfg, n_taps, init_std=std))
-    rng = np.random.default_rng(seed + 1)
-    for path, x in list(D._leaves(p).items()):
-        if path.endswith("scale"):
-            node = p
-            *parents, leaf = path.split("/")
-            for q in parents:
-                node = node[q]
-            node[leaf] = (1 + 0.3 * rng.standard_normal(x.shape)).astype(np.float32)
-    return p
-
-
-def setup(vocab, seed=0, n_layers=2, **kw):
-    spec, tp, _ = make("eagle3", vocab, seed=seed, **kw)
-    dcfg = D.draft_config(spec.target, n_layers, rope_theta=50000.0, rms_eps=1e-6)
-    spec = dataclasses.replace(spec, draft_model=dcfg)
-    p = draft_for(dcfg, len(spec.taps), seed=seed)
-    return spec, tp, own(spec, tp, {"dflash": {**p, "mask_token_id": np.int32(MASK % vocab)}})
-
-
-# ----------------------------------------------------------------------------- the reference
-
-
-def _torch_reference(dcfg, n_taps, sd):
-    """The reference's DFlashDraftModel.forward, transcribed on transformers' Qwen3 modules (float64, eager
-    attention over [context ; block] with an explicit additive mask), loaded with strict=True."""
-    import torch
-    import torch.nn as nn
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
-
-    hf = Qwen3Config(vocab_size=dcfg.vocab_size, hidden_size=dcfg.d_model, intermediate_size=dcfg.ffn_dim,
-                     num_attention_heads=dcfg.n_heads, num_key_value_heads=dcfg.n_kv_heads, head_dim=dcfg.head_dim,
-                     num_hidden_layers=dcfg.n_layers, rms_norm_eps=dcfg.rms_eps, rope_theta=dcfg.rope_theta,
-                     max_position_embeddings=dcfg.max_position_embeddings, attention_bias=False)
-    hd, hq, hkv = dcfg.head_dim, dcfg.n_heads, dcfg.n_kv_heads
-
-    class Attn(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj = nn.Linear(dcfg.d_model, hq * hd, bias=False)
-            self.k_proj = nn.Linear(dcfg.d_model, hkv * hd, bias=False)
-            self.v_proj = nn.Linear(dcfg.d_model, hkv * hd, bias=False)
-            self.o_proj = nn.Linear(hq * hd, dcfg.d_model, bias=False)
-            self.q_norm = Qwen3RMSNorm(hd, eps=hf.rms_norm_eps)
-            self.k_norm = Qwen3RMSNorm(hd, eps=hf.rms_norm_eps)
-
-        def forward(self, x, ctx, cos, sin, mask):
-            b, q_len = x.shape[:2]
-            c_len = ctx.shape[1]
-            q = self.q_norm(self.q_proj(x).view(b, q_len, -1, hd)).transpose(1, 2)
-            k = torch.cat([self.k_proj(ctx), self.k_proj(x)], 1).view(b, c_len + q_len, -1, hd)
-            v = torch.cat([self.v_proj(ctx), self.v_proj(x)], 1).view(b, c_len + q_len, -1, hd).transpose(1, 2)
-            k = self.k_norm(k).transpose(1, 2)
-            cq, sq = cos[:, None, -q_len:], sin[:, None, -q_len:]  # the reference's apply_rotary_pos_emb
-            q = q * cq + rotate_half(q) * sq
-            k = k * cos[:, None] + rotate_half(k) * sin[:, None]
-            k = k.repeat_interleave(hq // hkv, 1)
-            v = v.repeat_interleave(hq // hkv, 1)
-            s = q @ k.transpose(-1, -2) * hd ** -0.5 + mask[:, None]
-            o = torch.softmax(s, -1) @ v
-            return self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
-
-    class Layer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.self_attn = Attn()
-            self.mlp = Qwen3MLP(hf)
-            self.input_layernorm = Qwen3RMSNorm(dcfg.d_model, eps=hf.rms_norm_eps)
-            self.post_attention_layernorm = Qwen3RMSNorm(dcfg.d_model, eps=hf.rms_norm_eps)
-
-        def forward(self, x, ctx, cos, sin, mask):
-            x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
-            return x + self.mlp(self.post_attention_layernorm(x))
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList([Layer() for _ in range(dcfg.n_layers)])
-            self.fc = nn.Linear(n_taps * dcfg.d_model, dcfg.d_model, bias=False)
-            self.hidden_norm = Qwen3RMSNorm(dcfg.d_model, eps=hf.rms_norm_eps)
-            self.norm = Qwen3RMSNorm(dcfg.d_model, eps=hf.rms_norm_eps)
-            self.rotary_emb = Qwen3RotaryEmbedding(hf)
-
-        def forward(self, position_ids, noise_embedding, target_hidden, mask):
-            """mask [B, Q, C+Q] bool (True = visible)."""
-            x = noise_embedding
-            ctx = self.hidden_norm(self.fc(target_hidden))
-            cos, sin = self.rotary_emb(x, position_ids)
-            add = torch.where(mask, 0.0, float("-inf")).to(x.dtype)
-            for layer in self.layers:
-                x = layer(x, ctx, cos, sin, add)
-            return self.norm(x)
-
-    ref = Model().double()
-    ref.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in sd.items()}, strict=True)
-    return ref
+(block_hidden, block_logits, context_features, context_kv, draft_blocks, embed_block, sequence_context) = (
+    jit_static(f) for f in (D.block_hidden, D.block_logits, D.context_features, D.context_kv, D.draft_blocks,
+                            D.embed_block, D.sequence_context))
 
 
 def test_forward_equals_reference():
@@ -149,7 +48,7 @@ def test_forward_equals_reference():
     spec, tp, params = setup(24)
     dcfg, p = spec.draft_model, D.model_params(params.drafter_params.weights["dflash"])
     n_taps = len(spec.taps)
-    ref = _torch_reference(dcfg, n_taps, D.to_reference_state_dict(p))
+    ref = torch_reference(dcfg, n_taps, D.to_reference_state_dict(p))
     rng = np.random.default_rng(3)
     b, s, bs = 2, 7, 4
     taps = (2 * rng.standard_normal((b, s, n_taps * dcfg.d_model))).astype(np.float32)
@@ -236,32 +135,14 @@ def test_plan_parsing():
 def test_block_is_the_reference_loop():
     """The first proposal is the reference's first block: [root, M, M, M] at positions n..n+3 over the
     prompt's taps (every context slot visible), each drafted token the argmax of its own position."""
-    from confu_jax.decode.drafter import DraftInput, PrefillView
-    from confu_jax.models.target import real_forward
-
     spec, tp, params = setup(24, seed=1)
-    p = D.model_params(params.drafter_params.weights["dflash"])
-    prompt = [3, 9, 4, 17, 3, 9]
-    n = len(prompt)
-    toks = jnp.asarray([prompt], jnp.int32)
-    out = jit_static(real_forward)(spec, tp, toks)
-    root = jnp.argmax(out.logits_btv[:, -1], axis=-1).astype(jnp.int32)
     drafter = parse_drafter("dflash", "chain:3")
-    st = jax.jit(lambda target, dp: drafter.init(target, dp, PrefillView(toks, jnp.array([n]), root, out.taps_btc,
-                                                                         None, 32)))(params.target,
-                                                                                     params.drafter_params)
-    inp = DraftInput(root, jnp.array([n - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0), jnp.float32(0.0),
-                     jnp.float32(1.0))
-    prop = jit_propose(drafter, params.target, params.drafter_params, st, inp)
+    prop, root, logits = first_block(spec, tp, params, drafter, [3, 9, 4, 17, 3, 9])
     chain = np.asarray(prop.tree.tokens_bt)[0].tolist()
-    k, v = sequence_context(p, spec.draft_model, out.taps_btc)
-    blk = jnp.asarray([[int(root[0]), MASK, MASK, MASK]])
-    h = block_hidden(p, spec.draft_model, embed_block(tp, blk), jnp.arange(n, n + 4)[None],
-                     jnp.ones((1, 4, 4), bool), k, v, jnp.array([n]))
-    want = np.argmax(np.asarray(block_logits(spec.target, tp, h))[0, 1:], -1)
-    assert chain == [int(root[0])] + want.tolist()
+    want = np.argmax(logits, -1)
+    assert chain == [root] + want.tolist()
     # a tree's depth-d nodes are position d's top-k, the same under every parent
-    prop = jit_propose(drafter.__class__(parse_dflash_plan("tree:2,2")), params.target, params.drafter_params, st, inp)
+    prop, _, _ = first_block(spec, tp, params, drafter.__class__(parse_dflash_plan("tree:2,2")), [3, 9, 4, 17, 3, 9])
     toks, par = np.asarray(prop.tree.tokens_bt)[0], np.asarray(prop.tree.parents_bt)[0]
     kids = [sorted(int(toks[j]) for j in range(len(toks)) if par[j] == i) for i in (1, 2)]
     assert kids[0] == kids[1] and len(kids[0]) == 2

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from confu_jax.models.kv_cache import commit, to_cache_layout
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.models.draft import DraftFuture, DraftHead, draft_features, draft_future_entry
 from confu_jax.models.draft_decode import draft_block, init_draft_cache
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
@@ -387,9 +388,9 @@ def test_layer_remat_changes_neither_values_nor_gradients_nor_params():
 
     def f(emb, pk, pv, remat):
         out = apply_target(target, cfg, None, jnp.full((b, t), s, jnp.int32), embeds_btd=emb,
-                           block_mask_btt=jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t)),
-                           cache_k_lbhsd=ck, cache_v_lbhsd=cv, cache_len_bt=jnp.full((b, t), s - 2),
-                           prefix_k_lphd=pk, prefix_v_lphd=pv, prefix_visible_bt=jnp.ones((b, t), bool),
+                           attend=AttendTo(mask=jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t)), k_cache=ck,
+                                           v_cache=cv, cache_len=jnp.full((b, t), s - 2), k_prefix=pk, v_prefix=pv,
+                                           prefix_visible=jnp.ones((b, t), bool)),
                            return_logits=False, remat_layers=remat)
         return jnp.sum(out.hidden_btd * w), out.hidden_btd
 

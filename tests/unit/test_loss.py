@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from confu_jax.models.draft_ttt import TTTFuture, draft_ttt
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.models.llama import Llama, param_shapes
 from confu_jax.models.target import con_embedding, real_forward
@@ -256,8 +257,8 @@ def _reference_loss(variant, seed=0):
             emb = jnp.concatenate([emb, emb[:, :1]], axis=1).at[0, t + 1].set(con_d.astype(emb.dtype))
             vis = (jnp.arange(N + 1) == t + 1)[None]
             o = model.apply({"params": tp}, None, jnp.arange(N + 1)[None], embeds_btd=emb,
-                            prefix_k_lphd=tr["confu"]["soft_prompt_k_lphd"],
-                            prefix_v_lphd=tr["confu"]["soft_prompt_v_lphd"], prefix_visible_bt=vis,
+                            attend=AttendTo(k_prefix=tr["confu"]["soft_prompt_k_lphd"],
+                                            v_prefix=tr["confu"]["soft_prompt_v_lphd"], prefix_visible=vis),
                             return_logits=False)
             return o.hidden_btd[0, t + 1]
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.kernels.attention_reference import masked_attention_reference
+from confu_jax.kernels.attention_reference import AttendTo, masked_attention_reference
 from confu_jax.kernels.blockwise_attention import masked_attention_blockwise
 from confu_jax.models.vocab_map import draft_vocab_from_d2t
 from confu_jax.train import loss as L
@@ -143,14 +143,16 @@ def test_cache_start_blockwise_equals_reference():
     eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
     lens = jnp.asarray(rng.integers(4, s + 1, (b, t)), jnp.int32)
     start = jnp.minimum(jnp.asarray(rng.integers(0, 6, (b, t)), jnp.int32), lens - 1)
-    ref = masked_attention_reference(q, kb, vb, eye, kc, vc, lens, cache_start_bt=start)
+    ref = masked_attention_reference(q, kb, vb, AttendTo(mask=eye, k_cache=kc, v_cache=vc, cache_len=lens, cache_start=start))
     for chunk in (512, 2):
-        got = masked_attention_blockwise(q, kb, vb, eye, kc, vc, lens, cache_start_bt=start, q_chunk=chunk)
+        got = masked_attention_blockwise(q, kb, vb, AttendTo(mask=eye, k_cache=kc, v_cache=vc, cache_len=lens,
+                                                             cache_start=start), q_chunk=chunk)
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
     # query (0, 0) alone: the same as a cache holding only slots start..len-1
     st, ln = int(start[0, 0]), int(lens[0, 0])
-    cut = masked_attention_reference(q[:1, :1], kb[:1, :1], vb[:1, :1], eye[:1, :1, :1], kc[:1, :, st:ln],
-                                     vc[:1, :, st:ln], jnp.asarray([ln - st]))
+    cut = masked_attention_reference(q[:1, :1], kb[:1, :1], vb[:1, :1],
+                                     AttendTo(mask=eye[:1, :1, :1], k_cache=kc[:1, :, st:ln], v_cache=vc[:1, :, st:ln],
+                                              cache_len=jnp.asarray([ln - st])))
     np.testing.assert_allclose(ref[:1, :1], cut, rtol=1e-5, atol=1e-6)
 
 

@@ -145,3 +145,21 @@ def test_every_shipped_model_shards_on_every_mesh(config_name):
     assert rows["draft/fc/kernel"] == P("fsdp", "tensor")  # [3d, d]
     if config.confu.variant == "confu":
         assert rows["confu/moe_con/experts_ed"] == P(None, "fsdp")
+
+
+def test_constrain_pins_named_dims_and_leaves_free_ones_to_xla():
+    """``constrain(x, ('batch', FREE))``: the batch dim sharded over the data axes, the other dim left to
+    XLA's propagation (an open dim in the lowered sharding), where None would replicate it."""
+    import jax
+    import jax.numpy as jnp
+
+    from confu_jax import sharding as shd
+
+    mesh = shd.make_mesh(1, 4, 2, devices=jax.devices()[:8])
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    with shd.activation_mesh(mesh):
+        free = jax.jit(lambda a: shd.constrain(a, ("batch", shd.FREE))).trace(x).lower().as_text()
+        pinned = jax.jit(lambda a: shd.constrain(a, ("batch", None))).trace(x).lower().as_text()
+    # Shardy's text: {?} an open dim (XLA decides), {} a closed one (replicated)
+    assert '[{"fsdp"}, {?}]' in free and '[{"fsdp"}, {}]' in pinned, (free, pinned)
+    assert shd.constrain(jnp.ones((2, 3)), ("batch", shd.FREE)).shape == (2, 3)  # a no-op outside a mesh

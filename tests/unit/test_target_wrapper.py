@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from confu_jax.models.kv_cache import commit, init_cache, to_cache_layout
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.models.llama import Llama
 from confu_jax.models.tree_layout import ancestors_from_parents, depth_from_ancestors, verification_layout
 from confu_jax.models.target import con_embedding, contemplate_queries, embed_tokens, prefill, verify
@@ -175,9 +176,9 @@ def _naive_training_forward(spec, tp, confu, tokens, con_src, is_con, src, pos, 
     con = con_embedding(spec, confu, con_src).astype(emb_real.dtype)  # [B,K,d]
     emb = jnp.where(is_con[..., None], con[rr, jnp.minimum(src, con.shape[1] - 1)], emb_real[rr, src])
     return Llama(spec.target).apply(
-        {"params": tp}, None, pos, embeds_btd=emb, block_mask_btt=mask,
-        prefix_k_lphd=confu["soft_prompt_k_lphd"], prefix_v_lphd=confu["soft_prompt_v_lphd"],
-        prefix_visible_bt=is_con, tap_layers=spec.taps)
+        {"params": tp}, None, pos, embeds_btd=emb,
+        attend=AttendTo(mask=mask, k_prefix=confu["soft_prompt_k_lphd"], v_prefix=confu["soft_prompt_v_lphd"],
+                        prefix_visible=is_con), tap_layers=spec.taps)
 
 
 @pytest.mark.slow

@@ -278,3 +278,31 @@ def test_per_group_clipping_clips_each_group_alone():
     params = jax.tree_util.tree_map(jnp.zeros_like, grads)
     upd, _ = tx.update(grads, tx.init(params), params)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(upd))
+
+
+@pytest.mark.slow
+def test_a_whole_vocabulary_family_steps_the_same_on_8_devices_as_on_one():
+    """MTP's step (the target's embedding and LM head pin their activations to batch-sharded rows,
+    ``models.llama``; its own layer attends in flash form) on an FSDP mesh of 8 gives one device's
+    losses and parameters: the pins move where rows live, not what is computed."""
+    from tests.helpers.train_resume import tiny_run_config
+
+    def run(n):
+        config = tiny_run_config("configs/tiny_mtp.py")
+        with config.unlocked():
+            config.data.global_batch_size = 8
+            config.train.mesh.data, config.train.mesh.fsdp, config.train.mesh.tensor = 1, n, 1
+        mesh = shd.make_mesh(1, n, 1, devices=jax.devices()[:n])
+        r = setup_run(config, mesh=mesh)
+        it, state, step, losses = r.task.train_iterator(0, 1), r.init_state(), None, []
+        for _ in range(2):
+            batch = shd.global_batch(next(it), mesh)
+            step = step or r.compile_train_step(batch)
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+        return losses, _host(state.params)
+
+    (l1, p1), (l8, p8) = run(1), run(8)
+    np.testing.assert_allclose(l8, l1, rtol=2e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p8)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)

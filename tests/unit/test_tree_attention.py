@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax import export
 
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.models.kv_cache import commit, init_cache
 from confu_jax.kernels import tree_attention as ta
 from confu_jax.models.llama import Llama, init_params
@@ -74,10 +75,10 @@ class TestTreeAttentionKernel:
 
     def test_rows_that_see_nothing_are_zero(self):
         c = dataclasses.replace(CASES[0], lens=(0, 9))
-        args = list(make_inputs(c))
-        args[3] = args[3].at[0, 2].set(False)  # row (b=0, t=2): no cache, no prefix, no block key
-        assert not bool(args[9][0, 2])
-        out = np.asarray(_kernel(tuple(args), self.INTERPRET, c.tiling))
+        q, kb, vb, to = make_inputs(c)
+        to = dataclasses.replace(to, mask=to.mask.at[0, 2].set(False))  # row (b=0, t=2): no cache, prefix, block key
+        assert not bool(to.prefix_visible[0, 2])
+        out = np.asarray(_kernel((q, kb, vb, to), self.INTERPRET, c.tiling))
         np.testing.assert_array_equal(out[0, 2], 0.0)
         assert np.abs(out[0, 3]).max() > 0
 
@@ -85,24 +86,24 @@ class TestTreeAttentionKernel:
         """Slots at or past every row's length may hold anything (NaN here): the kernel never
         loads them (masked loads + a dynamic loop bound), so the output is unchanged."""
         c = CASES[0]
-        args = list(make_inputs(c))
-        clean = np.asarray(_kernel(tuple(args), self.INTERPRET, c.tiling))
+        q, kb, vb, to = make_inputs(c)
+        clean = np.asarray(_kernel((q, kb, vb, to), self.INTERPRET, c.tiling))
         slot = jnp.arange(c.s)[None, None, :, None]  # cache [B, Hkv, S, D]
-        lens = args[6][:, None, None, None]
-        args[4] = jnp.where(slot >= lens, jnp.nan, args[4])
-        args[5] = jnp.where(slot >= lens, jnp.nan, args[5])
-        dirty = np.asarray(_kernel(tuple(args), self.INTERPRET, c.tiling))
+        lens = to.cache_len[:, None, None, None]
+        to = dataclasses.replace(to, k_cache=jnp.where(slot >= lens, jnp.nan, to.k_cache),
+                                 v_cache=jnp.where(slot >= lens, jnp.nan, to.v_cache))
+        dirty = np.asarray(_kernel((q, kb, vb, to), self.INTERPRET, c.tiling))
         np.testing.assert_array_equal(dirty, clean)
 
     def test_real_rows_ignore_soft_prompts(self):
         """ConFu's invariant: only contemplate rows see the soft prompts, so changing them leaves
         every real-token row bit-identical."""
         c = CASES[0]
-        args = list(make_inputs(c))
-        a = np.asarray(_kernel(tuple(args), self.INTERPRET, c.tiling))
-        args[7], args[8] = 3.0 * args[8], -args[7]
-        b = np.asarray(_kernel(tuple(args), self.INTERPRET, c.tiling))
-        real = ~np.asarray(args[9])
+        q, kb, vb, to = make_inputs(c)
+        a = np.asarray(_kernel((q, kb, vb, to), self.INTERPRET, c.tiling))
+        swapped = dataclasses.replace(to, k_prefix=3.0 * to.v_prefix, v_prefix=-to.k_prefix)
+        b = np.asarray(_kernel((q, kb, vb, swapped), self.INTERPRET, c.tiling))
+        real = ~np.asarray(to.prefix_visible)
         np.testing.assert_array_equal(a[real], b[real])
         assert np.abs(a[~real] - b[~real]).max() > 1e-3
 
@@ -123,9 +124,9 @@ def _verification_avals(cfg, b: int, t_nodes: int, s: int, p: int):
     t = 2 * t_nodes
     hq, hkv, d, dt = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dtype
     return (_sds((b, t, hq, d), dt), _sds((b, t, hkv, d), dt), _sds((b, t, hkv, d), dt),
-            _sds((b, t, t), bool), _sds((b, hkv, s, d), dt), _sds((b, hkv, s, d), dt),
-            _sds((b,), jnp.int32), _sds((p, hkv, d), dt), _sds((p, hkv, d), dt),
-            _sds((b, t), bool))
+            AttendTo(mask=_sds((b, t, t), bool), k_cache=_sds((b, hkv, s, d), dt), v_cache=_sds((b, hkv, s, d), dt),
+                     cache_len=_sds((b,), jnp.int32), k_prefix=_sds((p, hkv, d), dt), v_prefix=_sds((p, hkv, d), dt),
+                     prefix_visible=_sds((b, t), bool)))
 
 
 @pytest.mark.parametrize("t_nodes", [30, 60])
@@ -156,9 +157,9 @@ def test_llama_verification_forward_lowers_for_cuda_with_pallas():
     pk = _sds((cfg.n_layers, p, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)
 
     def fwd(params, tokens, pos, mask, ck, cv, lens, pk_, pv_, pvis):
-        return Llama(cfg).apply({"params": params}, tokens, pos, block_mask_btt=mask,
-                                cache_k_lbhsd=ck, cache_v_lbhsd=cv, cache_len_bt=lens,
-                                prefix_k_lphd=pk_, prefix_v_lphd=pv_, prefix_visible_bt=pvis).logits_btv
+        return Llama(cfg).apply({"params": params}, tokens, pos,
+                                attend=AttendTo(mask=mask, k_cache=ck, v_cache=cv, cache_len=lens, k_prefix=pk_,
+                                                v_prefix=pv_, prefix_visible=pvis)).logits_btv
 
     with ta.cuda_target():
         hlo = jax.jit(fwd).trace(params, _sds((b, t), jnp.int32), _sds((b, t), jnp.int32),
@@ -212,8 +213,7 @@ def _greedy_tree_decode(cfg, params, prompts, n_iters, drafts_fn, prefix_lphd):
     @functools.partial(jax.jit, compiler_options=_FAST_COMPILE)
     def prefill(cache, tokens, lens):
         out = model.apply({"params": params}, tokens, jnp.arange(width)[None].repeat(b, 0),
-                          cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd,
-                          cache_len_bt=cache.length_b)
+                          attend=AttendTo(k_cache=cache.k_lbhsd, v_cache=cache.v_lbhsd, cache_len=cache.length_b))
         nxt = jnp.argmax(out.logits_btv[jnp.arange(b), lens - 1], -1)
         return commit(cache, out.k_new_lbthd, out.v_new_lbthd, lens), nxt
 
@@ -228,11 +228,10 @@ def _greedy_tree_decode(cfg, params, prompts, n_iters, drafts_fn, prefix_lphd):
         emb_n = params["embed"]["embedding"][node_tokens_bn]
         emb = jnp.concatenate([emb_n, jnp.broadcast_to(con_embed, (b,) + con_embed.shape)], 1)
         out = model.apply({"params": params}, None, pos, embeds_btd=emb,
-                          block_mask_btt=jnp.broadcast_to(mask_tt, (b, 2 * n, 2 * n)),
-                          cache_k_lbhsd=cache.k_lbhsd, cache_v_lbhsd=cache.v_lbhsd,
-                          cache_len_bt=cache.length_b, prefix_k_lphd=prefix_lphd[0],
-                          prefix_v_lphd=prefix_lphd[1],
-                          prefix_visible_bt=jnp.broadcast_to(is_con, (b, 2 * n)))
+                          attend=AttendTo(mask=jnp.broadcast_to(mask_tt, (b, 2 * n, 2 * n)), k_cache=cache.k_lbhsd,
+                                          v_cache=cache.v_lbhsd, cache_len=cache.length_b, k_prefix=prefix_lphd[0],
+                                          v_prefix=prefix_lphd[1],
+                                          prefix_visible=jnp.broadcast_to(is_con, (b, 2 * n))))
         return jnp.argmax(out.logits_btv[:, :n], -1), out.k_new_lbthd, out.v_new_lbthd
 
     commit_jit = jax.jit(commit, compiler_options=_FAST_COMPILE)
@@ -426,7 +425,7 @@ def test_prefill_blocks_take_the_xla_path():
     q = jnp.asarray(rng.standard_normal((1, t, 2, 16), np.float32))
     k = jnp.asarray(rng.standard_normal((1, t, 1, 16), np.float32))
     mask = jnp.tril(jnp.ones((t, t), bool))[None]
-    out = masked_attention(q, k, k, mask, impl="pallas_interpret")
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(masked_attention_blockwise(q, k, k, mask)))
+    out = masked_attention(q, k, k, AttendTo(mask=mask), impl="pallas_interpret")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(masked_attention_blockwise(q, k, k, AttendTo(mask=mask))))
     with pytest.raises(ValueError, match="at most 256 queries per row"):
-        ta.masked_attention_pallas(q, k, k, mask, interpret=True)
+        ta.masked_attention_pallas(q, k, k, AttendTo(mask=mask), interpret=True)

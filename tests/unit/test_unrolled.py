@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from confu_jax.models.llama import Llama, init_params
+from confu_jax.kernels.attention_reference import AttendTo
 from confu_jax.models.presets import get_preset
 from confu_jax.models.unrolled import apply_unrolled, split_layers
 
@@ -20,18 +21,17 @@ def test_unrolled_equals_scanned_forward():
     L, h, d = CFG.n_layers, CFG.n_kv_heads, CFG.head_dim
     kw = dict(
         embeds_btd=jax.random.normal(ks[0], (b, t, CFG.d_model)),
-        block_mask_btt=jax.random.bernoulli(ks[1], 0.6, (b, t, t)) | jnp.eye(t, dtype=bool),
-        cache_k_lbhsd=jax.random.normal(ks[2], (L, b, h, s, d)),
-        cache_v_lbhsd=jax.random.normal(ks[3], (L, b, h, s, d)),
-        cache_len_bt=jnp.asarray([4, 7]),
-        prefix_k_lphd=jax.random.normal(ks[4], (L, p, h, d)),
-        prefix_v_lphd=jax.random.normal(ks[5], (L, p, h, d)),
-        prefix_visible_bt=jax.random.bernoulli(ks[6], 0.5, (b, t)),
+        attend=AttendTo(mask=jax.random.bernoulli(ks[1], 0.6, (b, t, t)) | jnp.eye(t, dtype=bool),
+                        k_cache=jax.random.normal(ks[2], (L, b, h, s, d)), v_cache=jax.random.normal(ks[3], (L, b, h, s, d)),
+                        cache_len=jnp.asarray([4, 7]), k_prefix=jax.random.normal(ks[4], (L, p, h, d)),
+                        v_prefix=jax.random.normal(ks[5], (L, p, h, d)),
+                        prefix_visible=jax.random.bernoulli(ks[6], 0.5, (b, t))),
         tap_layers=CFG.default_taps,
     )
+    cache_only = AttendTo(k_cache=kw["attend"].k_cache, v_cache=kw["attend"].v_cache, cache_len=kw["attend"].cache_len)
     tokens = jax.random.randint(ks[7], (b, t), 0, CFG.vocab_size)
     pos = jnp.asarray([[4, 5, 6, 7, 8], [7, 8, 9, 10, 11]])
-    for extra in ({}, kw, {k: kw[k] for k in ("cache_k_lbhsd", "cache_v_lbhsd", "cache_len_bt")}):
+    for extra in ({}, kw, {"attend": cache_only}):
         ref = Llama(CFG).apply({"params": params}, tokens, pos, **extra)
         got = jax.jit(lambda p: apply_unrolled(split_layers(p, CFG), CFG, tokens, pos, **extra))(params)
         for name in ref._fields:
