@@ -39,6 +39,10 @@ REFUSED = {
     "dspark": "vLLM 0.32's DSpark proposer lives in its model runner V2 (v1/worker/gpu/spec_decode/dspark), which "
               "needs Triton's GPU backend; the CPU build runs the V1 runner, which has no DSpark proposer (and its "
               "DSpark draft architectures are registered for Qwen3, DeepSeek-V4, Gemma 4 and K3 targets only)",
+    "dflash2": "vLLM 0.32 drafts with DFlash2's candidate selector only in its model runner V2 "
+               "(v1/worker/gpu/spec_decode/dflash2: a Triton walk over the selector's scores); the CPU build runs the "
+               "V1 runner, whose DFlash proposer has no selector (it would draft the backbone's unary argmax: not "
+               "DFlash2)",
 }
 
 

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 
 from confu_jax.decode import families as decode_families
 from confu_jax.decode.family import DrafterFamily
-from confu_jax.train import (confu_task, dflash_task, dspark_task, medusa_task, mlp_speculator_task, mtp_task,
-                             peagle_task, sd2_task)
+from confu_jax.train import (confu_task, dflash2_task, dflash_task, dspark_task, medusa_task, mlp_speculator_task,
+                             mtp_task, peagle_task, sd2_task)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,7 @@ _ENTRIES = (
     Entry(_R["peagle"], peagle_task.build_task, ("configs/smollm2_peagle.py",), "configs/tiny_peagle.py"),
     Entry(_R["dspark"], dspark_task.build_task, ("configs/smollm2_dspark.py",), "configs/tiny_dspark.py"),
     Entry(_R["jetspec"], dflash_task.build_task, ("configs/smollm2_jetspec.py",), "configs/tiny_jetspec.py"),
+    Entry(_R["dflash2"], dflash2_task.build_task, ("configs/smollm2_dflash2.py",), "configs/tiny_dflash2.py"),
 )
 
 CATALOG: dict = {e.name: e for e in _ENTRIES}

@@ -111,10 +111,14 @@ class DFlashDrafter(PlanDrafter):
         """The DFlash float tree of this drafter's tree (``models.dflash.model_params``)."""
         return model_params(p)
 
+    def conv(self, p: dict):
+        """The (K, group size) of the convolutions this drafter's layers hold (DFlash2's), or None."""
+        return None
+
     def init(self, target, dp, view: PrefillView) -> DFlashState:
         p = dflash_params(dp, self.params_key)
         dcfg = draft_spec(dp)
-        check_dflash_params(self.backbone(p), dcfg, len(dp.spec(target.config).taps))
+        check_dflash_params(self.backbone(p), dcfg, len(dp.spec(target.config).taps), self.conv(p))
         b, w = view.tokens_bt.shape
         cache = init_cache(dcfg.n_layers, b, view.max_len, dcfg.n_kv_heads, dcfg.head_dim, jnp.dtype(dcfg.dtype))
         k, v = context_entries(dp, p, view.h_cat_btc, jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)))

@@ -63,6 +63,7 @@ from confu_jax.models.attention import masked_attention
 from confu_jax.models.llama import LlamaConfig, apply_rope, linear, rms_norm, rope_cos_sin
 from confu_jax.models.unrolled import shared_params, target_logits
 
+CONV_NAMES = ("attention_conv", "mlp_conv")  # DFlash2's convolutions, inside "layers" (models.dflash2)
 LAYER_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj", "mlp_norm", "gate_proj",
                "up_proj", "down_proj")
 
@@ -102,16 +103,31 @@ def draft_config(target: LlamaConfig, num_layers: int, **overrides) -> LlamaConf
     return target.replace(n_layers=int(num_layers), **overrides)
 
 
-def param_shapes(dcfg: LlamaConfig, n_taps: int) -> dict:
-    """{'path/to/leaf': shape} of a DFlash draft (without ``mask_token_id``)."""
+def param_shapes(dcfg: LlamaConfig, n_taps: int, conv=None) -> dict:
+    """{'path/to/leaf': shape} of a DFlash draft (without ``mask_token_id``); ``conv`` = (taps K, group size):
+    DFlash2's grouped dynamic convolutions around each layer's attention and MLP (``models.dflash2``)."""
     L, d, hq, hkv, hd, f = dcfg.n_layers, dcfg.d_model, dcfg.n_heads, dcfg.n_kv_heads, dcfg.head_dim, dcfg.ffn_dim
     out = {"fc/kernel": (n_taps * d, d), "hidden_norm/scale": (d,), "norm/scale": (d,)}
     layer = {"attn_norm/scale": (d,), "q_proj/kernel": (d, hq * hd), "k_proj/kernel": (d, hkv * hd),
              "v_proj/kernel": (d, hkv * hd), "q_norm/scale": (hd,), "k_norm/scale": (hd,),
              "o_proj/kernel": (hq * hd, d), "mlp_norm/scale": (d,), "gate_proj/kernel": (d, f),
              "up_proj/kernel": (d, f), "down_proj/kernel": (f, d)}
+    if conv is not None:
+        k, g = int(conv[0]), d // int(conv[1])
+        for side in CONV_NAMES:
+            layer[f"{side}/base_kernel"] = (2, k, d)
+            layer[f"{side}/kernel_projection"] = (d, 2 * k * g)
     out.update({f"layers/{k}": (L,) + s for k, s in layer.items()})
     return out
+
+
+def conv_setting(params: dict):
+    """(K, group size) of the grouped dynamic convolutions a draft tree holds (DFlash2), or None (DFlash)."""
+    conv = params.get("layers", {}).get(CONV_NAMES[0])
+    if conv is None:
+        return None
+    _, _, k, d = np.shape(conv["base_kernel"])
+    return int(k), d // (int(np.shape(conv["kernel_projection"])[-1]) // (2 * int(k)))
 
 
 def _leaves(params: dict) -> dict:
@@ -139,10 +155,10 @@ def model_params(params: dict) -> dict:
     return {k: v for k, v in params.items() if k not in DECODE_SCALARS}
 
 
-def check_dflash_params(params: dict, dcfg: LlamaConfig, n_taps: int) -> None:
+def check_dflash_params(params: dict, dcfg: LlamaConfig, n_taps: int, conv=None) -> None:
     """Raise unless ``params`` (``DECODE_SCALARS`` aside) is exactly a DFlash draft of ``dcfg`` reading
-    ``n_taps`` target layers."""
-    want = param_shapes(dcfg, n_taps)
+    ``n_taps`` target layers (with DFlash2's convolutions of setting ``conv``, when given)."""
+    want = param_shapes(dcfg, n_taps, conv)
     got = {k: tuple(np.shape(v)) for k, v in _leaves(model_params(params)).items()}
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     bad = {k: (got[k], want[k]) for k in set(want) & set(got) if got[k] != want[k]}
@@ -152,22 +168,29 @@ def check_dflash_params(params: dict, dcfg: LlamaConfig, n_taps: int) -> None:
                          f"{n_taps} target layers): missing {missing}, unexpected {extra}, shape (got, expected) {bad}")
 
 
-def trainable_shapes(dcfg: LlamaConfig, n_taps: int, dtype=np.float32) -> dict:
+def trainable_shapes(dcfg: LlamaConfig, n_taps: int, dtype=np.float32, conv=None) -> dict:
     """ShapeDtypeStructs of a DFlash draft (what a run's checkpoint holds)."""
-    return _tree({k: jax.ShapeDtypeStruct(s, dtype) for k, s in param_shapes(dcfg, n_taps).items()})
+    return _tree({k: jax.ShapeDtypeStruct(s, dtype) for k, s in param_shapes(dcfg, n_taps, conv).items()})
 
 
 def init_dflash(rng: jax.Array, dcfg: LlamaConfig, n_taps: int, *, init_std: float = 0.02,
-                param_dtype=jnp.float32) -> dict:
+                param_dtype=jnp.float32, conv=None) -> dict:
     """An untrained draft: every kernel N(0, init_std) (HF ``initializer_range``, the reference's
-    ``post_init``), every norm scale 1."""
-    shapes = param_shapes(dcfg, n_taps)
+    ``post_init``), every norm scale 1; DFlash2's convolutions (``conv``) as identities (base kernel 1 at tap 0,
+    0 elsewhere, a zero kernel projection: speculators' ``reset_parameters``), so an initialised DFlash2 backbone
+    is DFlash's."""
+    shapes = param_shapes(dcfg, n_taps, conv)
     keys = iter(jax.random.split(rng, len(shapes)))
     flat = {}
     for path, shape in shapes.items():
         key = next(keys)
-        flat[path] = (jnp.ones(shape, param_dtype) if path.endswith("scale")
-                      else (init_std * jax.random.normal(key, shape)).astype(param_dtype))
+        if path.endswith("base_kernel"):
+            flat[path] = jnp.zeros(shape, param_dtype).at[:, :, 0].set(1.0)
+        elif path.endswith("kernel_projection"):
+            flat[path] = jnp.zeros(shape, param_dtype)
+        else:
+            flat[path] = (jnp.ones(shape, param_dtype) if path.endswith("scale")
+                          else (init_std * jax.random.normal(key, shape)).astype(param_dtype))
     return _tree(flat)
 
 
@@ -205,28 +228,69 @@ def context_kv(p: dict, dcfg: LlamaConfig, ctx_btd: jax.Array, positions_bt: jax
     return jnp.stack(ks), jnp.stack(vs)
 
 
+def grouped_dynamic_conv(x_btd: jax.Array, delta_btkg: jax.Array, base_kd: jax.Array, block_len: int) -> jax.Array:
+    """DFlash2's causal convolution inside each block of ``block_len`` along T (speculators
+    ``models/dflash2/model_definitions.py`` ``grouped_dynamic_conv``): out[t] = Σ_τ x[t−τ] ⊙ (base[τ] +
+    δ[t, τ, group]) over taps τ < K with t−τ in t's block; the token-conditioned δ is shared by the channels
+    of a group (d / G each)."""
+    t, d = x_btd.shape[1], x_btd.shape[2]
+    k, g = base_kd.shape[0], delta_btkg.shape[-1]
+    slot = jnp.arange(t) % block_len
+    out = jnp.zeros_like(x_btd)
+    for tap in range(k):
+        shifted = x_btd if tap == 0 else jnp.pad(x_btd, ((0, 0), (tap, 0), (0, 0)))[:, :t]
+        coef = base_kd[tap].astype(x_btd.dtype) + jnp.repeat(delta_btkg[:, :, tap, :].astype(x_btd.dtype), d // g, -1)
+        out = out + jnp.where((slot >= tap)[None, :, None], shifted * coef, 0)
+    return out
+
+
+def _conv_kernels(cp: dict, h_btd: jax.Array, cd):
+    """The two dynamic kernels (input side, output side) [B,T,K,G] a conv draws from a sublayer's input."""
+    b, t, _ = h_btd.shape
+    k = cp["base_kernel"].shape[1]
+    z = linear(h_btd, cp["kernel_projection"], cd).reshape(b, t, 2, k, -1)
+    return z[:, :, 0], z[:, :, 1]
+
+
 def block_hidden(p: dict, dcfg: LlamaConfig, noise_btd: jax.Array, positions_bt: jax.Array,
-                 block_mask_btt: jax.Array, ctx_k_lbhsd, ctx_v_lbhsd, ctx_len_bt, ctx_start_bt=None) -> jax.Array:
+                 block_mask_btt: jax.Array, ctx_k_lbhsd, ctx_v_lbhsd, ctx_len_bt, ctx_start_bt=None,
+                 block_len: Optional[int] = None) -> jax.Array:
     """The draft over query blocks ``noise_btd`` [B,T,d] at ``positions_bt``: query t sees the block keys
     under ``block_mask_btt`` and context slots [ctx_start, ctx_len) of the per-layer context K/V
     (``ctx_k_lbhsd`` [L,B,Hkv,S,hd], head-major like ``kv_cache``; a stacked array or per-layer list)
-    -> norm(x) [B,T,d], what the target's LM head reads."""
+    -> norm(x) [B,T,d], what the target's LM head reads. A DFlash2 tree (convolutions in its layers)
+    convolves each sublayer's input and output within blocks of ``block_len`` along T (None: T is one block)."""
     cd = jnp.dtype(dcfg.dtype)
     b, t, _ = noise_btd.shape
     cos, sin = rope_cos_sin(positions_bt.astype(jnp.int32), dcfg)
     x = noise_btd.astype(cd)
+    blk = t if block_len is None else int(block_len)
+
+    def around(lp, name, h, sublayer):  # DFlash2: conv(input) -> sublayer -> conv(output); DFlash: the sublayer
+        if name not in lp:
+            return sublayer(h)
+        d_in, d_out = _conv_kernels(lp[name], h, cd)
+        out = sublayer(grouped_dynamic_conv(h, d_in, lp[name]["base_kernel"][0], blk))
+        return grouped_dynamic_conv(out, d_out, lp[name]["base_kernel"][1], blk)
+
     for i in range(dcfg.n_layers):
         lp = _layer(p, i)
-        h = rms_norm(x, lp["attn_norm"]["scale"], dcfg.rms_eps)
-        q = linear(h, lp["q_proj"]["kernel"], cd).reshape(b, t, dcfg.n_heads, dcfg.head_dim)
-        q = apply_rope(rms_norm(q, lp["q_norm"]["scale"], dcfg.rms_eps), cos, sin)
-        k, v = _kv(lp, dcfg, h, cos, sin)
-        attn = masked_attention(q, k, v, AttendTo(mask=block_mask_btt, k_cache=ctx_k_lbhsd[i], v_cache=ctx_v_lbhsd[i],
-                                                  cache_len=ctx_len_bt, cache_start=ctx_start_bt))
-        x = x + linear(attn.reshape(b, t, -1), lp["o_proj"]["kernel"], cd)
-        h = rms_norm(x, lp["mlp_norm"]["scale"], dcfg.rms_eps)
-        gate, up = linear(h, lp["gate_proj"]["kernel"], cd), linear(h, lp["up_proj"]["kernel"], cd)
-        x = x + linear(jax.nn.silu(gate) * up, lp["down_proj"]["kernel"], cd)
+
+        def attention(h):
+            q = linear(h, lp["q_proj"]["kernel"], cd).reshape(b, t, dcfg.n_heads, dcfg.head_dim)
+            q = apply_rope(rms_norm(q, lp["q_norm"]["scale"], dcfg.rms_eps), cos, sin)
+            k, v = _kv(lp, dcfg, h, cos, sin)
+            attn = masked_attention(q, k, v, AttendTo(mask=block_mask_btt, k_cache=ctx_k_lbhsd[i],
+                                                      v_cache=ctx_v_lbhsd[i], cache_len=ctx_len_bt,
+                                                      cache_start=ctx_start_bt))
+            return linear(attn.reshape(b, t, -1), lp["o_proj"]["kernel"], cd)
+
+        def mlp(h):
+            gate, up = linear(h, lp["gate_proj"]["kernel"], cd), linear(h, lp["up_proj"]["kernel"], cd)
+            return linear(jax.nn.silu(gate) * up, lp["down_proj"]["kernel"], cd)
+
+        x = x + around(lp, CONV_NAMES[0], rms_norm(x, lp["attn_norm"]["scale"], dcfg.rms_eps), attention)
+        x = x + around(lp, CONV_NAMES[1], rms_norm(x, lp["mlp_norm"]["scale"], dcfg.rms_eps), mlp)
     return rms_norm(x, p["norm"]["scale"], dcfg.rms_eps)
 
 
@@ -276,7 +340,7 @@ def draft_blocks(p: dict, dcfg: LlamaConfig, target_cfg: LlamaConfig, target_par
     ctx_len = jnp.repeat(anchors_bn, block_size, axis=1)
     ctx_start = None if segment_start_bs is None else jnp.repeat(segment_start_bs[rows, anchors_bn], block_size, axis=1)
     h = block_hidden(p, dcfg, embed_block(target_params, blk.reshape(b, -1)), pos, mask, k_ctx, v_ctx, ctx_len,
-                     ctx_start)
+                     ctx_start, block_len=block_size)
     return h.reshape(b, n, block_size, -1)
 
 
@@ -289,32 +353,42 @@ _LAYER = {"attn_norm/scale": "input_layernorm.weight", "q_proj/kernel": "self_at
           "o_proj/kernel": "self_attn.o_proj.weight", "mlp_norm/scale": "post_attention_layernorm.weight",
           "gate_proj/kernel": "mlp.gate_proj.weight", "up_proj/kernel": "mlp.up_proj.weight",
           "down_proj/kernel": "mlp.down_proj.weight"}
+_CONV = {f"{side}/{leaf}": f"{side}.{name}" for side in CONV_NAMES
+         for leaf, name in (("base_kernel", "base_kernel"), ("kernel_projection", "kernel_projection.weight"))}
 
 
 def to_reference_state_dict(params: dict) -> dict:
     """numpy state dict in the reference's ``DFlashDraftModel`` names (``fc``, ``hidden_norm``, ``norm``,
     ``layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
-    post_attention_layernorm, mlp.{gate,up,down}_proj}.weight``; ``Linear.weight`` [out, in])."""
+    post_attention_layernorm, mlp.{gate,up,down}_proj}.weight``; ``Linear.weight`` [out, in]); a DFlash2
+    tree adds ``layers.{i}.{attention,mlp}_conv.{base_kernel, kernel_projection.weight}`` (speculators')."""
     leaves = _leaves(model_params(params))
     out = {}
     for path, name in _TOP.items():
         x = np.asarray(leaves[path])
         out[name] = np.ascontiguousarray(x.T if path.endswith("kernel") else x)
     n_layers = np.shape(leaves["layers/q_proj/kernel"])[0]
-    for path, name in _LAYER.items():
+    layer = {**_LAYER, **{k: v for k, v in _CONV.items() if f"layers/{k}" in leaves}}
+    for path, name in layer.items():
         x = np.asarray(leaves[f"layers/{path}"])
         for i in range(n_layers):
-            out[f"layers.{i}.{name}"] = np.ascontiguousarray(x[i].T if path.endswith("kernel") else x[i])
+            out[f"layers.{i}.{name}"] = np.ascontiguousarray(x[i].T if _transposed(path) else x[i])
     return out
 
 
-def from_reference_state_dict(sd: dict, dcfg: LlamaConfig, n_taps: int, dtype=np.float32) -> dict:
+def _transposed(path: str) -> bool:
+    """Leaves stored as torch ``Linear.weight`` ([out, in]; ours [in, out])."""
+    return path.endswith("/kernel") or path.endswith("kernel_projection")
+
+
+def from_reference_state_dict(sd: dict, dcfg: LlamaConfig, n_taps: int, dtype=np.float32, conv=None) -> dict:
     """Our tree from a reference state dict (an optional ``model.`` prefix is dropped; ``rotary_emb``
-    buffers ignored). Every key is required with the shape ``dcfg`` / ``n_taps`` give."""
+    buffers ignored). Every key is required with the shape ``dcfg`` / ``n_taps`` (/ DFlash2's ``conv``) give."""
     sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()
           if not k.endswith("rotary_emb.inv_freq")}
+    layer_names = {**_LAYER, **(_CONV if conv is not None else {})}
     want = dict(_TOP)
-    for path, name in _LAYER.items():
+    for path, name in layer_names.items():
         for i in range(dcfg.n_layers):
             want[f"layers/{path}@{i}"] = f"layers.{i}.{name}"
     missing = sorted(set(want.values()) - set(sd))
@@ -322,15 +396,15 @@ def from_reference_state_dict(sd: dict, dcfg: LlamaConfig, n_taps: int, dtype=np
     if missing or extra:
         raise ValueError(f"DFlash state dict: missing keys {missing[:6]}{'...' if len(missing) > 6 else ''}, "
                          f"unexpected keys {extra[:6]}{'...' if len(extra) > 6 else ''}")
-    shapes = param_shapes(dcfg, n_taps)
+    shapes = param_shapes(dcfg, n_taps, conv)
     flat = {}
     for path, shape in shapes.items():
-        is_kernel = path.endswith("kernel")
+        is_kernel = _transposed(path)
         if path.startswith("layers/"):
             sub = path[len("layers/"):]
-            xs = [np.asarray(sd[f"layers.{i}.{_LAYER[sub]}"], dtype) for i in range(dcfg.n_layers)]
+            xs = [np.asarray(sd[f"layers.{i}.{layer_names[sub]}"], dtype) for i in range(dcfg.n_layers)]
             x = np.stack([a.T if is_kernel else a for a in xs])
-            name = f"layers.*.{_LAYER[sub]}"
+            name = f"layers.*.{layer_names[sub]}"
         else:
             a = np.asarray(sd[_TOP[path]], dtype)
             x, name = (a.T if is_kernel else a), _TOP[path]

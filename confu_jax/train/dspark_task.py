@@ -69,12 +69,13 @@ def apply_dspark_defaults(config: ml_collections.ConfigDict) -> ml_collections.C
     return config
 
 
-def dspark_spec(config):
-    """The ModelSpec of a DSpark config: its backbone's layer config as ``draft_model``, its taps."""
+def dspark_spec(config, section: str = "dspark"):
+    """The ModelSpec of a DSpark config (or DFlash2's, ``section``): its backbone's layer config as ``draft_model``,
+    its taps (``draft.tap_layers``, else DFlash's default layers of the target)."""
     spec = model_spec_from_config(config)
     taps = spec.taps if config.draft.get("tap_layers", None) is not None else default_taps(spec.target.n_layers)
     return dataclasses.replace(spec, head=dataclasses.replace(spec.head, tap_layers=tuple(taps)),
-                               draft_model=draft_config(spec.target, int(config.dspark.num_layers)))
+                               draft_model=draft_config(spec.target, int(config[section].num_layers)))
 
 
 def block_outputs(spec, p: dict, target_params, h: jax.Array, prev: jax.Array):

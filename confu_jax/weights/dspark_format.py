@@ -19,7 +19,6 @@ of the block, which is the ``dflash`` family's).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import NamedTuple, Optional
 
@@ -28,11 +27,7 @@ import numpy as np
 from confu_jax.models import dspark as D
 from confu_jax.models.dflash import from_reference_state_dict, to_reference_state_dict
 from confu_jax.models.llama import LlamaConfig
-from confu_jax.weights.tensor_files import read_tensors
-from confu_jax.weights.export import hf_config_dict
-from confu_jax.weights.head_dirs import dtype_name, read_config_json
-from confu_jax.weights.hf import config_from_dict
-from confu_jax.weights.safetensors_io import save_file
+from confu_jax.weights.speculators_blocks import is_kind, read_block_dir, write_block_dir
 
 KIND = "dspark"
 ARCH = "DSparkSpeculator"
@@ -55,41 +50,17 @@ class ImportedDSpark(NamedTuple):
 
 
 def is_dspark_dir(path: str) -> bool:
-    c = read_config_json(path) if os.path.isdir(path) else None
-    return c is not None and c.get("speculators_model_type") == KIND
+    return is_kind(path, KIND)
 
 
 def load_dspark_dir(directory: str) -> ImportedDSpark:
     """A speculators DSpark directory -> our tree (float32), every shape and setting checked."""
     directory = os.path.abspath(os.path.expanduser(directory))
-    where = os.path.join(directory, "config.json")
-    c = read_config_json(directory)
-    if c is None or c.get("speculators_model_type") != KIND:
-        raise ValueError(f"{where}: expected speculators_model_type {KIND!r} (a DSpark draft)")
-    tl = c.get("transformer_layer_config")
-    if not isinstance(tl, dict):
-        raise ValueError(f"{where}: transformer_layer_config is {type(tl).__name__}; expected an object")
-    plain = {k: v for k, v in tl.items() if k not in ("architectures", "layer_types")}
-    # config_from_dict reads the shared Llama / Qwen3 fields; the draft is a Qwen3 layer stack (models.dflash)
-    draft = config_from_dict({**plain, "model_type": "llama"}, f"{where} transformer_layer_config")
-    if c.get("sample_from_anchor", True) is not True:
-        raise ValueError(f"{where}: sample_from_anchor is {c.get('sample_from_anchor')!r}; DSpark's block drafts from "
-                         "its anchor slot (true): a block read the DFlash way is the dflash family's")
-    dv = int(c.get("draft_vocab_size") or draft.vocab_size)
-    if dv != draft.vocab_size:
-        raise ValueError(f"{where}: draft_vocab_size {dv} < the vocabulary {draft.vocab_size}: a reduced draft "
-                         "vocabulary (lm_head + d2t) is not read yet; expected a full-vocabulary draft")
-    for key in ("mask_token_id", "block_size", "aux_hidden_state_layer_ids"):
-        if c.get(key) is None:
-            raise ValueError(f"{where}: {key} is missing")
+    c, draft, taps, sd, where = read_block_dir(directory, KIND, sample_from_anchor=True, family="DSpark")
     kind = c.get("markov_head_type", "vanilla")
     if kind not in D.HEAD_TYPES or int(c.get("markov_rank", 0)) < 1:
         raise ValueError(f"{where}: markov_head_type {kind!r}, markov_rank {c.get('markov_rank')}; expected one of "
                          f"{D.HEAD_TYPES} with rank >= 1 (markov_rank 0 is DFlash drafting: the dflash family)")
-    taps = tuple(int(i) for i in c["aux_hidden_state_layer_ids"])
-    sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in read_tensors(directory).items()}
-    sd = {k: v for k, v in sd.items() if k not in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                                                   "verifier_norm.weight", "d2t", "t2d")}
     heads = {k: sd.pop(k) for k in list(sd) if k in _HEADS}
     try:
         params = dict(from_reference_state_dict(sd, draft, len(taps)))
@@ -117,28 +88,10 @@ def save_dspark_dir(directory: str, params: dict, draft: LlamaConfig, *, taps, m
         if group in params:
             x = np.asarray(params[group][leaf])
             sd[name] = np.ascontiguousarray(x.T if transpose else x)
-    layer = {k: v for k, v in hf_config_dict(draft).items() if k not in ("dtype",)}
-    layer.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], layer_types=["full_attention"] * draft.n_layers,
-                 use_sliding_window=False, sliding_window=None)
     rank = D.markov_rank(params)
     conf = params.get("confidence")
-    config = {
-        "architectures": [ARCH], "speculators_model_type": KIND, "speculators_version": "0.9.0",
-        "dtype": dtype_name(dtype), "transformer_layer_config": layer, "draft_vocab_size": int(draft.vocab_size),
-        "block_size": int(block_size), "target_hidden_size": None, "aux_hidden_state_layer_ids": [int(t) for t in taps],
-        "mask_token_id": int(mask_token_id), "sliding_window_non_causal": False, "sample_from_anchor": True,
-        "markov_rank": rank, "markov_head_type": D.head_type(params), "enable_confidence_head": conf is not None,
-        "confidence_head_with_markov": conf is not None and np.shape(conf["kernel"])[0] == draft.d_model + rank,
-        "speculators_config": {
-            "algorithm": KIND,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(block_size),
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": [verifier_arch]}},
-    }
-    os.makedirs(directory, exist_ok=True)
-    save_file({k: np.ascontiguousarray(np.asarray(v, dtype)) for k, v in sd.items()},
-              os.path.join(directory, "model.safetensors"))
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return directory
+    fields = {"markov_rank": rank, "markov_head_type": D.head_type(params), "enable_confidence_head": conf is not None,
+              "confidence_head_with_markov": conf is not None and np.shape(conf["kernel"])[0] == draft.d_model + rank}
+    return write_block_dir(directory, sd, draft, kind=KIND, arch=ARCH, taps=taps, mask_token_id=mask_token_id,
+                           block_size=block_size, sample_from_anchor=True, fields=fields, verifier=verifier,
+                           verifier_arch=verifier_arch, dtype=dtype)

@@ -20,10 +20,12 @@ import pytest
 from confu_jax.decode.families import decode_head
 from confu_jax.models import dspark as D
 from confu_jax.models.dflash import draft_blocks
-from confu_jax.models.target import lm_head_matrix, real_forward
+from confu_jax.models.target import real_forward
 from confu_jax.train.dspark_task import block_outputs
 from confu_jax.weights.dspark_format import save_dspark_dir
 from tests.helpers.model_fakes import tiny_params, tiny_spec
+from tests.helpers.speculators_models import (forward_at_anchors, layer_config, randomize, speculators_config,
+                                              verifier_weights)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("speculators")
@@ -42,65 +44,28 @@ def _target():
 
 
 def _reference(cfg, tp, kind, seed=0, **over):
-    from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import Qwen3Config
 
-    tl = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                     rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048)
-    tl._attn_implementation = "eager"
     config = DSparkSpeculatorConfig(
-        transformer_layer_config=tl, draft_vocab_size=cfg.vocab_size, block_size=BLOCK, mask_token_id=MASK,
-        aux_hidden_state_layer_ids=list(TAPS), markov_rank=RANK, markov_head_type=kind,
-        speculators_config=SpeculatorsConfig(
-            algorithm="dspark", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK)],
-            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None,
-                                                                      architectures=["LlamaForCausalLM"])),
-        **over)
-    model = DSparkDraftModel(config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    _verifier_weights(model, cfg, tp)
-    return model.eval()
-
-
-def _verifier_weights(model, cfg, tp):
-    """A full-vocabulary draft reads the verifier's embedding and LM head (speculators' load_verifier_weights)."""
-    w, axis = lm_head_matrix(cfg, tp)
-    w = np.asarray(w, np.float32)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(torch.tensor(np.asarray(tp["embed"]["embedding"], np.float32)))
-        model.lm_head.weight.copy_(torch.tensor(w if axis == 0 else w.T))
+        transformer_layer_config=layer_config(cfg), draft_vocab_size=cfg.vocab_size, block_size=BLOCK,
+        mask_token_id=MASK, aux_hidden_state_layer_ids=list(TAPS), markov_rank=RANK, markov_head_type=kind,
+        speculators_config=speculators_config("dspark", BLOCK), **over)
+    return verifier_weights(randomize(DSparkDraftModel(config), seed), cfg, tp)
 
 
 def _reference_blocks(model, input_ids, h_cat, anchors, monkeypatch):
     """speculators' forward with its anchors fixed -> (Markov-corrected logits [N, bs, V], confidence logits
     [N, bs]), read where its forward hands them to its loss."""
-    import speculators.models.dflash.core as dcore
     import speculators.models.dspark.core as core
 
-    n = input_ids.shape[1]
     seen = {}
-    monkeypatch.setattr(dcore, "select_anchors", lambda loss_mask, max_anchors, block_size: (
-        torch.tensor(anchors), torch.ones(len(anchors), dtype=torch.bool)))
 
     def capture(logits, targets, confidence_logits, *a, **k):
         seen["logits"], seen["conf"] = logits.detach().float().numpy()[0], confidence_logits.detach().numpy()[0]
         return logits.sum() * 0, {}
 
     monkeypatch.setattr(core, "compute_metrics", capture)
-    with torch.no_grad():
-        model(hidden_states=torch.tensor(h_cat), input_ids=torch.tensor(input_ids, dtype=torch.long),
-              loss_mask=torch.ones((1, n)), verifier_last_hidden_states=torch.zeros((1, n, h_cat.shape[-1] // 3)),
-              document_ids=torch.zeros((1, n), dtype=torch.long), position_ids=torch.arange(n)[None],
-              max_anchors=len(anchors))
+    forward_at_anchors(model, input_ids, h_cat, anchors, monkeypatch)
     return seen["logits"].reshape(len(anchors), BLOCK, -1), seen["conf"].reshape(len(anchors), BLOCK)
 
 
@@ -161,7 +126,7 @@ def test_our_export_loads_in_speculators_and_back(tmp_path, monkeypatch):
     config = DSparkSpeculatorConfig.from_pretrained(out)
     config.transformer_layer_config._attn_implementation = "eager"
     back = DSparkDraftModel.from_pretrained(out, config=config).eval()
-    _verifier_weights(back, cfg, tp)
+    verifier_weights(back, cfg, tp)
     _compare(head, tp, back, monkeypatch, seed=1)
     again = decode_head("dspark", cfg, tp, out)
     jax.tree_util.tree_map(np.testing.assert_array_equal, again.drafter_params.weights, head.drafter_params.weights)
