@@ -43,6 +43,8 @@ REFUSED = {
                "(v1/worker/gpu/spec_decode/dflash2: a Triton walk over the selector's scores); the CPU build runs the "
                "V1 runner, whose DFlash proposer has no selector (it would draft the backbone's unary argmax: not "
                "DFlash2)",
+    "domino": "vLLM 0.32 has no Domino drafter on any platform (no DominoDraftModel in its model registry, no "
+              "proposer that applies a logits correction from the drafted tokens)",
 }
 
 

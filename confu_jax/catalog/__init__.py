@@ -19,8 +19,8 @@ from typing import Callable, Optional
 
 from confu_jax.decode import families as decode_families
 from confu_jax.decode.family import DrafterFamily
-from confu_jax.train import (confu_task, dflash2_task, dflash_task, dspark_task, medusa_task, mlp_speculator_task,
-                             mtp_task, peagle_task, sd2_task)
+from confu_jax.train import (confu_task, dflash2_task, dflash_task, domino_task, dspark_task, medusa_task,
+                             mlp_speculator_task, mtp_task, peagle_task, sd2_task)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,7 @@ _ENTRIES = (
     Entry(_R["dspark"], dspark_task.build_task, ("configs/smollm2_dspark.py",), "configs/tiny_dspark.py"),
     Entry(_R["jetspec"], dflash_task.build_task, ("configs/smollm2_jetspec.py",), "configs/tiny_jetspec.py"),
     Entry(_R["dflash2"], dflash2_task.build_task, ("configs/smollm2_dflash2.py",), "configs/tiny_dflash2.py"),
+    Entry(_R["domino"], domino_task.build_task, ("configs/smollm2_domino.py",), "configs/tiny_domino.py"),
 )
 
 CATALOG: dict = {e.name: e for e in _ENTRIES}

@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from confu_jax.decode import (dflash, dflash2, draft_model, drafting, dspark, hybrid, jetspec, lookup, medusa,
+from confu_jax.decode import (dflash, dflash2, domino, draft_model, drafting, dspark, hybrid, jetspec, lookup, medusa,
                               mlp_speculator, mtp, peagle)
 from confu_jax.decode.drafter import Drafter
 from confu_jax.decode import loaded as heads
 from confu_jax.decode.family import DrafterFamily, Method
 
 _MODULES = (drafting, lookup, hybrid, draft_model, medusa, mlp_speculator, mtp, dflash, peagle, dspark, jetspec,
-            dflash2)
+            dflash2, domino)
 
 FAMILIES: dict = {f.name: f for module in _MODULES for f in module.FAMILIES}
 

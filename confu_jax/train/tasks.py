@@ -12,8 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from confu_jax.train import (confu_task, dflash2_task, dflash_task, dspark_task, medusa_task, mlp_speculator_task,
-                             mtp_task, peagle_task, sd2_task)
+from confu_jax.train import (confu_task, dflash2_task, dflash_task, domino_task, dspark_task, medusa_task,
+                             mlp_speculator_task, mtp_task, peagle_task, sd2_task)
 from confu_jax.train.task import TrainTask, resolve_run_config
 
 TASKS: dict = {
@@ -26,6 +26,7 @@ TASKS: dict = {
     "dflash": dflash_task.build_task,
     "dspark": dspark_task.build_task,
     "dflash2": dflash2_task.build_task,
+    "domino": domino_task.build_task,
     "jetspec": dflash_task.build_task,  # DFlash's task with dflash.causal_head (dflash_task.apply_jetspec_defaults)
 }
 

@@ -54,6 +54,8 @@ class ImportedDFlash(NamedTuple):
     num_target_layers: int
     source: str
     causal_head: bool = False  # dflash_config.causal_head: a JetSpec head (the block attends causally)
+    head: dict = {}  # a projector's own tensors (``projector``: Domino's), under their published names
+    dflash_config: dict = {}
 
 
 def is_dflash_dir(path: str) -> bool:
@@ -63,8 +65,11 @@ def is_dflash_dir(path: str) -> bool:
                                                                                            dict))
 
 
-def load_dflash_dir(directory: str) -> ImportedDFlash:
-    """A published DFlash directory -> our tree (float32), every shape checked against its config.json."""
+def load_dflash_dir(directory: str, projector=None, head_prefixes=()) -> ImportedDFlash:
+    """A published DFlash directory -> our tree (float32), every shape checked against its config.json.
+    ``projector``: the ``dflash_config.projector_type`` expected (None: plain DFlash / JetSpec; SpecForge's
+    ``'domino'``: ``weights.domino_format``), whose tensors — names starting with ``head_prefixes``, SpecForge's
+    older ``logit_head.`` container dropped — come back apart in ``head``."""
     directory = os.path.abspath(os.path.expanduser(directory))
     c = read_config_json(directory)
     if c is None or not is_dflash_dir(directory):
@@ -75,6 +80,10 @@ def load_dflash_dir(directory: str) -> ImportedDFlash:
     dc = c.get("dflash_config") or {}
     if dc.get("mask_token_id") is None:
         raise ValueError(f"{directory}: config.json has no dflash_config.mask_token_id")
+    if dc.get("projector_type") != projector:
+        found = dc.get("projector_type")
+        raise ValueError(f"{directory}: dflash_config.projector_type is {found!r}: a "
+                         f"{found or 'plain DFlash'} draft; decode it with --method {found or 'dflash'}")
     plain = {k: v for k, v in c.items() if k not in ("architectures", "auto_map", "dflash_config", "layer_types")}
     plain["model_type"] = "llama"  # config_from_dict reads the shared Llama / Qwen3 fields
     draft = config_from_dict(plain, f"{directory}/config.json")
@@ -82,29 +91,37 @@ def load_dflash_dir(directory: str) -> ImportedDFlash:
     ids = dc.get("target_layer_ids") or (build_target_layer_ids(n_target, draft.n_layers) if n_target else None)
     if not ids:
         raise ValueError(f"{directory}: neither dflash_config.target_layer_ids nor num_target_layers")
+    sd, head = {}, {}
+    for k, v in read_tensors(directory).items():
+        k = k[len("model."):] if k.startswith("model.") else k
+        k = k[len("logit_head."):] if k.startswith("logit_head.") else k
+        (head if head_prefixes and k.startswith(tuple(head_prefixes)) else sd)[k] = v
     try:
-        params = from_reference_state_dict(read_tensors(directory), draft, len(ids))
+        params = from_reference_state_dict(sd, draft, len(ids))
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
     return ImportedDFlash(params, draft, int(c.get("block_size") or 16), int(dc["mask_token_id"]),
-                          taps_for_layer_ids(ids), n_target, directory, bool(dc.get("causal_head", False)))
+                          taps_for_layer_ids(ids), n_target, directory, bool(dc.get("causal_head", False)), head, dc)
 
 
 def save_dflash_dir(directory: str, params: dict, draft: LlamaConfig, *, taps, mask_token_id: int, block_size: int,
-                    num_target_layers: int, dtype=np.float32, causal_head: bool = False) -> None:
+                    num_target_layers: int, dtype=np.float32, causal_head: bool = False, head=None,
+                    dflash_config=None, architecture: str = ARCHITECTURE) -> None:
     """Write ``model.safetensors`` + ``config.json`` (``dtype``: float32, float16 or bfloat16; ``causal_head``:
-    a JetSpec head, written as ``dflash_config.causal_head: true``)."""
+    a JetSpec head, written as ``dflash_config.causal_head: true``; ``head`` / ``dflash_config`` /
+    ``architecture``: a projector's tensors, config keys and class, SpecForge's Domino)."""
     ids = [int(t) - 1 for t in taps]
     cfg = {k: v for k, v in hf_config_dict(draft).items() if k not in ("dtype",)}
-    cfg.update({"architectures": [ARCHITECTURE], "model_type": "qwen3",
-                "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": int(block_size),
+    module = "dflash" if architecture == ARCHITECTURE else architecture.removesuffix("DraftModel").lower()
+    cfg.update({"architectures": [architecture], "model_type": "qwen3",
+                "auto_map": {"AutoModel": f"{module}.{architecture}"}, "block_size": int(block_size),
                 "num_target_layers": int(num_target_layers),
                 "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": ids,
-                                  **({"causal_head": True} if causal_head else {})},
+                                  **({"causal_head": True} if causal_head else {}), **(dflash_config or {})},
                 "layer_types": ["full_attention"] * draft.n_layers, "use_sliding_window": False,
                 "sliding_window": None, "torch_dtype": dtype_name(dtype)})
     os.makedirs(directory, exist_ok=True)
-    sd = to_reference_state_dict(params)
+    sd = {**to_reference_state_dict(params), **(head or {})}
     save_file({k: np.ascontiguousarray(np.asarray(v, dtype)) for k, v in sd.items()},
               os.path.join(directory, "model.safetensors"))
     with open(os.path.join(directory, "config.json"), "w") as f:

@@ -166,9 +166,9 @@ def test_peagle_served_with_parallel_drafting(served):
     assert out["draft_tokens"] == DEPTH * out["drafts"]
 
 
-@pytest.mark.parametrize("method", ["mlp_speculator", "mtp", "dspark", "dflash2"])
+@pytest.mark.parametrize("method", ["mlp_speculator", "mtp", "dspark", "dflash2", "domino"])
 def test_formats_vllm_refuses_are_named(tmp_path, method):
-    """vLLM 0.32 does not serve these four of our formats (see experiments/vllm_cpu.py for why): the
+    """vLLM 0.32 does not serve these five of our formats (see experiments/vllm_cpu.py for why): the
     runner says so in one line and exits 2 before starting an engine (no vLLM import needed)."""
     proc = subprocess.run([sys.executable, str(RUNNER), "--model", "unused", "--prompts", "unused", "--out",
                            str(tmp_path / "x.json"), "--spec_method", method], capture_output=True, text=True)

@@ -6,8 +6,9 @@
 * initialised (identity convolutions) the backbone is DFlash's, to the bit;
 * the drafted chain is vLLM's selector walk (``_score_edges`` + ``_selector_walk_kernel`` at T = 0) transcribed:
   slot k's unary top-K rescored under the token drafted at slot k−1 (the root for slot 1);
-* greedy = AR for every plan shape (also the family contract's), T = 1 exactly lossless (chi-square against the
-  target's exact joint) for the sampled chain, a tree and DDTree's best-first tree;
+* greedy = AR for every plan shape is the family contract's (its untrained draft's convolutions and selector moved
+  by noise, so both act); T = 1 exactly lossless (chi-square against the target's exact joint) for the sampled chain
+  and DDTree's best-first tree;
 * one-line refusals: ``accum_logp`` plans, a source of no kind the family reads.
 
 speculators' ``DFlash2DraftModel`` (its training forward, its saved layout) is checked against ours in
@@ -23,15 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.decode import loop
 from confu_jax.decode.dflash import context_entries
 from confu_jax.decode.dflash2 import load_dflash2, parse_dflash2
 from confu_jax.decode.drafter import DraftInput, PrefillView
-from confu_jax.decode.generate import generate_ar
 from confu_jax.models import dflash as DF
 from confu_jax.models import dflash2 as D2
 from tests.helpers.family_checks import assert_sampling_is_lossless
-from tests.helpers.loop_fixtures import generated_rows, make, own, prompts_for
+from tests.helpers.loop_fixtures import make, own
 
 MASK = 3
 
@@ -159,20 +158,8 @@ def test_chain_is_vllms_selector_walk():
     assert chain == want
 
 
-@pytest.mark.slow  # the greedy = AR of an untrained draft is also the family contract's (fast lane)
-def test_greedy_equals_ar_for_every_plan():
-    spec, tp, params = setup(6, seed=3)
-    prompts = prompts_for(6)
-    want = generated_rows(generate_ar(tp, spec.target, prompts, max_new_tokens=24, eos_ids=()), len(prompts))
-    for text in ("chain:3", "tree:2,2,1", "dynamic:3,2,5", "ddtree:6,3"):
-        out = loop.generate_speculative(params.target, parse_dflash2(text), params.drafter_params, prompts,
-                                        max_new_tokens=24, eos_ids=())
-        assert generated_rows(out, len(prompts)) == want, text
-        assert np.asarray(out.accept_log_bi).max() > 1, (text, "no draft accepted: vacuous")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("plan", ["sampled_chain:2", "tree:2,2", "ddtree:4,2"])
+@pytest.mark.slow  # the sampled chain's q is the selector's; trees (point-mass q) through DDTree's best-first growth
+@pytest.mark.parametrize("plan", ["sampled_chain:2", "ddtree:4,2"])
 def test_sampling_lossless_joint(plan):
     spec, tp, params = setup(4, seed=5, n_layers=1, top_k=3, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     assert_sampling_is_lossless(spec, tp, params, parse_dflash2(plan))
