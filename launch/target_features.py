@@ -47,8 +47,9 @@ def main(argv):
     from confu_jax.data.target_features import bytes_per_token, kv_bytes_per_token
     from confu_jax.models.spec import model_spec_from_config
     from confu_jax.train.target_features import write_store
+    from confu_jax.train.task import resolve_run_config
 
-    config = _CONFIG.value
+    config = resolve_run_config(_CONFIG.value)  # resolved once: write_store and the size line read the same value
     writer = write_store(config, _OUT.value, top_k=_TOP_K.value, dtype=_DTYPE.value, batch_size=_BATCH.value,
                          rows_per_shard=_ROWS_PER_SHARD.value, pack=_PACK.value)
     s = writer.settings

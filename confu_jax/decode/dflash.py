@@ -50,7 +50,7 @@ from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Met
                                      resolve_source)
 from confu_jax.decode.loaded import LoadedDrafter, own_weights
 from confu_jax.runs import dflash as runs_dflash
-from confu_jax.decode.plans import DraftPlan, parse_plan
+from confu_jax.decode.plans import DraftPlan, FanoutTree, parse_plan
 from confu_jax.models.dflash import (block_hidden, block_logits, block_self_mask, check_dflash_params,
                                      context_features, context_kv, embed_block, model_params)
 from confu_jax.models.kv_cache import KVCache, commit, init_cache
@@ -84,6 +84,16 @@ def draft_spec(dp):
         raise ValueError("a DFlash drafter needs DrafterParams.draft_model (the draft's layer config; "
                          "decode.families.decode_head('dflash', ...) sets it)")
     return dp.draft_model
+
+
+def parse_conditional_plan(text: str, what: str, forms: str) -> DraftPlan:
+    """A block plan for a drafter whose children follow their parent's token (DSpark, DFlash2, Domino): every
+    block plan but ``accum_logp``, which offers every parent the same children."""
+    plan = parse_plan(text, what=what, forms=forms, block=True)
+    if isinstance(plan, FanoutTree):
+        raise ValueError(f"bad {what} plan {text!r}: accum_logp offers every parent the same top-W, but {what} "
+                         f"drafts each node's children from that node; expected {forms}")
+    return plan
 
 
 def parse_dflash_plan(text: str) -> DraftPlan:
@@ -124,16 +134,20 @@ class DFlashDrafter(PlanDrafter):
         k, v = context_entries(dp, p, view.h_cat_btc, jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)))
         return DFlashState(draft_cache=commit(cache, k, v, view.lengths_b))
 
-    def propose(self, target, dp, st: DFlashState, inp: DraftInput) -> Proposal:
+    def block_states(self, target, dp, st: DFlashState, inp: DraftInput, slots: int) -> jax.Array:
+        """The block [x[p+1], M, ..., M] of ``slots`` at positions p+1.. against the draft's cache -> its
+        final-normed states [B, slots, d] (every block family's one forward; DFlash2's convolutions inside it)."""
         p = dflash_params(dp, self.params_key)
-        dcfg = draft_spec(dp)
-        depth = self.max_depth
         b = inp.root_b.shape[0]
-        blk = jnp.full((b, depth + 1), p["mask_token_id"], jnp.int32).at[:, 0].set(inp.root_b)
-        pos = inp.anchor_b[:, None] + 1 + jnp.arange(depth + 1, dtype=jnp.int32)[None]
+        blk = jnp.full((b, slots), p["mask_token_id"], jnp.int32).at[:, 0].set(inp.root_b)
+        pos = inp.anchor_b[:, None] + 1 + jnp.arange(slots, dtype=jnp.int32)[None]
         cache = st.draft_cache
-        h = block_hidden(model_params(p), dcfg, embed_block(target.params, blk), pos,
-                         block_self_mask(b, depth + 1, self.causal), cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
+        return block_hidden(self.backbone(p), draft_spec(dp), embed_block(target.params, blk), pos,
+                            block_self_mask(b, slots, self.causal), cache.k_lbhsd, cache.v_lbhsd, cache.length_b,
+                            block_len=slots)
+
+    def propose(self, target, dp, st: DFlashState, inp: DraftInput) -> Proposal:
+        h = self.block_states(target, dp, st, inp, self.max_depth + 1)
         logits = to_target_vocab(block_logits(target.config, target.params, h[:, 1:]), target.config.vocab_size)
         tree, q = self.draft_positional(jax.nn.log_softmax(logits, axis=-1), inp)
         return full_proposal(tree, q, st)

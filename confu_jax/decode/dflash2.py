@@ -29,14 +29,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode.dflash import DFlashDrafter, dflash_params, draft_spec
+from confu_jax.decode.dflash import DFlashDrafter, dflash_params, parse_conditional_plan
 from confu_jax.decode.drafter import DraftInput, Proposal, full_proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
 from confu_jax.decode.loaded import LoadedDrafter, own_weights
-from confu_jax.decode.plans import FanoutTree, parse_plan
 from confu_jax.models import dflash2 as D2
-from confu_jax.models.dflash import block_hidden, block_logits, block_self_mask, embed_block
+from confu_jax.models.dflash import block_logits
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.runs import dflash2 as runs_dflash2
 
@@ -46,11 +45,7 @@ DFLASH2_FORMS = ("chain:K (a block of K+1: the root and K masks, each slot's bes
 
 
 def parse_dflash2(text: str) -> "DFlash2Drafter":
-    plan = parse_plan(text, what="DFlash2", forms=DFLASH2_FORMS, block=True)
-    if isinstance(plan, FanoutTree):
-        raise ValueError(f"bad DFlash2 plan {text!r}: accum_logp offers every parent the same top-W, but DFlash2's "
-                         f"selector scores each node's children from that node's token; expected {DFLASH2_FORMS}")
-    return DFlash2Drafter(plan)
+    return DFlash2Drafter(parse_conditional_plan(text, "DFlash2", DFLASH2_FORMS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +63,10 @@ class DFlash2Drafter(DFlashDrafter):
 
     def propose(self, target, dp, st, inp: DraftInput) -> Proposal:
         p = dflash_params(dp, self.params_key)
-        dcfg = draft_spec(dp)
         depth, k = self.max_depth, D2.top_k(p)
         vocab = target.config.vocab_size
         b = inp.root_b.shape[0]
-        blk = jnp.full((b, depth + 1), p["mask_token_id"], jnp.int32).at[:, 0].set(inp.root_b)
-        pos = inp.anchor_b[:, None] + 1 + jnp.arange(depth + 1, dtype=jnp.int32)[None]
-        cache = st.draft_cache
-        h = block_hidden(D2.backbone(p), dcfg, embed_block(target.params, blk), pos, block_self_mask(b, depth + 1),
-                         cache.k_lbhsd, cache.v_lbhsd, cache.length_b, block_len=depth + 1)[:, 1:]  # slots 1..D
+        h = self.block_states(target, dp, st, inp, depth + 1)[:, 1:]  # slots 1..D
         unary = to_target_vocab(block_logits(target.config, target.params, h), vocab)  # [B,D,V]
         cand, cand_unary = D2.top_candidates(unary, k)  # [B,D,K]
         projected = D2.project(p, h)  # [B,D,r]

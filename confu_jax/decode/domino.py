@@ -26,14 +26,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode.dflash import DFlashDrafter, dflash_params, draft_spec
+from confu_jax.decode.dflash import DFlashDrafter, dflash_params, parse_conditional_plan
 from confu_jax.decode.drafter import DraftInput, Proposal, full_proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
 from confu_jax.decode.loaded import LoadedDrafter, own_weights
-from confu_jax.decode.plans import FanoutTree, parse_plan
 from confu_jax.models import domino as M
-from confu_jax.models.dflash import block_hidden, block_logits, block_self_mask, embed_block
+from confu_jax.models.dflash import block_logits, embed_block
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.runs import domino as runs_domino
 
@@ -43,11 +42,7 @@ DOMINO_FORMS = ("chain:K (a block of K+1 slots, each drafting the next token und
 
 
 def parse_domino(text: str) -> "DominoDrafter":
-    plan = parse_plan(text, what="Domino", forms=DOMINO_FORMS, block=True)
-    if isinstance(plan, FanoutTree):
-        raise ValueError(f"bad Domino plan {text!r}: accum_logp offers every parent the same top-W, but Domino's GRU "
-                         f"drafts each node's children from that node's state; expected {DOMINO_FORMS}")
-    return DominoDrafter(plan)
+    return DominoDrafter(parse_conditional_plan(text, "Domino", DOMINO_FORMS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +57,10 @@ class DominoDrafter(DFlashDrafter):
 
     def propose(self, target, dp, st, inp: DraftInput) -> Proposal:
         p = dflash_params(dp, self.params_key)
-        dcfg = draft_spec(dp)
         depth = self.max_depth
         vocab = target.config.vocab_size
         b = inp.root_b.shape[0]
-        blk = jnp.full((b, depth + 1), p["mask_token_id"], jnp.int32).at[:, 0].set(inp.root_b)
-        pos = inp.anchor_b[:, None] + 1 + jnp.arange(depth + 1, dtype=jnp.int32)[None]
-        cache = st.draft_cache
-        h = block_hidden(M.backbone(p), dcfg, embed_block(target.params, blk), pos, block_self_mask(b, depth + 1),
-                         cache.k_lbhsd, cache.v_lbhsd, cache.length_b)[:, :depth]  # slot k drafts depth k+1
+        h = self.block_states(target, dp, st, inp, depth + 1)[:, :depth]  # slot k drafts depth k+1
         base = to_target_vocab(block_logits(target.config, target.params, h), vocab)  # [B,D,V]
         rows = jnp.arange(b)[:, None]
 

@@ -34,14 +34,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode.dflash import DFlashDrafter, dflash_params, draft_spec
+from confu_jax.decode.dflash import DFlashDrafter, dflash_params, parse_conditional_plan
 from confu_jax.decode.drafter import DraftInput, Proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
 from confu_jax.decode.loaded import LoadedDrafter, own_weights
-from confu_jax.decode.plans import Chain, FanoutTree, parse_plan
+from confu_jax.decode.plans import Chain
 from confu_jax.models import dspark as D
-from confu_jax.models.dflash import block_hidden, block_logits, embed_block
+from confu_jax.models.dflash import block_logits
 from confu_jax.models.vocab_map import to_target_vocab
 from confu_jax.runs import dspark as runs_dspark
 
@@ -54,10 +54,7 @@ DSPARK_FORMS = ("chain:K (a block of K: the root and K-1 masks, each slot drafti
 def parse_dspark(text: str) -> "DSparkDrafter":
     """A DSpark plan, optionally ``@P`` (confidence-scheduled length, chains only)."""
     body, at, prob = text.partition("@")
-    plan = parse_plan(body, what="DSpark", forms=DSPARK_FORMS, block=True)
-    if isinstance(plan, FanoutTree):
-        raise ValueError(f"bad DSpark plan {text!r}: accum_logp offers every parent the same top-W, but DSpark's "
-                         f"Markov head drafts each node's children from that node; expected {DSPARK_FORMS}")
+    plan = parse_conditional_plan(body, "DSpark", DSPARK_FORMS)
     if not at:
         return DSparkDrafter(plan)
     try:
@@ -97,14 +94,9 @@ class DSparkDrafter(DFlashDrafter):
 
     def propose(self, target, dp, st, inp: DraftInput) -> Proposal:
         p = dflash_params(dp, self.params_key)
-        dcfg = draft_spec(dp)
         depth = self.max_depth
         b = inp.root_b.shape[0]
-        blk = jnp.full((b, depth), p["mask_token_id"], jnp.int32).at[:, 0].set(inp.root_b)
-        pos = inp.anchor_b[:, None] + 1 + jnp.arange(depth, dtype=jnp.int32)[None]
-        cache = st.draft_cache
-        h = block_hidden(D.backbone(p), dcfg, embed_block(target.params, blk), pos,
-                         jnp.ones((b, depth, depth), bool), cache.k_lbhsd, cache.v_lbhsd, cache.length_b)
+        h = self.block_states(target, dp, st, inp, depth)
         base = to_target_vocab(block_logits(target.config, target.params, h), target.config.vocab_size)  # [B,D,V]
 
         rows = jnp.arange(b)[:, None]

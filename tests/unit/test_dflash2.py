@@ -24,11 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.decode.dflash import context_entries
 from confu_jax.decode.dflash2 import load_dflash2, parse_dflash2
-from confu_jax.decode.drafter import DraftInput, PrefillView
 from confu_jax.models import dflash as DF
 from confu_jax.models import dflash2 as D2
+from tests.helpers.block_drafts import FirstProposal
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.loop_fixtures import make, own
 
@@ -125,37 +124,21 @@ def test_chain_is_vllms_selector_walk():
     """Slot 1 rescored under the root, slot k under slot k−1's draft: each slot's best-scored candidate."""
     spec, tp, params = setup(24, seed=2)
     p = params.drafter_params.weights["dflash2"]
-    from confu_jax.models.target import real_forward
-
-    prompt = [3, 9, 4, 17, 3, 9]
-    n = len(prompt)
-    toks = jnp.asarray([prompt], jnp.int32)
-    out = real_forward(spec, tp, toks)
-    root = jnp.argmax(out.logits_btv[:, -1], axis=-1).astype(jnp.int32)
-    drafter = parse_dflash2("chain:4")
-    st = drafter.init(params.target, params.drafter_params, PrefillView(toks, jnp.array([n]), root, out.taps_btc,
-                                                                        None, 32))
-    inp = DraftInput(root, jnp.array([n - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0), jnp.float32(0.0),
-                     jnp.float32(1.0))
-    chain = np.asarray(drafter.propose(params.target, params.drafter_params, st, inp).tree.tokens_bt)[0].tolist()
+    first = FirstProposal(spec, tp, params, parse_dflash2("chain:4"))
     # vLLM's walk from the pieces: context K/V, one block forward, unary top-K, edges, argmax along the walk
-    k, v = context_entries(params.drafter_params, p, out.taps_btc, jnp.arange(n)[None])
-    blk = jnp.asarray([[int(root[0]), MASK, MASK, MASK, MASK]])
-    h = DF.block_hidden(D2.backbone(p), spec.draft_model, DF.embed_block(tp, blk), jnp.arange(n, n + 5)[None],
-                        jnp.ones((1, 5, 5), bool), k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4),
-                        jnp.array([n]))
+    h = first.block(p, D2.backbone(p), MASK, 5)
     hs = np.asarray(h)[0, 1:]
     unary = np.asarray(DF.block_logits(spec.target, tp, h))[0, 1:]
     pc, sc, wh = (np.asarray(p["selector"][n_], np.float64) for n_ in
                   ("predecessor_codebook", "successor_codebook", "hidden_projection"))
     top = 4
-    prev, want = int(root[0]), [int(root[0])]
+    prev, want = int(first.root[0]), [int(first.root[0])]
     for slot in range(4):
         cand = np.argsort(-unary[slot])[:top]
         scores = unary[slot][cand] + ((pc[prev] * (hs[slot] @ wh)) * sc[cand]).sum(-1)
         prev = int(cand[np.argmax(scores)])
         want.append(prev)
-    assert chain == want
+    assert first.chain == want
 
 
 @pytest.mark.slow  # the sampled chain's q is the selector's; trees (point-mass q) through DDTree's best-first growth

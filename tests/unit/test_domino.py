@@ -26,13 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from confu_jax.decode.dflash import context_entries, load_dflash
+from confu_jax.decode.dflash import load_dflash
 from confu_jax.decode.domino import parse_domino
-from confu_jax.decode.drafter import DraftInput, PrefillView
 from confu_jax.models import dflash as DF
 from confu_jax.models import domino as M
 from confu_jax.train.domino_task import lambda_base
 from confu_jax.weights.domino_format import load_domino_dir, save_domino_dir
+from tests.helpers.block_drafts import FirstProposal
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.loop_fixtures import make, own
 
@@ -91,38 +91,22 @@ def test_chain_is_specforges_sample_draft_tokens():
     torch = pytest.importorskip("torch")
     spec, tp, params = setup(24, seed=2)
     p = params.drafter_params.weights["domino"]
-    from confu_jax.models.target import real_forward
-
-    prompt = [3, 9, 4, 17, 3, 9]
-    n = len(prompt)
-    toks = jnp.asarray([prompt], jnp.int32)
-    out = real_forward(spec, tp, toks)
-    root = jnp.argmax(out.logits_btv[:, -1], axis=-1).astype(jnp.int32)
-    drafter = parse_domino("chain:4")
-    st = drafter.init(params.target, params.drafter_params, PrefillView(toks, jnp.array([n]), root, out.taps_btc,
-                                                                        None, 32))
-    inp = DraftInput(root, jnp.array([n - 1]), jnp.zeros((1,), bool), jax.random.PRNGKey(0), jnp.float32(0.0),
-                     jnp.float32(1.0))
-    chain = np.asarray(drafter.propose(params.target, params.drafter_params, st, inp).tree.tokens_bt)[0].tolist()
+    first = FirstProposal(spec, tp, params, parse_domino("chain:4"))
     # SpecForge's loop from the pieces: one block forward (bs = 5 slots), then token by token the GRU over the
     # block's completed ids and slot (position - 1)'s corrected logits
-    k, v = context_entries(params.drafter_params, p, out.taps_btc, jnp.arange(n)[None])
-    blk = jnp.asarray([[int(root[0]), MASK, MASK, MASK, MASK]])
-    h = DF.block_hidden(M.backbone(p), spec.draft_model, DF.embed_block(tp, blk), jnp.arange(n, n + 5)[None],
-                        jnp.ones((1, 5, 5), bool), k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4),
-                        jnp.array([n]))
+    h = first.block(p, M.backbone(p), MASK, 5)
     base = torch.tensor(np.asarray(DF.block_logits(spec.target, tp, h))[0])
     hs = torch.tensor(np.asarray(h)[0])
     table = torch.tensor(np.asarray(tp["embed"]["embedding"], np.float32))
     gru, proj = _torch_head(p)
-    completed = [int(root[0]), MASK, MASK, MASK, MASK]
+    completed = [int(first.root[0]), MASK, MASK, MASK, MASK]
     with torch.no_grad():
         for position in range(1, 5):
             states = gru(table[torch.tensor(completed)][None])[0][0]
             slot = position - 1
             logits = base[slot] + (proj(torch.cat([hs[slot], states[slot]])) if slot >= 1 else 0)
             completed[position] = int(torch.argmax(logits))
-    assert chain == completed
+    assert first.chain == completed
 
 
 def test_export_reimports_bit_for_bit_and_refusals_are_one_line(tmp_path):
