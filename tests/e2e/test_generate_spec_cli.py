@@ -1,5 +1,6 @@
-"""``python -m launch.generate --method eagle3|confu|dflash|peagle|dspark`` (DFlash and P-EAGLE under DDTree's
-``ddtree:`` plan, DSpark with a confidence-scheduled length): on a tiny random GGUF model (real chat
+"""``python -m launch.generate --method eagle3|confu|dflash|peagle|dspark|jetspec|dflash2|domino`` (DFlash and
+P-EAGLE under DDTree's ``ddtree:`` plan, DSpark with a confidence-scheduled length, JetSpec under its
+``accum_logp`` tree, DFlash2 and Domino under a tree whose children follow their parent): on a tiny random GGUF model (real chat
 template and tokenizer path) the speculative output equals ``--method ar``'s greedy output token
 for token, τ is printed, and a missing head is announced as random on stderr."""
 
@@ -37,7 +38,8 @@ def test_speculative_cli_equals_ar_and_prints_tau(tiny_gguf):
     _, ar_ids = _generate(tiny_gguf, "--method", "ar")
     assert len(ar_ids) >= 2
     for method, tree in (("eagle3", "chain:3"), ("confu", "dynamic:3,3,8"), ("dflash", "ddtree:6,3"),
-                         ("peagle", "ddtree:6,3"), ("dspark", "chain:4@0.3")):
+                         ("peagle", "ddtree:6,3"), ("dspark", "chain:4@0.3"), ("jetspec", "accum_logp:6,2,3"),
+                         ("dflash2", "tree:2,2,1"), ("domino", "ddtree:6,3")):
         r, ids = _generate(tiny_gguf, "--method", method, "--plan", tree)
         assert ids == ar_ids, (method, tree)
         assert "UNTRAINED" in r.stderr
