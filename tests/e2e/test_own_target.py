@@ -1,4 +1,6 @@
-"""docs/own_target.md, run as written, on a tiny Llama and a tiny Qwen3 checkpoint no preset describes.
+"""docs/own_target.md, run as written, on a tiny Llama and a tiny Qwen3 checkpoint no preset describes
+(the Qwen3 run without the lines that read nothing architecture-specific: ConFu's, the benchmark's, the
+multi-process run's).
 
 The commands are read from the document's ``bash`` blocks (so the document cannot drift from what
 works) and run in order with the document's variables set small; ``launch.generate`` gets
@@ -97,9 +99,13 @@ def _losses(workdir, key="loss"):
 def test_recipe_runs_as_written(tmp_path, name, monkeypatch):
     model = _checkpoint(tmp_path / "model", name)
     work = str(tmp_path / "work")
-    # The benchmark and the multi-process run read nothing family-specific: the Llama run covers them.
+    # The benchmark and the multi-process run read nothing family-specific, and ConFu's lines (its training from
+    # EAGLE-3's checkpoint, its decode) nothing architecture-specific that EAGLE-3's do not: the Llama run covers
+    # them; the Qwen3 run keeps what reads the checkpoint's architecture (data, EAGLE-3's training on qk-norm
+    # features, both export layouts naming Qwen3 as verifier, decoding from the run and from the export).
     whole = name == "llama"
-    outputs = _run_document(model, work, skip=() if whole else ("launch.decode_bench", "local_multiprocess.sh"))
+    outputs = _run_document(model, work, skip=() if whole else ("launch.decode_bench", "local_multiprocess.sh",
+                                                                "configs/confu.py", "--method confu"))
 
     # 1. data: the target's own answers, written and read back by the training pipeline's reader
     from confu_jax.data.formats import iter_conversations
@@ -112,11 +118,12 @@ def test_recipe_runs_as_written(tmp_path, name, monkeypatch):
     # 2-3. EAGLE-3's loss falls; ConFu started from it; both recorded the checkpoint's architecture
     e3 = _losses(os.path.join(work, "eagle3"))
     assert e3[-1] < e3[0], e3
-    with open(os.path.join(work, "confu", "init_from.json")) as f:
-        source = os.path.realpath(json.load(f)["source"])
-    assert source.startswith(os.path.realpath(os.path.join(work, "eagle3"))), source
-    assert np.isfinite(_losses(os.path.join(work, "confu"))).all()
-    for run in ("eagle3", "confu"):
+    if whole:
+        with open(os.path.join(work, "confu", "init_from.json")) as f:
+            source = os.path.realpath(json.load(f)["source"])
+        assert source.startswith(os.path.realpath(os.path.join(work, "eagle3"))), source
+        assert np.isfinite(_losses(os.path.join(work, "confu"))).all()
+    for run in ("eagle3", "confu") if whole else ("eagle3",):
         with open(os.path.join(work, run, "config.json")) as f:
             arch = json.load(f)["model"]["arch"]
         assert (arch["n_layers"], arch["d_model"], arch["head_dim"], arch["qk_norm"]) == (
@@ -160,8 +167,8 @@ def test_recipe_runs_as_written(tmp_path, name, monkeypatch):
     # 5. every head decodes exactly AR's tokens
     ids = [[int(i) for i in re.search(r"^ids: (.*)$", r.stderr, re.M).group(1).split()]
            for cmd, r in outputs if "launch.generate " in cmd]
-    assert len(ids) == 4 and len(ids[0]) >= 4
-    assert ids[1] == ids[0] and ids[2] == ids[0] and ids[3] == ids[0]
+    assert len(ids) == (4 if whole else 3) and len(ids[0]) >= 4
+    assert all(i == ids[0] for i in ids[1:])
 
     if not whole:
         return

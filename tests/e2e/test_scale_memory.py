@@ -43,7 +43,7 @@ def _config(variant: str, source: str, **over):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["eagle3", "confu"])
+@pytest.mark.parametrize("variant", ["confu"])  # the target and batch sides are every head's; ConFu's adds a head's
 def test_the_abstract_step_is_the_real_step(variant):
     """Same shapes, same program: an abstract target (no weights, a shape-only batch) compiles to a
     step whose buffer assignment equals, byte for byte, the step compiled with real random weights
@@ -75,7 +75,7 @@ def _cli(*args, timeout=600):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["eagle3", "confu"])
+@pytest.mark.parametrize("variant", ["eagle3"])  # the CLI path is every head's; ConFu's step: tests/compile
 def test_an_8b_shape_compiles_from_its_config_json_alone(tmp_path, variant):
     """The reduced 8B check: Llama-3.1-8B's widths (d 4096, 32 heads / 8 KV, MLP 14336, vocabulary
     128256, draft vocabulary 32000) with 4 layers, rows of 1024, one row on each of 8 fake devices,

@@ -114,13 +114,17 @@ def _our_tau(served) -> tuple[float, list]:
     """Our loop on the same ids: released head, chain:3, greedy, the same token budget."""
     from confu_jax.decode.families import decode_head, parse_drafter
     from confu_jax.decode.loop import generate_speculative
+    from confu_jax.decode.requests import bucket_length
 
     head = decode_head("eagle3", served["cfg"], served["weights"], str(RELEASED_E3))
     drafter = parse_drafter("eagle3", f"chain:{DEPTH}")
     generated = passes = 0
     tokens = []
+    # one padded width for every prompt: one program compiled, not one per power of two the lengths reach
+    width = bucket_length(max(len(p) for p in served["ids"]))
     for p in served["ids"]:
-        out = generate_speculative(head.target, drafter, head.drafter_params, [p], max_new_tokens=MAX_TOKENS)
+        out = generate_speculative(head.target, drafter, head.drafter_params, [p], max_new_tokens=MAX_TOKENS,
+                                   min_bucket=width)
         n = int(out.n_generated_b[0])
         tokens.append([int(t) for t in np.asarray(out.tokens_bn[0, :n])])
         generated += n
