@@ -232,6 +232,25 @@ def load_dflash(target_cfg, target_params: dict, source=None, seed: int = 0,
                        desc, draft_model=dcfg, tap_layers=tuple(taps))
 
 
+def published_block_config(source, imp, target_cfg, name: str, zlab_layer_ids: bool = False):
+    """A published block draft's layer config on this target (DSpark's, DFlash2's, Domino's directories),
+    after the checks every such layout needs: the draft's width and vocabulary are the target's (its block
+    input is the target's embedding) and its taps are states of this target's layers. ``zlab_layer_ids``: the
+    layout names them z-lab's way (``target_layer_ids``, layer outputs: tap − 1), else speculators'
+    (``aux_hidden_state_layer_ids``, states entering a layer)."""
+    if imp.draft.d_model != target_cfg.d_model or imp.draft.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"{source}: a {name} draft of width {imp.draft.d_model} over {imp.draft.vocab_size} "
+                         f"tokens cannot read a target of width {target_cfg.d_model} over "
+                         f"{target_cfg.vocab_size} (its block input is the target's embedding)")
+    if max(imp.taps) >= target_cfg.n_layers:
+        if zlab_layer_ids:
+            raise ValueError(f"{source}: target_layer_ids {[t - 1 for t in imp.taps]}: expected outputs of layers "
+                             f"below the last ({target_cfg.n_layers - 1}) of this {target_cfg.n_layers}-layer target")
+        raise ValueError(f"{source}: aux_hidden_state_layer_ids {list(imp.taps)}: expected states entering "
+                         f"layers of this {target_cfg.n_layers}-layer target (below {target_cfg.n_layers})")
+    return imp.draft.replace(dtype=target_cfg.dtype, param_dtype=target_cfg.param_dtype)
+
+
 def block_depth(dp, key: str = "dflash"):
     """The deepest plan a loaded DFlash (or JetSpec, ``key``) draft runs: its trained block holds the root and
     block_size - 1 masks (None for an initialisation, which was trained on nothing)."""

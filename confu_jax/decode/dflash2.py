@@ -29,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode.dflash import DFlashDrafter, dflash_params, parse_conditional_plan
+from confu_jax.decode.dflash import DFlashDrafter, dflash_params, parse_conditional_plan, published_block_config
 from confu_jax.decode.drafter import DraftInput, Proposal, full_proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
@@ -97,7 +97,7 @@ def load_dflash2(target_cfg, target_params: dict, source=None, seed: int = 0,
     import numpy as np
 
     from confu_jax.models.dflash import check_dflash_params, default_taps, draft_config
-    from confu_jax.runs.dflash2 import is_dflash2_workdir, load_dflash2_run
+    from confu_jax.runs.dflash2 import is_dflash2_workdir, load_dflash2_run, top_k as top_k_of
     from confu_jax.weights.dflash2_format import is_dflash2_dir, load_dflash2_dir
 
     if source is None:
@@ -110,18 +110,11 @@ def load_dflash2(target_cfg, target_params: dict, source=None, seed: int = 0,
     else:
         def run(path):
             r = load_dflash2_run(path, target_cfg, target_params, target_source=target_source)
-            return r.params, r.draft, r.taps, r.mask_token_id, r.block_size, r.top_k, r.source
+            return r.params, r.draft, r.taps, r.mask_token_id, r.block_size, top_k_of(r), r.source
 
         def published(path):
             imp = load_dflash2_dir(path)
-            if imp.draft.d_model != target_cfg.d_model or imp.draft.vocab_size != target_cfg.vocab_size:
-                raise ValueError(f"{source}: a DFlash2 draft of width {imp.draft.d_model} over {imp.draft.vocab_size} "
-                                 f"tokens cannot read a target of width {target_cfg.d_model} over "
-                                 f"{target_cfg.vocab_size} (its block input is the target's embedding)")
-            if max(imp.taps) >= target_cfg.n_layers:
-                raise ValueError(f"{source}: aux_hidden_state_layer_ids {list(imp.taps)}: expected states entering "
-                                 f"layers of this {target_cfg.n_layers}-layer target (below {target_cfg.n_layers})")
-            dcfg = imp.draft.replace(dtype=target_cfg.dtype, param_dtype=target_cfg.param_dtype)
+            dcfg = published_block_config(source, imp, target_cfg, "DFlash2")
             return (imp.params, dcfg, imp.taps, imp.mask_token_id, imp.block_size, imp.top_k,
                     f"{path} (speculators DFlash2 layout, block {imp.block_size}, top {imp.top_k})")
 

@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode.dflash import DFlashDrafter, dflash_params, parse_conditional_plan
+from confu_jax.decode.dflash import DFlashDrafter, dflash_params, parse_conditional_plan, published_block_config
 from confu_jax.decode.drafter import DraftInput, Proposal, full_proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
@@ -90,7 +90,7 @@ def load_domino(target_cfg, target_params: dict, source=None, seed: int = 0,
     import numpy as np
 
     from confu_jax.models.dflash import check_dflash_params, default_taps, draft_config
-    from confu_jax.runs.domino import is_domino_workdir, load_domino_run
+    from confu_jax.runs.domino import is_domino_workdir, load_domino_run, prefix_len as prefix_len_of
     from confu_jax.weights.domino_format import is_domino_dir, load_domino_dir
 
     if source is None:
@@ -102,18 +102,11 @@ def load_domino(target_cfg, target_params: dict, source=None, seed: int = 0,
     else:
         def run(path):
             r = load_domino_run(path, target_cfg, target_params, target_source=target_source)
-            return r.params, r.draft, r.taps, r.mask_token_id, r.block_size, r.prefix_len, r.source
+            return r.params, r.draft, r.taps, r.mask_token_id, r.block_size, prefix_len_of(r), r.source
 
         def published(path):
             imp = load_domino_dir(path)
-            if imp.draft.d_model != target_cfg.d_model or imp.draft.vocab_size != target_cfg.vocab_size:
-                raise ValueError(f"{source}: a Domino draft of width {imp.draft.d_model} over {imp.draft.vocab_size} "
-                                 f"tokens cannot read a target of width {target_cfg.d_model} over "
-                                 f"{target_cfg.vocab_size} (its block input is the target's embedding)")
-            if max(imp.taps) >= target_cfg.n_layers:
-                raise ValueError(f"{source}: target_layer_ids {[t - 1 for t in imp.taps]}: expected outputs of layers "
-                                 f"below the last ({target_cfg.n_layers - 1}) of this {target_cfg.n_layers}-layer target")
-            dcfg = imp.draft.replace(dtype=target_cfg.dtype, param_dtype=target_cfg.param_dtype)
+            dcfg = published_block_config(source, imp, target_cfg, "Domino", zlab_layer_ids=True)
             return (imp.params, dcfg, imp.taps, imp.mask_token_id, imp.block_size, imp.prefix_len,
                     f"{path} (SpecForge Domino layout, block {imp.block_size})")
 

@@ -34,7 +34,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from confu_jax.decode.dflash import DFlashDrafter, dflash_params, parse_conditional_plan
+from confu_jax.decode.dflash import DFlashDrafter, dflash_params, parse_conditional_plan, published_block_config
 from confu_jax.decode.drafter import DraftInput, Proposal
 from confu_jax.decode.family import (DEFAULT_CARTESIAN_TREES, DrafterFamily, Method, SourceKind, own_weights_loader,
                                      resolve_source)
@@ -150,14 +150,7 @@ def load_dspark(target_cfg, target_params: dict, source=None, seed: int = 0,
 
         def published(path):
             imp = load_dspark_dir(path)
-            if imp.draft.d_model != target_cfg.d_model or imp.draft.vocab_size != target_cfg.vocab_size:
-                raise ValueError(f"{source}: a DSpark draft of width {imp.draft.d_model} over {imp.draft.vocab_size} "
-                                 f"tokens cannot read a target of width {target_cfg.d_model} over "
-                                 f"{target_cfg.vocab_size} (its block input is the target's embedding)")
-            if max(imp.taps) >= target_cfg.n_layers:
-                raise ValueError(f"{source}: aux_hidden_state_layer_ids {list(imp.taps)}: expected states entering "
-                                 f"layers of this {target_cfg.n_layers}-layer target (below {target_cfg.n_layers})")
-            dcfg = imp.draft.replace(dtype=target_cfg.dtype, param_dtype=target_cfg.param_dtype)
+            dcfg = published_block_config(source, imp, target_cfg, "DSpark")
             return (imp.params, dcfg, imp.taps, imp.mask_token_id, imp.block_size,
                     f"{path} (speculators DSpark layout, block {imp.block_size})")
 

@@ -21,9 +21,10 @@ from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
 
 
 class DFlashRun(NamedTuple):
-    """A block-draft run as decode loads it (DFlash's; DSpark's, ``runs.dspark``, has the same fields)."""
+    """A block-draft run as decode loads it: DFlash's and JetSpec's, and DSpark's, DFlash2's and Domino's
+    (``runs.dspark`` / ``dflash2`` / ``domino``), all read by ``load_block_run``."""
 
-    params: dict  # numpy models.dflash (or models.dspark) tree, no decode scalars
+    params: dict  # numpy models.dflash (or models.dspark / dflash2 / domino) tree, no decode scalars
     draft: LlamaConfig
     taps: tuple
     mask_token_id: int
@@ -31,6 +32,7 @@ class DFlashRun(NamedTuple):
     step: int
     source: str
     causal_head: bool = False  # dflash.causal_head: a JetSpec run (the block attends causally)
+    section: Optional[dict] = None  # the run's family section (DFlash2's selector K, Domino's prefix length, ...)
 
 
 def is_dflash_workdir(path: str) -> bool:
@@ -46,23 +48,48 @@ def run_taps(config: dict, target_cfg: LlamaConfig) -> tuple:
     return tuple(int(t) for t in taps) if taps is not None else default_taps(target_cfg.n_layers)
 
 
-def load_dflash_run(workdir: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
-                    target_source: str = "the loaded target") -> DFlashRun:
-    """The draft of a run (last checkpoint, or ``step``), target checked by fingerprint."""
+def load_block_run(workdir: str, family: str, shapes, target_cfg: LlamaConfig, target_params, *,
+                   step: Optional[int] = None, target_source: str = "the loaded target",
+                   name: str = "") -> DFlashRun:
+    """The draft of a block-draft run (last checkpoint, or ``step``), target checked by fingerprint: the one
+    reader of the five block families, whose checkpoints hold ``{'draft': {family: tree}}`` of a backbone of
+    ``<family>.num_layers`` layers of the target's shape over the run's taps, with the mask token and block
+    size in the run's ``family`` section. ``shapes(draft_cfg, n_taps, section)`` gives the tree's abstract
+    shapes (what the family adds to the backbone follows from its section)."""
     from confu_jax.runs.heads import load_family_run
 
     def abstract(config):
-        dcfg = draft_config(target_cfg, int(config["dflash"]["num_layers"]))
-        return {"draft": {"dflash": trainable_shapes(dcfg, len(run_taps(config, target_cfg)))}}
+        dcfg = draft_config(target_cfg, int(config[family]["num_layers"]))
+        return {"draft": {family: shapes(dcfg, len(run_taps(config, target_cfg)), config[family])}}
 
     params, step, config, workdir = load_family_run(
-        workdir, "dflash", abstract, target_params, step=step, target_source=target_source,
-        why="a DFlash draft reads its own target's taps, embedding and LM head")
-    dc = config["dflash"]
-    return DFlashRun(jax.tree_util.tree_map(np.asarray, params["draft"]["dflash"]),
-                     draft_config(target_cfg, int(dc["num_layers"])), run_taps(config, target_cfg),
-                     int(dc["mask_token_id"]), int(dc["block_size"]), step, f"{workdir} (step {step})",
-                     bool(dc.get("causal_head", False)))
+        workdir, family, abstract, target_params, step=step, target_source=target_source,
+        why=f"a {name or family} draft reads its own target's taps, embedding and LM head")
+    section = dict(config[family])
+    return DFlashRun(jax.tree_util.tree_map(np.asarray, params["draft"][family]),
+                     draft_config(target_cfg, int(section["num_layers"])), run_taps(config, target_cfg),
+                     int(section["mask_token_id"]), int(section["block_size"]), step, f"{workdir} (step {step})",
+                     bool(section.get("causal_head", False)), section)
+
+
+def load_dflash_run(workdir: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
+                    target_source: str = "the loaded target") -> DFlashRun:
+    """A DFlash (or JetSpec: ``causal_head``) run's draft (``load_block_run``)."""
+    return load_block_run(workdir, "dflash", lambda dcfg, n_taps, _: trainable_shapes(dcfg, n_taps), target_cfg,
+                          target_params, step=step, target_source=target_source, name="DFlash")
+
+
+def speculators_verifier(workdir: str, target_cfg: LlamaConfig, verifier: Optional[str], target_source: str) -> dict:
+    """The ``verifier`` / ``verifier_arch`` a speculators-layout export (DSpark's, DFlash2's) names: ``verifier``
+    when given, else the run's recorded target source, else the loaded target's; its architecture from the
+    target's config."""
+    from confu_jax.runs.heads import read_target_record
+    from confu_jax.weights.export import model_type_of
+    from confu_jax.weights.hf import SUPPORTED_MODEL_TYPES
+
+    record = read_target_record(workdir) or {}
+    return {"verifier": verifier or record.get("source") or target_source,
+            "verifier_arch": SUPPORTED_MODEL_TYPES[model_type_of(target_cfg)]}
 
 
 def export_dflash_run(workdir: str, out: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,

@@ -8,26 +8,11 @@ says which target it was trained on (the draft reads that target's taps and uses
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
-import jax
-import numpy as np
-
-from confu_jax.models.dflash import draft_config
 from confu_jax.models.llama import LlamaConfig
-from confu_jax.runs.dflash import run_taps
+from confu_jax.runs.dflash import DFlashRun, load_block_run, speculators_verifier
 from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
-
-
-class DFlash2Run(NamedTuple):
-    params: dict  # numpy models.dflash2 tree, no decode scalars
-    draft: LlamaConfig
-    taps: tuple
-    mask_token_id: int
-    block_size: int
-    top_k: int
-    step: int
-    source: str
 
 
 def is_dflash2_workdir(path: str) -> bool:
@@ -44,25 +29,19 @@ def shape_kwargs(section: dict, d_model: int) -> dict:
 
 
 def load_dflash2_run(workdir: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
-                     target_source: str = "the loaded target") -> DFlash2Run:
-    """The draft of a run (last checkpoint, or ``step``), target checked by fingerprint."""
+                     target_source: str = "the loaded target") -> DFlashRun:
+    """A DFlash2 run's draft (``runs.dflash.load_block_run``; its convolutions and selector from its section,
+    the selector's K: ``top_k(run)``)."""
     from confu_jax.models.dflash2 import init_shapes
-    from confu_jax.runs.heads import load_family_run
 
-    def abstract(config):
-        dc = config["dflash2"]
-        dcfg = draft_config(target_cfg, int(dc["num_layers"]))
-        return {"draft": {"dflash2": init_shapes(dcfg, len(run_taps(config, target_cfg)), target_cfg.vocab_size,
-                                                 **shape_kwargs(dc, target_cfg.d_model))}}
+    return load_block_run(workdir, "dflash2", lambda dcfg, n_taps, dc: init_shapes(
+        dcfg, n_taps, target_cfg.vocab_size, **shape_kwargs(dc, target_cfg.d_model)), target_cfg, target_params,
+        step=step, target_source=target_source, name="DFlash2")
 
-    params, step, config, workdir = load_family_run(
-        workdir, "dflash2", abstract, target_params, step=step, target_source=target_source,
-        why="a DFlash2 draft reads its own target's taps, embedding and LM head")
-    dc = config["dflash2"]
-    return DFlash2Run(jax.tree_util.tree_map(np.asarray, params["draft"]["dflash2"]),
-                      draft_config(target_cfg, int(dc["num_layers"])), run_taps(config, target_cfg),
-                      int(dc["mask_token_id"]), int(dc["block_size"]), int(dc["selector_top_k"]), step,
-                      f"{workdir} (step {step})")
+
+def top_k(run: DFlashRun) -> int:
+    """The K candidates a DFlash2 run's selector reranks (its ``dflash2.selector_top_k``)."""
+    return int(run.section["selector_top_k"])
 
 
 # ----------------------------------------------------------------------------- export (launch.export_head)
@@ -71,23 +50,18 @@ def load_dflash2_run(workdir: str, target_cfg: LlamaConfig, target_params, *, st
 def _write_dflash2(workdir, out, *, step=None, dtype=None, target, target_source, warn=None, verifier=None) -> str:
     import os
 
-    from confu_jax.runs.heads import read_target_record
     from confu_jax.weights.dflash2_format import save_dflash2_dir
-    from confu_jax.weights.export import model_type_of
     from confu_jax.weights.head_dirs import store_dtype
-    from confu_jax.weights.hf import SUPPORTED_MODEL_TYPES
 
     cfg, tp = target
     dtype = dtype or target_dtype(target_source)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     run = load_dflash2_run(workdir, cfg, tp, step=step, target_source=target_source)
-    record = read_target_record(workdir) or {}
     save_dflash2_dir(out, run.params, run.draft, taps=run.taps, mask_token_id=run.mask_token_id,
-                     block_size=run.block_size, top_k=run.top_k,
-                     verifier=verifier or record.get("source") or target_source,
-                     verifier_arch=SUPPORTED_MODEL_TYPES[model_type_of(cfg)], dtype=store_dtype(dtype_text(dtype)))
+                     block_size=run.block_size, top_k=top_k(run),
+                     **speculators_verifier(workdir, cfg, verifier, target_source), dtype=store_dtype(dtype_text(dtype)))
     return (f"exported {workdir} (step {run.step}, DFlash2 draft, blocks of {run.block_size}, mask "
-            f"{run.mask_token_id}, selector top {run.top_k}) to {out} in speculators' dflash2 layout "
+            f"{run.mask_token_id}, selector top {top_k(run)}) to {out} in speculators' dflash2 layout "
             f"({dtype_text(dtype)})")
 
 

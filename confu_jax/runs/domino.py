@@ -8,26 +8,11 @@ which target it was trained on (the draft reads that target's taps and uses its 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
-import jax
-import numpy as np
-
-from confu_jax.models.dflash import draft_config
 from confu_jax.models.llama import LlamaConfig
-from confu_jax.runs.dflash import run_taps
+from confu_jax.runs.dflash import DFlashRun, load_block_run
 from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
-
-
-class DominoRun(NamedTuple):
-    params: dict  # numpy models.domino tree, no decode scalars
-    draft: LlamaConfig
-    taps: tuple
-    mask_token_id: int
-    block_size: int
-    prefix_len: int
-    step: int
-    source: str
 
 
 def is_domino_workdir(path: str) -> bool:
@@ -38,25 +23,19 @@ def is_domino_workdir(path: str) -> bool:
 
 
 def load_domino_run(workdir: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
-                    target_source: str = "the loaded target") -> DominoRun:
-    """The draft of a run (last checkpoint, or ``step``), target checked by fingerprint."""
+                    target_source: str = "the loaded target") -> DFlashRun:
+    """A Domino run's draft (``runs.dflash.load_block_run``; its GRU and projection from its section, its
+    ``pure_draft_prefix_len``: ``prefix_len(run)``)."""
     from confu_jax.models.domino import init_shapes
-    from confu_jax.runs.heads import load_family_run
 
-    def abstract(config):
-        dc = config["domino"]
-        dcfg = draft_config(target_cfg, int(dc["num_layers"]))
-        return {"draft": {"domino": init_shapes(dcfg, len(run_taps(config, target_cfg)), target_cfg.vocab_size,
-                                                gru_hidden_dim=int(dc["gru_hidden_dim"]), emb_dim=int(dc["emb_dim"]))}}
+    return load_block_run(workdir, "domino", lambda dcfg, n_taps, dc: init_shapes(
+        dcfg, n_taps, target_cfg.vocab_size, gru_hidden_dim=int(dc["gru_hidden_dim"]), emb_dim=int(dc["emb_dim"])),
+        target_cfg, target_params, step=step, target_source=target_source, name="Domino")
 
-    params, step, config, workdir = load_family_run(
-        workdir, "domino", abstract, target_params, step=step, target_source=target_source,
-        why="a Domino draft reads its own target's taps, embedding and LM head")
-    dc = config["domino"]
-    return DominoRun(jax.tree_util.tree_map(np.asarray, params["draft"]["domino"]),
-                     draft_config(target_cfg, int(dc["num_layers"])), run_taps(config, target_cfg),
-                     int(dc["mask_token_id"]), int(dc["block_size"]), int(dc["pure_draft_prefix_len"]), step,
-                     f"{workdir} (step {step})")
+
+def prefix_len(run: DFlashRun) -> int:
+    """The block slots a Domino run's GRU correction leaves alone (its ``domino.pure_draft_prefix_len``)."""
+    return int(run.section["pure_draft_prefix_len"])
 
 
 # ----------------------------------------------------------------------------- export (launch.export_head)
@@ -73,7 +52,7 @@ def _write_domino(workdir, out, *, step=None, dtype=None, target, target_source,
     workdir = os.path.abspath(os.path.expanduser(workdir))
     run = load_domino_run(workdir, cfg, tp, step=step, target_source=target_source)
     save_domino_dir(out, run.params, run.draft, taps=run.taps, mask_token_id=run.mask_token_id,
-                    block_size=run.block_size, num_target_layers=cfg.n_layers, prefix_len=run.prefix_len,
+                    block_size=run.block_size, num_target_layers=cfg.n_layers, prefix_len=prefix_len(run),
                     dtype=store_dtype(dtype_text(dtype)))
     return (f"exported {workdir} (step {run.step}, Domino draft, blocks of {run.block_size}, mask "
             f"{run.mask_token_id}) to {out} in SpecForge's DominoDraftModel layout ({dtype_text(dtype)})")

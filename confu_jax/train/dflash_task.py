@@ -32,6 +32,7 @@ at those anchors when the text is the target's own greedy output.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +98,40 @@ def block_accept_length(hit_bnk: jax.Array, valid_bnk: jax.Array, block_valid_bn
     run = jnp.sum(jnp.cumprod(ok, axis=-1) * valid_bnk, axis=-1).astype(jnp.float32)
     w = block_valid_bn.astype(jnp.float32)
     return 1.0 + jnp.sum(run * w) / jnp.maximum(w.sum(), 1.0)
+
+
+class PaddedBlocks(NamedTuple):
+    """What the losses of the block families that train on padded rows (DSpark, DFlash2, Domino) start from."""
+
+    tokens_bn: jax.Array
+    mask_bn: jax.Array  # the batch's loss mask
+    target: object  # models.target.real_forward's output (taps, hidden states), on stopped target params
+    target_params: dict  # stop_gradient'ed: the target is frozen
+    anchors_bn: jax.Array  # [B, N] each block's anchor position a
+    block_valid_bn: jax.Array  # [B, N] the anchor was sampled (a row with fewer candidates has fewer blocks)
+    h_bnkd: jax.Array  # [B, N, bs, d] the backbone's hidden state of each block slot
+
+
+def padded_block_forward(name: str, spec, backbone: dict, target_params, batch, rng, *, block_size: int,
+                         num_anchors: int, mask_token_id: int, min_block: int = 2) -> PaddedBlocks:
+    """The start every padded-row block family's loss shares: the frozen target's forward (taps), ``num_anchors``
+    anchors a row among positions t with x[t] and x[t+1] in the loss mask, and the backbone over each anchor's
+    block of ``block_size`` slots (``models.dflash.draft_blocks``). Packed rows are refused (these families'
+    references train on padded rows); ``name`` says whose loss refused a bad batch."""
+    tokens, mask = batch_arrays(batch)
+    n = tokens.shape[1]
+    if block_size < min_block or block_size >= n:
+        raise ValueError(f"{name}: block_size={block_size} must be in [{min_block}, {n - 1}] for rows of {n} tokens")
+    layout = row_layout(batch)
+    if layout.segment_ids_bn is not None:
+        raise ValueError(f"{name} trains on padded rows; turn config.data.pack off")
+    target_params = jax.lax.stop_gradient(target_params)
+    tgt = real_forward(spec, target_params, tokens, layout.positions_bn, return_logits=False)
+    taps = jax.lax.stop_gradient(tgt.taps_btc)
+    anchors, block_valid = sample_anchors(rng, mask & shift_ahead(mask, 1, False), num_anchors)  # [B,N]
+    h = draft_blocks(backbone, spec.draft_model, spec.target, target_params, taps, tokens, anchors,
+                     mask_token_id, block_size, layout.positions_bn)  # [B,N,bs,d]
+    return PaddedBlocks(tokens, mask, tgt, target_params, anchors, block_valid, h)
 
 
 def dflash_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,

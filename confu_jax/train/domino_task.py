@@ -32,12 +32,10 @@ import jax.numpy as jnp
 import ml_collections
 
 from confu_jax.models import domino as M
-from confu_jax.models.dflash import block_logits, draft_blocks, embed_block
-from confu_jax.models.target import real_forward
+from confu_jax.models.dflash import block_logits, embed_block
 from confu_jax.models.vocab_map import to_target_vocab
-from confu_jax.train.dflash_task import block_accept_length
+from confu_jax.train.dflash_task import block_accept_length, padded_block_forward
 from confu_jax.train.dspark_task import dspark_spec
-from confu_jax.train.rows import batch_arrays, row_layout, sample_anchors, shift_ahead
 from confu_jax.train.target_loading import target_name
 from confu_jax.train.task import TrainTask, frozen_target_task
 
@@ -76,19 +74,11 @@ def lambda_base(step, total_steps: int, start: float, decay_ratio: float):
 def domino_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,
                 gamma: float, prefix_len: int, lam):
     """(loss, metrics) of one batch of padded rows (module docstring); ``lam``: λ this step."""
-    tokens, mask = batch_arrays(batch)
+    blk = padded_block_forward("Domino", spec, M.backbone(p), target_params, batch, rng, block_size=block_size,
+                               num_anchors=num_anchors, mask_token_id=mask_token_id)
+    tokens, mask, tgt, target_params = blk.tokens_bn, blk.mask_bn, blk.target, blk.target_params
+    anchors, block_valid, h = blk.anchors_bn, blk.block_valid_bn, blk.h_bnkd
     b, n = tokens.shape
-    if block_size < 2 or block_size >= n:
-        raise ValueError(f"Domino: block_size={block_size} must be in [2, {n - 1}] for rows of {n} tokens")
-    layout = row_layout(batch)
-    if layout.segment_ids_bn is not None:
-        raise ValueError("Domino trains on padded rows; turn config.data.pack off")
-    target_params = jax.lax.stop_gradient(target_params)
-    tgt = real_forward(spec, target_params, tokens, layout.positions_bn, return_logits=False)
-    taps = jax.lax.stop_gradient(tgt.taps_btc)
-    anchors, block_valid = sample_anchors(rng, mask & shift_ahead(mask, 1, False), num_anchors)  # [B,N]
-    h = draft_blocks(M.backbone(p), spec.draft_model, spec.target, target_params, taps, tokens, anchors,
-                     mask_token_id, block_size, layout.positions_bn)  # [B,N,bs,d]
     k = jnp.arange(block_size)
     idx = anchors[..., None] + k  # slot k sits at a+k and predicts x[a+k+1]
     rows = jnp.arange(b)[:, None, None]

@@ -35,12 +35,10 @@ import jax.numpy as jnp
 import ml_collections
 
 from confu_jax.models import dspark as D
-from confu_jax.models.dflash import block_logits, default_taps, draft_blocks, draft_config
+from confu_jax.models.dflash import block_logits, default_taps, draft_config
 from confu_jax.models.spec import model_spec_from_config
-from confu_jax.models.target import real_forward
 from confu_jax.models.vocab_map import to_target_vocab
-from confu_jax.train.dflash_task import block_accept_length
-from confu_jax.train.rows import batch_arrays, row_layout, sample_anchors, shift_ahead
+from confu_jax.train.dflash_task import block_accept_length, padded_block_forward
 from confu_jax.train.task import TrainTask, frozen_target_task
 from confu_jax.train.target_loading import target_name
 
@@ -97,19 +95,11 @@ def block_outputs(spec, p: dict, target_params, h: jax.Array, prev: jax.Array):
 def dspark_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,
                 gamma: float, alpha: float):
     """(loss, metrics) of one batch of padded rows (module docstring)."""
-    tokens, mask = batch_arrays(batch)
+    blk = padded_block_forward("DSpark", spec, D.backbone(p), target_params, batch, rng, block_size=block_size,
+                               num_anchors=num_anchors, mask_token_id=mask_token_id, min_block=1)
+    tokens, mask, tgt, target_params = blk.tokens_bn, blk.mask_bn, blk.target, blk.target_params
+    anchors, block_valid, h = blk.anchors_bn, blk.block_valid_bn, blk.h_bnkd
     b, n = tokens.shape
-    if block_size < 1 or block_size >= n:
-        raise ValueError(f"DSpark: block_size={block_size} must be in [1, {n - 1}] for rows of {n} tokens")
-    layout = row_layout(batch)
-    if layout.segment_ids_bn is not None:
-        raise ValueError("DSpark trains on padded rows; turn config.data.pack off")
-    target_params = jax.lax.stop_gradient(target_params)
-    tgt = real_forward(spec, target_params, tokens, layout.positions_bn, return_logits=False)
-    taps = jax.lax.stop_gradient(tgt.taps_btc)
-    anchors, block_valid = sample_anchors(rng, mask & shift_ahead(mask, 1, False), num_anchors)  # [B,N]
-    h = draft_blocks(D.backbone(p), spec.draft_model, spec.target, target_params, taps, tokens, anchors,
-                     mask_token_id, block_size, layout.positions_bn)  # [B,N,bs,d]
     k = jnp.arange(block_size)
     idx = anchors[..., None] + k  # slot k sits at a+k and predicts x[a+k+1]
     rows = jnp.arange(b)[:, None, None]

@@ -1,9 +1,11 @@
-"""What the block drafters' own tests share (DSpark, DFlash2, Domino): one proposal of a drafter after a prompt's
-prefill, and the block's final-normed states recomputed from the pieces (the draft's context K/V of the prompt's
+"""What the block drafters' own tests share (DSpark, DFlash2, Domino): the tiny case each builds its drafter on
+(``block_case``), one proposal of a drafter after a prompt's prefill, and the block's final-normed states recomputed from the pieces (the draft's context K/V of the prompt's
 taps, one bidirectional block forward [root, M, ..., M] at the positions after the prompt) — what each test then
 reads as its reference implementation's loop does."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +15,20 @@ from confu_jax.decode.dflash import context_entries
 from confu_jax.decode.drafter import DraftInput, PrefillView
 from confu_jax.models import dflash as DF
 from confu_jax.models.target import real_forward
+from tests.helpers.loop_fixtures import make
 
 PROMPT = (3, 9, 4, 17, 3, 9)
+
+
+def block_case(vocab: int, init, seed: int = 0, n_layers: int = 2, **target_kw):
+    """A tiny EAGLE-3-shaped target (``loop_fixtures.make``) and a block draft of ``n_layers`` layers of its shape
+    -> (spec with that draft model, target params, the draft's numpy params ``init(key, draft_cfg, n_taps)``, a
+    numpy generator seeded ``seed`` for the test's own perturbation of them)."""
+    spec, tp, _ = make("eagle3", vocab, seed=seed, **target_kw)
+    dcfg = DF.draft_config(spec.target, n_layers, rope_theta=50000.0, rms_eps=1e-6)
+    spec = dataclasses.replace(spec, draft_model=dcfg)
+    p = jax.tree_util.tree_map(np.asarray, init(jax.random.PRNGKey(seed), dcfg, len(spec.taps)))
+    return spec, tp, p, np.random.default_rng(seed)
 
 
 class FirstProposal:

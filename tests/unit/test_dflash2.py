@@ -17,7 +17,6 @@ speculators' ``DFlash2DraftModel`` (its training forward, its saved layout) is c
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ import pytest
 from confu_jax.decode.dflash2 import load_dflash2, parse_dflash2
 from confu_jax.models import dflash as DF
 from confu_jax.models import dflash2 as D2
-from tests.helpers.block_drafts import FirstProposal
+from tests.helpers.block_drafts import FirstProposal, block_case
 from tests.helpers.family_checks import assert_sampling_is_lossless
 from tests.helpers.loop_fixtures import make, own
 
@@ -35,12 +34,8 @@ MASK = 3
 
 
 def setup(vocab, seed=0, n_layers=2, rank=8, top_k=4, group=16, **kw):
-    spec, tp, _ = make("eagle3", vocab, seed=seed, **kw)
-    dcfg = DF.draft_config(spec.target, n_layers, rope_theta=50000.0, rms_eps=1e-6)
-    spec = dataclasses.replace(spec, draft_model=dcfg)
-    p = jax.tree_util.tree_map(np.asarray, D2.init_dflash2(jax.random.PRNGKey(seed), dcfg, len(spec.taps), vocab,
-                                                           group_size=group, rank=rank, init_std=0.3))
-    rng = np.random.default_rng(seed)
+    spec, tp, p, rng = block_case(vocab, lambda key, dcfg, n_taps: D2.init_dflash2(
+        key, dcfg, n_taps, vocab, group_size=group, rank=rank, init_std=0.3), seed, n_layers, **kw)
     for side in DF.CONV_NAMES:  # convolutions that act (their init is the identity)
         for leaf in ("base_kernel", "kernel_projection"):
             x = p["layers"][side][leaf]
@@ -141,8 +136,12 @@ def test_chain_is_vllms_selector_walk():
     assert first.chain == want
 
 
-@pytest.mark.slow  # the sampled chain's q is the selector's; trees (point-mass q) through DDTree's best-first growth
-@pytest.mark.parametrize("plan", ["sampled_chain:2", "ddtree:4,2"])
+# The sampled chain is where this family's own q meets the acceptance rule: its q is the selector's (softmax over its K scores, -inf elsewhere). A DDTree tree
+# drafts with a point-mass q whatever the drafter's probabilities, so its sampled rule is DFlash's, checked by
+# tests/unit/test_dflash.py::test_sampling_lossless_joint[ddtree:4,2] (this family's tree shapes: greedy = AR in
+# tests/contract/test_family_contract.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["sampled_chain:2"])
 def test_sampling_lossless_joint(plan):
     spec, tp, params = setup(4, seed=5, n_layers=1, top_k=3, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     assert_sampling_is_lossless(spec, tp, params, parse_dflash2(plan))

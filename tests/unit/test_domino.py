@@ -17,7 +17,6 @@ reference for the pieces, SpecForge's composition is transcribed (its file and c
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -32,20 +31,16 @@ from confu_jax.models import dflash as DF
 from confu_jax.models import domino as M
 from confu_jax.train.domino_task import lambda_base
 from confu_jax.weights.domino_format import load_domino_dir, save_domino_dir
-from tests.helpers.block_drafts import FirstProposal
+from tests.helpers.block_drafts import FirstProposal, block_case
 from tests.helpers.family_checks import assert_sampling_is_lossless
-from tests.helpers.loop_fixtures import make, own
+from tests.helpers.loop_fixtures import own
 
 MASK = 3
 
 
 def setup(vocab, seed=0, n_layers=2, hh=12, emb=8, prefix=1, **kw):
-    spec, tp, _ = make("eagle3", vocab, seed=seed, **kw)
-    dcfg = DF.draft_config(spec.target, n_layers, rope_theta=50000.0, rms_eps=1e-6)
-    spec = dataclasses.replace(spec, draft_model=dcfg)
-    p = jax.tree_util.tree_map(np.asarray, M.init_domino(jax.random.PRNGKey(seed), dcfg, len(spec.taps), vocab,
-                                                         gru_hidden_dim=hh, emb_dim=emb, init_std=0.3))
-    rng = np.random.default_rng(seed)
+    spec, tp, p, rng = block_case(vocab, lambda key, dcfg, n_taps: M.init_domino(
+        key, dcfg, n_taps, vocab, gru_hidden_dim=hh, emb_dim=emb, init_std=0.3), seed, n_layers, **kw)
     for g in M.EXTRA:  # a head that acts
         for leaf in p[g]:
             p[g][leaf] = (1.2 * rng.standard_normal(p[g][leaf].shape)).astype(np.float32)
@@ -143,8 +138,12 @@ def test_lambda_base_is_specforges_linear_decay():
         assert float(lambda_base(step, total, start, ratio)) == pytest.approx(reference(step, total, start, ratio))
 
 
-@pytest.mark.slow  # the sampled chain's q is the GRU-corrected one; trees (point-mass q) through DDTree's growth
-@pytest.mark.parametrize("plan", ["sampled_chain:2", "ddtree:4,2"])
+# The sampled chain is where this family's own q meets the acceptance rule: its q is the GRU-corrected one. A DDTree tree
+# drafts with a point-mass q whatever the drafter's probabilities, so its sampled rule is DFlash's, checked by
+# tests/unit/test_dflash.py::test_sampling_lossless_joint[ddtree:4,2] (this family's tree shapes: greedy = AR in
+# tests/contract/test_family_contract.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["sampled_chain:2"])
 def test_sampling_lossless_joint(plan):
     spec, tp, params = setup(4, seed=5, n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     assert_sampling_is_lossless(spec, tp, params, parse_domino(plan))

@@ -17,7 +17,6 @@ speculators' own ``DSparkDraftModel`` (its training forward, its saved layout) i
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -31,21 +30,17 @@ from confu_jax.decode.dspark import DSparkDrafter, load_dspark, parse_dspark
 from confu_jax.decode.generate import generate_ar
 from confu_jax.models import dflash as DF
 from confu_jax.models import dspark as D
-from tests.helpers.block_drafts import FirstProposal
+from tests.helpers.block_drafts import FirstProposal, block_case
 from tests.helpers.family_checks import assert_sampling_is_lossless
-from tests.helpers.loop_fixtures import generated_rows, make, prompts_for, own
+from tests.helpers.loop_fixtures import generated_rows, prompts_for, own
 
 MASK = 3
 
 
 def setup(vocab, kind="vanilla", seed=0, n_layers=2, rank=8, confidence=True, with_markov=True, **kw):
-    spec, tp, _ = make("eagle3", vocab, seed=seed, **kw)
-    dcfg = DF.draft_config(spec.target, n_layers, rope_theta=50000.0, rms_eps=1e-6)
-    spec = dataclasses.replace(spec, draft_model=dcfg)
-    p = jax.tree_util.tree_map(np.asarray, D.init_dspark(jax.random.PRNGKey(seed), dcfg, len(spec.taps), vocab,
-                                                         rank=rank, kind=kind, confidence=confidence,
-                                                         confidence_with_markov=with_markov, init_std=0.3))
-    rng = np.random.default_rng(seed)
+    spec, tp, p, rng = block_case(vocab, lambda key, dcfg, n_taps: D.init_dspark(
+        key, dcfg, n_taps, vocab, rank=rank, kind=kind, confidence=confidence, confidence_with_markov=with_markov,
+        init_std=0.3), seed, n_layers, **kw)
     p["markov"]["w1"] = (0.5 * rng.standard_normal(p["markov"]["w1"].shape)).astype(np.float32)  # a bias that acts
     return spec, tp, own(spec, tp, {"dspark": {**p, "mask_token_id": np.int32(MASK % vocab)}})
 
@@ -115,7 +110,9 @@ def test_greedy_equals_ar_for_every_head_and_plan(kind):
     spec, tp, params = setup(6, kind=kind, seed=3)
     prompts = prompts_for(6)
     want = generated_rows(generate_ar(tp, spec.target, prompts, max_new_tokens=24, eos_ids=()), len(prompts))
-    for text in ("chain:3", "tree:2,2,1", "dynamic:3,2,5", "chain:4@0.2", "ddtree:6,3"):
+    # a confidence-gated chain, a static tree and DDTree's (a Markov head reads each node's parent token: a
+    # chain, a branching tree, a best-first one); the other shapes take the same path as the vanilla head's
+    for text in ("chain:4@0.2", "tree:2,2,1", "ddtree:6,3"):
         out = loop.generate_speculative(params.target, parse_dspark(text), params.drafter_params, prompts,
                                         max_new_tokens=24, eos_ids=())
         assert generated_rows(out, len(prompts)) == want, (kind, text)
@@ -155,8 +152,12 @@ def test_confidence_sets_each_rows_verification_length():
         assert n == 1 + int(np.sum(np.cumprod(survival >= float(f"{threshold:.6f}")))), threshold
 
 
-@pytest.mark.slow  # the sampled chain's q is the Markov-biased one; trees (point-mass q) through DDTree's growth
-@pytest.mark.parametrize("plan", ["sampled_chain:2", "ddtree:4,2"])
+# The sampled chain is where this family's own q meets the acceptance rule: its q is the Markov-biased one. A DDTree tree
+# drafts with a point-mass q whatever the drafter's probabilities, so its sampled rule is DFlash's, checked by
+# tests/unit/test_dflash.py::test_sampling_lossless_joint[ddtree:4,2] (this family's tree shapes: greedy = AR in
+# tests/contract/test_family_contract.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["sampled_chain:2"])
 def test_sampling_lossless_joint(plan):
     spec, tp, params = setup(4, seed=5, n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
     assert_sampling_is_lossless(spec, tp, params, parse_dspark(plan))
