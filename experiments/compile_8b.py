@@ -4,6 +4,7 @@ plugin) on this CPU host, nothing downloaded (``--config.model.source=abstract``
 
     python experiments/compile_8b.py --out runs/compile_8b [--phases base,bisect,families,decode]
     python experiments/compile_8b.py --out runs/compile_8b --table      # the markdown tables
+    python experiments/compile_8b.py --phases families:gpu --families dflash2,domino   # some families only
 
 Phases, in the order they run by default — ``base,families:gpu,bisect:gpu,decode,families:tpu,bisect:tpu``,
 the cheap answers first: XLA:GPU compiles an 8B step in ~25 s on 2 cores, XLA:TPU in 2-9 min (each
@@ -49,12 +50,22 @@ TRAIN_TOPOLOGIES = ("v5p:2x2x2", "v5e:2x4", "v6e:2x4", "h100:8")
 DECODE_TOPOLOGIES = {"v5e:2x2": "tensor=4", "v6e:2x2": "tensor=4", "h100:1": "", "h200:1": ""}
 MODELS = ("llama-3.1-8b", "qwen3-8b")
 HEADS = {"eagle3": "configs/eagle3.py", "confu": "configs/confu.py"}
-FAMILIES = {  # the other families' train steps: their SmolLM2 config, the 8B preset's shapes
-    "eagle31": "configs/smollm2_eagle31.py", "peagle": "configs/smollm2_peagle.py",
-    "dflash": "configs/smollm2_dflash.py", "dspark": "configs/smollm2_dspark.py",
-    "medusa": "configs/smollm2_medusa.py", "mlp_speculator": "configs/smollm2_mlp_speculator.py",
-    "mtp": "configs/smollm2_mtp.py", "jetspec": "configs/smollm2_jetspec.py",
-}
+def _families() -> dict:
+    """The other families' train steps: each training family's SmolLM2 config (``confu_jax.catalog``, so a family
+    added there joins the grid), at the 8B preset's shapes; EAGLE-3.1 is a variant of the heads' entry. SD² is
+    left out: it trains a separate draft model, whose size is its own config's, not a head on the 8B target."""
+    if REPO not in sys.path:  # run as a script (python experiments/compile_8b.py): the package is the repo's
+        sys.path.insert(0, REPO)
+    from confu_jax import catalog
+
+    fams = {"eagle31": "configs/smollm2_eagle31.py"}
+    for e in catalog.training():
+        if e.name not in ("head", "sd2"):
+            fams[e.name] = next(c for c in e.configs if "smollm2_" in c)
+    return fams
+
+
+FAMILIES = _families()
 PLANS = ("chain:3", "dynamic:6,8,30")
 GIB = 2**30
 
@@ -280,6 +291,8 @@ def main():
                     help="in order; bisect / families take :gpu or :tpu (XLA:GPU compiles an 8B step in ~25 s "
                          "here, XLA:TPU in 2-9 min, so the cheap answers come first)")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--families", default="", help="families / bisect: only these (comma-separated names of "
+                    f"{sorted({**HEADS, **FAMILIES})}); '' = all")
     ap.add_argument("--table", action="store_true", help="print the tables from what is done, compile nothing")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -288,6 +301,11 @@ def main():
         print(table(done))
         return
     models = [m for m in a.models.split(",") if m]
+    only_families = {f for f in a.families.split(",") if f}
+    if only_families - set({**HEADS, **FAMILIES}):
+        raise SystemExit(f"--families {sorted(only_families - set({**HEADS, **FAMILIES}))}: unknown; expected some "
+                         f"of {sorted({**HEADS, **FAMILIES})}")
+    chosen = {f: c for f, c in {**HEADS, **FAMILIES}.items() if not only_families or f in only_families}
     for phase in a.phases.split(","):
         phase, _, only = phase.partition(":")
         topologies = [t for t in TRAIN_TOPOLOGIES if not only or (t.startswith("h") == (only == "gpu"))]
@@ -304,7 +322,7 @@ def main():
         elif phase == "bisect":
             for model in models:
                 for topo in topologies:
-                    for fam, cfg in {**HEADS, **FAMILIES}.items():
+                    for fam, cfg in chosen.items():
                         if _fits(train_point(a.out, done, fam, cfg, model, topo, 4096, 8)):
                             bisect_batch(a.out, done, fam, cfg, model, topo)
                         else:
@@ -313,7 +331,8 @@ def main():
             for model in models:
                 for topo in topologies:
                     for fam, cfg in FAMILIES.items():
-                        train_point(a.out, done, fam, cfg, model, topo, 4096, 8)
+                        if fam in chosen:
+                            train_point(a.out, done, fam, cfg, model, topo, 4096, 8)
         else:
             raise SystemExit(f"unknown phase {phase!r}: expected base, decode, bisect[:gpu|:tpu], families[:gpu|:tpu]")
     print(table(done))
