@@ -293,6 +293,8 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--families", default="", help="families / bisect: only these (comma-separated names of "
                     f"{sorted({**HEADS, **FAMILIES})}); '' = all")
+    ap.add_argument("--topologies", default="", help="base / families / bisect: only these of "
+                    f"{list(TRAIN_TOPOLOGIES)} (comma-separated); '' = all (after a phase's :gpu / :tpu)")
     ap.add_argument("--table", action="store_true", help="print the tables from what is done, compile nothing")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -305,13 +307,18 @@ def main():
     if only_families - set({**HEADS, **FAMILIES}):
         raise SystemExit(f"--families {sorted(only_families - set({**HEADS, **FAMILIES}))}: unknown; expected some "
                          f"of {sorted({**HEADS, **FAMILIES})}")
+    only_topologies = {t for t in a.topologies.split(",") if t}
+    if only_topologies - set(TRAIN_TOPOLOGIES):
+        raise SystemExit(f"--topologies {sorted(only_topologies - set(TRAIN_TOPOLOGIES))}: unknown; expected some of "
+                         f"{list(TRAIN_TOPOLOGIES)}")
     chosen = {f: c for f, c in {**HEADS, **FAMILIES}.items() if not only_families or f in only_families}
     for phase in a.phases.split(","):
         phase, _, only = phase.partition(":")
-        topologies = [t for t in TRAIN_TOPOLOGIES if not only or (t.startswith("h") == (only == "gpu"))]
+        topologies = [t for t in TRAIN_TOPOLOGIES if (not only or (t.startswith("h") == (only == "gpu")))
+                      and (not only_topologies or t in only_topologies)]
         if phase == "base":
             for model in models:
-                for topo in TRAIN_TOPOLOGIES:
+                for topo in topologies:
                     for fam, cfg in HEADS.items():
                         train_point(a.out, done, fam, cfg, model, topo, 4096, 8)
         elif phase == "decode":
