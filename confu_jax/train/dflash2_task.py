@@ -37,7 +37,7 @@ import ml_collections
 from confu_jax.models import dflash2 as D2
 from confu_jax.models.dflash import block_logits
 from confu_jax.models.vocab_map import to_target_vocab
-from confu_jax.train.dflash_task import block_accept_length, padded_block_forward
+from confu_jax.train.dflash_task import block_accept_length, over_anchor_chunks, padded_block_forward
 from confu_jax.train.dspark_task import dspark_spec
 from confu_jax.train.target_loading import target_name
 from confu_jax.train.task import TrainTask, frozen_target_task
@@ -50,6 +50,7 @@ def default_dflash2_config() -> ml_collections.ConfigDict:
     c.block_size = 16  # bs: the root + bs-1 drafted tokens
     c.mask_token_id = 0
     c.num_anchors = 512  # blocks a row
+    c.anchor_chunk = 64  # anchors whose [bs, V] loss terms are alive at once (train.dflash_task.over_anchor_chunks)
     c.loss_decay_gamma = 4.0  # w_k = exp(-(k-1)/γ)
     c.conv_kernel_size = 2
     c.conv_group_size = 16
@@ -73,7 +74,7 @@ def dflash2_spec(config):
 
 
 def dflash2_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,
-                 gamma: float, top_k: int, alpha: float):
+                 gamma: float, top_k: int, alpha: float, anchor_chunk: int = 0):
     """(loss, metrics) of one batch of padded rows (module docstring)."""
     blk = padded_block_forward("DFlash2", spec, D2.backbone(p), target_params, batch, rng, block_size=block_size,
                                num_anchors=num_anchors, mask_token_id=mask_token_id)
@@ -89,8 +90,7 @@ def dflash2_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anc
     vocab = spec.target.vocab_size
     hidden_t = jax.lax.stop_gradient(tgt.hidden_btd)
 
-    @jax.checkpoint  # the [B, N, bs, V] logits are recomputed in the backward pass
-    def terms(p, h):
+    def terms(h, safe, prev):  # one chunk of anchors ([B, c, bs, V] logits, recomputed in the backward pass)
         unary = to_target_vocab(block_logits(spec.target, target_params, h.reshape(b, -1, h.shape[-1])), vocab)
         unary = unary.reshape(h.shape[:3] + (-1,)).astype(jnp.float32)
         logq = jax.nn.log_softmax(unary, -1)
@@ -107,7 +107,7 @@ def dflash2_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anc
         right = (jnp.argmax(scores, -1) == rank) & contains
         return kl, ce, right, contains
 
-    kl, ce, right, contains = terms(p, h)
+    kl, ce, right, contains = over_anchor_chunks(terms, anchor_chunk, h, safe, prev)
     m = valid.astype(jnp.float32)
     w = m * (jnp.exp(-jnp.maximum(k - 1, 0).astype(jnp.float32) / gamma) if gamma > 0 else 1.0)
     denom = jnp.maximum(jnp.sum(m), 1e-8)
@@ -150,7 +150,7 @@ def build_task(config) -> TrainTask:
         def loss_fn(trainable, frozen, batch, rng):
             return dflash2_loss(spec, trainable["draft"]["dflash2"], frozen["target"], batch, rng, block_size=bs,
                                 num_anchors=anchors, mask_token_id=mask_id, gamma=gamma, top_k=top_k,
-                                alpha=float(dc.selector_loss_alpha))
+                                alpha=float(dc.selector_loss_alpha), anchor_chunk=int(dc.get("anchor_chunk", 0)))
 
         return init_params, loss_fn, (f"DFlash2: {dc.num_layers} {target_name(config)!r}-shaped layers over taps "
                                       f"{spec.taps}, convolutions of {shapes['kernel_size']} taps in groups of "

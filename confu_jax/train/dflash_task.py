@@ -134,6 +134,26 @@ def padded_block_forward(name: str, spec, backbone: dict, target_params, batch, 
     return PaddedBlocks(tokens, mask, tgt, target_params, anchors, block_valid, h)
 
 
+def over_anchor_chunks(fn, anchor_chunk: int, *xs_bn):
+    """``fn(*xs)`` -> a tuple of [B, N, ...] per-slot terms, computed ``anchor_chunk`` anchors at a time and
+    rematerialised chunk by chunk in the backward pass (``jax.checkpoint`` inside ``lax.map``), so that a loss's
+    [B, c, bs, V] logits of one chunk are alive at once, not the [B, N, bs, V] of every anchor (DFlash2 and Domino
+    hold several such tensors: at Llama-3.1-8B's vocabulary and 512 anchors, gigabytes a row). Every ``xs`` is
+    [B, N, ...] (N anchors); ``fn`` must treat anchors independently. ``anchor_chunk`` 0, >= N or not dividing N:
+    one chunk (the whole ``fn`` under ``jax.checkpoint``)."""
+    n = xs_bn[0].shape[1]
+    f = jax.checkpoint(fn)
+    if anchor_chunk <= 0 or anchor_chunk >= n or n % anchor_chunk:
+        return f(*xs_bn)
+    c = n // anchor_chunk
+
+    def split(x):  # [B, N, ...] -> [C, B, N/C, ...]
+        return jnp.moveaxis(x.reshape(x.shape[0], c, anchor_chunk, *x.shape[2:]), 1, 0)
+
+    outs = jax.lax.map(lambda chunk: f(*chunk), tuple(split(x) for x in xs_bn))
+    return jax.tree_util.tree_map(lambda y: jnp.moveaxis(y, 0, 1).reshape(y.shape[1], n, *y.shape[3:]), outs)
+
+
 def dflash_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,
                 gamma: float, causal: bool = False):
     """(loss, metrics) of one batch (module docstring)."""

@@ -34,7 +34,7 @@ import ml_collections
 from confu_jax.models import domino as M
 from confu_jax.models.dflash import block_logits, embed_block
 from confu_jax.models.vocab_map import to_target_vocab
-from confu_jax.train.dflash_task import block_accept_length, padded_block_forward
+from confu_jax.train.dflash_task import block_accept_length, over_anchor_chunks, padded_block_forward
 from confu_jax.train.dspark_task import dspark_spec
 from confu_jax.train.target_loading import target_name
 from confu_jax.train.task import TrainTask, frozen_target_task
@@ -47,6 +47,7 @@ def default_domino_config() -> ml_collections.ConfigDict:
     c.block_size = 16  # bs: slots a block holds (bs - 1 drafted at decode)
     c.mask_token_id = 0
     c.num_anchors = 256
+    c.anchor_chunk = 64  # anchors whose [bs, V] loss terms are alive at once (train.dflash_task.over_anchor_chunks)
     c.loss_decay_gamma = 7.0  # w_k = exp(-k/γ)
     c.gru_hidden_dim = 1024
     c.emb_dim = 256
@@ -72,7 +73,7 @@ def lambda_base(step, total_steps: int, start: float, decay_ratio: float):
 
 
 def domino_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,
-                gamma: float, prefix_len: int, lam):
+                gamma: float, prefix_len: int, lam, anchor_chunk: int = 0):
     """(loss, metrics) of one batch of padded rows (module docstring); ``lam``: λ this step."""
     blk = padded_block_forward("Domino", spec, M.backbone(p), target_params, batch, rng, block_size=block_size,
                                num_anchors=num_anchors, mask_token_id=mask_token_id)
@@ -88,8 +89,7 @@ def domino_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anch
     prev = tokens[rows, jnp.minimum(idx, n - 1)]  # the block's ground truth at each slot's own position
     vocab = spec.target.vocab_size
 
-    @jax.checkpoint  # the [B, N, bs, V] logits are recomputed in the backward pass
-    def terms(p, h):
+    def terms(h, prev, labels):  # one chunk of anchors ([B, c, bs, V] logits, recomputed in the backward pass)
         base = to_target_vocab(block_logits(spec.target, target_params, h.reshape(b, -1, h.shape[-1])), vocab)
         base = base.reshape(h.shape[:3] + (-1,)).astype(jnp.float32)
         final = M.block_logits(p, base, h, embed_block(target_params, prev), prefix_len)
@@ -99,7 +99,7 @@ def domino_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anch
 
         return ce(final), ce(base), jnp.argmax(final, -1) == labels, jnp.argmax(base, -1) == labels
 
-    final_ce, base_ce, hit, base_hit = terms(p, h)
+    final_ce, base_ce, hit, base_hit = over_anchor_chunks(terms, anchor_chunk, h, prev, labels)
     m = valid.astype(jnp.float32)
     w = m * (jnp.exp(-k.astype(jnp.float32) / gamma) if gamma > 0 else 1.0)
     denom = jnp.sum(w) + 1e-6
@@ -143,7 +143,7 @@ def build_task(config) -> TrainTask:
             step = batch.get("step", total) if isinstance(batch, dict) else total  # eval: the schedule's end
             return domino_loss(spec, trainable["draft"]["domino"], frozen["target"], batch, rng, block_size=bs,
                                num_anchors=anchors, mask_token_id=mask_id, gamma=gamma, prefix_len=prefix,
-                               lam=lambda_base(step, total, start, ratio))
+                               lam=lambda_base(step, total, start, ratio), anchor_chunk=int(dc.get("anchor_chunk", 0)))
 
         return init_params, loss_fn, (f"Domino: {dc.num_layers} {target_name(config)!r}-shaped layers over taps "
                                       f"{spec.taps}, a GRU of {hh} and a projection through {emb}, blocks of {bs} "
