@@ -27,6 +27,7 @@ def _loss_and_grads(get_config, family: str, chunk: int):
     return config[family].num_anchors, float(loss), jax.device_get(metrics), jax.device_get(grads)
 
 
+@pytest.mark.slow  # > 6 s (two loss-and-gradient compiles)
 @pytest.mark.parametrize("family", ["dflash2", "domino"])
 def test_chunked_anchors_give_the_whole_blocks_loss_and_gradients(family):
     from importlib import import_module
