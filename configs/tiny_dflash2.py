@@ -10,6 +10,7 @@ def get_config():
     config.dflash2.block_size = 4
     config.dflash2.mask_token_id = 127
     config.dflash2.num_anchors = 8
+    config.dflash2.anchor_chunk = 4  # two chunks: the compile lane and the training contract take the chunked path
     config.dflash2.conv_group_size = 8
     config.dflash2.selector_rank = 16
     config.dflash2.selector_top_k = 8

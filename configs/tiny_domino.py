@@ -10,6 +10,7 @@ def get_config():
     config.domino.block_size = 4
     config.domino.mask_token_id = 127
     config.domino.num_anchors = 8
+    config.domino.anchor_chunk = 4  # two chunks: the compile lane and the training contract take the chunked path
     config.domino.gru_hidden_dim = 32
     config.domino.emb_dim = 16
     config.train.optim.lr = 1e-2

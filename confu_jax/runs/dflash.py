@@ -79,19 +79,6 @@ def load_dflash_run(workdir: str, target_cfg: LlamaConfig, target_params, *, ste
                           target_params, step=step, target_source=target_source, name="DFlash")
 
 
-def speculators_verifier(workdir: str, target_cfg: LlamaConfig, verifier: Optional[str], target_source: str) -> dict:
-    """The ``verifier`` / ``verifier_arch`` a speculators-layout export (DSpark's, DFlash2's) names: ``verifier``
-    when given, else the run's recorded target source, else the loaded target's; its architecture from the
-    target's config."""
-    from confu_jax.runs.heads import read_target_record
-    from confu_jax.weights.export import model_type_of
-    from confu_jax.weights.hf import SUPPORTED_MODEL_TYPES
-
-    record = read_target_record(workdir) or {}
-    return {"verifier": verifier or record.get("source") or target_source,
-            "verifier_arch": SUPPORTED_MODEL_TYPES[model_type_of(target_cfg)]}
-
-
 def export_dflash_run(workdir: str, out: str, target_cfg: LlamaConfig, target_params, *, step: Optional[int] = None,
                       dtype: str = "float32", target_source: str = "the loaded target",
                       causal_head: bool = False) -> DFlashRun:

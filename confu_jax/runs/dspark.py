@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Optional
 
 from confu_jax.models.llama import LlamaConfig
-from confu_jax.runs.dflash import DFlashRun, load_block_run, speculators_verifier
-from confu_jax.runs.exports import ExportFormat, dtype_text, target_dtype
+from confu_jax.runs.dflash import DFlashRun, load_block_run
+from confu_jax.runs.exports import ExportFormat, dtype_text, speculators_verifier, target_dtype
 
 
 DSparkRun = DFlashRun  # the same fields: a block draft's tree, layer config, taps, mask, block, step, source

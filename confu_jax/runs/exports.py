@@ -15,6 +15,7 @@ import os
 from typing import Any, Callable, Optional
 
 from confu_jax import storage
+from confu_jax.models.llama import LlamaConfig
 
 log = logging.getLogger("confu_jax.export")
 
@@ -184,3 +185,16 @@ HEAD_FORMATS = (
     ExportFormat(name="tpu_inference", write=_write_head("tpu_inference"), reads_target=False,
                  options=("target_model",), help="tpu-inference's JAX EAGLE-3 (vLLM on TPU; Llama targets)"),
 )
+
+
+def speculators_verifier(workdir: str, target_cfg: LlamaConfig, verifier: Optional[str], target_source: str) -> dict:
+    """The ``verifier`` / ``verifier_arch`` a speculators-layout export (DSpark's, DFlash2's) names: ``verifier``
+    when given, else the run's recorded target source, else the loaded target's; its architecture from the
+    target's config."""
+    from confu_jax.runs.heads import read_target_record
+    from confu_jax.weights.export import model_type_of
+    from confu_jax.weights.hf import SUPPORTED_MODEL_TYPES
+
+    record = read_target_record(workdir) or {}
+    return {"verifier": verifier or record.get("source") or target_source,
+            "verifier_arch": SUPPORTED_MODEL_TYPES[model_type_of(target_cfg)]}

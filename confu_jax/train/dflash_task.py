@@ -139,12 +139,13 @@ def over_anchor_chunks(fn, anchor_chunk: int, *xs_bn):
     rematerialised chunk by chunk in the backward pass (``jax.checkpoint`` inside ``lax.map``), so that a loss's
     [B, c, bs, V] logits of one chunk are alive at once, not the [B, N, bs, V] of every anchor (DFlash2 and Domino
     hold several such tensors: at Llama-3.1-8B's vocabulary and 512 anchors, gigabytes a row). Every ``xs`` is
-    [B, N, ...] (N anchors); ``fn`` must treat anchors independently. ``anchor_chunk`` 0, >= N or not dividing N:
-    one chunk (the whole ``fn`` under ``jax.checkpoint``)."""
+    [B, N, ...] (N anchors); ``fn`` must treat anchors independently. Chunks hold the largest divisor of N that is
+    at most ``anchor_chunk``; 0 or >= N: one chunk (the whole ``fn`` under ``jax.checkpoint``)."""
     n = xs_bn[0].shape[1]
     f = jax.checkpoint(fn)
-    if anchor_chunk <= 0 or anchor_chunk >= n or n % anchor_chunk:
+    if anchor_chunk <= 0 or anchor_chunk >= n:
         return f(*xs_bn)
+    anchor_chunk = max(d for d in range(1, anchor_chunk + 1) if n % d == 0)
     c = n // anchor_chunk
 
     def split(x):  # [B, N, ...] -> [C, B, N/C, ...]
