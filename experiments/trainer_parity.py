@@ -1,0 +1,370 @@
+"""Trainer parity: one EAGLE-3 head trained by speculators 0.9's own trainer and one by ours, on the same
+rows, draft vocabulary, row budget, steps, learning-rate schedule and TTT length (docs/RESULTS.md
+"Trainer parity"; the driver is ``experiments/trainer_parity.sh``).
+
+    python -m experiments.trainer_parity prepare   --out runs/parity --target asset:smollm2-135m-instruct \\
+        --data releases/data/sharegpt_smollm2
+    python -m experiments.trainer_parity hidden    --out runs/parity        # the reference's hidden states
+    python -m experiments.trainer_parity train_ref --out runs/parity --steps 120
+    python -m experiments.trainer_parity train_ours --out runs/parity --steps 120
+    python -m experiments.trainer_parity settings  --out runs/parity        # what is equal, what differs
+
+**One set of rows for both.** ``prepare`` reads the conversations and renders them with *our* data path
+(``train.real_data``: the target's chat template, ``encode_example`` truncation, the last ``eval_records``
+conversations held out, the draft vocabulary counted on the rest), then hands those very rows to
+speculators as pre-tokenised ``{input_ids, loss_mask}`` records through its own ``prepare-data`` (its
+pass-through path: no render server) — training rows first, held-out rows after, and
+``train_data_ratio`` set so speculators' index split falls exactly between them. The draft vocabulary is
+one file: our ``.npz`` for ours, its ``d2t`` offsets / ``t2d`` mask as ``.npy`` for speculators.
+
+**The reference's hidden states** come from transformers (the target's reference implementation here) on
+the target's Hugging Face directory: speculators' own generator is a client of a vLLM server with its
+hidden-states connector; the file it reads is ``<data>/hidden_states/hs_<i>.safetensors`` with
+``hidden_states`` [T, 4, d] (the states entering layers 2, L//2, L-3, then the last layer's output *before*
+the final norm, which the trainer applies itself) and ``token_ids`` [T]. Kept in float32 (ours trains in
+float32). ``hidden`` is resumable: it skips the files already written.
+
+**Training.** ``train_ref`` writes the reference's YAML and runs ``experiments/speculators_cpu.py`` (the CPU
+patches it lists; no edit of the package); ``train_ours`` runs ``launch.train`` with ``configs/eagle3.py``.
+Both resume where they stopped. Everything the issue fixes is set equal (``EQUAL``); everything else
+stays at each trainer's default and is listed (``DIFFERENT``): those differences are what the parity runs
+measure, and what an ablation takes one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+log = logging.getLogger("trainer_parity")
+
+# What the issue fixes equal (the values of the parity runs; prepare records them in prepare.json).
+EQUAL = {
+    "rows": "the same conversations rendered by our chat-template path (prepare.json: conversations, tokens)",
+    "held_out": "the last 64 conversations (ours: objective.eval_records; speculators: its validation split)",
+    "max_length": 1024,  # tokens a conversation keeps (both truncate the same rows: they are ours)
+    "tokens_per_step": 8192,  # ours: 8 packed rows of 1024; speculators: one packed sequence of 8192
+    "draft_vocab_size": 4096,  # one file: draft_vocab.npz == d2t.npy / t2d.npy
+    "ttt_steps": 3,  # speculators' default; chain:3 decodes three draft steps
+    "lr": 1e-3,  # both trainers' default peak for EAGLE-3 (ours: experiments/families_compare.sh)
+    "schedule": "linear warm-up over 1 % of the steps, then linear to 0 (speculators' 'linear'; ours "
+                "'wsd' with decay_ratio 1)",
+    "seed": 0,
+    "precision": "float32 weights, hidden states and compute (no autocast: hidden_states_dtype float32)",
+}
+DIFFERENT = {
+    "optimizer": ("AdamW b1 0.9 b2 0.95 eps 1e-8, no weight decay", "Muon on 2-D weights (momentum 0.95, 5 "
+                  "Newton-Schulz steps, lr matched to AdamW's RMS, weight decay 0.1) + AdamW on the rest (weight "
+                  "decay 0.01)"),
+    "gradient clipping": ("global norm 0.5", "global norm 1.0"),
+    "TTT step weights": ("0.8^s (EAGLE-3's)", "1 for every step"),
+    "loss": ("KL(teacher || draft) over the draft vocabulary", "KL(teacher || draft) over the draft vocabulary "
+             "(kl_div)"),
+    "positions a step trains": ("the token predicted is an answer token", "the token fed in is an answer token "
+                                "(loss_mask of x_{t+1} gates the prediction of x_{t+2})"),
+    "draft LM head": ("trained, random init (std 0.02)", "frozen: the target's LM head rows of the draft vocabulary"),
+    "fused-state norms": ("none (EAGLE-3's official layout)", "RMSNorm over the 3 taps before fc, the hidden "
+                          "normed before the residual, the output normed (norm_before_fc, norm_before_residual, "
+                          "norm_output)"),
+    "packing": ("first-fit into 8 rows of 1024 (64 bins in flight)", "multipack into one sequence of 8192"),
+    "draft attention": ("full causal within a conversation", "sliding window 2048 within a conversation "
+                        "(rows are <= 1024: the same)"),
+}
+
+TRAIN_ROWS, EVAL_ROWS = "rows_train.jsonl", "rows_heldout.jsonl"
+
+
+# ----------------------------------------------------------------------------------------------- ours
+
+def our_flags(out: str, target: str, data: str, steps: int, max_length: int = EQUAL["max_length"],
+              draft_vocab: int = EQUAL["draft_vocab_size"], eval_records: int = 64, max_records: int = 0) -> list:
+    """``launch.train`` flags of our run (``configs/eagle3.py``): the equal settings, our defaults else."""
+    rows = EQUAL["tokens_per_step"] // max_length
+    return [
+        "--config", os.path.join(ROOT, "configs", "eagle3.py"), "--workdir", os.path.join(out, "ours"),
+        f"--config.model.source={target}", f"--config.data.train_files={data}",
+        f"--config.data.max_records={max_records}",
+        f"--config.data.max_length={max_length}", f"--config.data.global_batch_size={rows}",
+        "--config.data.pack=True", "--config.data.pack_bins=64", "--config.data.num_workers=0",
+        f"--config.draft.draft_vocab_size={draft_vocab}", f"--config.data.draft_vocab_size={draft_vocab}",
+        f"--config.data.draft_vocab_path={os.path.join(out, 'draft_vocab.npz')}",
+        f"--config.draft.ttt_steps={EQUAL['ttt_steps']}", f"--config.objective.eval_records={eval_records}",
+        f"--config.train.steps={steps}", f"--config.train.seed={EQUAL['seed']}",
+        f"--config.train.optim.lr={EQUAL['lr']}", "--config.train.optim.schedule=wsd",
+        "--config.train.optim.decay_ratio=1.0", "--config.train.optim.warmup_steps=-1",
+        "--config.train.optim.warmup_ratio=0.01", "--config.train.optim.end_lr_ratio=0.0",
+        f"--config.train.checkpoint.every={max(1, min(10, steps))}", "--config.train.checkpoint.keep=2",
+        f"--config.train.eval_every={max(1, steps // 4)}", "--config.train.log_every=1",
+        "--config.train.progress_bar=False", "--config.train.tensorboard=off",
+    ]
+
+
+def our_config(target: str, data: str, max_length: int, draft_vocab: int, eval_records: int, max_records: int = 0):
+    """The config ``launch.train`` builds from :func:`our_flags` (what ``prepare`` renders rows with)."""
+    from configs.eagle3 import get_config
+
+    config = get_config()
+    config.model.source = target
+    config.data.train_files = data
+    config.data.max_records = max_records
+    config.data.max_length = max_length
+    config.draft.draft_vocab_size = draft_vocab
+    config.objective.eval_records = eval_records
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+
+def hf_target_dir(out: str, target: str) -> str:
+    """The target as a Hugging Face directory (speculators' verifier; transformers' hidden states): the
+    checkpoint itself when it is one, else our export of it (weights as we load them, our tokenizer)."""
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return os.path.abspath(target)
+    directory = os.path.abspath(os.path.join(out, "target"))
+    if not os.path.isfile(os.path.join(directory, "model.safetensors")):
+        from confu_jax.assets import strip_asset
+        from confu_jax.data.chat import ChatTokenizer
+        from confu_jax.weights import load_model, save_hf
+
+        cfg, params = load_model(strip_asset(target), dtype="float32")
+        save_hf(cfg, params, directory)
+        ChatTokenizer.load(strip_asset(target)).save(directory)
+    return directory
+
+
+def prepare(out: str, target: str, data: str, max_length: int, draft_vocab: int, eval_records: int,
+            max_records: int = 0) -> dict:
+    out = os.path.abspath(out)
+    from confu_jax.data import formats, pipeline
+    from confu_jax.data.draft_vocab import draft_vocab_for_training
+    from confu_jax.train.real_data import training_tokenizer
+
+    os.makedirs(out, exist_ok=True)
+    config = our_config(target, data, max_length, draft_vocab, eval_records, max_records)
+    tokenizer = training_tokenizer(config)
+    conversations, report = formats.load_conversations(pipeline.train_files(config.data), on_bad_record="skip",
+                                                  max_records=max_records or None)
+    train_convs, eval_convs = formats.split_held_out(conversations, eval_records)
+    verifier = hf_target_dir(out, target)
+    with open(os.path.join(verifier, "config.json")) as f:
+        target_vocab = int(json.load(f)["vocab_size"])
+    vocab = draft_vocab_for_training(config.data, tokenizer, target_vocab, conversations=train_convs)
+    vocab.save(os.path.join(out, "draft_vocab.npz"))
+    np.save(os.path.join(out, "d2t.npy"), vocab.eagle3_offsets())  # speculators: target = draft + d2t[draft]
+    np.save(os.path.join(out, "t2d.npy"), vocab.t2d.astype(bool))
+
+    def rows(convs, name):
+        n_tok = n_loss = 0
+        with open(os.path.join(out, name), "w") as f:
+            for c in convs:
+                r = pipeline.encode_example(c["messages"], tokenizer, max_length, 1, pad=False)
+                if r is None:
+                    continue
+                f.write(json.dumps({"input_ids": r["tokens"].tolist(), "loss_mask": r["loss_mask"].astype(int).tolist()})
+                        + "\n")
+                n_tok, n_loss = n_tok + len(r["tokens"]), n_loss + int(r["loss_mask"].sum())
+        return n_tok, n_loss
+
+    stats = {"train": rows(train_convs, TRAIN_ROWS), "heldout": rows(eval_convs, EVAL_ROWS)}
+    if not stats["train"][0] or not stats["heldout"][0]:
+        raise ValueError(f"{data}: no training or no held-out row keeps an answer token at max_length={max_length} "
+                         f"(rows of {len(train_convs)} / {len(eval_convs)} conversations): raise --max_length")
+    n_train, n_eval = _reference_dataset(out, verifier, max_length)
+    info = {"target": target, "verifier_dir": verifier, "data": data, "load_report": report.summary(),
+            "conversations": {"train": len(train_convs), "heldout": len(eval_convs)},
+            "rows": {"train": n_train, "heldout": n_eval},
+            "tokens": {k: v[0] for k, v in stats.items()}, "answer_tokens": {k: v[1] for k, v in stats.items()},
+            "train_data_ratio": _split_ratio(n_train, n_eval), "max_length": max_length,
+            "draft_vocab_size": draft_vocab, "eval_records": eval_records, "max_records": max_records}
+    with open(os.path.join(out, "prepare.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    return info
+
+
+def _split_ratio(n_train: int, n_eval: int) -> float:
+    """speculators splits at ``int(len * ratio)`` (train/data.py): a ratio that lands on ``n_train``."""
+    n = n_train + n_eval
+    ratio = (n_train + 0.5) / n
+    assert int(n * ratio) == n_train
+    return ratio
+
+
+def _reference_dataset(out: str, verifier: str, max_length: int) -> tuple:
+    """Our rows through speculators' ``prepare-data`` (pre-tokenised pass-through), training rows then
+    held-out rows in one Arrow dataset at ``<out>/ref_data`` -> (training rows, held-out rows)."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    parts = []
+    for name in (TRAIN_ROWS, EVAL_ROWS):
+        dest = os.path.join(out, "ref_prepare", name.split(".")[0])
+        if os.path.isdir(dest):
+            shutil.rmtree(dest)
+        cmd = [sys.executable, "-m", "speculators", "prepare-data", "--model", verifier,
+               "--data", os.path.join(out, name), "--output", dest, "--seq-length", str(max_length),
+               "--num-preprocessing-workers", "1", "--minimum-valid-tokens", "1"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"speculators prepare-data failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
+        parts.append(load_from_disk(dest))
+    dataset = concatenate_datasets(parts)
+    dataset.set_format("torch")  # as prepare-data saves it (the trainer's reader needs tensors)
+    dest = os.path.join(out, "ref_data")
+    if os.path.isdir(dest):
+        keep = os.path.join(dest, "hidden_states")
+        if os.path.isdir(keep):  # rows changed: the stored hidden states no longer match them
+            shutil.rmtree(keep)
+        shutil.rmtree(dest)
+    dataset.save_to_disk(dest)
+    return len(parts[0]), len(parts[1])
+
+
+# ------------------------------------------------------------------------------------------ hidden states
+
+def reference_layers(n_layers: int) -> list:
+    """EAGLE-3's taps (the states entering layers 2, L//2, L-3; speculators' default ids) + the last layer."""
+    return [2, n_layers // 2, n_layers - 3, n_layers]
+
+
+def write_hidden_states(out: str, threads: int = 2, limit: int = 0) -> int:
+    """``<out>/ref_data/hidden_states/hs_<i>.safetensors`` for every row not yet written -> rows written."""
+    import torch
+    from datasets import load_from_disk
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    with open(os.path.join(out, "prepare.json")) as f:
+        verifier = json.load(f)["verifier_dir"]
+    dataset = load_from_disk(os.path.join(out, "ref_data"))
+    directory = os.path.join(out, "ref_data", "hidden_states")
+    os.makedirs(directory, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
+    model.config.tie_last_hidden_states = False  # hidden_states[-1]: the last layer's output, before the norm
+    layers = reference_layers(model.config.num_hidden_layers)
+    written = 0
+    with torch.no_grad():
+        for i in range(len(dataset)):
+            path = os.path.join(directory, f"hs_{i}.safetensors")
+            if os.path.exists(path):
+                continue
+            ids = dataset[i]["input_ids"].to(torch.long)
+            hidden = model(ids[None], output_hidden_states=True).hidden_states
+            states = torch.stack([hidden[k][0] for k in layers], dim=1).contiguous()  # [T, 4, d]
+            save_file({"hidden_states": states, "token_ids": ids.clone()}, path + ".tmp")
+            os.replace(path + ".tmp", path)  # a killed run never leaves a half file under the final name
+            written += 1
+            if limit and written >= limit:
+                break
+            if written % 200 == 0:
+                log.info("hidden states: %d written (row %d of %d)", written, i + 1, len(dataset))
+    return written
+
+
+# --------------------------------------------------------------------------------------------- reference
+
+def reference_config(out: str, steps: int, checkpoint_every: float = 0.1,
+                     tokens_per_step: int = EQUAL["tokens_per_step"]) -> dict:
+    """speculators' YAML for the reference run: the equal settings, its defaults else, CPU settings."""
+    with open(os.path.join(out, "prepare.json")) as f:
+        prep = json.load(f)
+    run = os.path.join(out, "reference")
+    return {"train": {
+        "speculator_type": "eagle3", "seed": EQUAL["seed"],
+        "verifier": {"verifier_name_or_path": prep["verifier_dir"]},
+        "draft": {"draft_vocab_size": prep["draft_vocab_size"], "d2t_path": os.path.join(out, "d2t.npy"),
+                  "t2d_path": os.path.join(out, "t2d.npy"), "draft_attn_impl": "sdpa"},
+        "data": {"data_path": os.path.join(out, "ref_data"), "total_seq_len": tokens_per_step,
+                 "hidden_states_dtype": "float32", "num_workers": 0, "train_data_ratio": prep["train_data_ratio"]},
+        "generation": {"on_missing": "raise"},
+        "loss": {"loss_implementation": "eager", "ttt_steps": EQUAL["ttt_steps"]},
+        "optimizer": {"lr": EQUAL["lr"]},
+        "scheduler": {"scheduler_type": "linear", "scheduler_warmup_ratio": 0.01},
+        "trainer": {"epochs": 1, "max_steps": steps, "save_path": os.path.join(run, "checkpoints"),
+                    "checkpoint_freq": checkpoint_every, "log_freq": 1},
+        "logging": {"log_dir": os.path.join(run, "logs")},
+    }}
+
+
+def train_reference(out: str, steps: int, threads: int = 2, checkpoint_every: float = 0.1,
+                    tokens_per_step: int = EQUAL["tokens_per_step"], env: dict | None = None) -> int:
+    import yaml
+
+    run = os.path.join(out, "reference")
+    os.makedirs(run, exist_ok=True)
+    path = os.path.join(run, "config.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(reference_config(out, steps, checkpoint_every, tokens_per_step), f, sort_keys=False)
+    # COLUMNS: speculators logs through rich, which wraps a message at the terminal width (80 in a file)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), COLUMNS="400", **(env or {}))
+    env.pop("LOCAL_RANK", None)
+    with open(os.path.join(run, "train.log"), "a") as logf:  # appended run after run: the resumes stay on record
+        return subprocess.call([sys.executable, os.path.join(ROOT, "experiments", "speculators_cpu.py"), "--config",
+                                path], env=env, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
+
+
+def train_ours(out: str, steps: int) -> int:
+    with open(os.path.join(out, "prepare.json")) as f:
+        prep = json.load(f)
+    flags = our_flags(out, prep["target"], prep["data"], steps, prep["max_length"], prep["draft_vocab_size"],
+                      prep["eval_records"], prep["max_records"])
+    return subprocess.call([sys.executable, "-m", "launch.train"] + flags, cwd=ROOT)
+
+
+def settings(out: str) -> dict:
+    import speculators
+
+    info = {"reference": {"trainer": "speculators", "version": speculators.__version__,
+                          "entry": "experiments/speculators_cpu.py", "patches": list(_patches())},
+            "equal": EQUAL, "different": {k: {"ours": v[0], "speculators": v[1]} for k, v in DIFFERENT.items()}}
+    if os.path.exists(os.path.join(out, "prepare.json")):
+        with open(os.path.join(out, "prepare.json")) as f:
+            info["prepare"] = json.load(f)
+    return info
+
+
+def _patches():
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    from speculators_cpu import PATCHES
+
+    return PATCHES
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("stage", choices=("prepare", "hidden", "train_ref", "train_ours", "settings"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--target", default="asset:smollm2-135m-instruct")
+    p.add_argument("--data", default="releases/data/sharegpt_smollm2")
+    p.add_argument("--max_length", type=int, default=EQUAL["max_length"])
+    p.add_argument("--draft_vocab", type=int, default=EQUAL["draft_vocab_size"])
+    p.add_argument("--eval_records", type=int, default=64)
+    p.add_argument("--max_records", type=int, default=0, help="the first N conversations (0: all)")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--checkpoint_every", type=float, default=0.1, help="reference: a fraction of its epoch")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if a.stage == "prepare":
+        print(json.dumps(prepare(a.out, a.target, a.data, a.max_length, a.draft_vocab, a.eval_records,
+                                      a.max_records), indent=1))
+    elif a.stage == "hidden":
+        print("hidden states written:", write_hidden_states(a.out, a.threads))
+    elif a.stage == "train_ref":
+        return train_reference(a.out, a.steps, a.threads, a.checkpoint_every)
+    elif a.stage == "train_ours":
+        return train_ours(a.out, a.steps)
+    else:
+        print(json.dumps(settings(a.out), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Trainer parity (docs/training.md "Trainer parity"): EAGLE-3 for SmolLM2 trained by speculators 0.9's own trainer
+# and by ours on the same rows, then both served in our loop, side by side. Every stage is resumable and skipped
+# when done; run it again after a kill. Background, niced, logged under $OUT/logs:
+#
+#   nohup bash experiments/trainer_parity.sh > /dev/null 2>&1 &
+#
+# PARITY_OUT (runs/parity), PARITY_RECORDS (2000 conversations of releases/data/sharegpt_smollm2: ~0.95 M
+# tokens), PARITY_STEPS (110 steps of 8192 tokens: under one pass of the reference's packed epoch, which it
+# must not cross: its max_steps is not checked between epochs), PARITY_STAGES (prepare,hidden,ours,ref,eval).
+# The two trainers run one after the other (two cores): ours online (~52 s a step here), the reference on
+# stored hidden states (hidden: ~30 rows a minute on one core, ~17 GB of float32 for the default rows).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${PARITY_OUT:-runs/parity}
+RECORDS=${PARITY_RECORDS:-2000}
+STEPS=${PARITY_STEPS:-110}
+STAGES=${PARITY_STAGES:-prepare,hidden,ours,ref,eval}
+N_PER_CATEGORY=${PARITY_N_PER_CATEGORY:-3}
+PY=${PYTHON:-python}
+mkdir -p "$OUT/logs"
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
+
+if has prepare && [ ! -f "$OUT/prepare.json" ]; then
+    stamp prepare
+    nice -n 10 $PY -m experiments.trainer_parity prepare --out "$OUT" --max_records "$RECORDS" > "$OUT/logs/prepare.log" 2>&1
+fi
+if has hidden; then
+    stamp "hidden states (resumes)"
+    nice -n 10 $PY -m experiments.trainer_parity hidden --out "$OUT" --threads 1 >> "$OUT/logs/hidden.log" 2>&1
+fi
+if has ours && [ ! -d "$OUT/ours/checkpoints/$STEPS" ]; then
+    stamp "ours: $STEPS steps (resumes)"
+    nice -n 10 $PY -m experiments.trainer_parity train_ours --out "$OUT" --steps "$STEPS" >> "$OUT/logs/ours.log" 2>&1
+fi
+if has ref; then
+    done_step=$($PY -c "import json,sys; print(json.load(open(sys.argv[1])).get('global_step', 0))" \
+        "$OUT/reference/checkpoints/0/training_state.json" 2>/dev/null || echo 0)
+    if [ "$done_step" -lt "$STEPS" ]; then
+        stamp "reference: $STEPS steps (resumes from step $done_step)"
+        nice -n 10 $PY -m experiments.trainer_parity train_ref --out "$OUT" --steps "$STEPS" >> "$OUT/logs/ref.log" 2>&1
+    fi
+fi
+if has eval; then
+    # ours exported in speculators' layout (what vLLM serves); the reference wrote that layout itself
+    if [ ! -f "$OUT/heads/ours/model.safetensors" ]; then
+        $PY -m launch.export_head --workdir "$OUT/ours" --format speculators --out "$OUT/heads/ours" \
+            --verifier "$OUT/target" > "$OUT/logs/export.log" 2>&1
+    fi
+    mkdir -p "$OUT/bench"
+    for head in ours reference; do
+        dir="$OUT/heads/ours"; [ "$head" = reference ] && dir="$OUT/reference/checkpoints/0"
+        for prompts in mtbench grounded; do
+            stamp "bench $head $prompts"
+            nice -n 10 $PY -m launch.decode_bench --methods ar,eagle3 --heads "eagle3=$dir" --temperatures 0,1 \
+                --budgets chain:3 --prompts "$prompts" --n_per_category "$N_PER_CATEGORY" --turns 1 \
+                --max_new_tokens 128 --out "$OUT/bench/${head}_${prompts}.json" >> "$OUT/logs/bench.log" 2>&1
+        done
+    done
+    for prompts in mtbench grounded; do
+        for t in 0 1; do
+            $PY -m launch.tau_compare --row "$OUT/bench/ours_${prompts}.json:eagle3" \
+                --reference "$OUT/bench/reference_${prompts}.json:eagle3" --temperature "$t" --budget chain:3 \
+                --json_out "$OUT/bench/compare_${prompts}_T$t.json" | tee -a "$OUT/logs/compare.log"
+        done
+    done
+fi
+stamp done

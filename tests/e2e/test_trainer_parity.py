@@ -1,0 +1,155 @@
+"""The trainer-parity pipeline (experiments/trainer_parity.py) on a tiny Llama checkpoint: the reference
+trainer sees exactly our rows, our draft vocabulary and our target's features, and speculators 0.9's own
+trainer trains through the CPU patches, resumes where it stopped and writes a head our loader binds.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.helpers.tiny_checkpoints import hf_llama, write_hf_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from experiments import trainer_parity as tp  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from confu_jax.data import formats
+
+    base = tmp_path_factory.mktemp("parity")
+    model = str(base / "model")
+    hf_llama(model, seed=5, vocab=300, hidden=64, layers=8, heads=4, kv_heads=2, head_dim=16, ffn=96, max_pos=512)
+    write_hf_tokenizer(model)
+    convs = formats.load_conversations("sharegpt", max_records=28)[0]
+    data = str(base / "convs.jsonl")
+    with open(data, "w") as f:
+        for i, c in enumerate(convs):
+            f.write(json.dumps({"id": str(i), "conversations": [{"role": m["role"], "content": m["content"]}
+                                                                for m in c["messages"]]}) + "\n")
+    out = str(base / "run")
+    info = tp.prepare(out, model, data, max_length=384, draft_vocab=64, eval_records=4)
+    return out, model, data, info
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_the_reference_reads_our_rows_vocabulary_and_features(prepared):
+    import torch
+    from datasets import load_from_disk
+    from safetensors.numpy import load_file
+
+    from confu_jax.data.draft_vocab import DraftVocab
+    from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.models.target import real_forward
+    from confu_jax.train.target_loading import resolve_target
+    from confu_jax.weights import load_model
+
+    out, model, data, info = prepared
+    assert info["conversations"] == {"train": 24, "heldout": 4}
+    # speculators' prepare-data kept every row as we rendered it (its order is its own shuffle); its index
+    # split puts exactly our training rows first and our held-out rows after
+    ref = load_from_disk(os.path.join(out, "ref_data"))
+    n_train = info["rows"]["train"]
+    key = lambda r: (tuple(int(t) for t in r["input_ids"]), tuple(int(m) for m in r["loss_mask"]))  # noqa: E731
+    ours_train, ours_eval = _rows(os.path.join(out, tp.TRAIN_ROWS)), _rows(os.path.join(out, tp.EVAL_ROWS))
+    assert sorted(map(key, ref.select(range(n_train)))) == sorted(map(key, ours_train))
+    assert sorted(map(key, ref.select(range(n_train, len(ref))))) == sorted(map(key, ours_eval))
+    assert int(len(ref) * info["train_data_ratio"]) == n_train
+    # one draft vocabulary: speculators' d2t offsets / t2d mask are our .npz
+    vocab = DraftVocab.load(os.path.join(out, "draft_vocab.npz"))
+    again = DraftVocab.from_eagle3(np.load(os.path.join(out, "d2t.npy")), np.load(os.path.join(out, "t2d.npy")))
+    np.testing.assert_array_equal(again.d2t, vocab.d2t)
+    np.testing.assert_array_equal(again.t2d, vocab.t2d)
+    assert vocab.draft_size == 64
+
+    # the hidden states transformers wrote are our target's taps, and the last entry is pre-norm
+    assert tp.write_hidden_states(out, threads=1, limit=3) == 3
+    config = tp.our_config(model, data, 384, 64, 4)
+    resolve_target(config)
+    spec = model_spec_from_config(config)
+    _, params = load_model(model)
+    for i in range(3):
+        f = load_file(os.path.join(out, "ref_data", "hidden_states", f"hs_{i}.safetensors"))
+        ids = np.asarray(ref[i]["input_ids"], np.int32)
+        np.testing.assert_array_equal(f["token_ids"], ids)
+        o = real_forward(spec, params, ids[None])
+        taps = np.asarray(o.taps_btc[0], np.float32)
+        hs = f["hidden_states"]
+        assert hs.shape == (len(ids), 4, 64) and hs.dtype == np.float32
+        np.testing.assert_allclose(hs[:, :3].reshape(len(ids), -1), taps, atol=2e-5, rtol=1e-4)
+        logits = np.asarray(o.logits_btv[0], np.float32)
+        last = torch.tensor(hs[:, 3])
+        normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + spec.target.rms_eps)
+        ref_logits = (normed.numpy() * np.asarray(params["final_norm"]["scale"])) @ np.asarray(
+            params["lm_head"]["kernel"], np.float32)
+        np.testing.assert_allclose(ref_logits, logits, atol=1e-4, rtol=1e-4)
+
+
+def test_speculators_trains_on_cpu_resumes_and_its_head_binds_to_our_target(prepared):
+    import jax
+    from safetensors.numpy import load_file
+
+    from confu_jax.data.draft_vocab import DraftVocab
+    from confu_jax.weights import load_model
+    from confu_jax.weights.eagle3_formats import bind_to_target, load_head
+
+    out, model, _, _ = prepared
+    tp.write_hidden_states(out, threads=1)
+    run = dict(steps=6, threads=1, checkpoint_every=0.2, tokens_per_step=512)  # ~14 steps an epoch: saves at 3
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    from speculators_cpu import KILL_AFTER_SAVES
+
+    def state(ckpts):
+        with open(os.path.join(ckpts, "0", "training_state.json")) as f:
+            return json.load(f)
+
+    # killed right after its first (mid-epoch) checkpoint, then started again: it resumes at that step
+    ckpts = os.path.join(out, "reference", "checkpoints")
+    assert tp.train_reference(out, env={KILL_AFTER_SAVES: "1"}, **run) == 137
+    killed = state(ckpts)
+    assert killed["local_step"] > 0 and 0 < killed["global_step"] < run["steps"], killed
+    assert tp.train_reference(out, **run) == 0
+    assert state(ckpts)["global_step"] == run["steps"]
+    with open(os.path.join(out, "reference", "train.log")) as f:
+        assert f"Resuming mid-epoch from epoch=0 local_step={killed['local_step']} " \
+               f"global_step={killed['global_step']}" in f.read()
+    resumed = load_file(os.path.join(ckpts, "0", "model.safetensors"))
+    # ... to the weights of a run never killed, up to the rounding speculators' checkpoint makes: it saves the
+    # weights and the optimizer state in bf16, so a resumed run continues from bf16-rounded values
+    os.rename(os.path.join(out, "reference"), os.path.join(out, "reference_whole"))
+    assert tp.train_reference(out, **run) == 0
+    whole = load_file(os.path.join(ckpts, "0", "model.safetensors"))
+    assert sorted(resumed) == sorted(whole)
+    for k in whole:
+        w = whole[k].astype(np.float32)
+        np.testing.assert_allclose(resumed[k].astype(np.float32), w, rtol=0, atol=2 ** -7 * np.abs(w).max() + 1e-6,
+                                   err_msg=k)
+
+    # the head it wrote binds to our target, with our draft vocabulary and EAGLE-3's taps
+    cfg, params = load_model(model)
+    spec, trainable, vocab = bind_to_target(load_head(os.path.join(ckpts, "0")), cfg, params)
+    np.testing.assert_array_equal(vocab["d2t"], DraftVocab.load(os.path.join(out, "draft_vocab.npz")).d2t)
+    assert spec.taps == (2, 4, 5)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(trainable))
+
+
+def test_the_patch_module_names_what_it_patches():
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'experiments'); import speculators_cpu as s;"
+                        "print(s.apply_cpu_patches());"
+                        "import speculators.train.trainer as t, speculators.train.checkpointer as c;"
+                        "print(t.get_local_rank(), c.get_current_device())"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "cpu", "cpu"]
