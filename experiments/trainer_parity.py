@@ -318,6 +318,56 @@ def train_ours(out: str, steps: int) -> int:
     return subprocess.call([sys.executable, "-m", "launch.train"] + flags, cwd=ROOT)
 
 
+# ----------------------------------------------------------------------------------------------- serving
+
+def vllm_prompts(out: str, source: str, n_per_category: int, seed: int = 0) -> str:
+    """The first turns of ``launch.decode_bench``'s questions (same source, sample and seed) as token ids for
+    ``experiments/vllm_cpu.py`` -> the prompts file; ``<file>.ids.json`` names their questions and categories
+    (the intervals resample within each category, as decode_bench's)."""
+    from confu_jax.assets import strip_asset
+    from confu_jax.bench.prompts import first_turn_ids, load_prompts, sample_prompts
+    from confu_jax.data.chat import ChatTokenizer
+
+    with open(os.path.join(out, "prepare.json")) as f:
+        tokenizer = ChatTokenizer.load(strip_asset(json.load(f)["target"]))
+    prompts = sample_prompts(load_prompts(source), n_per_category, seed=seed)
+    path = os.path.join(out, "vllm", f"prompts_{source}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump([first_turn_ids(tokenizer, p) for p in prompts], f)
+    with open(path[:-5] + ".ids.json", "w") as f:
+        json.dump([[str(p.question_id), p.category] for p in prompts], f)
+    return path
+
+
+def vllm_questions(result: dict, questions: list) -> dict:
+    """``experiments/vllm_cpu.py --per_prompt`` counters as ``decode_bench``'s per-question counts: a pass is a
+    draft round (vLLM's τ = 1 + accepted / drafts counts the prefill's token in no pass, as ours does)."""
+    rows = result.get("per_prompt")
+    if not rows or len(rows) != len(questions):
+        raise ValueError(f"expected a --per_prompt vLLM result of {len(questions)} prompts, got "
+                         f"{len(rows) if rows else 'none'}")
+    return {q: {"category": c, "emitted": r["drafts"] + r["accepted"], "passes": r["drafts"]}
+            for (q, c), r in zip(questions, rows)}
+
+
+def vllm_compare(row: str, reference: str, ids: str, n_boot: int = 2000) -> dict:
+    """τ of two heads served by vLLM, paired by question (``bench.compare``)."""
+    from confu_jax.bench.compare import compare
+
+    with open(ids) as f:
+        qids = json.load(f)
+    with open(row) as f:
+        a = json.load(f)
+    with open(reference) as f:
+        b = json.load(f)
+    out = compare({"questions": vllm_questions(a, qids)}, {"questions": vllm_questions(b, qids)}, n_boot=n_boot)
+    out.update(row=row, reference=reference, accepted_per_pos={"row": a["accepted_per_pos"],
+                                                              "reference": b["accepted_per_pos"]},
+               drafts={"row": a["drafts"], "reference": b["drafts"]})
+    return out
+
+
 def settings(out: str) -> dict:
     import speculators
 
@@ -339,7 +389,8 @@ def _patches():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=("prepare", "hidden", "train_ref", "train_ours", "settings"))
+    p.add_argument("stage", choices=("prepare", "hidden", "train_ref", "train_ours", "settings", "vllm_prompts",
+                                     "vllm_compare"))
     p.add_argument("--out", required=True)
     p.add_argument("--target", default="asset:smollm2-135m-instruct")
     p.add_argument("--data", default="releases/data/sharegpt_smollm2")
@@ -350,6 +401,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--checkpoint_every", type=float, default=0.1, help="reference: a fraction of its epoch")
+    p.add_argument("--prompts", default="mtbench", help="vllm_prompts: a decode_bench prompt source")
+    p.add_argument("--n_per_category", type=int, default=3, help="vllm_prompts: as decode_bench's")
+    p.add_argument("--row", help="vllm_compare: a vllm_cpu.py --per_prompt result")
+    p.add_argument("--reference", help="vllm_compare: the result it is compared with")
+    p.add_argument("--ids", help="vllm_compare: the prompts' question ids (vllm_prompts' .ids.json)")
+    p.add_argument("--json_out", default="", help="vllm_compare: also write the comparison here")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if a.stage == "prepare":
@@ -361,6 +418,14 @@ def main(argv=None) -> int:
         return train_reference(a.out, a.steps, a.threads, a.checkpoint_every)
     elif a.stage == "train_ours":
         return train_ours(a.out, a.steps)
+    elif a.stage == "vllm_prompts":
+        print(vllm_prompts(a.out, a.prompts, a.n_per_category))
+    elif a.stage == "vllm_compare":
+        result = vllm_compare(a.row, a.reference, a.ids)
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(result, f, indent=1)
+        print(json.dumps({k: result[k] for k in ("n_questions", "tau", "tau_ratio")}, indent=1))
     else:
         print(json.dumps(settings(a.out), indent=1))
     return 0

@@ -58,6 +58,28 @@ if has eval; then
                 --max_new_tokens 128 --out "$OUT/bench/${head}_${prompts}.json" >> "$OUT/logs/bench.log" 2>&1
         done
     done
+    # vLLM's CPU build serves both heads on the same questions' first turns, T = 0 and 1, counted per prompt
+    VLLM_PY=${VLLM_PYTHON:-.venv-vllm/bin/python}
+    for prompts in mtbench grounded; do
+        ids=$($PY -m experiments.trainer_parity vllm_prompts --out "$OUT" --prompts "$prompts" \
+            --n_per_category "$N_PER_CATEGORY" | tail -1)
+        for head in ours reference; do
+            dir="$OUT/heads/ours"; [ "$head" = reference ] && dir="$OUT/reference/checkpoints/0"
+            for t in 0 1; do
+                res="$OUT/vllm/${head}_${prompts}_T$t.json"
+                [ -f "$res" ] && continue
+                stamp "vllm $head $prompts T=$t"
+                nice -n 10 $VLLM_PY experiments/vllm_cpu.py --model "$OUT/target" --prompts "$ids" --out "$res" \
+                    --spec_method eagle3 --spec_model "$dir" --k 3 --max_tokens 128 --temperature "$t" \
+                    --per_prompt >> "$OUT/logs/vllm.log" 2>&1
+            done
+        done
+        for t in 0 1; do
+            $PY -m experiments.trainer_parity vllm_compare --out "$OUT" --row "$OUT/vllm/ours_${prompts}_T$t.json" \
+                --reference "$OUT/vllm/reference_${prompts}_T$t.json" --ids "${ids%.json}.ids.json" \
+                --json_out "$OUT/vllm/compare_${prompts}_T$t.json" | tee -a "$OUT/logs/compare.log"
+        done
+    done
     for prompts in mtbench grounded; do
         for t in 0 1; do
             $PY -m launch.tau_compare --row "$OUT/bench/ours_${prompts}.json:eagle3" \

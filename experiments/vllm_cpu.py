@@ -10,9 +10,10 @@ and ``weights.export.save_hf`` wrote.
 
 ``--prompts`` is a JSON list of token-id lists (the chat template already applied by our tokenizer,
 so both engines decode the very same ids); vLLM runs with ``skip_tokenizer_init`` and greedy
-sampling (temperature 0). ``--repeat N`` generates the whole set N times in the one engine
+sampling (temperature 0) unless ``--temperature`` says otherwise. ``--repeat N`` generates the whole set N times in the one engine
 (the first a warm-up when timing). Output: ``{"tokens": [[...], ...], "drafts", "draft_tokens",
-"accepted", "tau", "seconds": [per repeat], "generated_tokens", "vllm_version"}`` with
+"accepted", "accepted_per_pos", "tau", "seconds": [per repeat], "generated_tokens", "vllm_version"}``,
+and with ``--per_prompt`` each prompt's counters (``per_prompt``: what pairs two heads question by question);
 τ = 1 + accepted / drafts (tokens per target pass, as vLLM's own log reports the mean acceptance
 length).
 """
@@ -71,6 +72,11 @@ def main(argv=None) -> int:
     p.add_argument("--max_model_len", type=int, default=2048)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy); T > 0 samples "
+                   "with --seed (vLLM's rejection sampler keeps the target's distribution)")
+    p.add_argument("--seed", type=int, default=0, help="T > 0: the sampling seed (request i uses seed + i)")
+    p.add_argument("--per_prompt", action="store_true", help="generate the prompts one at a time and record each "
+                   "prompt's drafts / accepted tokens (`per_prompt`): what pairs two heads question by question")
     p.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile / graphs)")
     p.add_argument("--serve", action="store_true", help="run `vllm serve` (the OpenAI-compatible server, the "
                    "command docs/interop.md gives) instead of the offline LLM class, send the prompts to its "
@@ -84,6 +90,8 @@ def main(argv=None) -> int:
         return 2
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: SmolLM2 at 2048 tokens needs far less
+    if args.serve and (args.temperature > 0 or args.per_prompt):
+        p.error("--temperature and --per_prompt are options of the offline engine, not of --serve")
     if args.serve:
         return serve(args)
     # the engine core in this process, not a spawned one: the same engine, one interpreter fewer to start
@@ -105,25 +113,51 @@ def main(argv=None) -> int:
                                     **({"parallel_drafting": True} if args.parallel_drafting else {})}
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.max_model_len,
               disable_log_stats=False, enforce_eager=args.eager, seed=0, **kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, ignore_eos=False)
+    sps = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, detokenize=False,
+                          ignore_eos=False, **({"seed": args.seed + i} if args.temperature > 0 else {}))
+           for i in range(len(prompts))]
     inputs = [{"prompt_token_ids": list(map(int, ids))} for ids in prompts]
-    seconds, outs = [], None
-    before = llm.get_metrics()
-    drafts0 = _counter(before, "vllm:spec_decode_num_drafts")
-    acc0 = _counter(before, "vllm:spec_decode_num_accepted_tokens")
-    dt0 = _counter(before, "vllm:spec_decode_num_draft_tokens")
+    seconds, outs, per_prompt = [], None, []
+    start = _counters(llm.get_metrics())
     for _ in range(args.repeat):
         t0 = time.perf_counter()
-        outs = llm.generate(inputs, sp, use_tqdm=False)
+        if args.per_prompt:  # the counters' difference around each request is that prompt's
+            outs, per_prompt = [], []
+            for inp, sp in zip(inputs, sps):
+                before = _counters(llm.get_metrics())
+                outs += llm.generate([inp], sp, use_tqdm=False)
+                after = _counters(llm.get_metrics())
+                per_prompt.append({k: _minus(after[k], before[k]) for k in after})
+        else:
+            outs = llm.generate(inputs, sps, use_tqdm=False)
         seconds.append(time.perf_counter() - t0)
-    metrics = llm.get_metrics()
-    drafts = _counter(metrics, "vllm:spec_decode_num_drafts") - drafts0
-    accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens") - acc0
-    draft_tokens = _counter(metrics, "vllm:spec_decode_num_draft_tokens") - dt0
+    total = {k: _minus(v, start[k]) for k, v in _counters(llm.get_metrics()).items()}
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    _write_result(args.out, tokens, drafts, accepted, draft_tokens, seconds, vllm_version=vllm.__version__,
-                  speculative_config=kw.get("speculative_config"))
+    _write_result(args.out, tokens, total["drafts"], total["accepted"], total["draft_tokens"], seconds,
+                  vllm_version=vllm.__version__, speculative_config=kw.get("speculative_config"),
+                  temperature=args.temperature, seed=args.seed, accepted_per_pos=total["accepted_per_pos"],
+                  **({"per_prompt": [dict(p, generated_tokens=len(t)) for p, t in zip(per_prompt, tokens)]}
+                     if args.per_prompt else {}))
     return 0
+
+
+def _counters(metrics) -> dict:
+    """The speculative counters of ``LLM.get_metrics()``: drafts, draft tokens, accepted tokens, and accepted
+    tokens by draft position (vLLM's one vector metric)."""
+    per_pos = []
+    for m in metrics:
+        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and hasattr(m, "values"):
+            per_pos = [a + b for a, b in zip(per_pos, m.values)] if per_pos else list(m.values)
+    return {"drafts": _counter(metrics, "vllm:spec_decode_num_drafts"),
+            "draft_tokens": _counter(metrics, "vllm:spec_decode_num_draft_tokens"),
+            "accepted": _counter(metrics, "vllm:spec_decode_num_accepted_tokens"), "accepted_per_pos": per_pos}
+
+
+def _minus(after, before):
+    if isinstance(after, list):
+        before = before or [0] * len(after)
+        return [a - b for a, b in zip(after, before)]
+    return after - before
 
 
 def _write_result(out: str, tokens, drafts: int, accepted: int, draft_tokens: int, seconds, **extra) -> None:

@@ -153,3 +153,28 @@ def test_the_patch_module_names_what_it_patches():
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["True", "cpu", "cpu"]
+
+
+def test_vllm_counters_pair_by_question(tmp_path):
+    """vLLM's per-prompt counters become decode_bench's per-question counts: the paired τ of each head is
+    vLLM's own 1 + accepted / drafts over the prompts, and a result without per-prompt counters is refused."""
+    rng = np.random.default_rng(0)
+    ids = [[f"q{i}", "ab"[i % 2]] for i in range(12)]
+    paths = []
+    for name in ("a", "b"):
+        per = [{"drafts": int(d), "accepted": int(rng.integers(0, 2 * d)), "draft_tokens": 3 * int(d)}
+               for d in rng.integers(20, 40, len(ids))]
+        res = {"per_prompt": per, "drafts": sum(p["drafts"] for p in per), "accepted": sum(p["accepted"] for p in per),
+               "accepted_per_pos": [1, 0, 0]}
+        res["tau"] = 1 + res["accepted"] / res["drafts"]
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(res))
+    (tmp_path / "ids.json").write_text(json.dumps(ids))
+    out = tp.vllm_compare(str(paths[0]), str(paths[1]), str(tmp_path / "ids.json"), n_boot=200)
+    a, b = (json.loads(p.read_text()) for p in paths)
+    assert out["n_questions"] == 12
+    assert out["tau"]["row"] == pytest.approx(a["tau"]) and out["tau"]["reference"] == pytest.approx(b["tau"])
+    lo, hi = out["tau_ratio"]["ci"]
+    assert lo <= a["tau"] / b["tau"] <= hi
+    with pytest.raises(ValueError, match="--per_prompt"):
+        tp.vllm_questions({"drafts": 3}, ids)

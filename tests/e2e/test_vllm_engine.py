@@ -134,7 +134,14 @@ def _our_tau(served) -> tuple[float, list]:
 
 
 def test_released_eagle3_official_and_speculators_layouts(served, tmp_path):
-    official = _spec(served, "eagle3_official", "eagle3", RELEASED_E3)
+    official = _spec(served, "eagle3_official", "eagle3", RELEASED_E3, "--per_prompt")
+    # each prompt's counters add up to the run's, and acceptance by draft position only falls (a draft
+    # token is accepted only after every one before it)
+    for key in ("drafts", "draft_tokens", "accepted"):
+        assert sum(p[key] for p in official["per_prompt"]) == official[key], key
+    per_pos = official["accepted_per_pos"]
+    assert len(per_pos) == DEPTH and sum(per_pos) == official["accepted"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])), per_pos
     converted = tmp_path / "e3_speculators"
     proc = subprocess.run([sys.executable, "-m", "launch.export_head", "--workdir", str(RELEASED_E3), "--format",
                            "speculators", "--out", str(converted), "--verifier", str(served["dir"] / "smollm2")],
