@@ -7,7 +7,8 @@
 #
 # PARITY_OUT (runs/parity), PARITY_RECORDS (2000 conversations of releases/data/sharegpt_smollm2: ~0.95 M
 # tokens), PARITY_STEPS (110 steps of 8192 tokens: under one pass of the reference's packed epoch, which it
-# must not cross: its max_steps is not checked between epochs), PARITY_STAGES (prepare,hidden,ours,ref,eval).
+# must not cross: its max_steps is not checked between epochs), PARITY_STAGES (prepare,hidden,ours,ref,eval),
+# PARITY_OBJECTIVES (more runs of ours with another objective.step_loss, e.g. lk,ce; none by default).
 # The two trainers run one after the other (two cores): ours online (~52 s a step here), the reference on
 # stored hidden states (hidden: ~30 rows a minute on one core, ~17 GB of float32 for the default rows).
 set -euo pipefail
@@ -16,6 +17,7 @@ OUT=${PARITY_OUT:-runs/parity}
 RECORDS=${PARITY_RECORDS:-2000}
 STEPS=${PARITY_STEPS:-110}
 STAGES=${PARITY_STAGES:-prepare,hidden,ours,ref,eval}
+PARITY_OBJECTIVES=${PARITY_OBJECTIVES:-}
 N_PER_CATEGORY=${PARITY_N_PER_CATEGORY:-3}
 PY=${PYTHON:-python}
 mkdir -p "$OUT/logs"
@@ -34,6 +36,15 @@ if has ours && [ ! -d "$OUT/ours/checkpoints/$STEPS" ]; then
     stamp "ours: $STEPS steps (resumes)"
     nice -n 10 $PY -m experiments.trainer_parity train_ours --out "$OUT" --steps "$STEPS" >> "$OUT/logs/ours.log" 2>&1
 fi
+# the recipe comparison (PARITY_OBJECTIVES, e.g. lk,ce): our run again with another objective.step_loss,
+# everything else equal (same rows, steps, schedule): benched beside ours by the eval stage
+for loss in ${PARITY_OBJECTIVES//,/ }; do
+    if [ ! -d "$OUT/ours_$loss/checkpoints/$STEPS" ]; then
+        stamp "ours with step_loss=$loss: $STEPS steps (resumes)"
+        nice -n 10 $PY -m experiments.trainer_parity train_ours --out "$OUT" --steps "$STEPS" --step_loss "$loss" \
+            >> "$OUT/logs/ours_$loss.log" 2>&1
+    fi
+done
 if has ref; then
     done_step=$($PY -c "import json,sys; print(json.load(open(sys.argv[1])).get('global_step', 0))" \
         "$OUT/reference/checkpoints/0/training_state.json" 2>/dev/null || echo 0)
@@ -49,9 +60,13 @@ if has eval; then
             --verifier "$OUT/target" > "$OUT/logs/export.log" 2>&1
     fi
     mkdir -p "$OUT/bench"
-    for head in ours reference; do
+    heads="ours reference"
+    for loss in ${PARITY_OBJECTIVES//,/ }; do heads="$heads ours_$loss"; done
+    for head in $heads; do
         dir="$OUT/heads/ours"; [ "$head" = reference ] && dir="$OUT/reference/checkpoints/0"
+        [[ "$head" == ours_* ]] && dir="$OUT/$head"
         for prompts in mtbench grounded; do
+            [ -f "$OUT/bench/${head}_${prompts}.json" ] && continue
             stamp "bench $head $prompts"
             nice -n 10 $PY -m launch.decode_bench --methods ar,eagle3 --heads "eagle3=$dir" --temperatures 0,1 \
                 --budgets chain:3 --prompts "$prompts" --n_per_category "$N_PER_CATEGORY" --turns 1 \
@@ -78,6 +93,15 @@ if has eval; then
             $PY -m experiments.trainer_parity vllm_compare --out "$OUT" --row "$OUT/vllm/ours_${prompts}_T$t.json" \
                 --reference "$OUT/vllm/reference_${prompts}_T$t.json" --ids "${ids%.json}.ids.json" \
                 --json_out "$OUT/vllm/compare_${prompts}_T$t.json" | tee -a "$OUT/logs/compare.log"
+        done
+    done
+    for loss in ${PARITY_OBJECTIVES//,/ }; do
+        for prompts in mtbench grounded; do
+            for t in 0 1; do
+                $PY -m launch.tau_compare --row "$OUT/bench/ours_${loss}_${prompts}.json:eagle3" \
+                    --reference "$OUT/bench/ours_${prompts}.json:eagle3" --temperature "$t" --budget chain:3 \
+                    --json_out "$OUT/bench/compare_${loss}_${prompts}_T$t.json" | tee -a "$OUT/logs/compare.log"
+            done
         done
     done
     for prompts in mtbench grounded; do

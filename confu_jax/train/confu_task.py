@@ -64,6 +64,10 @@ def default_objective_config() -> ml_collections.ConfigDict:
     c.future_aux_weight = 0.0
     c.future_aux_ahead = 1
     c.future_aux_anneal_steps = 0
+    # what each TTT step trains the draft's q toward the teacher's p with (train.loss.STEP_LOSSES): 'kl' (forward KL,
+    # EAGLE-3's), 'rkl', 'jsd', 'tv' (1 - acceptance probability), 'nla' (-log acceptance), 'lk' (the LK hybrid),
+    # 'ce' (the teacher's argmax as label)
+    c.step_loss = "kl"
     c.eval_records = 64  # last conversations of the training files held out (0 = no evaluation)
     c.eval_batches = 2  # held-out global batches evaluated every train.eval_every steps
     return c

@@ -100,6 +100,9 @@ class ObjectiveConfig:
     # > 0: the weight falls linearly to 0 over this many optimizer steps (the step comes in the
     # batch as 'step', added by the train step); 0: constant
     future_aux_anneal_steps: int = 0
+    # what each TTT step's draft distribution q is trained toward the teacher's p with (:data:`STEP_LOSSES`);
+    # evaluation always reports 'kl', so runs trained with different losses compare on one held-out figure
+    step_loss: str = "kl"
     # evaluation only (ConFu): also report what the future entry is worth — the same draft without
     # it (``no_future/...``) and what the contemplate's f predicts by itself (``future/f_top1_x{s}``);
     # one more TTT pass and a full-vocabulary argmax per anchor (:func:`future_probe_metrics`)
@@ -108,6 +111,8 @@ class ObjectiveConfig:
     def __post_init__(self):
         if self.ttt_steps < 1:
             raise ValueError(f"ObjectiveConfig.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.step_loss not in STEP_LOSSES:
+            raise ValueError(f"objective.step_loss: expected one of {tuple(STEP_LOSSES)}, got {self.step_loss!r}")
         if self.k_train < 1:
             raise ValueError(f"ObjectiveConfig.k_train must be >= 1, got {self.k_train}")
         if self.replication < 0:
@@ -157,6 +162,7 @@ def objective_from_config(config, *, evaluation: bool = False) -> ObjectiveConfi
         future_aux_ahead=int(o.get("future_aux_ahead", 1)),
         future_aux_anneal_steps=int(o.get("future_aux_anneal_steps", 0)),
         future_probe=evaluation,
+        step_loss="kl" if evaluation else str(o.get("step_loss", "kl")),
     )
 
 
@@ -243,12 +249,69 @@ def ttt_masks(loss_mask_bn: jax.Array, in_draft_bn: jax.Array, n_steps: int, seg
 # ----------------------------------------------------------------------------- the objective
 
 
-def _step_kl(spec: ModelSpec, draft_params: dict, hidden_bnd: jax.Array, teacher_logp_bnv: jax.Array):
-    """(KL(p_teacher ‖ p_draft) [B,N], draft argmax [B,N]) for one TTT step."""
+def _kl(logp, logq):
+    return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+
+
+def _log_acceptance(logp, logq):
+    """log Σ min(p, q): the log probability that speculative sampling accepts a token drafted from q when
+    the target samples from p (Leviathan et al., 2023), in log space (no 0 · inf where q or p is 0)."""
+    return jax.nn.logsumexp(jnp.minimum(logp, logq), axis=-1)
+
+
+def _tv(logp, logq):
+    """Total variation ½Σ|p − q| = 1 − Σ min(p, q): one minus the acceptance probability."""
+    return 1.0 - jnp.exp(_log_acceptance(logp, logq))
+
+
+def _nla(logp, logq):
+    """−log max(α, 1e-5), α the acceptance probability: TV's gradient scaled by 1/α, so a draft that
+    starts far from the teacher (α near 0, where TV's gradient vanishes) still learns (speculators' nla)."""
+    return -jnp.maximum(_log_acceptance(logp, logq), jnp.log(1e-5))
+
+
+LK_ETA = 3.0  # η of the LK hybrid: speculators' lk_hybrid default, "the paper's best setting"
+
+
+def _lk(logp, logq):
+    """The LK hybrid (Samarin et al., arXiv 2602.23881, as speculators 0.9's ``lk_hybrid``): per position
+    λ = exp(−η · sg(α)), loss λ · KL(p ‖ q) + (1 − λ)(1 − α). KL leads while the draft accepts little, the
+    acceptance term once it does (KL and acceptance share an optimum; a small draft stops short of it)."""
+    log_alpha = _log_acceptance(logp, logq)
+    lam = jnp.exp(-LK_ETA * jax.lax.stop_gradient(jnp.exp(log_alpha)))
+    return lam * _kl(logp, logq) + (1.0 - lam) * (1.0 - jnp.exp(log_alpha))
+
+
+def _jsd(logp, logq):
+    logm = jnp.logaddexp(logp, logq) - jnp.log(2.0)
+    return 0.5 * (_kl(logp, logm) + _kl(logq, logm))
+
+
+def _hard_ce(logp, logq):
+    """Cross-entropy of the draft on the teacher's argmax: distillation from the target's greedy token
+    instead of its distribution."""
+    return -jnp.take_along_axis(logq, jnp.argmax(logp, axis=-1)[..., None], axis=-1)[..., 0]
+
+
+# objective.step_loss -> f(teacher log-probs, draft log-probs) [..., V_draft] -> [...]; both over the draft
+# vocabulary (the teacher renormalised over it)
+STEP_LOSSES = {
+    "kl": _kl,  # forward KL(p ‖ q): EAGLE-3's, SpecForge's and speculators' default
+    "rkl": lambda logp, logq: _kl(logq, logp),  # reverse KL(q ‖ p)
+    "jsd": _jsd,  # Jensen-Shannon
+    "tv": _tv,  # 1 − per-token acceptance probability
+    "nla": _nla,  # −log acceptance probability (floored at 1e-5)
+    "lk": _lk,  # LK hybrid: KL weighted down as acceptance rises, 1 − acceptance weighted up
+    "ce": _hard_ce,  # hard distillation: the teacher's argmax as the label
+}
+
+
+def _step_kl(spec: ModelSpec, draft_params: dict, hidden_bnd: jax.Array, teacher_logp_bnv: jax.Array,
+             step_loss: str = "kl"):
+    """(the step loss [B,N] — KL(p_teacher ‖ p_draft) by default, :data:`STEP_LOSSES` — and the draft
+    argmax [B,N]) for one TTT step."""
     logq = jax.nn.log_softmax(draft_logits(spec, draft_params, hidden_bnd), axis=-1)
-    p = jnp.exp(teacher_logp_bnv)
-    kl = jnp.sum(p * (teacher_logp_bnv - logq), axis=-1)
-    return kl, jnp.argmax(logq, axis=-1)
+    return STEP_LOSSES[step_loss](teacher_logp_bnv, logq), jnp.argmax(logq, axis=-1)
 
 
 def _trained_positions(plan, base_bn: jax.Array, n: int, cfg: ObjectiveConfig):
@@ -300,7 +363,7 @@ def _head_kl_scan(spec: ModelSpec, draft_params: dict, hidden_rbmd: jax.Array, t
 
     def one(dp, h_bkd, idx_bk):
         t_bkv = jnp.take_along_axis(t_pad, idx_bk[..., None], axis=1)
-        return _step_kl(spec, dp, pin_rows(h_bkd), t_bkv)
+        return _step_kl(spec, dp, pin_rows(h_bkd), t_bkv, cfg.step_loss)
 
     if cfg.remat:  # keeps h per chunk, not [B, chunk, V_draft] logits
         one = jax.checkpoint(one)
