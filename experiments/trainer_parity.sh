@@ -95,21 +95,16 @@ if has eval; then
                 --json_out "$OUT/vllm/compare_${prompts}_T$t.json" | tee -a "$OUT/logs/compare.log"
         done
     done
-    for loss in ${PARITY_OBJECTIVES//,/ }; do
+    bench_compare() {  # ROW REFERENCE NAME: our loop's τ of two heads, paired by question, each set and T
         for prompts in mtbench grounded; do
             for t in 0 1; do
-                $PY -m launch.tau_compare --row "$OUT/bench/ours_${loss}_${prompts}.json:eagle3" \
-                    --reference "$OUT/bench/ours_${prompts}.json:eagle3" --temperature "$t" --budget chain:3 \
-                    --json_out "$OUT/bench/compare_${loss}_${prompts}_T$t.json" | tee -a "$OUT/logs/compare.log"
+                $PY -m launch.tau_compare --row "$OUT/bench/$1_${prompts}.json:eagle3" \
+                    --reference "$OUT/bench/$2_${prompts}.json:eagle3" --temperature "$t" --budget chain:3 \
+                    --json_out "$OUT/bench/compare_$3${prompts}_T$t.json" | tee -a "$OUT/logs/compare.log"
             done
         done
-    done
-    for prompts in mtbench grounded; do
-        for t in 0 1; do
-            $PY -m launch.tau_compare --row "$OUT/bench/ours_${prompts}.json:eagle3" \
-                --reference "$OUT/bench/reference_${prompts}.json:eagle3" --temperature "$t" --budget chain:3 \
-                --json_out "$OUT/bench/compare_${prompts}_T$t.json" | tee -a "$OUT/logs/compare.log"
-        done
-    done
+    }
+    bench_compare ours reference ""
+    for loss in ${PARITY_OBJECTIVES//,/ }; do bench_compare "ours_$loss" ours "${loss}_"; done
 fi
 stamp done
