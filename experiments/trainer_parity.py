@@ -373,10 +373,32 @@ def vllm_compare(row: str, reference: str, ids: str, n_boot: int = 2000) -> dict
     return out
 
 
-def settings(out: str) -> dict:
-    import speculators
+def training_record(out: str, which: str) -> str:
+    """``<out>/<which>_training.json`` for ``launch.release_head --training``: the trainer, its version, the
+    patches, the settings (equal and different) and how far it trained -> the file."""
+    info = settings(out)
+    if which == "reference":
+        with open(os.path.join(out, "reference", "checkpoints", "0", "training_state.json")) as f:
+            step = int(json.load(f)["global_step"])
+        record = dict(info["reference"], step=step, tokens_seen=step * EQUAL["tokens_per_step"],
+                      tokens_note="token slots (one packed sequence of tokens_per_step a step)")
+    else:  # ours: steps and tokens come from the run itself (launch.release_head --workdir)
+        record = {"trainer": "confu_jax", "entry": "experiments/trainer_parity.py train_ours"}
+    from confu_jax.data.releases import git_commit
 
-    info = {"reference": {"trainer": "speculators", "version": speculators.__version__,
+    record.update(equal=info["equal"], different=info["different"], data_rows=info.get("prepare"),
+                  commit=git_commit())
+    record.setdefault("version", record["commit"])
+    path = os.path.join(out, f"{which}_training.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return path
+
+
+def settings(out: str) -> dict:
+    from importlib.metadata import version
+
+    info = {"reference": {"trainer": "speculators", "version": version("speculators"),
                           "entry": "experiments/speculators_cpu.py", "patches": list(_patches())},
             "equal": EQUAL, "different": {k: {"ours": v[0], "speculators": v[1]} for k, v in DIFFERENT.items()}}
     if os.path.exists(os.path.join(out, "prepare.json")):
@@ -395,7 +417,8 @@ def _patches():
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("stage", choices=("prepare", "hidden", "train_ref", "train_ours", "settings", "vllm_prompts",
-                                     "vllm_compare"))
+                                     "vllm_compare", "training_record"))
+    p.add_argument("--which", default="reference", choices=("reference", "ours"), help="training_record: whose")
     p.add_argument("--out", required=True)
     p.add_argument("--target", default="asset:smollm2-135m-instruct")
     p.add_argument("--data", default="releases/data/sharegpt_smollm2")
@@ -432,6 +455,8 @@ def main(argv=None) -> int:
             with open(a.json_out, "w") as f:
                 json.dump(result, f, indent=1)
         print(json.dumps({k: result[k] for k in ("n_questions", "tau", "tau_ratio")}, indent=1))
+    elif a.stage == "training_record":
+        print(training_record(a.out, a.which))
     else:
         print(json.dumps(settings(a.out), indent=1))
     return 0

@@ -12,6 +12,15 @@ wherever a head is accepted (``--heads eagle3=releases/heads/smollm2_eagle3``,
 ``--heads confu=releases/heads/smollm2_confu``) after checking the hashes and the target. The workdir,
 the data releases and the release folder may be ``gs://`` URLs (the release is written locally and
 uploaded, its manifest last).
+
+A head another trainer wrote (the trainer-parity reference, docs/training.md) is released the same way:
+
+    python -m launch.release_head --head runs/parity/reference/checkpoints/0 --target asset:smollm2-135m-instruct \
+        --training runs/parity/reference_training.json --release releases/heads/smollm2_eagle3_speculators \
+        --data releases/data/sharegpt_smollm2
+
+bound to ``--target`` first (a head for another target is refused), exported in speculators' layout (it keeps
+the head's norm placement), its ``training`` the JSON given (trainer, version, patches, settings).
 """
 
 from __future__ import annotations
@@ -24,7 +33,14 @@ from absl import app, flags
 from confu_jax import storage
 from confu_jax.runs.lineage import lineage
 
-flags.DEFINE_string("workdir", None, "the launch.train workdir of an EAGLE-3 or ConFu head", required=True)
+flags.DEFINE_string("workdir", None, "the launch.train workdir of an EAGLE-3 or ConFu head")
+flags.DEFINE_string("head", None, "instead of --workdir: an EAGLE-3 head another trainer wrote (any layout "
+                    "weights.eagle3_formats reads: speculators', the official); needs --target and --training")
+flags.DEFINE_string("target", None, "--head: the target it was trained for (an asset, GGUF or HF directory): its "
+                    "weights' fingerprint goes into the manifest and the head is bound to it before export")
+flags.DEFINE_string("training", None, "a JSON file of what trained the head, put in the manifest's 'training' "
+                    "(--head: required, with at least trainer, version, step, tokens_seen; --workdir: merged into "
+                    "the run's record)")
 flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
 flags.DEFINE_string("release", None, "release folder, e.g. releases/heads/smollm2_eagle3", required=True)
 flags.DEFINE_string("data", "", "the data release(s) the head was trained on, comma-separated (each manifest is "
@@ -37,7 +53,6 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}")
-    import hashlib
     import json
 
     from confu_jax.data.releases import git_commit
@@ -52,10 +67,15 @@ def main(argv):
         if not eq:
             raise app.UsageError(f"--tau: {pair!r} is not METRIC=VALUE")
         tau[k] = float(v)
+    if bool(FLAGS.workdir) == bool(FLAGS.head):
+        raise app.UsageError("give exactly one of --workdir (a launch.train run) and --head (another trainer's head)")
     ok, why = better_than_released(FLAGS.release, tau)
     if not ok and not FLAGS.force:
         print(f"not released: {why}", file=sys.stderr)
         return 1
+    data = _data_records(FLAGS.data)
+    if FLAGS.head:
+        return _release_external(tau, data, why)
     workdir = storage.absolute(os.path.expanduser(FLAGS.workdir))
     head = load_trained_head(workdir, FLAGS.step)
     spec = head.spec
@@ -69,19 +89,13 @@ def main(argv):
             spec, draft = eagle3_part(head.spec, head.trainable)
             export_head(tmp, "eagle3", spec, draft, head.draft_vocab["d2t"], head.draft_vocab["t2d"],
                         dtype="bfloat16", verifier=record.get("source"))
-        data = []
-        for rel in [d for d in FLAGS.data.split(",") if d]:  # every data release the head read
-            with storage.open(os.path.join(rel, "manifest.json"), "rb") as f:
-                raw = f.read()
-            m = json.loads(raw)
-            data.append({"release": rel, "manifest_sha256": hashlib.sha256(raw).hexdigest(),
-                         "conversations": m.get("conversations"), "answer_tokens": m.get("answer_tokens")})
-        data = data[0] if len(data) == 1 else (data or None)  # one release: the manifest's original form
         run_config = json.loads(storage.read_text(os.path.join(workdir, "config.json")))
         chain = lineage(workdir, head.step)
         total = sum(c["tokens_seen"] or 0 for c in chain)
         training = {"workdir": workdir, "step": head.step, "tokens_seen": total or None,
                     "draft_vocab_size": spec.head.draft_vocab_size, "ttt_steps": run_config.get("draft", {}).get("ttt_steps")}
+        if FLAGS.training:  # e.g. the trainer-parity settings
+            training.update(json.loads(storage.read_text(FLAGS.training)))
         if len(chain) > 1:
             training["lineage"] = chain
         write_head_manifest(tmp, name=os.path.basename(FLAGS.release.rstrip("/")),
@@ -91,6 +105,57 @@ def main(argv):
                             tau=tau, command=" ".join(sys.argv), commit=git_commit())
     sizes = {f: storage.getsize(os.path.join(FLAGS.release, f)) for f in storage.listdir(FLAGS.release)}
     print(f"released {workdir} step {head.step} to {FLAGS.release} ({why}): {sizes}")
+    return 0
+
+
+def _data_records(text: str):
+    """The manifest's 'data': each data release the head read, its manifest hashed (one: that record alone)."""
+    import hashlib
+    import json
+
+    data = []
+    for rel in [d for d in text.split(",") if d]:
+        with storage.open(os.path.join(rel, "manifest.json"), "rb") as f:
+            raw = f.read()
+        m = json.loads(raw)
+        data.append({"release": rel, "manifest_sha256": hashlib.sha256(raw).hexdigest(),
+                     "conversations": m.get("conversations"), "answer_tokens": m.get("answer_tokens")})
+    return data[0] if len(data) == 1 else (data or None)
+
+
+def _release_external(tau: dict, data, why: str) -> int:
+    """A head another trainer wrote (the trainer-parity reference): bound to ``--target`` (which refuses a
+    head for another target), exported in bf16 in speculators' layout without the target's embedding (the
+    layout that keeps its norm placement; vLLM and our loop read it), manifest as for our heads with
+    ``--training`` as its 'training'."""
+    import json
+
+    from confu_jax.assets import strip_asset
+    from confu_jax.data.releases import git_commit
+    from confu_jax.runs.head_release import write_head_manifest
+    from confu_jax.runs.heads import target_fingerprint
+    from confu_jax.weights import load_model
+    from confu_jax.weights.eagle3_formats import bind_to_target, export_head, load_head
+
+    if not (FLAGS.target and FLAGS.training):
+        raise app.UsageError("--head needs --target (what it drafts for) and --training (what trained it)")
+    training = json.loads(storage.read_text(FLAGS.training))
+    missing = [k for k in ("trainer", "version", "step", "tokens_seen") if k not in training]
+    if missing:
+        raise app.UsageError(f"--training {FLAGS.training}: expected keys trainer, version, step, tokens_seen; "
+                             f"missing {missing}")
+    cfg, params = load_model(strip_asset(FLAGS.target))
+    spec, trainable, vocab = bind_to_target(load_head(FLAGS.head), cfg, params)
+    with storage.staged_dir(FLAGS.release, replace=True) as tmp:
+        export_head(tmp, "speculators", spec, trainable["draft"], vocab["d2t"], vocab["t2d"], dtype="bfloat16",
+                    verifier=FLAGS.target)
+        write_head_manifest(tmp, name=os.path.basename(FLAGS.release.rstrip("/")),
+                            files=sorted(f for f in storage.listdir(tmp) if f != "manifest.json"), data=data,
+                            training=dict(training, head=FLAGS.head, draft_vocab_size=spec.head.draft_vocab_size),
+                            target={"source": FLAGS.target, "fingerprint": target_fingerprint(params)},
+                            tau=tau, command=" ".join(sys.argv), commit=git_commit())
+    sizes = {f: storage.getsize(os.path.join(FLAGS.release, f)) for f in storage.listdir(FLAGS.release)}
+    print(f"released {FLAGS.head} ({training['trainer']} {training['version']}) to {FLAGS.release} ({why}): {sizes}")
     return 0
 
 

@@ -144,6 +144,26 @@ def test_speculators_trains_on_cpu_resumes_and_its_head_binds_to_our_target(prep
     assert spec.taps == (2, 4, 5)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(trainable))
 
+    # released like our heads: manifest naming the trainer, its patches and settings; decoding loads it (hashes
+    # and target checked) to the weights the reference wrote
+    from confu_jax.decode.families import decode_head
+    from confu_jax.runs.head_release import verify_head_release
+
+    record = tp.training_record(out, "reference")
+    release = os.path.join(out, "release")
+    r = subprocess.run([sys.executable, "-m", "launch.release_head", "--head", os.path.join(ckpts, "0"), "--target",
+                        model, "--training", record, "--release", release], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    manifest = verify_head_release(release)
+    assert manifest["training"]["trainer"] == "speculators" and manifest["training"]["version"] == "0.9.0"
+    assert len(manifest["training"]["patches"]) == 4 and manifest["training"]["step"] == run["steps"]
+    assert manifest["training"]["different"]["optimizer"]["speculators"].startswith("Muon")
+    loaded = decode_head("eagle3", cfg, params, release)
+    released = jax.tree_util.tree_leaves(loaded.drafter_params)
+    assert any(np.array_equal(np.asarray(x, np.float32), np.asarray(trainable["draft"]["fc"]["kernel"], np.float32))
+               for x in released if np.shape(x) == np.shape(trainable["draft"]["fc"]["kernel"]))
+
 
 def test_the_patch_module_names_what_it_patches():
     r = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'experiments'); import speculators_cpu as s;"
