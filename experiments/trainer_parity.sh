@@ -8,9 +8,10 @@
 # PARITY_OUT (runs/parity), PARITY_RECORDS (2000 conversations of releases/data/sharegpt_smollm2: ~0.95 M
 # tokens), PARITY_STEPS (110 steps of 8192 tokens: under one pass of the reference's packed epoch, which it
 # must not cross: its max_steps is not checked between epochs), PARITY_STAGES (prepare,hidden,ours,ref,eval),
-# PARITY_OBJECTIVES (more runs of ours with another objective.step_loss, e.g. lk,ce; none by default).
+# PARITY_OBJECTIVES (more runs of ours with another objective.step_loss, e.g. lk,ce; none by default),
+# PARITY_THREADS (2: torch threads of the hidden-state pass).
 # The two trainers run one after the other (two cores): ours online (~52 s a step here), the reference on
-# stored hidden states (hidden: ~30 rows a minute on one core, ~17 GB of float32 for the default rows).
+# stored hidden states (hidden: ~30 rows a minute a core, ~17 GB of float32 for the default rows).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${PARITY_OUT:-runs/parity}
@@ -30,7 +31,7 @@ if has prepare && [ ! -f "$OUT/prepare.json" ]; then
 fi
 if has hidden; then
     stamp "hidden states (resumes)"
-    nice -n 10 $PY -m experiments.trainer_parity hidden --out "$OUT" --threads 1 >> "$OUT/logs/hidden.log" 2>&1
+    nice -n 10 $PY -m experiments.trainer_parity hidden --out "$OUT" --threads "${PARITY_THREADS:-2}" >> "$OUT/logs/hidden.log" 2>&1
 fi
 if has ours && [ ! -d "$OUT/ours/checkpoints/$STEPS" ]; then
     stamp "ours: $STEPS steps (resumes)"
