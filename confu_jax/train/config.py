@@ -26,6 +26,11 @@ def default_train_config() -> ml_collections.ConfigDict:
     c.mesh.tensor = 1
 
     c.optim = ml_collections.ConfigDict()
+    # 'adamw', or 'muon': speculators 0.9's Muon on the 2-D weights + AdamW on the rest (train.optim); b1, b2,
+    # eps and weight_decay are then its AdamW group's, muon_* its Muon group's
+    c.optim.name = "adamw"
+    c.optim.muon_momentum = 0.95
+    c.optim.muon_weight_decay = 0.1
     c.optim.lr = 1e-4
     c.optim.warmup_steps = -1  # -1: warmup_ratio × steps
     c.optim.warmup_ratio = 0.02
