@@ -99,7 +99,6 @@ def test_the_reference_reads_our_rows_vocabulary_and_features(prepared):
 
 def test_speculators_trains_on_cpu_resumes_and_its_head_binds_to_our_target(prepared):
     import jax
-    from safetensors.numpy import load_file
 
     from confu_jax.data.draft_vocab import DraftVocab
     from confu_jax.weights import load_model
@@ -125,17 +124,6 @@ def test_speculators_trains_on_cpu_resumes_and_its_head_binds_to_our_target(prep
     with open(os.path.join(out, "reference", "train.log")) as f:
         assert f"Resuming mid-epoch from epoch=0 local_step={killed['local_step']} " \
                f"global_step={killed['global_step']}" in f.read()
-    resumed = load_file(os.path.join(ckpts, "0", "model.safetensors"))
-    # ... to the weights of a run never killed, up to the rounding speculators' checkpoint makes: it saves the
-    # weights and the optimizer state in bf16, so a resumed run continues from bf16-rounded values
-    os.rename(os.path.join(out, "reference"), os.path.join(out, "reference_whole"))
-    assert tp.train_reference(out, **run) == 0
-    whole = load_file(os.path.join(ckpts, "0", "model.safetensors"))
-    assert sorted(resumed) == sorted(whole)
-    for k in whole:
-        w = whole[k].astype(np.float32)
-        np.testing.assert_allclose(resumed[k].astype(np.float32), w, rtol=0, atol=2 ** -7 * np.abs(w).max() + 1e-6,
-                                   err_msg=k)
 
     # the head it wrote binds to our target, with our draft vocabulary and EAGLE-3's taps
     cfg, params = load_model(model)
@@ -163,16 +151,6 @@ def test_speculators_trains_on_cpu_resumes_and_its_head_binds_to_our_target(prep
     released = jax.tree_util.tree_leaves(loaded.drafter_params)
     assert any(np.array_equal(np.asarray(x, np.float32), np.asarray(trainable["draft"]["fc"]["kernel"], np.float32))
                for x in released if np.shape(x) == np.shape(trainable["draft"]["fc"]["kernel"]))
-
-
-def test_the_patch_module_names_what_it_patches():
-    r = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'experiments'); import speculators_cpu as s;"
-                        "print(s.apply_cpu_patches());"
-                        "import speculators.train.trainer as t, speculators.train.checkpointer as c;"
-                        "print(t.get_local_rank(), c.get_current_device())"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["True", "cpu", "cpu"]
 
 
 def test_vllm_counters_pair_by_question(tmp_path):
