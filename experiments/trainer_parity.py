@@ -84,17 +84,31 @@ TRAIN_ROWS, EVAL_ROWS = "rows_train.jsonl", "rows_heldout.jsonl"
 
 # ----------------------------------------------------------------------------------------------- ours
 
+# Our run with one thing changed, in <out>/ours_<name>, everything else equal (rows, steps, schedule): each
+# difference from the reference taken alone (its value), and the objectives that target acceptance.
+VARIANTS = {
+    "muon": ["--config.train.optim.name=muon", "--config.train.optim.b2=0.999",
+             "--config.train.optim.weight_decay=0.01"],  # its optimizer pair, its AdamW group's settings
+    "clip1": ["--config.train.optim.clip_norm=1.0"],
+    "decay1": ["--config.draft.ttt_decay=1.0"],
+    "norms": ["--config.draft.norm_before_fc=True", "--config.draft.norm_before_residual=True",
+              "--config.draft.norm_output=True"],
+    "targethead": ["--config.draft.lm_head_init=target"],  # its LM head's start (it then stays frozen there)
+    **{loss: [f"--config.objective.step_loss={loss}"] for loss in ("lk", "tv", "nla", "ce", "rkl", "jsd")},
+}
+
+
 def our_flags(out: str, target: str, data: str, steps: int, max_length: int = EQUAL["max_length"],
               draft_vocab: int = EQUAL["draft_vocab_size"], eval_records: int = 64, max_records: int = 0,
-              step_loss: str = "kl") -> list:
-    """``launch.train`` flags of our run (``configs/eagle3.py``): the equal settings, our defaults else.
-    ``step_loss`` other than 'kl' (``objective.step_loss``): the same run with another objective, in
-    ``<out>/ours_<step_loss>`` (the recipe comparison at equal compute)."""
+              variant: str = "") -> list:
+    """``launch.train`` flags of our run (``configs/eagle3.py``): the equal settings, our defaults else;
+    ``variant`` (:data:`VARIANTS`): the same run with that change, in ``<out>/ours_<variant>``."""
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r}: expected one of {sorted(VARIANTS)}")
     rows = EQUAL["tokens_per_step"] // max_length
-    name = "ours" if step_loss == "kl" else f"ours_{step_loss}"
     return [
-        "--config", os.path.join(ROOT, "configs", "eagle3.py"), "--workdir", os.path.join(out, name),
-        f"--config.objective.step_loss={step_loss}",
+        "--config", os.path.join(ROOT, "configs", "eagle3.py"), "--workdir",
+        os.path.join(out, f"ours_{variant}" if variant else "ours"),
         f"--config.model.source={target}", f"--config.data.train_files={data}",
         f"--config.data.max_records={max_records}",
         f"--config.data.max_length={max_length}", f"--config.data.global_batch_size={rows}",
@@ -109,7 +123,7 @@ def our_flags(out: str, target: str, data: str, steps: int, max_length: int = EQ
         f"--config.train.checkpoint.every={max(1, min(10, steps))}", "--config.train.checkpoint.keep=2",
         f"--config.train.eval_every={max(1, steps // 4)}", "--config.train.log_every=1",
         "--config.train.progress_bar=False", "--config.train.tensorboard=off",
-    ]
+    ] + VARIANTS.get(variant, [])
 
 
 def our_config(target: str, data: str, max_length: int, draft_vocab: int, eval_records: int, max_records: int = 0):
@@ -315,11 +329,11 @@ def train_reference(out: str, steps: int, threads: int = 2, checkpoint_every: fl
                                 path], env=env, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
 
 
-def train_ours(out: str, steps: int, step_loss: str = "kl") -> int:
+def train_ours(out: str, steps: int, variant: str = "") -> int:
     with open(os.path.join(out, "prepare.json")) as f:
         prep = json.load(f)
     flags = our_flags(out, prep["target"], prep["data"], steps, prep["max_length"], prep["draft_vocab_size"],
-                      prep["eval_records"], prep["max_records"], step_loss)
+                      prep["eval_records"], prep["max_records"], variant)
     return subprocess.call([sys.executable, "-m", "launch.train"] + flags, cwd=ROOT)
 
 
@@ -428,7 +442,7 @@ def main(argv=None) -> int:
     p.add_argument("--max_records", type=int, default=0, help="the first N conversations (0: all)")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--step_loss", default="kl", help="train_ours: objective.step_loss (train.loss.STEP_LOSSES)")
+    p.add_argument("--variant", default="", help=f"train_ours: one change to our run ({', '.join(VARIANTS)})")
     p.add_argument("--checkpoint_every", type=float, default=0.1, help="reference: a fraction of its epoch")
     p.add_argument("--prompts", default="mtbench", help="vllm_prompts: a decode_bench prompt source")
     p.add_argument("--n_per_category", type=int, default=3, help="vllm_prompts: as decode_bench's")
@@ -446,7 +460,7 @@ def main(argv=None) -> int:
     elif a.stage == "train_ref":
         return train_reference(a.out, a.steps, a.threads, a.checkpoint_every)
     elif a.stage == "train_ours":
-        return train_ours(a.out, a.steps, a.step_loss)
+        return train_ours(a.out, a.steps, a.variant)
     elif a.stage == "vllm_prompts":
         print(vllm_prompts(a.out, a.prompts, a.n_per_category))
     elif a.stage == "vllm_compare":

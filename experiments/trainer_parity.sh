@@ -8,7 +8,7 @@
 # PARITY_OUT (runs/parity), PARITY_RECORDS (2000 conversations of releases/data/sharegpt_smollm2: ~0.95 M
 # tokens), PARITY_STEPS (110 steps of 8192 tokens: under one pass of the reference's packed epoch, which it
 # must not cross: its max_steps is not checked between epochs), PARITY_STAGES (prepare,hidden,ours,ref,eval),
-# PARITY_OBJECTIVES (more runs of ours with another objective.step_loss, e.g. lk,ce; none by default),
+# PARITY_VARIANTS (more runs of ours, one change each: trainer_parity.VARIANTS, e.g. muon,decay1,lk; none by default),
 # PARITY_THREADS (2: torch threads of the hidden-state pass).
 # The two trainers run one after the other (two cores): ours online (~52 s a step here), the reference on
 # stored hidden states (hidden: ~30 rows a minute a core, ~17 GB of float32 for the default rows).
@@ -18,7 +18,7 @@ OUT=${PARITY_OUT:-runs/parity}
 RECORDS=${PARITY_RECORDS:-2000}
 STEPS=${PARITY_STEPS:-110}
 STAGES=${PARITY_STAGES:-prepare,hidden,ours,ref,eval}
-PARITY_OBJECTIVES=${PARITY_OBJECTIVES:-}
+PARITY_VARIANTS=${PARITY_VARIANTS:-}
 N_PER_CATEGORY=${PARITY_N_PER_CATEGORY:-3}
 PY=${PYTHON:-python}
 mkdir -p "$OUT/logs"
@@ -37,13 +37,13 @@ if has ours && [ ! -d "$OUT/ours/checkpoints/$STEPS" ]; then
     stamp "ours: $STEPS steps (resumes)"
     nice -n 10 $PY -m experiments.trainer_parity train_ours --out "$OUT" --steps "$STEPS" >> "$OUT/logs/ours.log" 2>&1
 fi
-# the recipe comparison (PARITY_OBJECTIVES, e.g. lk,ce): our run again with another objective.step_loss,
-# everything else equal (same rows, steps, schedule): benched beside ours by the eval stage
-for loss in ${PARITY_OBJECTIVES//,/ }; do
-    if [ ! -d "$OUT/ours_$loss/checkpoints/$STEPS" ]; then
-        stamp "ours with step_loss=$loss: $STEPS steps (resumes)"
-        nice -n 10 $PY -m experiments.trainer_parity train_ours --out "$OUT" --steps "$STEPS" --step_loss "$loss" \
-            >> "$OUT/logs/ours_$loss.log" 2>&1
+# the recipe comparison (PARITY_VARIANTS): our run again with one change, everything else equal (same rows,
+# steps, schedule): benched beside ours by the eval stage
+for v in ${PARITY_VARIANTS//,/ }; do
+    if [ ! -d "$OUT/ours_$v/checkpoints/$STEPS" ]; then
+        stamp "ours_$v: $STEPS steps (resumes)"
+        nice -n 10 $PY -m experiments.trainer_parity train_ours --out "$OUT" --steps "$STEPS" --variant "$v" \
+            >> "$OUT/logs/ours_$v.log" 2>&1
     fi
 done
 if has ref; then
@@ -62,7 +62,7 @@ if has eval; then
     fi
     mkdir -p "$OUT/bench"
     heads="ours reference"
-    for loss in ${PARITY_OBJECTIVES//,/ }; do heads="$heads ours_$loss"; done
+    for v in ${PARITY_VARIANTS//,/ }; do heads="$heads ours_$v"; done
     for head in $heads; do
         dir="$OUT/heads/ours"; [ "$head" = reference ] && dir="$OUT/reference/checkpoints/0"
         [[ "$head" == ours_* ]] && dir="$OUT/$head"
@@ -106,6 +106,6 @@ if has eval; then
         done
     }
     bench_compare ours reference ""
-    for loss in ${PARITY_OBJECTIVES//,/ }; do bench_compare "ours_$loss" ours "${loss}_"; done
+    for v in ${PARITY_VARIANTS//,/ }; do bench_compare "ours_$v" ours "${v}_"; done
 fi
 stamp done

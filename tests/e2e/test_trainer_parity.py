@@ -176,3 +176,17 @@ def test_vllm_counters_pair_by_question(tmp_path):
     assert lo <= a["tau"] / b["tau"] <= hi
     with pytest.raises(ValueError, match="--per_prompt"):
         tp.vllm_questions({"drafts": 3}, ids)
+
+
+def test_a_variant_changes_one_thing():
+    """Each ablation is our run's flags plus its own, in its own workdir, and sets nothing the equal settings
+    set (a variant changes one difference from the reference, never the shared recipe)."""
+    base = tp.our_flags("/o", "asset:t", "d", 10)
+    set_by_base = {f.split("=")[0] for f in base if f.startswith("--config.")}
+    for name, extra in tp.VARIANTS.items():
+        assert not {f.split("=")[0] for f in extra} & set_by_base, name
+        flags = tp.our_flags("/o", "asset:t", "d", 10, variant=name)
+        assert flags[flags.index("--workdir") + 1] == f"/o/ours_{name}"
+        assert [f for f in flags if f not in base and not f.startswith("/o/")] == extra
+    with pytest.raises(ValueError, match="variant"):
+        tp.our_flags("/o", "asset:t", "d", 10, variant="nope")
