@@ -43,6 +43,8 @@ import sys
 
 import numpy as np
 
+from experiments.speculators_cpu import PATCHES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 log = logging.getLogger("trainer_parity")
 
@@ -413,19 +415,12 @@ def settings(out: str) -> dict:
     from importlib.metadata import version
 
     info = {"reference": {"trainer": "speculators", "version": version("speculators"),
-                          "entry": "experiments/speculators_cpu.py", "patches": list(_patches())},
+                          "entry": "experiments/speculators_cpu.py", "patches": list(PATCHES)},
             "equal": EQUAL, "different": {k: {"ours": v[0], "speculators": v[1]} for k, v in DIFFERENT.items()}}
     if os.path.exists(os.path.join(out, "prepare.json")):
         with open(os.path.join(out, "prepare.json")) as f:
             info["prepare"] = json.load(f)
     return info
-
-
-def _patches():
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    from speculators_cpu import PATCHES
-
-    return PATCHES
 
 
 def main(argv=None) -> int:

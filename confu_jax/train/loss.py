@@ -306,7 +306,7 @@ STEP_LOSSES = {
 }
 
 
-def _step_kl(spec: ModelSpec, draft_params: dict, hidden_bnd: jax.Array, teacher_logp_bnv: jax.Array,
+def _step_loss(spec: ModelSpec, draft_params: dict, hidden_bnd: jax.Array, teacher_logp_bnv: jax.Array,
              step_loss: str = "kl"):
     """(the step loss [B,N] — KL(p_teacher ‖ p_draft) by default, :data:`STEP_LOSSES` — and the draft
     argmax [B,N]) for one TTT step."""
@@ -363,7 +363,7 @@ def _head_kl_scan(spec: ModelSpec, draft_params: dict, hidden_rbmd: jax.Array, t
 
     def one(dp, h_bkd, idx_bk):
         t_bkv = jnp.take_along_axis(t_pad, idx_bk[..., None], axis=1)
-        return _step_kl(spec, dp, pin_rows(h_bkd), t_bkv, cfg.step_loss)
+        return _step_loss(spec, dp, pin_rows(h_bkd), t_bkv, cfg.step_loss)
 
     if cfg.remat:  # keeps h per chunk, not [B, chunk, V_draft] logits
         one = jax.checkpoint(one)

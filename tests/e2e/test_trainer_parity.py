@@ -11,12 +11,10 @@ import sys
 import numpy as np
 import pytest
 
+from experiments import trainer_parity as tp
 from tests.helpers.tiny_checkpoints import hf_llama, write_hf_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
-from experiments import trainer_parity as tp  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -107,8 +105,7 @@ def test_speculators_trains_on_cpu_resumes_and_its_head_binds_to_our_target(prep
     out, model, _, _ = prepared
     tp.write_hidden_states(out, threads=1)
     run = dict(steps=6, threads=1, checkpoint_every=0.2, tokens_per_step=512)  # ~14 steps an epoch: saves at 3
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    from speculators_cpu import KILL_AFTER_SAVES
+    from experiments.speculators_cpu import KILL_AFTER_SAVES
 
     def state(ckpts):
         with open(os.path.join(ckpts, "0", "training_state.json")) as f:
