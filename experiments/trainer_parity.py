@@ -411,6 +411,108 @@ def training_record(out: str, which: str) -> str:
     return path
 
 
+def reference_heldout(out: str) -> dict:
+    """The reference trainer's last held-out evaluation (its ``val/`` line in ``reference/train.log``): KL and
+    accuracies per TTT step."""
+    import re
+
+    line = None
+    with open(os.path.join(out, "reference", "train.log"), errors="replace") as f:
+        for text in f:
+            if "val/loss_0_epoch=" in text:
+                line = text
+    if line is None:
+        raise ValueError(f"{out}/reference/train.log: no validation line (val/loss_0_epoch=...): did it finish?")
+    vals = {k: float(v) for k, v in re.findall(r"val/(\w+?)_epoch=([-\d.eE+]+)", line)}
+    steps = range(EQUAL["ttt_steps"])
+    return {"kl": [vals[f"loss_{s}"] for s in steps], "acc": [vals[f"full_acc_{s}"] for s in steps],
+            "cond_acc": [vals[f"cond_acc_{s}"] for s in steps]}
+
+
+def ours_heldout(workdir: str) -> dict:
+    """Our run's last held-out evaluation (``eval.csv``): KL, accuracy and conditional accuracy per TTT step."""
+    import csv
+
+    with open(os.path.join(workdir, "eval.csv")) as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError(f"{workdir}/eval.csv: no evaluation row")
+    last = rows[-1]
+    steps = range(EQUAL["ttt_steps"])
+    return {"step": int(last["step"]), "kl": [float(last[f"loss/step{s}"]) for s in steps],
+            "acc": [float(last[f"acc/step{s}"]) for s in steps],
+            "cond_acc": [float(last[f"cond_acc/step{s}"]) for s in steps]}
+
+
+def conditional_acceptance(accepted_per_pos: list, drafts: int) -> list:
+    """vLLM's accepted counts per draft position as our loop's ``acceptance_rate_per_depth``: P(depth k accepted |
+    depth k-1 was) — in a chain a position is accepted only after all before it, so count_k / count_{k-1}, with
+    the draft rounds as count_0."""
+    before = [drafts] + list(accepted_per_pos[:-1])
+    return [a / b if b else float("nan") for a, b in zip(accepted_per_pos, before)]
+
+
+def report(out: str, variants: tuple = (), prompts: tuple = ("mtbench", "grounded"), temperatures: tuple = (0, 1),
+           budget: str = "chain:3") -> dict:
+    """Everything the parity runs measured, in one record (``docs/results/trainer_parity.json``): the trainers
+    and settings; each head's held-out evaluation; per prompt set and temperature, each head's τ with its
+    interval and acceptance per depth in our loop, the paired comparisons (our loop and vLLM's CPU build);
+    the variants against our default. A missing measurement is an error naming the file."""
+    from confu_jax.bench.compare import find_row
+
+    def load(path):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: not measured yet (experiments/trainer_parity.sh, stage eval)")
+        with open(path) as f:
+            return json.load(f)
+
+    heads = ["ours", "reference"] + [f"ours_{v}" for v in variants]
+    rec = {"settings": settings(out), "heldout": {"reference": reference_heldout(out), "ours": ours_heldout(
+        os.path.join(out, "ours"))}, "our_loop": {}, "vllm": {}, "variants": {}}
+    for v in variants:
+        rec["heldout"][f"ours_{v}"] = ours_heldout(os.path.join(out, f"ours_{v}"))
+    for p in prompts:
+        for t in temperatures:
+            key = f"{p}_T{t}"
+            cell = {}
+            for h in heads:
+                path = os.path.join(out, "bench", f"{h}_{p}.json")
+                load(path)
+                row = find_row(path, "eagle3", float(t), budget)
+                cell[h] = {k: row.get(k) for k in ("tau", "tau_ci", "acceptance_rate_per_depth", "n_questions",
+                                                   "accept_length_histogram")}
+            cell["ours_vs_reference"] = load(os.path.join(out, "bench", f"compare_{p}_T{t}.json"))
+            rec["our_loop"][key] = cell
+            rec["vllm"][key] = load(os.path.join(out, "vllm", f"compare_{p}_T{t}.json"))
+            for v in variants:
+                rec["variants"].setdefault(v, {})[key] = load(os.path.join(out, "bench",
+                                                                           f"compare_{v}_{p}_T{t}.json"))
+    return rec
+
+
+def report_table(rec: dict) -> str:
+    """The record as a markdown table: τ [interval] per head and the paired ratio, our loop and vLLM."""
+    lines = ["| set | T | engine | ours τ | speculators τ | ratio ours / speculators | acceptance by depth (ours; "
+             "speculators) |", "|---|---|---|---|---|---|---|"]
+
+    def ci(x):
+        return f"[{x[0]:.3f}, {x[1]:.3f}]"
+
+    for key, cell in rec["our_loop"].items():
+        p, t = key.rsplit("_T", 1)
+        for engine, c in (("our loop", cell["ours_vs_reference"]), ("vLLM CPU", rec["vllm"][key])):
+            tau, r = c["tau"], c["tau_ratio"]
+            if engine == "our loop":
+                depth = "; ".join(" / ".join(f"{a:.2f}" for a in (cell[h]["acceptance_rate_per_depth"] or []))
+                                  for h in ("ours", "reference"))
+            else:
+                depth = "; ".join(" / ".join(f"{a:.2f}" for a in conditional_acceptance(
+                    c["accepted_per_pos"][h], c["drafts"][h])) for h in ("row", "reference"))
+            lines.append(f"| {p} | {t} | {engine} | {tau['row']:.3f} {ci(tau['row_ci'])} | {tau['reference']:.3f} "
+                         f"{ci(tau['reference_ci'])} | {r['ratio']:.3f} {ci(r['ci'])} | {depth} |")
+    return "\n".join(lines)
+
+
 def settings(out: str) -> dict:
     from importlib.metadata import version
 
@@ -426,7 +528,7 @@ def settings(out: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("stage", choices=("prepare", "hidden", "train_ref", "train_ours", "settings", "vllm_prompts",
-                                     "vllm_compare", "training_record"))
+                                     "vllm_compare", "training_record", "report"))
     p.add_argument("--which", default="reference", choices=("reference", "ours"), help="training_record: whose")
     p.add_argument("--out", required=True)
     p.add_argument("--target", default="asset:smollm2-135m-instruct")
@@ -444,7 +546,8 @@ def main(argv=None) -> int:
     p.add_argument("--row", help="vllm_compare: a vllm_cpu.py --per_prompt result")
     p.add_argument("--reference", help="vllm_compare: the result it is compared with")
     p.add_argument("--ids", help="vllm_compare: the prompts' question ids (vllm_prompts' .ids.json)")
-    p.add_argument("--json_out", default="", help="vllm_compare: also write the comparison here")
+    p.add_argument("--json_out", default="", help="vllm_compare, report: also write the record here")
+    p.add_argument("--variants", default="", help="report: the variants benched (comma-separated)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if a.stage == "prepare":
@@ -466,6 +569,12 @@ def main(argv=None) -> int:
         print(json.dumps({k: result[k] for k in ("n_questions", "tau", "tau_ratio")}, indent=1))
     elif a.stage == "training_record":
         print(training_record(a.out, a.which))
+    elif a.stage == "report":
+        rec = report(a.out, tuple(v for v in a.variants.split(",") if v))
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(rec, f, indent=1)
+        print(report_table(rec))
     else:
         print(json.dumps(settings(a.out), indent=1))
     return 0

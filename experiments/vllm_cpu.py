@@ -106,6 +106,7 @@ def main(argv=None) -> int:
         return 2
     with open(args.prompts) as f:
         prompts = json.load(f)
+    patches = [x for x in (patch_cpu_expand(),) if x]  # before the engine: its worker registers the kernels
     kw = {}
     if args.spec_method:
         kw["speculative_config"] = {"method": args.spec_method, "model": args.spec_model,
@@ -136,9 +137,45 @@ def main(argv=None) -> int:
     _write_result(args.out, tokens, total["drafts"], total["accepted"], total["draft_tokens"], seconds,
                   vllm_version=vllm.__version__, speculative_config=kw.get("speculative_config"),
                   temperature=args.temperature, seed=args.seed, accepted_per_pos=total["accepted_per_pos"],
+                  patches=patches,
                   **({"per_prompt": [dict(p, generated_tokens=len(t)) for p, t in zip(per_prompt, tokens)]}
                      if args.per_prompt else {}))
     return 0
+
+
+def patch_cpu_expand() -> str | None:
+    """Fix vLLM 0.32.0's CPU stand-in for the rejection sampler's ``expand_kernel`` where it is broken ->
+    the patch's description, or None when the installed vLLM needs none (checked on a tiny float tensor).
+
+    Why: without Triton, vLLM's CPU build runs ``vllm.utils.cpu_triton_utils._expand_kernel_impl``, which passes
+    the output through ``_ensure_int64``: for a float32 buffer that is a new int64 tensor, which the C++ kernel
+    fills and nobody copies back. ``expand_batch_to_tokens`` allocates that buffer with ``new_empty`` for the
+    per-token temperature (and top-p / top-k), so every sampled (T > 0) speculative step divides the target's
+    logits by uninitialised memory: acceptance falls to ~0 and the output is not the target's distribution
+    (measured here: the same EAGLE-3 head accepts 21 % of depth-1 drafts at T = 0 and 0 % at T = 0.01).
+    Upstream: vllm-project/vllm#55005, fix proposed in #55006; this is that fix's semantics (the Triton
+    kernel's): each row's value repeated over its tokens, ``replace_from`` -> ``replace_to`` at the input's
+    dtype, stored at the output's. Must run before the engine starts (its worker registers the CPU kernels)."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils as cpu_tl
+
+    current_platform.import_kernels()  # this CPU's build of the C++ ops (AVX2 / AVX-512 / AVX-512 bf16)
+    probe = torch.full((2,), -1.0)
+    cpu_tl._expand_kernel_impl(probe, torch.tensor([0.5]), torch.tensor([2], dtype=torch.int32), 0, 1)
+    if torch.equal(probe, torch.tensor([0.5, 0.5])):
+        return None
+
+    def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+        cu = cu_num_tokens.to(torch.int64)
+        counts = torch.diff(cu, prepend=cu.new_zeros(1))
+        vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+        expanded = torch.repeat_interleave(vals, counts)
+        output[:expanded.numel()] = expanded.to(output.dtype)
+
+    cpu_tl._expand_kernel_impl = expand_kernel_impl
+    return ("vllm.utils.cpu_triton_utils._expand_kernel_impl: writes the caller's float/int32 buffer (per-token "
+            "temperature, top-p, top-k) instead of an int64 copy nobody reads (vllm-project/vllm#55005)")
 
 
 def _counters(metrics) -> dict:

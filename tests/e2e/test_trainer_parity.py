@@ -175,6 +175,18 @@ def test_vllm_counters_pair_by_question(tmp_path):
         tp.vllm_questions({"drafts": 3}, ids)
 
 
+def test_vllm_position_counts_give_our_conditional_depth_rates():
+    """vLLM counts accepted tokens per draft position; in a chain, count_k / count_{k-1} is our loop's
+    acceptance rate at depth k (metrics.depth_acceptance_rates on the same passes)."""
+    from confu_jax.bench.metrics import GenerationLog, depth_acceptance_rates
+
+    lengths = np.random.default_rng(1).choice(4, size=500, p=[0.5, 0.25, 0.15, 0.1]) + 1  # emitted per pass
+    per_pos = [int((lengths - 1 >= k).sum()) for k in (1, 2, 3)]
+    log = GenerationLog(question_id="q", category="c", accept_lengths=tuple(lengths), new_tokens=int(lengths.sum()),
+                        wall_s=1.0)
+    np.testing.assert_allclose(tp.conditional_acceptance(per_pos, len(lengths)), depth_acceptance_rates([log], 3))
+
+
 def test_a_variant_changes_one_thing():
     """Each ablation is our run's flags plus its own, in its own workdir, and sets nothing the equal settings
     set (a variant changes one difference from the reference, never the shared recipe)."""

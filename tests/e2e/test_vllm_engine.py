@@ -204,3 +204,33 @@ def test_a_vllm_outside_the_pinned_release_is_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "vLLM 0.31.1 is installed; expected one of ('0.32.0',)" in lines[0], lines
     assert not (tmp_path / "x.json").exists()
+
+
+def test_sampled_requests_get_their_temperature_on_vllms_cpu_build():
+    """vLLM 0.32.0's CPU stand-in for the rejection sampler's ``expand_kernel`` fills an int64 copy of the
+    per-token temperature / top-p / top-k buffer and leaves the real one uninitialised (vllm-project/vllm#55005):
+    every sampled speculative step divides by garbage. The runner's patch (``vllm_cpu.patch_cpu_expand``, run in
+    vLLM's environment) must expand each row's value over its tokens, with the greedy sentinel replaced, at the
+    buffer's dtype: the Triton kernel's semantics, checked against torch.repeat_interleave."""
+    code = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from vllm_cpu import patch_cpu_expand
+from vllm.utils import cpu_triton_utils as cpu_tl
+patch_cpu_expand()
+cu = torch.tensor([2, 2, 5, 6], dtype=torch.int32)  # 4 requests drafting 2, 0, 3 and 1 tokens
+out = {}
+for name, dtype, x in (("temperature", torch.float32, [0.7, 1.3, 0.0, 0.25]), ("top_k", torch.int32, [5, 0, 40, 7]),
+                       ("ids", torch.int64, [3, 9, 0, 1])):
+    x = torch.tensor(x, dtype=dtype)
+    buf = torch.full((6,), 77, dtype=dtype)  # as new_empty might hold
+    cpu_tl._expand_kernel_impl(buf, x, cu, 0, 1)
+    want = torch.repeat_interleave(torch.where(x == 0, torch.ones_like(x), x), torch.tensor([2, 0, 3, 1]))
+    out[name] = [buf.tolist(), want.tolist()]
+print(json.dumps(out))
+"""
+    proc = subprocess.run([str(vllm_python()), "-c", code, str(ROOT / "experiments")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, (got, want) in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
