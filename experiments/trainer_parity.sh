@@ -55,10 +55,11 @@ if has ref; then
     fi
 fi
 if has eval; then
-    # ours exported in speculators' layout (what vLLM serves); the reference wrote that layout itself
+    # ours exported in speculators' layout (what vLLM serves) in bf16, as released; the reference wrote that
+    # layout itself, in bf16
     if [ ! -f "$OUT/heads/ours/model.safetensors" ]; then
         $PY -m launch.export_head --workdir "$OUT/ours" --format speculators --out "$OUT/heads/ours" \
-            --verifier "$OUT/target" > "$OUT/logs/export.log" 2>&1
+            --verifier "$OUT/target" --dtype bfloat16 > "$OUT/logs/export.log" 2>&1
     fi
     mkdir -p "$OUT/bench"
     heads="ours reference"
@@ -107,5 +108,8 @@ if has eval; then
     }
     bench_compare ours reference ""
     for v in ${PARITY_VARIANTS//,/ }; do bench_compare "ours_$v" ours "${v}_"; done
+    # every figure in one record (docs/results/trainer_parity.json) and the table
+    $PY -m experiments.trainer_parity report --out "$OUT" --variants "$PARITY_VARIANTS" \
+        --json_out "$OUT/trainer_parity.json" | tee "$OUT/logs/report.log"
 fi
 stamp done
