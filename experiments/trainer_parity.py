@@ -444,6 +444,26 @@ def ours_heldout(workdir: str) -> dict:
             "cond_acc": [float(last[f"cond_acc/step{s}"]) for s in steps]}
 
 
+def trained_tokens(out: str, which: str) -> dict:
+    """Real (non-padding) tokens each trainer trained on, against its token slots: the reference's from its
+    per-step profile (tokens/s x step time), ours from throughput.csv (real tokens/s x step time). Equal slots a
+    step, so the ratio is each packer's fill."""
+    import csv
+    import re
+
+    if which == "reference":
+        with open(os.path.join(out, "reference", "train.log"), errors="replace") as f:
+            pairs = re.findall(r"profile/step_ms=([\d.eE+-]+), profile/tokens_per_s=([\d.eE+-]+)", f.read())
+        real = [float(ms) / 1000 * float(tps) for ms, tps in pairs]
+    else:
+        with open(os.path.join(out, which, "throughput.csv")) as f:
+            real = [float(r["throughput/real_tokens_per_s"]) * float(r["throughput/step_s"]) for r in csv.DictReader(f)]
+    if not real:
+        raise ValueError(f"{out}: no per-step token counts for {which}")
+    return {"steps_counted": len(real), "real_tokens": round(sum(real)),
+            "fill": sum(real) / (len(real) * EQUAL["tokens_per_step"])}
+
+
 def conditional_acceptance(accepted_per_pos: list, drafts: int) -> list:
     """vLLM's accepted counts per draft position as our loop's ``acceptance_rate_per_depth``: P(depth k accepted |
     depth k-1 was) — in a chain a position is accepted only after all before it, so count_k / count_{k-1}, with
@@ -469,8 +489,10 @@ def report(out: str, variants: tuple = (), prompts: tuple = ("mtbench", "grounde
     heads = ["ours", "reference"] + [f"ours_{v}" for v in variants]
     rec = {"settings": settings(out), "heldout": {"reference": reference_heldout(out), "ours": ours_heldout(
         os.path.join(out, "ours"))}, "our_loop": {}, "vllm": {}, "variants": {}}
+    rec["tokens"] = {"reference": trained_tokens(out, "reference"), "ours": trained_tokens(out, "ours")}
     for v in variants:
         rec["heldout"][f"ours_{v}"] = ours_heldout(os.path.join(out, f"ours_{v}"))
+        rec["tokens"][f"ours_{v}"] = trained_tokens(out, f"ours_{v}")
     for p in prompts:
         for t in temperatures:
             key = f"{p}_T{t}"

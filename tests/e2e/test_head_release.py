@@ -278,3 +278,24 @@ def test_a_damaged_manifest_never_turns_the_hash_check_off(damage, tmp_path):
         hr.is_head_release(str(copy)) and hr.verify_head_release(str(copy))
     with pytest.raises(hr.HeadReleaseError, match=says):
         init_params_from(str(copy), params={})
+
+
+@pytest.mark.parametrize("name,trainer", [("smollm2_eagle3_parity_ours", "confu_jax"),
+                                          ("smollm2_eagle3_parity_speculators", "speculators")])
+def test_the_trainer_parity_heads_verify_and_bind_to_smollm2(name, trainer):
+    """Both parity heads (docs/RESULTS.md "Trainer parity") as shipped: hashes and target fingerprint checked,
+    the manifest naming the trainer and both settings lists, and the weights bound to SmolLM2 as EAGLE-3 heads
+    over the 4,096-token draft vocabulary they were trained with."""
+    from confu_jax.decode.families import decode_head
+    from confu_jax.weights import load_model
+
+    release = os.path.join(ROOT, "releases", "heads", name)
+    m = hr.verify_head_release(release)
+    assert m["training"]["trainer"] == trainer and m["training"]["step"] == 110
+    assert set(m["training"]["equal"]) >= {"max_length", "tokens_per_step", "draft_vocab_size", "ttt_steps", "lr"}
+    assert "packing" in m["training"]["different"] and m["training"]["equal"]["tokens_per_step"] == 8192
+    if trainer == "speculators":
+        assert m["training"]["version"] == "0.9.0" and len(m["training"]["patches"]) == 4
+    cfg, params = load_model("smollm2-135m-instruct")
+    head = decode_head("eagle3", cfg, params, release)
+    assert head.spec.head.draft_vocab_size == 4096 and head.spec.taps == (2, 15, 27)
