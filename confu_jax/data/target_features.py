@@ -298,11 +298,12 @@ class UnpaddedRows:
 
 def feature_dataset(store: FeatureStore, *, per_host_batch_size: int, process_index: int = 0,
                     process_count: int = 1, seed: int = 0, shuffle: bool = True,
-                    rows: Optional[range] = None, pack: bool = False, pack_bins: int = 0):
+                    rows: Optional[range] = None, pack: bool = False, pack_bins: int = 0, pack_length: int = 0):
     """The grain graph over a store: shuffle (seeded), repeat, host slice, [pack,] batch — the same
     shape as ``data.pipeline.make_dataset``, so its iterator state checkpoints the same way.
 
-    ``pack``: several stored conversations per row of ``max_length`` (grain's first-fit packer,
+    ``pack``: several stored conversations per row of ``pack_length`` (0: the store's ``max_length``; grain's
+    first-fit packer,
     ``pack_bins`` rows in flight, 0 = the batch size), every stored feature packed with its tokens,
     plus ``segment_ids`` and ``positions``. A conversation's features were computed on it alone,
     which is what the target computes for it inside a packed row (attention within its segment,
@@ -318,6 +319,7 @@ def feature_dataset(store: FeatureStore, *, per_host_batch_size: int, process_in
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(None)[process_index::process_count].to_iter_dataset()
     if pack:
-        ds = pipeline.pack_rows(ds, store.max_length, pack_bins or per_host_batch_size,
+        ds = pipeline.pack_rows(ds, pipeline.check_pack_length(pack_length, store.max_length),
+                                pack_bins or per_host_batch_size,
                                 extra_keys=ROW_KEYS[2:] + ("record_index",))
     return ds.batch(per_host_batch_size, drop_remainder=True)

@@ -200,7 +200,8 @@ def offline_data(config, spec: ModelSpec, fingerprint: str):
     def train_iterator(pidx, pcount):
         ds = tf.feature_dataset(store, per_host_batch_size=g // pcount, process_index=pidx, process_count=pcount,
                                 seed=int(config.train.seed), shuffle=bool(config.data.shuffle),
-                                rows=range(0, n_train), pack=pack, pack_bins=int(config.data.get("pack_bins", 0)))
+                                rows=range(0, n_train), pack=pack, pack_bins=int(config.data.get("pack_bins", 0)),
+                                pack_length=int(config.data.get("pack_length", 0)))
         return iter(ds)
 
     def eval_batches(pidx, pcount):

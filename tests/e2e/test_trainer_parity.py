@@ -189,13 +189,17 @@ def test_vllm_position_counts_give_our_conditional_depth_rates():
 
 def test_a_variant_changes_one_thing():
     """Each ablation is our run's flags plus its own, in its own workdir, and sets nothing the equal settings
-    set (a variant changes one difference from the reference, never the shared recipe)."""
+    set (a variant changes one difference from the reference, never the shared recipe); a variant with longer
+    packed rows takes fewer of them, the token slots a step unchanged."""
     base = tp.our_flags("/o", "asset:t", "d", 10)
     set_by_base = {f.split("=")[0] for f in base if f.startswith("--config.")}
     for name, extra in tp.VARIANTS.items():
         assert not {f.split("=")[0] for f in extra} & set_by_base, name
         flags = tp.our_flags("/o", "asset:t", "d", 10, variant=name)
         assert flags[flags.index("--workdir") + 1] == f"/o/ours_{name}"
-        assert [f for f in flags if f not in base and not f.startswith("/o/")] == extra
+        rows = [f for f in flags if f.startswith("--config.data.global_batch_size=")]
+        row_length = tp.ROW_LENGTH.get(name, tp.EQUAL["max_length"])
+        assert rows == [f"--config.data.global_batch_size={tp.EQUAL['tokens_per_step'] // row_length}"], name
+        assert [f for f in flags if f not in base and not f.startswith("/o/") and f not in rows] == extra
     with pytest.raises(ValueError, match="variant"):
         tp.our_flags("/o", "asset:t", "d", 10, variant="nope")

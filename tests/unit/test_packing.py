@@ -159,9 +159,12 @@ def test_cache_start_blockwise_equals_reference():
 # ----------------------------------------------------------------------------- the grain packer
 
 
-def test_pipeline_packs_every_conversation_intact():
+@pytest.mark.parametrize("pack_length", [0, 64])
+def test_pipeline_packs_every_conversation_intact(pack_length):
     """One epoch of packed rows holds each usable conversation exactly once, unchanged, as one
-    segment (positions from 0, attention mask = segment > 0), and the iterator state restores."""
+    segment (positions from 0, attention mask = segment > 0), and the iterator state restores.
+    ``data.pack_length``: rows of that length, each conversation still truncated to max_length, and fewer
+    rows for the same conversations; a row shorter than max_length is refused."""
     from confu_jax.data import pipeline
     from tests.helpers.fake_chat import FakeChatTokenizer
     from tests.helpers.pipeline_fixtures import MAX_LEN, conversations as _conversations, data_cfg as _cfg
@@ -171,10 +174,12 @@ def test_pipeline_packs_every_conversation_intact():
     want = sorted(tuple(r["tokens"].tolist()) + tuple(r["loss_mask"].tolist())
                   for r in (pipeline.encode_example(c["messages"], tok, MAX_LEN, pad=False) for c in convs)
                   if r is not None)
-    cfg = _cfg(pack=True, pack_bins=3, shuffle=False, num_epochs=1, global_batch_size=1)  # no remainder dropped
+    cfg = _cfg(pack=True, pack_bins=3, shuffle=False, num_epochs=1, global_batch_size=1,  # no remainder dropped
+               pack_length=pack_length)
     rows, got = 0, []
     for batch in pipeline.make_train_iterator(cfg, tok, conversations=convs):
         assert set(batch) == set(pipeline.PACKED_KEYS) | {"record_index"}
+        assert batch["tokens"].shape[1] == (pack_length or MAX_LEN)
         for b in range(batch["tokens"].shape[0]):
             seg, pos = batch["segment_ids"][b], batch["positions"][b]
             np.testing.assert_array_equal(batch["attention_mask"][b], seg > 0)
@@ -192,6 +197,13 @@ def test_pipeline_packs_every_conversation_intact():
             rows += 1
     assert sorted(got) == want
     assert rows < len(want), "packing put no two conversations in one row"
+    if pack_length:
+        one_length = sum(1 for _ in pipeline.make_train_iterator(_cfg(pack=True, pack_bins=3, shuffle=False,
+                                                                       num_epochs=1, global_batch_size=1), tok,
+                                                                  conversations=convs))
+        assert rows < one_length, (rows, one_length)
+        with pytest.raises(ValueError, match="pack_length=16: expected 0"):
+            pipeline.make_train_iterator(_cfg(pack=True, pack_length=16), tok, conversations=convs)
 
     it = pipeline.make_train_iterator(_cfg(pack=True, seed=1), tok, conversations=convs)
     next(it)
