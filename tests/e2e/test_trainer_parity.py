@@ -203,3 +203,73 @@ def test_a_variant_changes_one_thing():
         assert [f for f in flags if f not in base and not f.startswith("/o/") and f not in rows] == extra
     with pytest.raises(ValueError, match="variant"):
         tp.our_flags("/o", "asset:t", "d", 10, variant="nope")
+
+
+def test_the_report_gathers_every_measurement(tmp_path):
+    """``report`` on a run directory written the way the stages write it: each head's τ and interval come from
+    its bench row, the paired comparisons are the stored files, each trainer's held-out figures are its own
+    evaluation's last, the token fill is real tokens over slots; the table shows vLLM's depth rates as our
+    conditional ones; a measurement not taken yet is named."""
+    from confu_jax.bench.compare import compare
+
+    out = tmp_path / "run"
+    rng = np.random.default_rng(2)
+    (out / "reference").mkdir(parents=True)
+    (out / "ours").mkdir()
+    (out / "reference" / "train.log").write_text(
+        "".join(f"profile/step_ms={ms:.1f}, profile/tokens_per_s={tps:.1f}, epoch=0\n" for ms, tps in
+                ((2000.0, 4000.0), (4000.0, 2000.0)))  # 8000 real tokens a step
+        + "INFO val/loss_0_epoch=3.5, val/full_acc_0_epoch=0.3, val/cond_acc_0_epoch=0.3, val/loss_1_epoch=4.0, "
+          "val/full_acc_1_epoch=0.1, val/cond_acc_1_epoch=0.25, val/loss_2_epoch=4.25, val/full_acc_2_epoch=0.02, "
+          "val/cond_acc_2_epoch=0.2, val/loss_epoch=11.75, epoch=0\n")
+    cols = [f"{m}/step{s}" for m in ("loss", "acc", "cond_acc") for s in range(3)]
+    (out / "ours" / "eval.csv").write_text("step," + ",".join(cols) + "\n" + "".join(
+        f"{st}," + ",".join(str(st / 100 + i) for i in range(9)) + "\n" for st in (5, 10)))
+    (out / "ours" / "throughput.csv").write_text("step,throughput/real_tokens_per_s,throughput/step_s,"
+                                                 "throughput/tokens_per_s\n1,3072.0,2.0,4096.0\n2,1024.0,4.0,2048.0\n")
+    for d in ("bench", "vllm"):
+        (out / d).mkdir()
+    ids = [[f"q{i}", "ab"[i % 2]] for i in range(6)]
+    rows = {}
+    for p in ("mtbench", "grounded"):
+        (out / "vllm" / f"prompts_{p}.ids.json").write_text(json.dumps(ids))
+        for h in ("ours", "reference"):
+            results = []
+            for t in (0.0, 1.0):
+                qs = {q: {"category": c, "emitted": int(rng.integers(30, 60)), "passes": 25} for q, c in ids}
+                tau = sum(v["emitted"] for v in qs.values()) / sum(v["passes"] for v in qs.values())
+                row = {"method": "eagle3", "temperature": t, "budget": "chain:3", "tau": tau, "tau_ci": [tau - .1, tau + .1],
+                       "acceptance_rate_per_depth": [0.3, 0.2, 0.1], "n_questions": 6, "accept_length_histogram": [1],
+                       "questions": qs}
+                results.append(row)
+                rows[(h, p, t)] = row
+                per = [{"drafts": 20, "accepted": int(rng.integers(0, 20)), "draft_tokens": 60} for _ in ids]
+                acc = sum(x["accepted"] for x in per)
+                (out / "vllm" / f"{h}_{p}_T{int(t)}.json").write_text(json.dumps(
+                    {"per_prompt": per, "drafts": 120, "accepted": acc, "accepted_per_pos": [acc - 10, 8, 2],
+                     "tau": 1 + acc / 120}))
+            (out / "bench" / f"{h}_{p}.json").write_text(json.dumps({"results": results}))
+        for t in (0, 1):
+            (out / "bench" / f"compare_{p}_T{t}.json").write_text(json.dumps(
+                compare(rows[("ours", p, float(t))], rows[("reference", p, float(t))], n_boot=100)))
+            with pytest.raises(FileNotFoundError, match=f"compare_{p}_T{t}.json: not measured yet"):
+                tp.report(str(out))
+            c = tp.vllm_compare(str(out / "vllm" / f"ours_{p}_T{t}.json"), str(out / "vllm" / f"reference_{p}_T{t}.json"),
+                                str(out / "vllm" / f"prompts_{p}.ids.json"), n_boot=100)
+            (out / "vllm" / f"compare_{p}_T{t}.json").write_text(json.dumps(c))
+    rec = tp.report(str(out))
+    for p in ("mtbench", "grounded"):
+        for t in (0, 1):
+            for h in ("ours", "reference"):
+                assert rec["our_loop"][f"{p}_T{t}"][h]["tau"] == rows[(h, p, float(t))]["tau"]
+            assert rec["vllm"][f"{p}_T{t}"]["tau"]["row"] == pytest.approx(
+                json.loads((out / "vllm" / f"ours_{p}_T{t}.json").read_text())["tau"])
+    assert rec["heldout"]["reference"]["kl"] == [3.5, 4.0, 4.25]
+    assert rec["heldout"]["ours"]["step"] == 10 and rec["heldout"]["ours"]["kl"] == [0.1, 1.1, 2.1]
+    assert rec["tokens"]["reference"] == {"steps_counted": 2, "real_tokens": 16000, "fill": 16000 / 16384}
+    assert rec["tokens"]["ours"]["real_tokens"] == 10240
+    table = tp.report_table(rec)
+    assert table.count("| our loop |") == 4 and table.count("| vLLM CPU |") == 4
+    acc = json.loads((out / "vllm" / "ours_mtbench_T0.json").read_text())["accepted"]
+    first = tp.conditional_acceptance([acc - 10, 8, 2], 120)
+    assert " / ".join(f"{a:.2f}" for a in first) in table
