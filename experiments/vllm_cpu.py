@@ -174,6 +174,9 @@ def patch_cpu_expand() -> str | None:
         output[:expanded.numel()] = expanded.to(output.dtype)
 
     cpu_tl._expand_kernel_impl = expand_kernel_impl
+    cpu_tl._expand_kernel_impl(probe, torch.tensor([0.5]), torch.tensor([2], dtype=torch.int32), 0, 1)
+    if not torch.equal(probe, torch.tensor([0.5, 0.5])):  # the patch must give what the probe expects
+        raise RuntimeError(f"patch_cpu_expand: the patched expand_kernel gave {probe.tolist()}, expected [0.5, 0.5]")
     return ("vllm.utils.cpu_triton_utils._expand_kernel_impl: writes the caller's float/int32 buffer (per-token "
             "temperature, top-p, top-k) instead of an int64 copy nobody reads (vllm-project/vllm#55005)")
 
