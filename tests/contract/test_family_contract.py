@@ -116,5 +116,6 @@ SHARDED = [f for f in RECORDS if f != "jetspec"]
 def test_sharded_equals_single_device_for_every_family(family, target):
     rec, tgt, dp, plans = _loaded(family, target)
     tree = next((p for p in plans if not p.startswith("chain:")), plans[0])  # a tree where the family has one
-    assert_sharded_equals_single_device(tgt, dp, rec.parse(tree), PROMPTS, max_new_tokens=16)
+    # NEW, as the greedy test: its single-device program is the one compiled there (same module, same cache)
+    assert_sharded_equals_single_device(tgt, dp, rec.parse(tree), PROMPTS, max_new_tokens=NEW)
 
