@@ -485,10 +485,13 @@ def report(out: str, variants: tuple = (), prompts: tuple = ("mtbench", "grounde
     the variants against our default. A missing measurement is an error naming the file."""
     from confu_jax.bench.compare import find_row
 
-    def load(path):
+    def need(path):
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: not measured yet (experiments/trainer_parity.sh, stage eval)")
-        with open(path) as f:
+        return path
+
+    def load(path):
+        with open(need(path)) as f:
             return json.load(f)
 
     heads = ["ours", "reference"] + [f"ours_{v}" for v in variants]
@@ -503,9 +506,7 @@ def report(out: str, variants: tuple = (), prompts: tuple = ("mtbench", "grounde
             key = f"{p}_T{t}"
             cell = {}
             for h in heads:
-                path = os.path.join(out, "bench", f"{h}_{p}.json")
-                load(path)
-                row = find_row(path, "eagle3", float(t), budget)
+                row = find_row(need(os.path.join(out, "bench", f"{h}_{p}.json")), "eagle3", float(t), budget)
                 cell[h] = {k: row.get(k) for k in ("tau", "tau_ci", "acceptance_rate_per_depth", "n_questions",
                                                    "accept_length_histogram")}
             cell["ours_vs_reference"] = load(os.path.join(out, "bench", f"compare_{p}_T{t}.json"))

@@ -106,7 +106,8 @@ def main(argv=None) -> int:
         return 2
     with open(args.prompts) as f:
         prompts = json.load(f)
-    patches = [x for x in (patch_cpu_expand(),) if x]  # before the engine: its worker registers the kernels
+    patch = patch_cpu_expand()  # before the engine: its worker registers the kernels
+    patches = [patch] if patch else []
     kw = {}
     if args.spec_method:
         kw["speculative_config"] = {"method": args.spec_method, "model": args.spec_model,

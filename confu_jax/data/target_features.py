@@ -302,9 +302,8 @@ def feature_dataset(store: FeatureStore, *, per_host_batch_size: int, process_in
     """The grain graph over a store: shuffle (seeded), repeat, host slice, [pack,] batch — the same
     shape as ``data.pipeline.make_dataset``, so its iterator state checkpoints the same way.
 
-    ``pack``: several stored conversations per row of ``pack_length`` (0: the store's ``max_length``; grain's
-    first-fit packer,
-    ``pack_bins`` rows in flight, 0 = the batch size), every stored feature packed with its tokens,
+    ``pack``: several stored conversations per row of ``pack_length`` (0: the store's ``max_length``;
+    grain's first-fit packer, ``pack_bins`` rows in flight, 0 = the batch size), every stored feature packed with its tokens,
     plus ``segment_ids`` and ``positions``. A conversation's features were computed on it alone,
     which is what the target computes for it inside a packed row (attention within its segment,
     positions restarting at 0), so packing changes no trained value, only the padding skipped."""
