@@ -21,6 +21,13 @@ A head another trainer wrote (the trainer-parity reference, docs/training.md) is
 
 bound to ``--target`` first (a head for another target is refused), exported in speculators' layout (it keeps
 the head's norm placement), its ``training`` the JSON given (trainer, version, patches, settings).
+
+The weights are stored xz-packed (``model.safetensors.xz``, manifest format 2: releases/README.md); every reader
+of a release unpacks them into a cache. ``--repack`` stores an older (format 1) release that way, its content
+checked unchanged; ``--unpack`` prints a folder of the plain files for an engine that reads the folder (vLLM):
+
+    python -m launch.release_head --release releases/heads/smollm2_eagle3 --repack
+    python -m launch.release_head --release releases/heads/smollm2_eagle3 --unpack   # -> the folder vLLM serves
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ flags.DEFINE_string("data", "", "the data release(s) the head was trained on, co
                     "hashed into ours; several: a list)")
 flags.DEFINE_list("tau", [], "measured tau as METRIC=VALUE pairs (e.g. heldout_decode_chain3=1.62)")
 flags.DEFINE_bool("force", False, "replace an existing release even without a tau gain of >= 0.05")
+flags.DEFINE_bool("unpack", False, "print a folder holding the --release's files unpacked, as an engine reads "
+                  "them (vLLM: --speculative-config model=<it>), after checking its hashes; nothing is written")
+flags.DEFINE_bool("repack", False, "store the existing (format 1) --release with its weights xz-packed (format 2); "
+                  "nothing else is read or written")
 FLAGS = flags.FLAGS
 
 
@@ -56,11 +67,23 @@ def main(argv):
     import json
 
     from confu_jax.data.releases import git_commit
-    from confu_jax.runs.head_release import better_than_released, write_head_manifest
-    from confu_jax.runs.heads import load_trained_head, read_target_record
+    from confu_jax.runs.head_release import (better_than_released, pack_release_files, repack_release,
+                                             write_head_manifest)
+    from confu_jax.runs.heads import export_trainable, load_trained_head, read_target_record
     from confu_jax.weights.eagle3_formats import eagle3_part, export_head
-    from confu_jax.runs.heads import export_trainable
 
+    if FLAGS.unpack:
+        from confu_jax.runs.head_release import unpacked_release
+
+        print(unpacked_release(FLAGS.release))
+        return 0
+    if FLAGS.repack:
+        if storage.is_remote(FLAGS.release):
+            raise app.UsageError("--repack works on a local release folder")
+        m = repack_release(FLAGS.release)
+        print(f"{FLAGS.release}: format {m['format_version']}, files "
+              + ", ".join(f"{e['file']} ({e['bytes']} bytes)" for e in m["files"]))
+        return 0
     tau = {}
     for pair in FLAGS.tau:
         k, eq, v = pair.partition("=")
@@ -98,6 +121,7 @@ def main(argv):
             training.update(json.loads(storage.read_text(FLAGS.training)))
         if len(chain) > 1:
             training["lineage"] = chain
+        pack_release_files(tmp)
         write_head_manifest(tmp, name=os.path.basename(FLAGS.release.rstrip("/")),
                             files=sorted(f for f in storage.listdir(tmp) if f != "manifest.json"), data=data,
                             training=training, target={"source": record.get("source"),
@@ -132,7 +156,7 @@ def _release_external(tau: dict, data, why: str) -> int:
 
     from confu_jax.assets import strip_asset
     from confu_jax.data.releases import git_commit
-    from confu_jax.runs.head_release import write_head_manifest
+    from confu_jax.runs.head_release import pack_release_files, write_head_manifest
     from confu_jax.runs.heads import target_fingerprint
     from confu_jax.weights import load_model
     from confu_jax.weights.eagle3_formats import bind_to_target, export_head, load_head
@@ -149,6 +173,7 @@ def _release_external(tau: dict, data, why: str) -> int:
     with storage.staged_dir(FLAGS.release, replace=True) as tmp:
         export_head(tmp, "speculators", spec, trainable["draft"], vocab["d2t"], vocab["t2d"], dtype="bfloat16",
                     verifier=FLAGS.target)
+        pack_release_files(tmp)
         write_head_manifest(tmp, name=os.path.basename(FLAGS.release.rstrip("/")),
                             files=sorted(f for f in storage.listdir(tmp) if f != "manifest.json"), data=data,
                             training=dict(training, head=FLAGS.head, draft_vocab_size=spec.head.draft_vocab_size),

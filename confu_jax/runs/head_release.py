@@ -8,6 +8,12 @@ sha256 and totals), the training run (steps, tokens seen, command, commit), the 
 fingerprint and the τ it measured (held-out decode τ, MT-Bench τ). ``verify_head_release`` checks
 the hashes; ``decode.loaded`` calls it before loading any folder that holds such a manifest.
 
+Format version 2 stores the weights file xz-packed (``model.safetensors.xz``, ``weights.packed_files``:
+the repository's working tree must stay small enough to travel to a device machine); its manifest
+entry also names what it unpacks to (``unpacks_to``: file, sha256, bytes), and the check covers both.
+Readers find the packed file wherever they look for ``model.safetensors``. Version 1 (plain files)
+is still read.
+
 A release is replaced only when it improves: ``better_than_released`` wants a τ gain of at least
 ``MIN_TAU_GAIN`` (0.05) on the same metric.
 """
@@ -19,10 +25,13 @@ import os
 from typing import Optional
 
 from confu_jax import storage
+from confu_jax.weights import packed_files
 
 FORMAT = "confu_jax.head_release"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+PACKED_FILES = ("model.safetensors",)  # what a release stores xz-packed
 MIN_TAU_GAIN = 0.05
 
 
@@ -71,15 +80,17 @@ def read_head_manifest(directory: str) -> dict:
             manifest = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise HeadReleaseError(f"{path}: cannot read the head release manifest ({e})") from e
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise HeadReleaseError(f"{path}: expected format {FORMAT!r} version {FORMAT_VERSION}, found "
+    if manifest.get("format") != FORMAT or manifest.get("format_version") not in READS_VERSIONS:
+        versions = " or ".join(map(str, READS_VERSIONS))
+        raise HeadReleaseError(f"{path}: expected format {FORMAT!r} version {versions}, found "
                                f"{manifest.get('format')!r} version {manifest.get('format_version')!r}")
     return manifest
 
 
 def verify_head_release(directory: str) -> dict:
-    """Check every file the manifest lists against its sha256 -> the manifest; raises
-    ``HeadReleaseError`` naming the file, the expected and the found hash."""
+    """Check every file the manifest lists against its sha256 (a packed file: also what it unpacks to,
+    in the cache readers load from) -> the manifest; raises ``HeadReleaseError`` naming the file, the
+    expected and the found hash."""
     manifest = read_head_manifest(directory)
     for entry in manifest["files"]:
         path = os.path.join(directory, entry["file"])
@@ -90,6 +101,14 @@ def verify_head_release(directory: str) -> dict:
             raise HeadReleaseError(f"{path}: sha256 mismatch: the manifest expects {entry['sha256']}, found "
                                    f"{found} ({n} bytes, expected {entry['bytes']}); restore it (git checkout -- "
                                    f"{path})")
+        unpacked = entry.get("unpacks_to")
+        if unpacked:
+            plain = packed_files.local(os.path.join(directory, unpacked["file"]))
+            found, n = storage.sha256_file(plain)
+            if found != unpacked["sha256"]:
+                raise HeadReleaseError(f"{plain} (unpacked from {path}): sha256 mismatch: the manifest expects "
+                                       f"{unpacked['sha256']}, found {found} ({n} bytes); remove it (it is unpacked "
+                                       "again from the checked file)")
     return manifest
 
 
@@ -110,15 +129,84 @@ def better_than_released(directory: str, tau: dict) -> tuple[bool, str]:
         f"{k} {old[k]:.3f} -> {tau[k]:.3f}" for k in shared)
 
 
+def pack_release_files(directory: str) -> list:
+    """xz-pack the files of ``PACKED_FILES`` in the local staging folder ``directory`` (before its
+    manifest is written) -> the packed names."""
+    return [os.path.basename(packed_files.pack(os.path.join(directory, f))) for f in PACKED_FILES
+            if os.path.isfile(os.path.join(directory, f))]
+
+
+def file_entry(directory: str, fname: str) -> dict:
+    """A manifest's record of one file: sha256 and bytes; a packed file also ``unpacks_to``."""
+    path = os.path.join(directory, fname)
+    digest, n = storage.sha256_file(path)
+    entry = {"file": fname, "sha256": digest, "bytes": n}
+    if fname.endswith(packed_files.SUFFIX):
+        u_digest, u_n = packed_files.unpacked_digest(path)
+        entry["unpacks_to"] = {"file": fname[: -len(packed_files.SUFFIX)], "sha256": u_digest, "bytes": u_n}
+    return entry
+
+
 def write_head_manifest(directory: str, *, name: str, files: list, data: Optional[dict], training: dict,
                         target: dict, tau: dict, command: str, commit: Optional[str]) -> dict:
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name,
+                "files": [file_entry(directory, f) for f in files], "data": data, "training": training,
+                "target": target, "tau": tau, "command": command, "commit": commit}
+    storage.write_text(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1))
+    return manifest
+
+
+def unpacked_release(directory: str) -> str:
+    """A folder holding the release's files as an engine reads them (vLLM, SGLang: ``model.safetensors``,
+    not its packed form), after ``verify_head_release``: the release itself when nothing is packed, else
+    a cache folder (``weights.packed_files.cache_root()``) keyed by the manifest's hash, without the
+    manifest (it is the published layout, not a release)."""
+    import hashlib
+    import shutil
+
+    manifest = verify_head_release(directory)
+    if not any(e.get("unpacks_to") for e in manifest["files"]):
+        return directory
+    key = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
+    out = os.path.join(packed_files.cache_root(), f"release-{key}")
+    if os.path.isdir(out):
+        return out
+    stage = f"{out}.stage-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+    for e in manifest["files"]:
+        plain = e["unpacks_to"]["file"] if e.get("unpacks_to") else e["file"]
+        with storage.open(packed_files.local(os.path.join(directory, plain)), "rb") as f, \
+                open(os.path.join(stage, plain), "wb") as g:
+            shutil.copyfileobj(f, g)
+    try:
+        os.replace(stage, out)
+    except OSError:  # another process put it there first
+        shutil.rmtree(stage, ignore_errors=True)
+    return out
+
+
+def repack_release(directory: str) -> dict:
+    """Store a version-1 release (plain files) as version 2: its ``PACKED_FILES`` xz-packed, the rest
+    as they are. The content is unchanged and checked: each packed file unpacks to the sha256 the old
+    manifest listed, which its entry keeps as ``unpacks_to``; the manifest records the repacking."""
+    manifest = verify_head_release(directory)
+    if manifest["format_version"] == FORMAT_VERSION:
+        return manifest
     entries = []
-    for fname in files:
-        digest, n = storage.sha256_file(os.path.join(directory, fname))
-        entries.append({"file": fname, "sha256": digest, "bytes": n})
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "files": entries,
-                "data": data, "training": training, "target": target, "tau": tau, "command": command,
-                "commit": commit}
+    for entry in manifest["files"]:
+        if entry["file"] in PACKED_FILES:
+            packed = packed_files.pack(os.path.join(directory, entry["file"]))
+            new = file_entry(directory, os.path.basename(packed))
+            if new["unpacks_to"]["sha256"] != entry["sha256"]:
+                raise HeadReleaseError(f"{packed}: unpacks to sha256 {new['unpacks_to']['sha256']}, not the "
+                                       f"{entry['sha256']} of the file it packed")
+            entries.append(new)
+        else:
+            entries.append(entry)
+    manifest = dict(manifest, format_version=FORMAT_VERSION, files=entries,
+                    repacked={"from_version": manifest["format_version"],
+                              "why": "weights stored xz-packed (weights.packed_files); content unchanged"})
     storage.write_text(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1))
     return manifest
 

@@ -92,9 +92,10 @@ def load_trainable_export(directory: str):
     architecture its ``config.json`` describes."""
     from confu_jax.models.params import trainable_shapes
     from confu_jax.models.spec import model_spec_from_config
+    from confu_jax.weights import packed_files
     from confu_jax.weights.safetensors_io import SafetensorsFile
 
-    missing = [f for f in FILES + (EXPORT_FILE,) if not storage.isfile(os.path.join(directory, f))]
+    missing = [f for f in FILES + (EXPORT_FILE,) if not packed_files.exists(os.path.join(directory, f))]
     if missing:
         raise FileNotFoundError(f"{directory}: a trainable-tree head export needs {list(FILES + (EXPORT_FILE,))}; "
                                 f"missing {missing}")
@@ -102,7 +103,7 @@ def load_trainable_export(directory: str):
         config = ml_collections.ConfigDict(json.load(f))
     with storage.open(os.path.join(directory, EXPORT_FILE), encoding="utf-8") as f:
         meta = json.load(f)
-    st = SafetensorsFile(os.path.join(directory, "model.safetensors"))
+    st = SafetensorsFile(packed_files.local(os.path.join(directory, "model.safetensors")))
     names = set(st.names())
     spec = model_spec_from_config(config)
     shapes = trainable_shapes(spec)

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from confu_jax import storage
+from confu_jax.weights import packed_files
 from confu_jax.weights.errors import CheckpointError
 from confu_jax.weights.safetensors_io import FLOAT_DTYPES, RemoteTensor, SafetensorsFile
 
@@ -23,11 +24,12 @@ _TAG_OF = {v: k for k, v in _ALL_TAGS.items()}
 
 
 def read_tensors(directory: str) -> dict:
-    """name -> numpy array from model.safetensors, its sharded index, or pytorch_model.bin (+ index)."""
+    """name -> numpy array from model.safetensors (or the xz-packed ``model.safetensors.xz`` a head
+    release stores: ``weights.packed_files``), its sharded index, or pytorch_model.bin (+ index)."""
     for name, reader in (("model.safetensors", _read_safetensors), ("pytorch_model.bin", load_torch_pickle)):
         single, index = os.path.join(directory, name), os.path.join(directory, f"{name}.index.json")
-        if storage.isfile(single):
-            return reader(single)
+        if packed_files.exists(single):
+            return reader(packed_files.local(single))
         if storage.isfile(index):  # sharded: every shard its index names
             out = {}
             for shard in _shards(index):

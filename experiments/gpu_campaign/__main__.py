@@ -1,4 +1,4 @@
-"""``python -m experiments.gpu_campaign``: bundle | calls | run | unpack | step."""
+"""``python -m experiments.gpu_campaign``: bundle | set_aside | calls | run | unpack | restore | step."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from experiments.gpu_campaign.bundle import cmd_bundle, cmd_calls
+from experiments.gpu_campaign.bundle import cmd_bundle, cmd_calls, cmd_restore, cmd_set_aside
 from experiments.gpu_campaign.common import DEFAULT_BUNDLE, DEFAULT_STATE, ROOT
 from experiments.gpu_campaign.driver import cmd_run
 from experiments.gpu_campaign.steps import step_digest, step_export_confu, step_release
@@ -32,6 +32,11 @@ def main(argv=None) -> int:
     b.add_argument("--no_reverse", action="store_true", help="keep ShareGPT's order")
     c = sub.add_parser("calls", help="print the device calls for the bundle")
     c.add_argument("--bundle", default=os.environ.get("CAMPAIGN_BUNDLE", DEFAULT_BUNDLE))
+    for name, what in (("set_aside", "move the head releases the campaign does not read into <bundle>/set_aside "
+                                     "(before call 1: they would travel with every call)"),
+                       ("restore", "move them back (after the calls)")):
+        a = sub.add_parser(name, help=what)
+        a.add_argument("--bundle", default=os.environ.get("CAMPAIGN_BUNDLE", DEFAULT_BUNDLE))
     r = sub.add_parser("run", help="the stage driver (on the GPU machine, every call)")
     r.add_argument("--state", default=os.environ.get("CAMPAIGN_STATE", DEFAULT_STATE))
     r.add_argument("--bundle", default=os.environ.get("CAMPAIGN_BUNDLE", DEFAULT_BUNDLE))
@@ -58,6 +63,10 @@ def main(argv=None) -> int:
         return cmd_bundle(args)
     if args.cmd == "calls":
         return cmd_calls(args)
+    if args.cmd == "set_aside":
+        return cmd_set_aside(args)
+    if args.cmd == "restore":
+        return cmd_restore(args)
     if args.cmd == "run":
         return cmd_run(args)
     if args.cmd == "unpack":

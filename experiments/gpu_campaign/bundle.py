@@ -13,8 +13,8 @@ import sys
 
 from experiments.gpu_campaign.common import (ASSET_FILES, ASSISTANT_PLACEHOLDER, DEFAULT_BUNDLE, MODEL, PLATFORMS,
                                              ROOT, TRAVEL_LIMIT, TRAVEL_MARGIN, WHEELS, dir_bytes, dist_name,
-                                             git_commit, now_iso, read_json, resolve_scale, sha256_file, tree_bytes,
-                                             write_json)
+                                             git_commit, now_iso, read_json, resolve_scale, set_aside_releases,
+                                             sha256_file, tree_bytes, write_json)
 
 
 
@@ -134,7 +134,8 @@ def cmd_bundle(args) -> int:
     # the model, split over as few calls as fit (2 for SmolLM2), each carrying about as much
     model_bytes = os.path.getsize(model_file)
     model_sha = sha256_file(model_file)
-    tree = tree_bytes()
+    aside = set_aside_releases(scale)  # head releases the campaign does not read: moved out before the calls
+    tree = tree_bytes(leave_out=aside)
     fixed1 = dir_bytes(call1) - sum(os.path.getsize(p) for p in glob.glob(os.path.join(call1, "model.part*")))
     sizes = split_sizes(model_bytes, fixed1, tree)
     calls = [call1] + [os.path.join(out, f"call{i}") for i in range(2, len(sizes) + 1)]
@@ -161,7 +162,7 @@ def cmd_bundle(args) -> int:
                           "sha256": hashlib.sha256(data).hexdigest()})
     digest = old.get("digest") if reuse and old.get("digest") else model_digest(model_file)
     commit, dirty = git_commit()
-    travel = {"working_tree": tree, "limit": TRAVEL_LIMIT,
+    travel = {"working_tree": tree, "limit": TRAVEL_LIMIT, "set_aside": aside,
               **{p["call"]: tree + p["bytes"] + (fixed1 if p["call"] == "call1" else 0) for p in parts}}
     bundle = {
         "created": now_iso(), "git_commit": commit, "git_dirty": dirty, "scale": args.scale,
@@ -183,8 +184,39 @@ def cmd_bundle(args) -> int:
                       "wheels": len(wheels)}, indent=1))
     if not ignored and out.startswith(ROOT + os.sep):
         print(f"WARNING: {out} is not ignored by git: it would travel with every call", file=sys.stderr)
+    if [d for d in aside if os.path.isdir(os.path.join(ROOT, d))]:
+        print(f"\nBefore call 1, set aside the head releases the campaign does not read ({', '.join(aside)}): "
+              f"python -m experiments.gpu_campaign set_aside --bundle {out}   (restore: ... restore)")
     print_calls(out)
     return 0
+
+
+def _aside_moves(bundle_dir: str) -> list:
+    """[(folder in the tree, its place under <bundle>/set_aside)] for the bundle's set-aside releases."""
+    b = read_json(os.path.join(bundle_dir, "bundle.json"), {}) or {}
+    return [(os.path.join(ROOT, d), os.path.join(bundle_dir, "set_aside", d))
+            for d in (b.get("travel") or {}).get("set_aside", [])]
+
+
+def cmd_set_aside(args, back: bool = False) -> int:
+    """Move the releases the bundle left out of its sizes into ``<bundle>/set_aside`` (git ignores the
+    bundle folder, so they no longer travel); ``back``: the ``restore`` command, which moves them back
+    (as ``git checkout -- releases/heads`` would)."""
+    moved = []
+    for tree_dir, aside_dir in _aside_moves(args.bundle):
+        src, dst = (aside_dir, tree_dir) if back else (tree_dir, aside_dir)
+        if os.path.isdir(src):
+            if os.path.exists(dst):
+                raise SystemExit(f"{dst} exists already: keep one of {src} and {dst}")
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.move(src, dst)
+            moved.append(os.path.relpath(tree_dir, ROOT))
+    print(json.dumps({"restored" if back else "set_aside": moved, "working_tree_now": tree_bytes()}))
+    return 0
+
+
+def cmd_restore(args) -> int:
+    return cmd_set_aside(args, back=True)
 
 
 def split_sizes(model_bytes: int, fixed1: int, tree: int, limit: int = TRAVEL_LIMIT - TRAVEL_MARGIN) -> list[int]:
@@ -237,7 +269,9 @@ def cmd_calls(args) -> int:
     print(json.dumps({"working_tree_now": tree, **{k: f"{v / 2**20:.1f} MiB" for k, v in now.items()}}))
     print_calls(args.bundle)
     if max(now.values()) > TRAVEL_LIMIT - 2**20:
-        print(f"WARNING: a call would carry more than {TRAVEL_LIMIT / 2**20:.0f} MiB now (the working tree grew): "
-              "rerun `python -m experiments.gpu_campaign bundle`", file=sys.stderr)
+        print(f"WARNING: a call would carry more than {TRAVEL_LIMIT / 2**20:.0f} MiB now: set aside the releases "
+              f"the campaign does not read ({', '.join(b['travel'].get('set_aside', [])) or 'none'}: python -m "
+              "experiments.gpu_campaign set_aside), or, if the tree grew, rerun `python -m experiments.gpu_campaign "
+              "bundle`", file=sys.stderr)
         return 1
     return 0

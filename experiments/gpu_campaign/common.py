@@ -263,18 +263,35 @@ def metrics_rows(workdir: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def tree_bytes(root: str = ROOT) -> int:
+HEAD_RELEASES = os.path.join("releases", "heads")
+
+
+def set_aside_releases(scale, root: str = ROOT) -> list:
+    """The head releases (folders relative to ``root``) a campaign at ``scale`` does not read: all of
+    ``releases/heads`` but the one ``scale.e3_init`` continues. Every call sends the working tree, and
+    the device tool takes 64 MiB in all: what is not read makes room for the model's parts
+    (``python -m experiments.gpu_campaign set_aside`` before the calls, ``restore`` after)."""
+    keep = {os.path.normpath(scale.e3_init)} if scale.e3_init else set()
+    heads = os.path.join(root, HEAD_RELEASES)
+    names = sorted(os.listdir(heads)) if os.path.isdir(heads) else []
+    return [rel for rel in (os.path.join(HEAD_RELEASES, n) for n in names)
+            if os.path.isdir(os.path.join(root, rel)) and rel not in keep]
+
+
+def tree_bytes(root: str = ROOT, leave_out=()) -> int:
     """Bytes of the working tree the device tool sends: tracked + untracked files git does not
-    ignore, plus shared/ when the checkout has one."""
+    ignore, plus shared/ when the checkout has one; ``leave_out``: folders (relative to ``root``)
+    counted as absent (set aside before the calls)."""
     try:
         out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, check=True,
                              capture_output=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return 0
     total = 0
+    prefixes = tuple(os.path.normpath(d) + os.sep for d in leave_out)
     for rel in out.decode().split("\0"):
         p = os.path.join(root, rel)
-        if rel and os.path.isfile(p) and not os.path.islink(p):
+        if rel and os.path.isfile(p) and not os.path.islink(p) and not (prefixes and rel.startswith(prefixes)):
             total += os.path.getsize(p)
     shared = os.path.join(root, "shared")
     if os.path.isdir(shared):

@@ -30,7 +30,7 @@ def bad_release(tmp_path_factory):
     """The released EAGLE-3 head with one byte of its weights changed (its manifest's hash no longer matches)."""
     d = tmp_path_factory.mktemp("rel") / "smollm2_eagle3"
     shutil.copytree(os.path.join(REPO, "releases", "heads", "smollm2_eagle3"), d)
-    with open(d / "model.safetensors", "r+b") as f:
+    with open(d / "model.safetensors.xz", "r+b") as f:
         f.seek(-3, 2)
         b = f.read(1)
         f.seek(-3, 2)

@@ -64,8 +64,10 @@ def test_default_dtype_is_the_targets(tmp_path, dtype):
 def test_published_head_without_a_target_is_one_line(tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
+    from confu_jax.runs.head_release import unpacked_release
+
     for name in ("config.json", "model.safetensors"):  # the official layout without a release manifest
-        shutil.copy(RELEASED_E3 / name, bare / name)
+        shutil.copy(pathlib.Path(unpacked_release(str(RELEASED_E3))) / name, bare / name)
     with pytest.raises(ValueError, match="names no target; pass --target"):
         _write("eagle3", bare, tmp_path / "out")
     with pytest.raises(ValueError, match="holds one set of weights"):

@@ -277,6 +277,48 @@ def test_split_sizes_fit_the_travel_limit():
         assert len(sizes) == (2 if tree < 5_000_000 else len(sizes))
 
 
+def test_the_working_tree_travels_and_leaves_the_campaign_room():
+    """Every device call sends the working tree, 64 MiB in all (releases store their weights xz-packed
+    for it): the repository travels as it is, and with the head releases a campaign does not read set
+    aside, SmolLM2's GGUF and call 1's files (wheels, prompts, assets) travel in at most three calls."""
+    from experiments.gpu_campaign.bundle import split_sizes
+    from experiments.gpu_campaign.common import (TRAVEL_LIMIT, TRAVEL_MARGIN, resolve_scale, set_aside_releases,
+                                                 tree_bytes)
+
+    assert tree_bytes() <= TRAVEL_LIMIT - TRAVEL_MARGIN
+    gguf, call1_files = 98_362_432, 16_400_000
+    for scale, kept in (("gpu15", {"releases/heads/smollm2_eagle3"}), ("gpu", set())):
+        aside = set_aside_releases(resolve_scale(scale))
+        every = {f"releases/heads/{d}" for d in os.listdir(os.path.join(ROOT, "releases", "heads"))}
+        assert set(aside) == every - kept
+        assert len(split_sizes(gguf, call1_files, tree_bytes(leave_out=aside))) <= 3, scale
+
+
+def test_set_aside_and_restore_round_trip(tmp_path, monkeypatch):
+    """``set_aside`` moves exactly the releases the bundle names into the (ignored) bundle folder and
+    ``restore`` puts them back, byte for byte; a second ``set_aside`` finds nothing to move."""
+    from experiments.gpu_campaign import bundle as B
+
+    root = tmp_path / "repo"
+    for name in ("smollm2_a", "smollm2_b"):
+        (root / "releases" / "heads" / name).mkdir(parents=True)
+        (root / "releases" / "heads" / name / "w.bin").write_bytes(name.encode() * 100)
+    bdir = tmp_path / "bundle"
+    bdir.mkdir()
+    (bdir / "bundle.json").write_text(json.dumps({"travel": {"set_aside": ["releases/heads/smollm2_b"]}}))
+    monkeypatch.setattr(B, "ROOT", str(root))
+    monkeypatch.setattr(B, "tree_bytes", lambda *a, **k: 0)
+    args = type("A", (), {"bundle": str(bdir)})
+    assert B.cmd_set_aside(args) == 0
+    heads = root / "releases" / "heads"
+    assert not (heads / "smollm2_b").exists() and (heads / "smollm2_a").exists()
+    assert (bdir / "set_aside" / "releases" / "heads" / "smollm2_b" / "w.bin").read_bytes() == b"smollm2_b" * 100
+    assert B.cmd_set_aside(args) == 0  # nothing left to move
+    assert B.cmd_restore(args) == 0
+    assert (root / "releases" / "heads" / "smollm2_b" / "w.bin").read_bytes() == b"smollm2_b" * 100
+    assert not (bdir / "set_aside" / "releases" / "heads" / "smollm2_b").exists()
+
+
 def _campaign(tmp_path, scale="gpu", env=None):
     from experiments.gpu_campaign.driver import Campaign
 

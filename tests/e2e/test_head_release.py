@@ -46,15 +46,26 @@ def released(tmp_path_factory):
 def test_release_layout_and_manifest(released):
     workdir, release, _, _ = released
     m = hr.verify_head_release(release)
-    files = {e["file"] for e in m["files"]}
-    assert files == {"config.json", "model.safetensors"}
+    files = {e["file"]: e for e in m["files"]}
+    assert set(files) == {"config.json", "model.safetensors.xz"} and m["format_version"] == 2
     assert m["training"]["step"] == 2 and m["tau"] == {"heldout_decode_chain3": 1.30}
     assert m["target"]["fingerprint"]
-    from safetensors.numpy import load_file
+    import hashlib
+    import lzma
 
-    tensors = load_file(os.path.join(release, "model.safetensors"))
+    from confu_jax.weights.tensor_files import read_tensors
+
+    # plain xz: what any xz decompresses the stored file to is the weights file the manifest names
+    raw = lzma.decompress(open(os.path.join(release, "model.safetensors.xz"), "rb").read())
+    assert files["model.safetensors.xz"]["unpacks_to"] == {"file": "model.safetensors", "bytes": len(raw),
+                                                           "sha256": hashlib.sha256(raw).hexdigest()}
+    tensors = read_tensors(release)  # the readers' path: the packed file, unpacked into the cache
     floats = [v for v in tensors.values() if v.dtype.kind == "f" or str(v.dtype) == "bfloat16"]
     assert floats and all(str(v.dtype) == "bfloat16" for v in floats)
+    # what an engine serves: the plain files, no manifest (a published layout, not a release)
+    served = hr.unpacked_release(release)
+    assert sorted(os.listdir(served)) == ["config.json", "model.safetensors"]
+    assert open(os.path.join(served, "model.safetensors"), "rb").read() == raw
 
 
 @pytest.mark.slow
@@ -89,13 +100,27 @@ def test_altered_file_is_named_and_replacement_needs_a_gain(released, tmp_path):
     workdir, release, cmd, env = released
     copy = str(tmp_path / "copy")
     shutil.copytree(release, copy)
-    with open(os.path.join(copy, "model.safetensors"), "r+b") as f:
+    with open(os.path.join(copy, "model.safetensors.xz"), "r+b") as f:
         f.seek(-8, 2)
         tail = f.read(8)
         f.seek(-8, 2)
         f.write(bytes(b ^ 0xFF for b in tail))
-    with pytest.raises(hr.HeadReleaseError, match="model.safetensors: sha256 mismatch"):
+    with pytest.raises(hr.HeadReleaseError, match="model.safetensors.xz: sha256 mismatch"):
         hr.verify_head_release(copy)
+    # the unpacked copy readers load is checked too: one altered byte there is named
+    from confu_jax.weights import packed_files
+
+    unpacked = packed_files.local(os.path.join(release, "model.safetensors"))
+    before_bytes = open(unpacked, "rb").read()
+    try:
+        with open(unpacked, "r+b") as f:
+            f.seek(-2, 2)
+            f.write(bytes([before_bytes[-2] ^ 1]))
+        with pytest.raises(hr.HeadReleaseError, match="unpacked from .*model.safetensors.xz.*sha256 mismatch"):
+            hr.verify_head_release(release)
+    finally:
+        with open(unpacked, "wb") as f:
+            f.write(before_bytes)
     assert hr.better_than_released(release, {"heldout_decode_chain3": 1.34}) [0] is False
     assert hr.better_than_released(release, {"heldout_decode_chain3": 1.36})[0] is True
     assert hr.better_than_released(release, {"mtbench_chain3": 2.0})[0] is False  # no shared metric
@@ -208,7 +233,7 @@ def test_confu_release_is_its_trainable_tree_and_decodes_after_its_checks(tmp_pa
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     m = hr.verify_head_release(release)
-    assert {e["file"] for e in m["files"]} == {"config.json", "model.safetensors", "draft_vocab.npz",
+    assert {e["file"] for e in m["files"]} == {"config.json", "model.safetensors.xz", "draft_vocab.npz",
                                                "export.json", "target.json"}
     assert m["training"]["step"] == 2 and m["target"]["fingerprint"]
 
@@ -265,7 +290,7 @@ def test_a_damaged_manifest_never_turns_the_hash_check_off(damage, tmp_path):
 
     copy = tmp_path / "smollm2_eagle3"
     shutil.copytree(os.path.join(ROOT, "releases", "heads", "smollm2_eagle3"), copy)
-    with open(copy / "model.safetensors", "r+b") as f:
+    with open(copy / "model.safetensors.xz", "r+b") as f:
         f.seek(-3, 2)
         b = f.read(1)
         f.seek(-3, 2)

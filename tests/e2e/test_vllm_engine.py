@@ -134,7 +134,10 @@ def _our_tau(served) -> tuple[float, list]:
 
 
 def test_released_eagle3_official_and_speculators_layouts(served, tmp_path):
-    official = _spec(served, "eagle3_official", "eagle3", RELEASED_E3, "--per_prompt")
+    from confu_jax.runs.head_release import unpacked_release
+
+    # vLLM reads model.safetensors, not the release's packed file: the folder of plain files
+    official = _spec(served, "eagle3_official", "eagle3", unpacked_release(str(RELEASED_E3)), "--per_prompt")
     # each prompt's counters add up to the run's, and acceptance by draft position only falls (a draft
     # token is accepted only after every one before it)
     for key in ("drafts", "draft_tokens", "accepted"):
