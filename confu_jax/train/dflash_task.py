@@ -19,6 +19,17 @@ target frozen:
 
       L = Σ w · CE(lm_head(draft(block)), x[a+k]) / Σ w
 
+``loss_type`` "dpace" (and its two ablations) is SpecForge's **D-PACE** objective (arXiv 2605.18810; the
+same file, ``_dpace_weight``; ``examples/configs/qwen3-8b-dpace-online.yaml``): in place of the fixed decay,
+each position's CE is weighted by what getting it right is worth to the accepted prefix, from the draft's
+own probability of the label q_k (detached), smoothed s_k = (1 - α) q_k + α (``dpace_alpha``; 1 at masked
+positions)::
+
+      P_k = Π_{j<=k} s_j                      (cumulative confidence: "dpace-cumulative-confidence-only")
+      w_k = Σ_{j>=k} P_j · valid_j            ("dpace": the expected accepted length the position carries)
+      w_k = Σ_{j>=k} P_j · valid_j / P_k      ("dpace-continuation-value-only")
+      L = Σ valid · w · CE / rows             (SpecForge divides by the batch's rows, not by Σ w)
+
 Trained: the whole draft (fc, hidden_norm, its layers, its final norm); the embedding (of the block
 tokens, M included) and the LM head are the target's, frozen. The anchors come from the step's rng,
 so an exact resume replays them (the train loop derives it from the step).
@@ -55,7 +66,9 @@ def default_dflash_config() -> ml_collections.ConfigDict:
     c.block_size = 16  # bs: the root + bs-1 drafted tokens
     c.mask_token_id = 0  # M: a token whose (frozen) target embedding marks the masked positions
     c.num_anchors = 512  # blocks per row
-    c.loss_decay_gamma = 7.0  # w_k = exp(-(k-1)/γ); 0: unweighted
+    c.loss_decay_gamma = 7.0  # w_k = exp(-(k-1)/γ); 0: unweighted (loss_type "dflash")
+    c.loss_type = "dflash"  # or D-PACE: "dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only"
+    c.dpace_alpha = 0.5  # D-PACE's smoothing: s_k = (1 - α) q_k + α
     c.init_std = 0.02
     c.causal_head = False  # JetSpec's causal head: each block position sees the block up to itself
     return c
@@ -89,6 +102,26 @@ def dflash_spec(config):
     taps = spec.taps if config.draft.get("tap_layers", None) is not None else default_taps(spec.target.n_layers)
     return dataclasses.replace(spec, head=dataclasses.replace(spec.head, tap_layers=tuple(taps)),
                                draft_model=draft_config(spec.target, int(config.dflash.num_layers)))
+
+
+LOSS_TYPES = ("dflash", "dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only")
+
+
+def dpace_weights(prob_bnk: jax.Array, valid_bnk: jax.Array, alpha: float, loss_type: str = "dpace") -> jax.Array:
+    """D-PACE's position weights [B, N, bs] (module docstring), detached: ``prob_bnk`` the draft's probability
+    of each label, ``valid_bnk`` the trained positions (masked ones: a factor 1 in the products, 0 in the sums)."""
+    prob_bnk = jax.lax.stop_gradient(prob_bnk)
+    valid = valid_bnk.astype(jnp.float32)
+    smooth = jnp.where(valid_bnk, (1.0 - alpha) * prob_bnk + alpha, 1.0)
+    prefix = jnp.cumprod(smooth, axis=-1)
+    if loss_type == "dpace-cumulative-confidence-only":
+        return prefix
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(prefix * valid, -1), -1), -1)
+    if loss_type == "dpace":
+        return suffix
+    if loss_type == "dpace-continuation-value-only":
+        return suffix / jnp.maximum(prefix, jnp.finfo(prefix.dtype).tiny)
+    raise ValueError(f"config.dflash.loss_type: expected one of {LOSS_TYPES}, got {loss_type!r}")
 
 
 def block_accept_length(hit_bnk: jax.Array, valid_bnk: jax.Array, block_valid_bn: jax.Array) -> jax.Array:
@@ -156,7 +189,7 @@ def over_anchor_chunks(fn, anchor_chunk: int, *xs_bn):
 
 
 def dflash_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anchors: int, mask_token_id: int,
-                gamma: float, causal: bool = False):
+                gamma: float, causal: bool = False, loss_type: str = "dflash", dpace_alpha: float = 0.5):
     """(loss, metrics) of one batch (module docstring)."""
     tokens, mask = batch_arrays(batch)
     b, n = tokens.shape
@@ -190,9 +223,13 @@ def dflash_loss(spec, p, target_params, batch, rng, *, block_size: int, num_anch
         return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0], jnp.argmax(logp, axis=-1)
 
     nll, top1 = terms(h, labels)
-    decay = jnp.exp(-jnp.maximum(k - 1, 0).astype(jnp.float32) / gamma) if gamma > 0 else jnp.ones((block_size,))
-    w = valid.astype(jnp.float32) * decay
-    loss = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1e-9)
+    if loss_type == "dflash":
+        decay = jnp.exp(-jnp.maximum(k - 1, 0).astype(jnp.float32) / gamma) if gamma > 0 else jnp.ones((block_size,))
+        w = valid.astype(jnp.float32) * decay
+        loss = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1e-9)
+    else:  # D-PACE
+        w = valid.astype(jnp.float32) * dpace_weights(jnp.exp(-nll), valid, dpace_alpha, loss_type)
+        loss = jnp.sum(nll * w) / b
     metrics, hits = {}, []
     for i in range(1, block_size):
         _, hit = masked_head_terms(metrics, f"head{i - 1}", nll[..., i], top1[..., i], labels[..., i], valid[..., i])
@@ -208,9 +245,13 @@ def build_task(config) -> TrainTask:
     bs, anchors, gamma = int(dc.block_size), int(dc.num_anchors), float(dc.loss_decay_gamma or 0.0)
     mask_id = int(dc.mask_token_id)
     causal = bool(dc.get("causal_head", False))
+    loss_type, alpha = str(dc.get("loss_type", "dflash")), float(dc.get("dpace_alpha", 0.5))
     if bs < 2 or anchors < 1 or int(dc.num_layers) < 1:
         raise ValueError(f"config.dflash: need block_size >= 2, num_anchors >= 1, num_layers >= 1; got {bs}, "
                          f"{anchors}, {dc.num_layers}")
+    if loss_type not in LOSS_TYPES or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"config.dflash: loss_type must be one of {LOSS_TYPES} and dpace_alpha in [0, 1]; got "
+                         f"{loss_type!r}, {alpha}")
     pd = jnp.dtype(config.draft.get("param_dtype", "float32"))
 
     def build(spec, target_host):
@@ -225,11 +266,13 @@ def build_task(config) -> TrainTask:
 
         def loss_fn(trainable, frozen, batch, rng):
             return dflash_loss(spec, trainable["draft"]["dflash"], frozen["target"], batch, rng, block_size=bs,
-                               num_anchors=anchors, mask_token_id=mask_id, gamma=gamma, causal=causal)
+                               num_anchors=anchors, mask_token_id=mask_id, gamma=gamma, causal=causal,
+                               loss_type=loss_type, dpace_alpha=alpha)
 
         return init_params, loss_fn, (f"{'JetSpec (causal head)' if causal else 'DFlash'}: {dc.num_layers} "
                                       f"{target_name(config)!r}-shaped layers over "
                                       f"taps {spec.taps}, blocks of {bs} (mask {mask_id}), {anchors} anchors "
-                                      f"a row, decay γ={gamma}")
+                                      f"a row, " + (f"decay γ={gamma}" if loss_type == "dflash" else
+                                                    f"{loss_type} α={alpha}"))
 
     return frozen_target_task(config, pack_ok=True, what="DFlash", build=build, spec_fn=dflash_spec)

@@ -279,10 +279,36 @@ def _config(**extra):
 
 
 @pytest.mark.slow
+def _dpace_by_hand(q, valid, alpha, loss_type):
+    """SpecForge's D-PACE weights of one block, position by position (loops, no array algebra)."""
+    s = [(1 - alpha) * qk + alpha if v else 1.0 for qk, v in zip(q, valid)]
+    prefix = [float(np.prod(s[:k + 1])) for k in range(len(s))]
+    suffix = [sum(prefix[j] for j in range(k, len(s)) if valid[j]) for k in range(len(s))]
+    return {"dpace": suffix, "dpace-cumulative-confidence-only": prefix,
+            "dpace-continuation-value-only": [a / b for a, b in zip(suffix, prefix)]}[loss_type]
+
+
+@pytest.mark.parametrize("loss_type", ["dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only"])
+def test_dpace_weights_are_the_loops(loss_type):
+    from confu_jax.train.dflash_task import dpace_weights
+
+    rng = np.random.default_rng(0)
+    q = rng.uniform(size=(3, 4, 6)).astype(np.float32)
+    valid = rng.uniform(size=(3, 4, 6)) < 0.7
+    valid[..., 0] = False  # the anchor position is never trained
+    got = np.asarray(dpace_weights(jnp.asarray(q), jnp.asarray(valid), 0.3, loss_type))
+    want = np.array([[_dpace_by_hand(q[i, j], valid[i, j], 0.3, loss_type) for j in range(4)] for i in range(3)])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # no gradient flows through the weights: they scale the CE, they are not trained
+    g = jax.grad(lambda x: dpace_weights(x, jnp.asarray(valid), 0.3, loss_type).sum())(jnp.asarray(q))
+    assert not np.asarray(g).any()
+
+
 def test_loss_equals_hand_computation():
     """SpecForge's block objective recomputed block by block: anchors = the rng's uniform draw among the t
     with x[t], x[t+1] answer tokens; each block alone over the context before its anchor; CE of position
-    k >= 1 against x[a+k] where that is an answer token, weighted exp(-(k-1)/γ)."""
+    k >= 1 against x[a+k] where that is an answer token, weighted exp(-(k-1)/γ). D-PACE on the same blocks:
+    each CE weighted by the block's own D-PACE weights, summed, over the batch's rows."""
     from confu_jax.train.dflash_task import dflash_loss, dflash_spec
     from confu_jax.train.loop import setup_run
     from confu_jax.train.loss import sample_anchors
@@ -299,6 +325,8 @@ def test_loss_equals_hand_computation():
     rng = jax.random.PRNGKey(7)
     loss, metrics = jit_static(dflash_loss)(spec, p, tp, batch, rng, block_size=bs, num_anchors=n_anchor,
                                             mask_token_id=mask_id, gamma=gamma)
+    dpace, _ = jit_static(dflash_loss)(spec, p, tp, batch, rng, block_size=bs, num_anchors=n_anchor,
+                                       mask_token_id=mask_id, gamma=gamma, loss_type="dpace", dpace_alpha=0.5)
     toks = np.asarray(batch["tokens"])
     mask = np.asarray(batch["loss_mask"]).astype(bool)
     if "attention_mask" in batch:
@@ -309,7 +337,7 @@ def test_loss_equals_hand_computation():
     assert valid.sum() > 0 and np.all(cand[np.arange(b)[:, None], anchors][valid])
     taps = jit_static(real_forward)(spec, tp, jnp.asarray(toks), return_logits=False).taps_btc
     k_ctx, v_ctx = sequence_context(p, dcfg, taps)
-    num = den = 0.0
+    num = den = dpace_num = 0.0
     per_pos = {i: [] for i in range(1, bs)}
     for r in range(b):
         for j in np.flatnonzero(valid[r]):
@@ -318,13 +346,18 @@ def test_loss_equals_hand_computation():
             h = block_hidden(p, dcfg, embed_block(tp, blk), jnp.arange(a, a + bs)[None],
                              jnp.ones((1, bs, bs), bool), k_ctx[:, r:r + 1], v_ctx[:, r:r + 1], jnp.array([a]))
             lp = np.asarray(jax.nn.log_softmax(block_logits(spec.target, tp, h), -1))[0]
+            trained = [i > 0 and a + i < n and bool(mask[r, a + i]) for i in range(bs)]
+            nll_k = [-lp[i, toks[r, min(a + i, n - 1)]] for i in range(bs)]
+            wd = _dpace_by_hand(np.exp(-np.asarray(nll_k)), trained, 0.5, "dpace")
             for i in range(1, bs):
-                if a + i < n and mask[r, a + i]:
+                if trained[i]:
                     w = np.exp(-(i - 1) / gamma)
-                    num -= w * lp[i, toks[r, a + i]]
+                    num += w * nll_k[i]
                     den += w
-                    per_pos[i].append(-lp[i, toks[r, a + i]])
+                    dpace_num += wd[i] * nll_k[i]
+                    per_pos[i].append(nll_k[i])
     np.testing.assert_allclose(float(loss), num / den, rtol=2e-4)
+    np.testing.assert_allclose(float(dpace), dpace_num / b, rtol=2e-4)
     for i in range(1, bs):
         np.testing.assert_allclose(float(metrics[f"ce/head{i - 1}"]), np.mean(per_pos[i]), rtol=2e-4)
     assert 1.0 <= float(metrics["acceptance_length"]) <= bs
