@@ -57,16 +57,17 @@ fi
 if has eval; then
     # ours exported in speculators' layout (what vLLM serves) in bf16, as released; the reference wrote that
     # layout itself, in bf16
-    if [ ! -f "$OUT/heads/ours/model.safetensors" ]; then
-        $PY -m launch.export_head --workdir "$OUT/ours" --format speculators --out "$OUT/heads/ours" \
-            --verifier "$OUT/target" --dtype bfloat16 > "$OUT/logs/export.log" 2>&1
-    fi
-    mkdir -p "$OUT/bench"
+    # (the variants too: each compared with ours as both are served, in bf16)
     heads="ours reference"
     for v in ${PARITY_VARIANTS//,/ }; do heads="$heads ours_$v"; done
     for head in $heads; do
-        dir="$OUT/heads/ours"; [ "$head" = reference ] && dir="$OUT/reference/checkpoints/0"
-        [[ "$head" == ours_* ]] && dir="$OUT/$head"
+        [ "$head" = reference ] || [ -f "$OUT/heads/$head/model.safetensors" ] || \
+            $PY -m launch.export_head --workdir "$OUT/$head" --format speculators --out "$OUT/heads/$head" \
+                --verifier "$OUT/target" --dtype bfloat16 > "$OUT/logs/export_$head.log" 2>&1
+    done
+    mkdir -p "$OUT/bench"
+    for head in $heads; do
+        dir="$OUT/heads/$head"; [ "$head" = reference ] && dir="$OUT/reference/checkpoints/0"
         for prompts in mtbench grounded; do
             [ -f "$OUT/bench/${head}_${prompts}.json" ] && continue
             stamp "bench $head $prompts"
