@@ -541,6 +541,22 @@ def report_table(rec: dict) -> str:
     return "\n".join(lines)
 
 
+def variants_table(rec: dict) -> str:
+    """Each variant against our default as a markdown table: held-out KL by TTT step, real tokens trained
+    (packing fill), and the paired τ ratio variant / ours [interval] in each set and temperature."""
+    keys = list(rec["our_loop"])
+    lines = ["| recipe | held-out KL (TTT 0 / 1 / 2) | real tokens (fill) | " + " | ".join(
+        f"{k.replace('_T', ' T=')} τ ratio" for k in keys) + " |", "|---|---|---|" + "---|" * len(keys)]
+    for name in ["ours"] + list(rec["variants"]):
+        head = name if name == "ours" else f"ours_{name}"
+        kl = " / ".join(f"{x:.2f}" for x in rec["heldout"][head]["kl"])
+        tok = rec["tokens"][head]
+        cells = ["1 (the default)" if name == "ours" else "{ratio:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]".format(
+            **rec["variants"][name][k]["tau_ratio"]) for k in keys]
+        lines.append(f"| {name} | {kl} | {tok['real_tokens']:,} ({tok['fill']:.0%}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def settings(out: str) -> dict:
     from importlib.metadata import version
 
@@ -603,6 +619,8 @@ def main(argv=None) -> int:
             with open(a.json_out, "w") as f:
                 json.dump(rec, f, indent=1)
         print(report_table(rec))
+        if rec["variants"]:
+            print("\n" + variants_table(rec))
     else:
         print(json.dumps(settings(a.out), indent=1))
     return 0

@@ -273,3 +273,18 @@ def test_the_report_gathers_every_measurement(tmp_path):
     acc = json.loads((out / "vllm" / "ours_mtbench_T0.json").read_text())["accepted"]
     first = tp.conditional_acceptance([acc - 10, 8, 2], 120)
     assert " / ".join(f"{a:.2f}" for a in first) in table
+    # a variant: its bench rows, its comparisons with ours, its own evaluation and throughput log
+    import shutil
+
+    shutil.copytree(out / "ours", out / "ours_x")
+    for p in ("mtbench", "grounded"):
+        shutil.copy(out / "bench" / f"ours_{p}.json", out / "bench" / f"ours_x_{p}.json")
+        for t in (0, 1):
+            (out / "bench" / f"compare_x_{p}_T{t}.json").write_text(json.dumps(
+                compare(rows[("reference", p, float(t))], rows[("ours", p, float(t))], n_boot=100)))
+    rec = tp.report(str(out), ("x",))
+    assert rec["heldout"]["ours_x"] == rec["heldout"]["ours"] and rec["tokens"]["ours_x"] == rec["tokens"]["ours"]
+    table = tp.variants_table(rec)
+    ratio = rec["variants"]["x"]["mtbench_T0"]["tau_ratio"]
+    assert ratio["ratio"] == pytest.approx(rows[("reference", "mtbench", 0.0)]["tau"] / rows[("ours", "mtbench", 0.0)]["tau"])
+    assert table.count("| x | 0.10 / 1.10 / 2.10 | 10,240 (62%) | ") == 1 and f"{ratio['ratio']:.3f} [" in table
