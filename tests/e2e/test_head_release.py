@@ -132,6 +132,46 @@ def test_altered_file_is_named_and_replacement_needs_a_gain(released, tmp_path):
     assert json.load(open(os.path.join(release, "manifest.json"))) == before
 
 
+def test_a_format_1_release_repacks_to_the_same_content_and_unpacks_for_an_engine(released, tmp_path):
+    """``--repack`` stores a plain-file (format 1) release xz-packed: the manifest keeps every field, the
+    packed file unpacks to the hash the old manifest listed, the release still verifies and loads; a
+    plain file that differs from what the manifest lists is refused before anything is packed.
+    ``--unpack`` prints the folder of plain files an engine reads."""
+    import shutil
+
+    _, release, _, env = released
+    old = tmp_path / "v1"
+    shutil.copytree(hr.unpacked_release(release), old)  # config.json + model.safetensors
+    m2 = hr.read_head_manifest(release)
+    entries = [hr.file_entry(str(old), f) for f in sorted(os.listdir(old))]
+    (old / "manifest.json").write_text(json.dumps(dict(m2, format_version=1, files=entries)))
+    assert hr.verify_head_release(str(old))["format_version"] == 1
+    bad = tmp_path / "v1_bad"
+    shutil.copytree(old, bad)
+    with open(bad / "config.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(hr.HeadReleaseError, match="config.json: sha256 mismatch"):
+        hr.repack_release(str(bad))
+    assert (bad / "model.safetensors").exists()  # nothing packed
+    r = subprocess.run([sys.executable, "-m", "launch.release_head", "--release", str(old), "--repack"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = hr.verify_head_release(str(old))
+    assert m["format_version"] == 2 and m["repacked"]["from_version"] == 1
+    assert sorted(os.listdir(old)) == ["config.json", "manifest.json", "model.safetensors.xz"]
+    packed = next(e for e in m["files"] if e["file"] == "model.safetensors.xz")
+    assert packed["unpacks_to"] == next(e for e in entries if e["file"] == "model.safetensors")
+    assert {k: v for k, v in m.items() if k not in ("files", "format_version", "repacked")} == {
+        k: v for k, v in m2.items() if k not in ("files", "format_version")}
+    r = subprocess.run([sys.executable, "-m", "launch.release_head", "--release", str(old), "--unpack"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    served = r.stdout.strip().splitlines()[-1]
+    assert sorted(os.listdir(served)) == ["config.json", "model.safetensors"]
+    assert open(os.path.join(served, "model.safetensors"), "rb").read() == open(
+        os.path.join(hr.unpacked_release(release), "model.safetensors"), "rb").read()
+
+
 def test_manifest_names_every_data_release(released, tmp_path):
     """--data with several releases (a head trained on two): the manifest hashes each one's manifest."""
     import hashlib
