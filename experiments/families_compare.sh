@@ -17,6 +17,11 @@
 #   bash experiments/families_compare.sh bench2026   # on a quiet CPU
 #   bash experiments/families_compare.sh table2026   # docs/results/drafters2026.{md,json}
 #
+# D-PACE against DFlash's default objective (SpecForge's two DFlash losses; docs/training.md): DFlash trained
+# again with --config.dflash.loss_type=dpace, everything else equal (the train2026 run's batches, schedule and
+# step), both decoded on the same questions and compared paired by question (τ ratio dpace / default):
+#   bash experiments/families_compare.sh dpace       # trains what is missing (~15 min each), then benches
+#
 # Budget: ROWS x LEN padded rows a step, one learning rate for all (the GPU campaign's), warm-up then
 # cosine over E + P steps; every family starts from its reference initialisation (Medusa's and the MLP
 # speculator's LM heads from the target's, MTP sharing the target's embedding and head).
@@ -88,6 +93,27 @@ train2026)
     train dspark configs/smollm2_dspark.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS \
         --config.dspark.num_anchors=32
     ;;
+dpace)
+    train dflash configs/smollm2_dflash.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS
+    train dflash_dpace configs/smollm2_dflash.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS \
+        --config.dflash.loss_type=dpace
+    mkdir -p "$OUT/dpace"
+    for prompts in mtbench grounded; do
+        for head in dflash dflash_dpace; do
+            res="$OUT/dpace/${head}_${prompts}.json"
+            [ -f "$res" ] || nice -n 5 python -m launch.decode_bench --methods ar,dflash --heads "dflash=$OUT/$head" \
+                --budgets chain:3,ddtree:8,3 --temperatures 0,1 --prompts "$prompts" --n_per_category 2 \
+                --max_new_tokens "${FAMILIES_TOKENS:-64}" --out "$res"
+        done
+        for budget in chain:3 ddtree:8,3; do
+            for t in 0 1; do
+                python -m launch.tau_compare --row "$OUT/dpace/dflash_dpace_${prompts}.json:dflash" \
+                    --reference "$OUT/dpace/dflash_${prompts}.json:dflash" --temperature "$t" --budget "$budget" \
+                    --json_out "$OUT/dpace/compare_${prompts}_${budget//[:,]/_}_T$t.json"
+            done
+        done
+    done
+    ;;
 bench2026)
     # equal node budgets: EAGLE-3's best-first tree of 8 nodes over depth 3 (dynamic:3,4,8) against DDTree's over
     # the block drafters' per-position top-k (ddtree:8,3); three runs a set, each with its own AR row (the speed-
@@ -145,7 +171,7 @@ table)
         --out docs/results/confu_equal
     ;;
 *)
-    echo "usage: $0 train|bench|table|train2026|bench2026|table2026" >&2
+    echo "usage: $0 train|bench|table|train2026|bench2026|table2026|dpace" >&2
     exit 2
     ;;
 esac
