@@ -160,22 +160,26 @@ def unpacked_release(directory: str) -> str:
     """A folder holding the release's files as an engine reads them (vLLM, SGLang: ``model.safetensors``,
     not its packed form), after ``verify_head_release``: the release itself when nothing is packed, else
     a cache folder (``weights.packed_files.cache_root()``) keyed by the manifest's hash, without the
-    manifest (it is the published layout, not a release)."""
+    manifest (it is the published layout, not a release); a cached folder whose files no longer have the
+    manifest's hashes is written again."""
     import hashlib
     import shutil
 
     manifest = verify_head_release(directory)
     if not any(e.get("unpacks_to") for e in manifest["files"]):
         return directory
+    want = {(e.get("unpacks_to") or e)["file"]: (e.get("unpacks_to") or e)["sha256"] for e in manifest["files"]}
     key = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
     out = os.path.join(packed_files.cache_root(), f"release-{key}")
     if os.path.isdir(out):
-        return out
+        if sorted(os.listdir(out)) == sorted(want) and all(
+                storage.sha256_file(os.path.join(out, f))[0] == h for f, h in want.items()):
+            return out
+        shutil.rmtree(out, ignore_errors=True)
     stage = f"{out}.stage-{os.getpid()}"
     shutil.rmtree(stage, ignore_errors=True)
     os.makedirs(stage)
-    for e in manifest["files"]:
-        plain = e["unpacks_to"]["file"] if e.get("unpacks_to") else e["file"]
+    for plain in want:
         with storage.open(packed_files.local(os.path.join(directory, plain)), "rb") as f, \
                 open(os.path.join(stage, plain), "wb") as g:
             shutil.copyfileobj(f, g)

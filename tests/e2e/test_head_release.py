@@ -66,6 +66,10 @@ def test_release_layout_and_manifest(released):
     served = hr.unpacked_release(release)
     assert sorted(os.listdir(served)) == ["config.json", "model.safetensors"]
     assert open(os.path.join(served, "model.safetensors"), "rb").read() == raw
+    with open(os.path.join(served, "model.safetensors"), "r+b") as f:  # an altered cached copy is written again
+        f.write(b"x")
+    assert hr.unpacked_release(release) == served
+    assert open(os.path.join(served, "model.safetensors"), "rb").read() == raw
 
 
 @pytest.mark.slow
