@@ -42,13 +42,19 @@ def pack(path: str) -> str:
     return out
 
 
-def unpacked_digest(packed: str) -> tuple[str, int]:
-    """sha256 and size of what ``packed`` (local or remote) decompresses to, streamed."""
-    h, n = hashlib.sha256(), 0
+def _unpacked_chunks(packed: str):
+    """What ``packed`` (local or remote) decompresses to, a chunk at a time."""
     with storage.open(packed, "rb") as f, lzma.open(f, "rb") as z:
         while chunk := z.read(_CHUNK):
-            h.update(chunk)
-            n += len(chunk)
+            yield chunk
+
+
+def unpacked_digest(packed: str) -> tuple[str, int]:
+    """sha256 and size of what ``packed`` decompresses to, streamed."""
+    h, n = hashlib.sha256(), 0
+    for chunk in _unpacked_chunks(packed):
+        h.update(chunk)
+        n += len(chunk)
     return h.hexdigest(), n
 
 
@@ -65,8 +71,8 @@ def local(path: str) -> str:
     os.makedirs(dest_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=".unpacking-")
     try:
-        with os.fdopen(fd, "wb") as g, storage.open(path + SUFFIX, "rb") as f, lzma.open(f, "rb") as z:
-            while chunk := z.read(_CHUNK):
+        with os.fdopen(fd, "wb") as g:
+            for chunk in _unpacked_chunks(path + SUFFIX):
                 g.write(chunk)
         os.replace(tmp, dest)
     finally:
