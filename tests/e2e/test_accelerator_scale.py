@@ -9,6 +9,8 @@ import pytest
 import os
 import subprocess
 
+from tests.helpers.xla_env import SINGLE_DEVICE
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -16,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_dry_run_writes_every_stage_and_resumes(tmp_path):
     out = tmp_path / "acc"
     env = dict(os.environ, DRY_RUN="1", OUT=str(out), PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one device, as on the GPU node
+    env["XLA_FLAGS"] = SINGLE_DEVICE  # one device, as on the GPU node; the suite's code generation (LLVM -O1)
     p = subprocess.run(["bash", os.path.join(REPO, "experiments", "accelerator_scale.sh")], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]

@@ -175,8 +175,8 @@ def test_every_local_device_generates_and_the_output_is_what_one_device_writes(t
             f.write(json.dumps({"id": f"q{i}", "conversations": turns}) + "\n")
     common = ["--model", str(model), "--input", str(data), "--max_new_tokens", "8", "--batch_size", "2",
               "--max_prompt_len", "64"]
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    # no device count (--cpu_devices sets it), the suite's code generation (LLVM -O1)
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS=SINGLE_DEVICE)
     one, four = tmp_path / "one.jsonl", tmp_path / "four.jsonl"
     p = _cli(common + ["--output", str(one), "--devices", "1", "--cpu_devices", "4"], env)
     assert p.wait(600) == 0, p.stderr.read()[-3000:]
