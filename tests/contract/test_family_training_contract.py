@@ -1,6 +1,7 @@
 """The training contract, checked for every record of the drafter-family registry that trains
 (``confu_jax.catalog``: the entries with a training task): its ``tiny_config`` trains on the random tiny target;
-a run killed after step 7 and started again logs the uninterrupted run's losses exactly; every export
+a run killed after step 11 and started again computes the steps after its last checkpoint to exactly the
+losses the killed (so far uninterrupted) run logged for them; every export
 format the record lists, written by ``launch.export_head`` from the resumed run, loads back through the
 record's loader to the run's own drafter weights. A family added to the registry is checked here without
 a line of its own (apart from this file, ``tests/contract/test_family_contract.py`` decodes with every record).
@@ -27,8 +28,9 @@ TRAINED = sorted(e.name for e in catalog.training())
 @pytest.mark.slow
 @pytest.mark.parametrize("family", TRAINED)
 def test_training_resumes_after_a_kill_and_every_export_loads_back(family, tmp_path):
-    """The record's tiny config trains 12 steps; a run killed after step 7 and started again logs the
-    uninterrupted run's losses exactly; every export format of the record, written by ``launch.export_head``
+    """The record's tiny config trains 12 steps; a run killed after step 11 and started again recomputes the
+    steps after its last checkpoint to the killed run's losses exactly (tests/helpers/train_resume.py); every
+    export format of the record, written by ``launch.export_head``
     from the resumed run, loads back through the record's loader to the run's own drafter weights."""
     from tests.helpers.train_resume import assert_killed_run_resumes, tiny_run_config
 
