@@ -38,14 +38,16 @@ def _plans(rec, dp, platform: str) -> list:
     the sampled one alone)."""
     default = rec.default_plan(dp)
     limit = rec.max_depth(dp) if rec.max_depth else None
+    sampled = default
     for text in (*rec.trees[:1], "tree:2,2,1", "dynamic:3,2,5", "ddtree:5,3", "chain:2"):
         try:
             depth = rec.parse(text).max_depth
         except ValueError:
             continue
         if text != default and (limit is None or depth <= limit):
-            return [(default, 0.0), (text, 1.0)][platform == "gpu":]
-    return [(default, 0.0), (default, 1.0)][platform == "gpu":]
+            sampled = text
+            break
+    return ([] if platform == "gpu" else [(default, 0.0)]) + [(sampled, 1.0)]
 
 
 @pytest.mark.parametrize("platform", sorted(TOPOLOGIES))

@@ -102,7 +102,7 @@ def assert_killed_run_resumes(tmp_path, config_file: str, kill_at: int = 11) -> 
     killed_eval = read_csv(os.path.join(workdir, "eval.csv"))
     p = run_training(config_file, workdir, 0, env)  # the same command again: resumes from the last checkpoint
     assert p.returncode == 0, p.stderr[-3000:]
-    steps = int(tiny_run_config(config_file).train.steps)
+    steps = SHORT_RUN["train.steps"]
     rows = read_csv(os.path.join(workdir, "metrics.csv"))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     again = [s for s in resumed_steps(p.stdout) if s <= kill_at]
