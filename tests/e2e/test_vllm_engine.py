@@ -12,7 +12,9 @@ within 5 % (docs/interop.md "Serving").
 The prompts are MT-Bench first turns, one per category, drawn with a seed no other test or
 benchmark uses (7): nothing here was tuned to them. vLLM runs in its own environment as a
 subprocess (``experiments/vllm_cpu.py``) on token ids our tokenizer produced, in float32 like our
-loop, with ``enforce_eager``.
+loop, with ``enforce_eager``. The offline engines (AR, the official layout, Medusa, DFlash, P-EAGLE) run one
+after another in one such process (its ``--runs``: one import of vLLM, each engine torn down before the next);
+the server is a process of its own, and its counters must equal the offline engine's for the same weights.
 """
 
 from __future__ import annotations
@@ -41,14 +43,26 @@ def vllm_python() -> pathlib.Path:
     return engine_python("CONFU_JAX_VLLM_VENV", ".venv-vllm", "vLLM's CPU build", "launch/vllm_cpu_venv.sh")
 
 
-def run_vllm(out_dir: pathlib.Path, name: str, model: pathlib.Path, prompts: pathlib.Path, *extra: str) -> dict:
-    out = out_dir / f"{name}.json"
+def run_vllm(model: pathlib.Path, prompts: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    proc = subprocess.run([str(vllm_python()), str(RUNNER), "--model", str(model), "--prompts", str(prompts),
-                           "--out", str(out), "--max_tokens", str(MAX_TOKENS), "--dtype", "float32", "--eager",
-                           *extra], capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, f"vLLM run {name!r} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(out.read_text())
+    return subprocess.run([str(vllm_python()), str(RUNNER), "--model", str(model), "--prompts", str(prompts),
+                           "--max_tokens", str(MAX_TOKENS), "--dtype", "float32", "--eager", *extra],
+                          capture_output=True, text=True, env=env, timeout=1800)
+
+
+def run_offline(out_dir: pathlib.Path, model: pathlib.Path, prompts: pathlib.Path, runs: dict) -> dict:
+    """{name: result} of one ``--runs`` process: each run's JSON, or {"error": ..., "stderr": ...} for a run that
+    failed (the others still ran)."""
+    spec = out_dir / "runs.json"
+    spec.write_text(json.dumps([{"out": str(out_dir / f"{name}.json"), **r} for name, r in runs.items()]))
+    proc = run_vllm(model, prompts, "--runs", str(spec))
+    results = {}
+    for name in runs:
+        out = out_dir / f"{name}.json"
+        results[name] = json.loads(out.read_text()) if out.exists() else {"error": "no output"}
+        if "error" in results[name]:
+            results[name]["stderr"] = proc.stderr[-4000:]
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +108,26 @@ def served(tmp_path_factory):
                   peagle.drafter_params.draft_vocab["t2d"], embed=np.asarray(embedding_table(weights)),
                   verifier=str(d / "smollm2"), depth=DEPTH)
     assert set(EXPORT_FORMATS) >= {"eagle3", "speculators", "medusa", "dflash", "peagle"}
-    ar = run_vllm(d, "ar", d / "smollm2", d / "prompts.json")
+    from confu_jax.runs.head_release import unpacked_release
+
+    def spec(method, model, **extra):
+        return {"spec_method": method, "spec_model": str(model), "k": DEPTH, **extra}
+
+    # vLLM reads model.safetensors, not the release's packed file: the folder of plain files
+    runs = run_offline(d, d / "smollm2", d / "prompts.json", {
+        "ar": {}, "eagle3_official": spec("eagle3", unpacked_release(str(RELEASED_E3)), per_prompt=True),
+        "medusa": spec("medusa", d / "medusa"), "dflash": spec("dflash", d / "dflash"),
+        "peagle": spec("eagle3", d / "peagle", parallel_drafting=True)})
+    ar = runs["ar"]
+    assert "error" not in ar, f"vLLM's AR run failed: {ar}"
     assert ar["drafts"] == 0 and len(ar["tokens"]) == len(ids)
-    return {"dir": d, "ids": ids, "ar": ar, "cfg": cfg, "weights": weights}
+    return {"dir": d, "ids": ids, "ar": ar, "cfg": cfg, "weights": weights, "runs": runs}
 
 
-def _spec(served, name, method, model, *extra) -> dict:
-    d = served["dir"]
-    out = run_vllm(d, name, d / "smollm2", d / "prompts.json", "--spec_method", method, "--spec_model", str(model),
-                   "--k", str(DEPTH), *extra)
+def _spec(served, name, out=None) -> dict:
+    """Run ``name``'s result (or ``out``, a run of its own): no error, greedy output = vLLM's AR, drafts counted."""
+    out = served["runs"][name] if out is None else out
+    assert "error" not in out, f"vLLM run {name!r} failed: {out['error']}\n{out.get('stderr', '')}"
     ar = served["ar"]["tokens"]
     same = [a == b for a, b in zip(ar, out["tokens"])]
     assert all(same), f"vLLM {name}: greedy speculative output differs from vLLM's AR in rows {np.flatnonzero(~np.array(same))}"
@@ -134,10 +159,7 @@ def _our_tau(served) -> tuple[float, list]:
 
 
 def test_released_eagle3_official_and_speculators_layouts(served, tmp_path):
-    from confu_jax.runs.head_release import unpacked_release
-
-    # vLLM reads model.safetensors, not the release's packed file: the folder of plain files
-    official = _spec(served, "eagle3_official", "eagle3", unpacked_release(str(RELEASED_E3)), "--per_prompt")
+    official = _spec(served, "eagle3_official")
     # each prompt's counters add up to the run's, and acceptance by draft position only falls (a draft
     # token is accepted only after every one before it)
     for key in ("drafts", "draft_tokens", "accepted"):
@@ -153,7 +175,11 @@ def test_released_eagle3_official_and_speculators_layouts(served, tmp_path):
     config = json.loads((converted / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
     # served by vLLM's OpenAI-compatible server, started with the command docs/interop.md gives
-    speculators = _spec(served, "eagle3_speculators", "eagle3", converted, "--serve")
+    d = served["dir"]
+    proc = run_vllm(d / "smollm2", d / "prompts.json", "--out", str(d / "eagle3_speculators.json"), "--serve",
+                    "--spec_method", "eagle3", "--spec_model", str(converted), "--k", str(DEPTH))
+    assert proc.returncode == 0, f"vLLM's server run failed:\n{proc.stderr[-4000:]}"
+    speculators = _spec(served, "eagle3_speculators", json.loads((d / "eagle3_speculators.json").read_text()))
     # the same weights in two layouts: the same drafts, so the same acceptance
     assert speculators["tokens"] == official["tokens"]
     assert (speculators["drafts"], speculators["accepted"]) == (official["drafts"], official["accepted"])
@@ -169,13 +195,13 @@ def test_released_eagle3_official_and_speculators_layouts(served, tmp_path):
 
 @pytest.mark.parametrize("method", ["medusa", "dflash"])
 def test_other_families_served(served, method):
-    _spec(served, method, method, served["dir"] / method)
+    _spec(served, method)
 
 
 def test_peagle_served_with_parallel_drafting(served):
     """Our P-EAGLE export (speculators' peagle layout) in vLLM's eagle3 proposer with parallel drafting:
     greedy output = vLLM's AR, and each speculative step drafts DEPTH tokens from the one pass."""
-    out = _spec(served, "peagle", "eagle3", served["dir"] / "peagle", "--parallel_drafting")
+    out = _spec(served, "peagle")
     assert out["speculative_config"]["parallel_drafting"] is True
     assert out["draft_tokens"] == DEPTH * out["drafts"]
 
