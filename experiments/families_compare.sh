@@ -17,6 +17,14 @@
 #   bash experiments/families_compare.sh bench2026   # on a quiet CPU
 #   bash experiments/families_compare.sh table2026   # docs/results/drafters2026.{md,json}
 #
+# The drafters of late 2026 on the same budget: JetSpec, DFlash2 and Domino trained by train2026's protocol (its
+# batches, schedule and step; DFlash's 32 anchors a row), decoded with chain:3 and 8-node trees (DDTree's, and
+# JetSpec's own one-pass accum_logp tree) at T = 0 and 1 on MT-Bench and the grounded set, and tabled beside the
+# drafters of 2026 (their bench2026 results, paired by question: same prompts and seed):
+#   bash experiments/families_compare.sh train_late2026   # ~50 min; resumes after a kill
+#   bash experiments/families_compare.sh bench_late2026   # on a quiet CPU
+#   bash experiments/families_compare.sh table_late2026   # docs/results/drafters_late2026.{md,json}
+#
 # D-PACE against DFlash's default objective (SpecForge's two DFlash losses; docs/training.md): DFlash trained
 # again with --config.dflash.loss_type=dpace, everything else equal (the train2026 run's batches, schedule and
 # step), both decoded on the same questions and compared paired by question (τ ratio dpace / default):
@@ -92,6 +100,42 @@ train2026)
     # drafting the next token)
     train dspark configs/smollm2_dspark.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS \
         --config.dspark.num_anchors=32
+    ;;
+train_late2026)
+    # JetSpec is DFlash's config with a causal head (32 anchors already); DFlash2's and Domino's configs draw 64
+    # blocks a row, set to DFlash's 32 so all read the same blocks. Domino's base-loss weight decays over
+    # train.steps (SpecForge's linear_lambda_base): ratio 2 makes it reach 0 at the schedule's end, step STEPS,
+    # as it would in the 200-step run these 100 steps are the first half of
+    train jetspec configs/smollm2_jetspec.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS
+    train dflash2 configs/smollm2_dflash2.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS \
+        --config.dflash2.num_anchors=32
+    train domino configs/smollm2_domino.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS \
+        --config.domino.num_anchors=32 --config.domino.lambda_base_decay_ratio=$(python -c "print($STEPS / $FAMILY_STEPS)")
+    ;;
+bench_late2026)
+    # one run a set (its own AR row): chain:3, DDTree's 8-node tree for all three, JetSpec's own 8-node tree of
+    # fan-out 4 and depth 3 (accum_logp: DFlash2 and Domino condition each slot on the draft before it, so they
+    # skip it)
+    T=${FAMILIES_TOKENS:-64}
+    for set in ${FAMILIES_SETS:-mtbench:2 grounded:2}; do
+        IFS=: read -r name n <<< "$set"
+        nice -n 5 python -m launch.decode_bench --methods ar,jetspec,dflash2,domino \
+            --heads "jetspec=$OUT/jetspec,dflash2=$OUT/dflash2,domino=$OUT/domino" \
+            --budgets chain:3,ddtree:8,3,accum_logp:8,4,3 --prompts "$name" --n_per_category "$n" \
+            --temperatures 0,1 --max_new_tokens "$T" --out "docs/results/drafters_late2026_${name}.json"
+    done
+    ;;
+table_late2026)
+    args=()
+    for name in mtbench grounded; do
+        [ -f "docs/results/drafters_late2026_${name}.json" ] || continue
+        args+=(--results "$name=docs/results/drafters2026_${name}_eagle3.json"
+               --results "$name=docs/results/drafters2026_${name}_block.json"
+               --results "$name=docs/results/drafters_late2026_${name}.json")
+    done
+    python -m launch.families_table --runs "$OUT" --methods eagle3,peagle,dflash,dspark,jetspec,dflash2,domino \
+        --training_from docs/results/drafters2026.json --at_step eagle3=$FAMILY_STEPS "${args[@]}" \
+        --out docs/results/drafters_late2026
     ;;
 dpace)
     train dflash configs/smollm2_dflash.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS
@@ -171,7 +215,7 @@ table)
         --out docs/results/confu_equal
     ;;
 *)
-    echo "usage: $0 train|bench|table|train2026|bench2026|table2026|dpace" >&2
+    echo "usage: $0 train|bench|table|train2026|bench2026|table2026|train_late2026|bench_late2026|table_late2026|dpace" >&2
     exit 2
     ;;
 esac

@@ -42,6 +42,8 @@ flags.DEFINE_list("branch", [], "METHOD=PARENT@STEP: runs started from a parent'
                   "(their steps and wall time include the parent's up to STEP)")
 flags.DEFINE_list("at_step", [], "METHOD=STEP: a run's checkpoint at STEP instead of its last (the head "
                   "decode_bench measured for it; wall time prorated)")
+flags.DEFINE_string("training_from", None, "an earlier families_table JSON: the families named in its training "
+                    "table take their record from it (the heads its results files measured), the rest from --runs")
 flags.DEFINE_string("mtbench", None, "decode_bench results on MT-Bench")
 flags.DEFINE_string("heldout", None, "decode_bench results on held-out conversations")
 flags.DEFINE_multi_string("results", [], "SET=FILE[:METHOD=NAME,...]: decode_bench results measured on prompt set "
@@ -95,8 +97,9 @@ def main(argv):
         raise app.UsageError("expected either --mtbench and --heldout, or --results SET=FILE (repeated); got "
                              f"--mtbench={FLAGS.mtbench!r} --heldout={FLAGS.heldout!r} --results={FLAGS.results}")
     branches, at_steps = _branches(FLAGS.branch), _at_steps(FLAGS.at_step)
-    records = {}
-    for method in sorted(FLAGS.methods, key=lambda m: m in branches):  # parents first
+    earlier = families.read_training_table(FLAGS.training_from) if FLAGS.training_from else {}
+    records = {m: earlier[m] for m in FLAGS.methods if m in earlier}
+    for method in sorted([m for m in FLAGS.methods if m not in records], key=lambda m: m in branches):  # parents first
         records[method] = families.read_training(FLAGS.runs, method, branches.get(method), records,
                                                  at_step=at_steps.get(method))
     if FLAGS.results:

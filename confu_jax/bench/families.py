@@ -67,6 +67,24 @@ def _last_checkpoint(workdir: str) -> int:
     return max(steps)
 
 
+def read_training_table(path: str) -> dict[str, TrainingRecord]:
+    """{method: TrainingRecord} from an earlier ``launch.families_table --results`` output (its ``training``
+    list): the records of heads whose results files come from that run, when their workdirs are gone (a
+    later comparison tables new families beside them, paired by question on the same prompts and seed)."""
+    with storage.open(path) as f:
+        table = json.load(f)
+    if not isinstance(table, dict) or not isinstance(table.get("training"), list):
+        raise ValueError(f"{path}: expected a launch.families_table JSON with a 'training' list; got "
+                         f"{sorted(table) if isinstance(table, dict) else type(table).__name__}")
+    out = {}
+    for r in table["training"]:
+        parent = tuple(r["parent"]) if r.get("parent") else None
+        out[r["method"]] = TrainingRecord(method=r["method"], steps=int(r["steps"]), rows=int(r["rows"]),
+                                          length=int(r["length"]), wall_s=r.get("wall_s"),
+                                          trainable_params=r.get("trainable_params"), parent=parent)
+    return out
+
+
 def read_training(runs_dir: str, method: str, parent: Optional[tuple[str, int]] = None,
                   records: Optional[Mapping[str, TrainingRecord]] = None,
                   at_step: Optional[int] = None) -> TrainingRecord:

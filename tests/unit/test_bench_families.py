@@ -179,3 +179,21 @@ def test_cli_writes_the_grid_from_result_files(tmp_path):
     # the first --results kept, --mtbench beside it
     bad = subprocess.run(cmd[:-4] + ["--mtbench", str(main)], capture_output=True, text=True, cwd=repo)
     assert bad.returncode != 0 and "expected either --mtbench and --heldout, or --results" in bad.stderr
+    # a later table of new families beside these: the records of heads whose workdirs are gone come from this
+    # table's JSON, exactly as they were read
+    first = json.load(open(out + ".json"))
+    earlier = families.read_training_table(out + ".json")
+    assert [dataclasses.asdict(earlier[m]) for m in ("eagle3", "eagle31", "medusa")] == first["training"]
+    import shutil
+    shutil.rmtree(os.path.join(root, "eagle3"))
+    os.remove(os.path.join(root, "eagle3.log"))
+    with open(os.path.join(root, "medusa.log"), "a") as f:  # a later resumed run: the table's record still wins
+        f.write("medusa wall 60.0 s\n")
+    later = subprocess.run(cmd[:-2] + ["--training_from", out + ".json", "--out", out + "_later"],
+                           capture_output=True, text=True, cwd=repo)
+    assert later.returncode == 0, later.stderr[-2000:]
+    training = {r["method"]: r for r in json.load(open(out + "_later.json"))["training"]}
+    assert training["eagle3"] == first["training"][0] and training["medusa"]["wall_s"] == 120.0
+    assert json.load(open(out + "_later.json"))["grid"] == first["grid"]
+    with pytest.raises(ValueError, match="expected a launch.families_table JSON with a 'training' list"):
+        families.read_training_table(str(main))
