@@ -164,7 +164,7 @@ TINY = dict(  # the CPU dry run: same stages and flags, a tiny model, a dozen co
     replan=0, train_s=900, min_steps=2, ttt_steps=2, k_train=8, draft_vocab=64, draft_vocab_records=0, warmup=1,
     ckpt_every=2, eval_every=0, eval_batches=0, milestones="1", num_workers=0, log_every=1, bench_budgets="chain:3",
     bench_prompts="mtbench:1", bench_n_per_category=0, bench_max_new=8, bench_calibration="", bench_min_bucket=64,
-    bench_s=900, call_s=1800, total_s=3600, margin_s=5, repo_releases="", families="medusa,mlp_speculator")
+    bench_s=900, call_s=1800, total_s=3600, margin_s=5, repo_releases="", families="medusa")
 # A lent machine with 15 minutes of device time (the usual loan since 2026-11): no generation (the
 # repository's releases hold 4.1 M answer tokens), both trainings and a short benchmark in call 2,
 # a third call only for what did not fit. Heads with an 8192-token draft vocabulary: both fit one
