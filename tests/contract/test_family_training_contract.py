@@ -19,7 +19,6 @@ from confu_jax import catalog
 from confu_jax.decode import families
 from confu_jax.decode.families import METHODS
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINED = sorted(e.name for e in catalog.training())
 
 
