@@ -107,10 +107,10 @@ train_late2026)
     # train.steps (SpecForge's linear_lambda_base): ratio 2 makes it reach 0 at the schedule's end, step STEPS,
     # as it would in the 200-step run these 100 steps are the first half of
     train jetspec configs/smollm2_jetspec.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS
-    train dflash2 configs/smollm2_dflash2.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS \
-        --config.dflash2.num_anchors=32
     train domino configs/smollm2_domino.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS \
         --config.domino.num_anchors=32 --config.domino.lambda_base_decay_ratio=$(python -c "print($STEPS / $FAMILY_STEPS)")
+    train dflash2 configs/smollm2_dflash2.py $FAMILY_STEPS --config.train.optim.schedule_steps=$STEPS \
+        --config.dflash2.num_anchors=32
     ;;
 bench_late2026)
     # one run a set (its own AR row): chain:3, DDTree's 8-node tree for all three, JetSpec's own 8-node tree of

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from confu_jax.decode.sampling import sample, target_probs
+from confu_jax.models import top_k as top_k_lib
 
 
 class DraftTree(NamedTuple):
@@ -146,11 +147,10 @@ def _map_tokens(idx, d2t_v):
 
 
 def stable_top_k(x_bn: jax.Array, k: int) -> Tuple[jax.Array, jax.Array]:
-    """Top-k along the last axis, ties broken towards the lower index (guaranteed, not hoped)."""
-    n = x_bn.shape[-1]
-    iota = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), x_bn.shape)
-    neg_sorted, idx_sorted = jax.lax.sort((-x_bn, iota), dimension=-1, num_keys=2)
-    return -neg_sorted[..., :k], idx_sorted[..., :k]
+    """Top-k along the last axis, ties broken towards the lower index: ``models.top_k`` (one 2-D TopK; the
+    stable sort this was, ``lax.sort((-x, iota))``, gives the same values and indices — tests/unit/test_top_k.py —
+    and cost a full sort of the vocabulary at every best-first pop on CPU)."""
+    return top_k_lib.top_k(x_bn, k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def draft_static_tree(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array,
         if k_max > logp_bkv.shape[-1]:
             raise ValueError(f"draft_static_tree: a path asks for child rank {k_max - 1} but the "
                              f"draft vocabulary has only {logp_bkv.shape[-1]} tokens")
-        top_lp_bkr, top_bkr = jax.lax.top_k(logp_bkv, k_max)
+        top_lp_bkr, top_bkr = top_k_lib.top_k(logp_bkv, k_max)
         top_bkr = _map_tokens(top_bkr, d2t_v)
         pos = np.array([list(nodes).index(parents[c]) for c in children])
         tokens_bt = tokens_bt.at[:, children].set(top_bkr[:, pos, rank[children]])
@@ -413,7 +413,7 @@ def draft_dynamic_tree(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array,
         frontier = Frontier(tok_bk, front_parent_slot, anc, d, slot_offset, n_scratch)
         logp_bkv, state = expand_fn(state, frontier)
         _check_logp(logp_bkv, b, top_k, d)
-        val_bkk, idx_bkk = jax.lax.top_k(logp_bkv, top_k)
+        val_bkk, idx_bkk = top_k_lib.top_k(logp_bkv, top_k)
         cand_cum = (cum_bk[:, :, None] + val_bkk).reshape(b, top_k * top_k)
         cand_tok = _map_tokens(idx_bkk, d2t_v).reshape(b, top_k * top_k)
         cand_parent = jnp.repeat(front_pool_idx, top_k, axis=1)

@@ -35,6 +35,7 @@ import numpy as np
 
 from confu_jax.models.dflash import DECODE_SCALARS, conv_setting, init_dflash
 from confu_jax.models.llama import LlamaConfig
+from confu_jax.models import top_k as top_k_lib
 
 EXTRA = ("selector",)
 SCALARS = DECODE_SCALARS + ("top_k",)
@@ -102,8 +103,8 @@ def candidate_scores(params: dict, unary_k: jax.Array, cand_k: jax.Array, contex
 
 def top_candidates(unary_v: jax.Array, k: int):
     """(ids [..., K], unary logits [..., K]): the serving candidate set, the unary top-K."""
-    vals, ids = jax.lax.top_k(unary_v.astype(jnp.float32), k)
-    return ids.astype(jnp.int32), vals
+    vals, ids = top_k_lib.top_k(unary_v.astype(jnp.float32), k)  # one 2-D TopK (models.top_k says why)
+    return ids, vals
 
 
 def scores_to_logits(scores_k: jax.Array, cand_k: jax.Array, vocab: int) -> jax.Array:
