@@ -218,6 +218,25 @@ def test_formats_vllm_refuses_are_named(tmp_path, method):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_runs_file_is_checked_before_an_engine_starts(tmp_path):
+    """``--runs``: a run with an unknown key or a format vLLM does not serve, or --out beside --runs, is refused
+    naming what was expected, before vLLM is imported (this interpreter has none) or anything is written."""
+    def runner(*args):
+        return subprocess.run([sys.executable, str(RUNNER), "--model", "unused", "--prompts", "unused", *args],
+                              capture_output=True, text=True)
+
+    runs = tmp_path / "runs.json"
+    for spec, want in (([{"out": str(tmp_path / "a.json"), "spec_mdoel": "x"}], "has keys ['spec_mdoel']"),
+                       ([{"out": str(tmp_path / "a.json"), "spec_method": "mtp"}], "vLLM does not serve it"),
+                       ([{"spec_method": "eagle3"}], "objects with an 'out' each")):
+        runs.write_text(json.dumps(spec))
+        proc = runner("--runs", str(runs))
+        assert proc.returncode == 2 and want in proc.stderr, proc.stderr
+    proc = runner("--runs", str(runs), "--out", str(tmp_path / "b.json"))
+    assert proc.returncode == 2 and "expected exactly one of --out and --runs" in proc.stderr
+    assert not (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
+
+
 def test_a_vllm_outside_the_pinned_release_is_one_line(tmp_path):
     """The runner's calls (metrics names, ``LLM`` arguments) were checked against the pinned release
     only: another version is refused in one line, before an engine starts or anything is written."""
