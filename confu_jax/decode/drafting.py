@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from confu_jax.decode import cpu_packing
 from confu_jax.decode import tree as tree_lib
+from confu_jax.models import top_k as top_k_lib
 from confu_jax.decode.drafter import DraftInput, PlanDrafter, PrefillView, Proposal, VerifiedPass
 from confu_jax.decode.family import DrafterFamily, Method, source_path
 from confu_jax.decode.loaded import LoadedDrafter, check_release, head_weights
@@ -285,7 +286,7 @@ def contemplate_nodes(has_future: bool, plan: DraftPlan, tree: tree_lib.DraftTre
     if score_bt is None:
         return jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
     score = jnp.where(tree.valid_bt, score_bt, -jnp.inf).at[:, 0].set(0.0)
-    _, idx = tree_lib.stable_top_k(score, m)
+    _, idx = top_k_lib.top_k(score, m)
     return jnp.sort(idx, axis=1).astype(jnp.int32)
 
 

@@ -146,13 +146,6 @@ def _map_tokens(idx, d2t_v):
     return idx.astype(jnp.int32) if d2t_v is None else jnp.asarray(d2t_v, jnp.int32)[idx]
 
 
-def stable_top_k(x_bn: jax.Array, k: int) -> Tuple[jax.Array, jax.Array]:
-    """Top-k along the last axis, ties broken towards the lower index: ``models.top_k`` (one 2-D TopK; the
-    stable sort this was, ``lax.sort((-x, iota))``, gives the same values and indices — tests/unit/test_top_k.py —
-    and cost a full sort of the vocabulary at every best-first pop on CPU)."""
-    return top_k_lib.top_k(x_bn, k)
-
-
 # --------------------------------------------------------------------------------------------
 # Static trees
 
@@ -421,7 +414,7 @@ def draft_dynamic_tree(expand_fn: ExpandFn, state: Any, root_token_b: jax.Array,
         pool_cum.append(cand_cum)
         pool_parent.append(cand_parent)
         # next frontier: candidate j = slot*top_k + rank
-        cum_bk, sel = stable_top_k(cand_cum, top_k)
+        cum_bk, sel = top_k_lib.top_k(cand_cum, top_k)
         tok_bk = jnp.take_along_axis(cand_tok, sel, axis=1)
         front_parent_slot = sel // top_k
         front_pool_idx = pool_offset + sel
@@ -438,7 +431,7 @@ def _keep_top_nodes(root_token_b, pool_tok, pool_cum, pool_parent, n_nodes: int,
     cumulative draft log-probability, in pool order (topological, siblings in rank order)
     -> (tree, cum_logp_bt)."""
     b, pool = pool_tok.shape
-    _, keep = stable_top_k(pool_cum, n_nodes - 1)
+    _, keep = top_k_lib.top_k(pool_cum, n_nodes - 1)
     keep = jnp.sort(keep, axis=1)  # pool order is topological
     rows = jnp.arange(b)[:, None]
     pool_to_node = jnp.full((b, pool), -1, jnp.int32).at[rows, keep].set(
@@ -515,7 +508,7 @@ def draft_fanout_tree(logp_bdv: jax.Array, root_token_b: jax.Array, *, n_nodes: 
         raise ValueError(f"draft_fanout_tree: n_nodes={n_nodes} must be >= 2 and fanout={fanout} >= 1")
     b, depth, v = logp_bdv.shape
     k = min(int(fanout), v)
-    top_val, top_idx = stable_top_k(logp_bdv, k)  # [B,D,k]
+    top_val, top_idx = top_k_lib.top_k(logp_bdv, k)  # [B,D,k]
     top_tok = _map_tokens(top_idx, d2t_v)
     rows = jnp.arange(b)
     nodes = dict(token=jnp.zeros((b, n_nodes), jnp.int32).at[:, 0].set(root_token_b),
@@ -581,7 +574,7 @@ def draft_best_first_tree(children_fn, root_token_b: jax.Array, *, n_nodes: int,
     k = min(n_nodes - 1, logp0.shape[-1])
 
     def top(logp_bv):
-        val, idx = stable_top_k(jnp.asarray(logp_bv, jnp.float32), k)
+        val, idx = top_k_lib.top_k(jnp.asarray(logp_bv, jnp.float32), k)
         return val, _map_tokens(idx, d2t_v)
 
     val0, tok0 = top(logp0)
