@@ -4,7 +4,7 @@ multi-process run's).
 
 The commands are read from the document's ``bash`` blocks (so the document cannot drift from what
 works) and run in order with the document's variables set small; ``launch.generate`` gets
-``--print_ids``, ``launch.decode_bench`` one prompt width (``--min_bucket``). Then the properties each step promises: data written and reloaded, EAGLE-3's loss
+``--print_ids``, ``launch.decode_bench`` one prompt width (``--min_bucket``), the two-process run 2 steps. Then the properties each step promises: data written and reloaded, EAGLE-3's loss
 falls, ConFu starts from EAGLE-3, the speculators export loads in speculators' own model (the target's
 class named as verifier) with our logits, every head decodes exactly the AR tokens, the benchmark is
 lossless.
@@ -88,7 +88,7 @@ def _run_document(model, work, skip=()):
         steps = []
         if "launch/local_multiprocess.sh" in cmd:
             # two processes x 2 devices: what is asserted of it (the default batch, finite logged losses) needs
-            # one logged step; the run's last step is always logged (its 24 steps were ~20 s of this test)
+            # one logged step; the run's last step is always logged (24 steps took 34 s here, 2 take 25)
             steps = ["export STEPS=2"]
         script = "set -euo pipefail\n" + "\n".join(exports + steps) + "\n" + cmd
         r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
