@@ -3,7 +3,10 @@
 Why: XLA:CPU (jaxlib 0.10.2) keeps a TopK of rank > 2 inside a larger program as a full, single-threaded sort
 of every row (``sort(values, iota), is_stable=true``): DFlash2's train step at SmolLM2's vocabulary sorted
 [4, 32, 16, 49152] twice a step (the candidates and their recomputation) and took 57 s, 14 s with this
-reshape (docs/RESULTS.md, the drafters of late 2026). The same reshape is free on every other backend.
+reshape (docs/RESULTS.md, the drafters of late 2026). It is not free elsewhere: XLA:TPU held the flattened
+candidates as a copy, and DFlash2's Llama-3.1-8B step on v5e-8 (rows of 4096, batch 8) went from 17.55 to 19.34 GiB
+a chip. So the reshape is taken only when compiling for a CPU (``devices.compile_platform``: the platform compiled
+for, not the host's); every other platform gets ``lax.top_k`` as is (the same values and indices).
 
 Ties: the lower index first — XLA's TopK semantics, and what the decode trees' brute-force references assume;
 ``tests/unit/test_top_k.py`` checks it against a stable sort on tie-heavy inputs.
@@ -18,7 +21,12 @@ import jax.numpy as jnp
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """(values [..., k], int32 indices [..., k]) of the ``k`` largest entries of each row of ``x`` [..., N],
     largest first, ties to the lower index."""
+    from confu_jax.devices import compile_platform
+
     x = jnp.asarray(x)
     lead = x.shape[:-1]
+    if x.ndim <= 2 or compile_platform() != "cpu":
+        vals, idx = jax.lax.top_k(x, k)
+        return vals, idx.astype(jnp.int32)
     vals, idx = jax.lax.top_k(x.reshape(-1, x.shape[-1]), k)
     return vals.reshape(lead + (k,)), idx.astype(jnp.int32).reshape(lead + (k,))
