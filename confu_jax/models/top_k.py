@@ -1,4 +1,4 @@
-"""Top-k along the last axis of an array of any rank, as one two-dimensional ``lax.top_k``.
+"""Top-k along the last axis of an array of any rank; compiled for a CPU, as one two-dimensional ``lax.top_k``.
 
 Why: XLA:CPU (jaxlib 0.10.2) keeps a TopK of rank > 2 inside a larger program as a full, single-threaded sort
 of every row (``sort(values, iota), is_stable=true``): DFlash2's train step at SmolLM2's vocabulary sorted
@@ -24,9 +24,9 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     from confu_jax.devices import compile_platform
 
     x = jnp.asarray(x)
-    lead = x.shape[:-1]
     if x.ndim <= 2 or compile_platform() != "cpu":
         vals, idx = jax.lax.top_k(x, k)
         return vals, idx.astype(jnp.int32)
+    lead = x.shape[:-1]
     vals, idx = jax.lax.top_k(x.reshape(-1, x.shape[-1]), k)
     return vals.reshape(lead + (k,)), idx.astype(jnp.int32).reshape(lead + (k,))
