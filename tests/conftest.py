@@ -6,6 +6,12 @@ from tests.helpers.xla_env import EIGHT_DEVICES
 # before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", EIGHT_DEVICES)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread in every OpenMP pool of the run: torch in the pytest processes (the transformers and speculators
+# references), vLLM's CPU build and every other subprocess a test starts inherit it. README command 2 runs two
+# xdist workers on two cores, so a worker has one core: a two-thread pool beside the other worker spins
+# waiting for its descheduled thread and slows both. Measured side by side (docs/install.md, "OpenMP"): the
+# vLLM engine tests beside a compile-bound companion 510 -> 336 s, the companion 323 -> 260 s.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The tests run on the CPU: JAX starts no other backend even where an accelerator plugin is installed
 # (compiling for a topology, tests/compile, works with it set).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -40,7 +40,6 @@ def hf_greedy(setup):
 
     cfg, _, tok, prompts = setup
     gguf = resolve("smollm2-135m-instruct")
-    torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
                                                  dtype=torch.float32)
     model.eval()
