@@ -6,7 +6,9 @@ of every row (``sort(values, iota), is_stable=true``): DFlash2's train step at S
 reshape (docs/RESULTS.md, the drafters of late 2026). It is not free elsewhere: XLA:TPU held the flattened
 candidates as a copy, and DFlash2's Llama-3.1-8B step on v5e-8 (rows of 4096, batch 8) went from 17.55 to 19.34 GiB
 a chip. So the reshape is taken only when compiling for a CPU (``devices.compile_platform``: the platform compiled
-for, not the host's); every other platform gets ``lax.top_k`` as is (the same values and indices).
+for, not the host's); every other platform gets ``lax.top_k`` as is (the same values and indices). Not settled for
+XLA:TPU: at rows of 1,024 the same step needs 16.82 GiB with the rank-4 top-k and 15.25 flattened (the only one
+that fits a v5e chip), so the better form depends on the shape (docs/RESULTS.md, DFlash2's v5e-8 rerun).
 
 Ties: the lower index first — XLA's TopK semantics, and what the decode trees' brute-force references assume;
 ``tests/unit/test_top_k.py`` checks it against a stable sort on tie-heavy inputs.
