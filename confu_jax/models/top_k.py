@@ -1,14 +1,18 @@
-"""Top-k along the last axis of an array of any rank; compiled for a CPU, as one two-dimensional ``lax.top_k``.
+"""Top-k along the last axis of an array of any rank, as one two-dimensional ``lax.top_k`` on every platform.
 
-Why: XLA:CPU (jaxlib 0.10.2) keeps a TopK of rank > 2 inside a larger program as a full, single-threaded sort
-of every row (``sort(values, iota), is_stable=true``): DFlash2's train step at SmolLM2's vocabulary sorted
-[4, 32, 16, 49152] twice a step (the candidates and their recomputation) and took 57 s, 14 s with this
-reshape (docs/RESULTS.md, the drafters of late 2026). It is not free elsewhere: XLA:TPU held the flattened
-candidates as a copy, and DFlash2's Llama-3.1-8B step on v5e-8 (rows of 4096, batch 8) went from 17.55 to 19.34 GiB
-a chip. So the reshape is taken only when compiling for a CPU (``devices.compile_platform``: the platform compiled
-for, not the host's); every other platform gets ``lax.top_k`` as is (the same values and indices). Not settled for
-XLA:TPU: at rows of 1,024 the same step needs 16.82 GiB with the rank-4 top-k and 15.25 flattened (the only one
-that fits a v5e chip), so the better form depends on the shape (docs/RESULTS.md, DFlash2's v5e-8 rerun).
+Why: a TopK of rank > 2 can become a full sort of every row on two of the three compilers, while a
+two-dimensional one is each compiler's own TopK (jaxlib 0.10.2, libtpu 0.0.42, the CUDA 12 plugin; docs/RESULTS.md,
+"Top-k on the hardware's compilers"):
+
+* XLA:CPU keeps a rank > 2 TopK inside a larger program as a full, single-threaded ``sort(values, iota)``:
+  DFlash2's train step at SmolLM2's vocabulary sorted [4, 32, 16, 49152] twice a step and took 57 s, 14 s
+  with this reshape.
+* XLA:TPU lowers a rank > 2 TopK to the same full sort over the vocabulary (two input-sized temporaries, the
+  values and the sorted iota) and a two-dimensional one to its ``TopK`` custom call (one input-sized
+  transposed copy): per v5e chip 1,002 MiB of temporaries against 501. In DFlash2's Llama-3.1-8B step on v5e-8
+  the flattened form is what fits a chip (rows of 1,280 at batch 8: 15.69 GiB; 1,024: 15.25, 16.82 sorted);
+  at rows of 4,096, which fit neither way, XLA's schedule came out 1.8 GiB higher with it.
+* XLA:GPU gives both forms its ``TopK`` custom call: the reshape is free there.
 
 Ties: the lower index first — XLA's TopK semantics, and what the decode trees' brute-force references assume;
 ``tests/unit/test_top_k.py`` checks it against a stable sort on tie-heavy inputs.
@@ -23,10 +27,8 @@ import jax.numpy as jnp
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """(values [..., k], int32 indices [..., k]) of the ``k`` largest entries of each row of ``x`` [..., N],
     largest first, ties to the lower index."""
-    from confu_jax.devices import compile_platform
-
     x = jnp.asarray(x)
-    if x.ndim <= 2 or compile_platform() != "cpu":
+    if x.ndim <= 2:
         vals, idx = jax.lax.top_k(x, k)
         return vals, idx.astype(jnp.int32)
     lead = x.shape[:-1]

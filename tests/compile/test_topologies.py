@@ -107,6 +107,31 @@ def _cli(*args, timeout=600, env_extra=None):
                           timeout=timeout)
 
 
+@pytest.mark.parametrize("name", TARGETS)
+def test_top_k_is_the_compilers_own_top_k_not_a_sort(name):
+    """``models.top_k`` of a rank-3 array compiles to the device's TopK custom call with no sort of the rows
+    (docs/RESULTS.md, "top-k on the hardware's compilers"); ``lax.top_k`` at that rank is a full sort on XLA:TPU
+    (the check has teeth there), the same custom call on XLA:GPU."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from confu_jax.models.top_k import top_k
+
+    device = tp.get_topology(name).devices[0]
+    x = jax.ShapeDtypeStruct((4, 16, 4096), jnp.float32, sharding=SingleDeviceSharding(device))
+
+    def compiled(f):
+        text = jax.jit(f).lower(x).compile().as_text()
+        return re.findall(r"= \(?([a-z0-9]+\[[0-9,]*\])[^=]*? sort\(", text), re.findall(r'custom_call_target="([^"]+)"', text)
+
+    want = {"tpu": "TopK", "gpu": "__gpu$TopK"}[tp.get_topology(name).platform]
+    assert compiled(lambda a: top_k(a, 8)) == ([], [want])
+    assert compiled(lambda a: jax.lax.top_k(a, 8)) == ((["f32[4,16,4096]"], []) if want == "TopK" else ([], [want]))
+
+
 @pytest.mark.slow
 def test_launch_train_answers_will_it_fit_for_a_tpu_pod_and_an_h100_node(tmp_path):
     """The issue's command at tiny shapes: no host-device count error, the JSON, one line on stdout;
