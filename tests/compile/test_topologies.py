@@ -120,15 +120,15 @@ def test_top_k_is_the_compilers_own_top_k_not_a_sort(name):
 
     from confu_jax.models.top_k import top_k
 
-    device = tp.get_topology(name).devices[0]
-    x = jax.ShapeDtypeStruct((4, 16, 4096), jnp.float32, sharding=SingleDeviceSharding(device))
+    topo = tp.get_topology(name)
+    x = jax.ShapeDtypeStruct((4, 16, 4096), jnp.float32, sharding=SingleDeviceSharding(topo.devices[0]))
 
     def compiled(f):
         text = jax.jit(f).lower(x).compile().as_text()
         sorts = re.findall(r"= \(?([a-z0-9]+\[[0-9,]*\])[^=]*? sort\(", text)  # each sort's (first) result
         return sorts, re.findall(r'custom_call_target="([^"]+)"', text)
 
-    want = {"tpu": "TopK", "gpu": "__gpu$TopK"}[tp.get_topology(name).platform]
+    want = {"tpu": "TopK", "gpu": "__gpu$TopK"}[topo.platform]
     assert compiled(lambda a: top_k(a, 8)) == ([], [want])
     assert compiled(lambda a: jax.lax.top_k(a, 8)) == ((["f32[4,16,4096]"], []) if want == "TopK" else ([], [want]))
 
